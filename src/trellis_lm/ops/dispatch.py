@@ -1,0 +1,155 @@
+"""The one public entry point of the op: argument checks, state set-up and backend choice."""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence, Union
+
+import torch
+
+from .chunked import chunked_forward
+from .functions import check_names
+from .reference import reference_forward
+from .state import TrellisState
+
+BACKENDS = {"reference": reference_forward, "torch": chunked_forward}
+
+InitialState = Union[None, TrellisState, Sequence[torch.Tensor]]
+
+
+def _expect_shape(name: str, tensor: torch.Tensor, shape: tuple, meaning: str) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor of shape {meaning}, got {type(tensor).__name__}")
+    if tuple(tensor.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {meaning} = {tuple(shape)}, got {tuple(tensor.shape)}")
+
+
+def _check_cu_seqlens(cu_seqlens: torch.Tensor, batch: int, length: int) -> torch.Tensor:
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError("cu_seqlens must be a 1-D integer tensor [N + 1] of sequence start offsets")
+    if cu_seqlens.is_floating_point() or cu_seqlens.is_complex():
+        raise ValueError(f"cu_seqlens must hold integers, got {cu_seqlens.dtype}")
+    if batch != 1:
+        raise ValueError(f"cu_seqlens needs a batch of 1 (sequences packed along T), got batch size {batch}")
+    bounds = cu_seqlens.tolist()
+    if bounds[0] != 0 or bounds[-1] != length or any(b > a for a, b in zip(bounds[1:], bounds[:-1])):
+        raise ValueError(
+            f"cu_seqlens must rise from 0 to T = {length} without decreasing, got {bounds[:8]}"
+            + ("..." if len(bounds) > 8 else "")
+        )
+    return cu_seqlens.to(dtype=torch.long)
+
+
+def _initial_state(
+    initial_state: InitialState, rows: int, heads: int, slots: int, dk: int, dv: int,
+    chunk_size: int, dtype: torch.dtype, device: torch.device,
+) -> TrellisState:
+    """Turn ``None``, a pair or a :class:`TrellisState` into a checked state in ``dtype``."""
+    k_shape, v_shape = (rows, heads, slots, dk), (rows, heads, slots, dv)
+    k_meaning, v_meaning = "[N, H, M, Dk]", "[N, H, M, Dv]"
+    if initial_state is None:
+        zeros_k = torch.zeros(k_shape, dtype=dtype, device=device)
+        zeros_v = torch.zeros(v_shape, dtype=dtype, device=device)
+        return TrellisState.at_chunk_start(zeros_k, zeros_v)
+    if isinstance(initial_state, TrellisState):
+        state = initial_state
+    elif isinstance(initial_state, (tuple, list)) and len(initial_state) == 2:
+        state = TrellisState.at_chunk_start(*initial_state)
+    else:
+        raise ValueError(
+            "initial_state must be None, a pair (m_k, m_v) or a TrellisState, "
+            f"got {type(initial_state).__name__}"
+        )
+    for name, shape, meaning in (
+        ("m_k", k_shape, k_meaning), ("anchor_k", k_shape, k_meaning),
+        ("m_v", v_shape, v_meaning), ("anchor_v", v_shape, v_meaning),
+    ):
+        _expect_shape(f"initial_state.{name}", getattr(state, name), shape, f"{meaning} with N = {rows} sequences")
+    _expect_shape("initial_state.offset", state.offset, (rows,), f"[N] with N = {rows} sequences")
+    if state.offset.is_floating_point():
+        raise ValueError(f"initial_state.offset must hold integers, got {state.offset.dtype}")
+    if bool(((state.offset < 0) | (state.offset >= chunk_size)).any()):
+        raise ValueError(f"initial_state.offset must lie in [0, chunk_size = {chunk_size}), got {state.offset.tolist()}")
+    return state.map(lambda t: t.to(device=device, dtype=torch.long if t is state.offset else dtype))
+
+
+def _pick_backend(backend: str, device: torch.device):
+    if backend == "auto":
+        return BACKENDS["torch"]
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be 'auto' or one of {sorted(BACKENDS)}, got {backend!r}")
+    return BACKENDS[backend]
+
+
+def trellis_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    alpha: torch.Tensor,
+    log_beta: torch.Tensor,
+    gamma: torch.Tensor,
+    *,
+    initial_state: InitialState = None,
+    chunk_size: int = 64,
+    compress_fn: str = "layernorm",
+    mix_fn: str = "ln_silu",
+    output_final_state: bool = False,
+    cu_seqlens: Optional[torch.Tensor] = None,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, Optional[TrellisState]]:
+    """The Trellis two-pass memory op (design page, sections 1-3).
+
+    Args:
+        q, k: ``[B, T, H, Dk]`` queries and keys (the layer L2-normalises them).
+        v: ``[B, T, H, Dv]`` values.
+        alpha: ``[B, T, H, M]`` compression targets over the M slots.
+        log_beta: ``[B, T, H]`` log forget gates, <= 0.
+        gamma: ``[B, T, H]`` inner learning rates, >= 0.
+        initial_state: ``None`` (zero memories), a pair ``(m_k [N,H,M,Dk], m_v [N,H,M,Dv])`` at a
+            chunk boundary, or a :class:`TrellisState` returned by an earlier call.
+            ``N = B``, or the number of sequences in ``cu_seqlens``.
+        chunk_size: C >= 1; the model is defined by it (1 is the exact recurrence).
+        compress_fn: ``"identity"``, ``"l2norm"`` or ``"layernorm"``.
+        mix_fn: ``"ln_silu"``, ``"l2_silu"`` or ``"softmax"``.
+        output_final_state: also return the state after the last token.
+        cu_seqlens: ``[N + 1]`` int, with B = 1: N sequences packed along T, each starting
+            from its own initial state (zero length allowed: its state passes through).
+        backend: ``"reference"`` (per-token loop), ``"torch"`` (chunk-parallel) or ``"auto"``.
+
+    Returns:
+        ``o [B, T, H, Dv]`` in q's dtype, and the final :class:`TrellisState` (float32, or
+        float64 for float64 inputs) when ``output_final_state`` else ``None``.
+    """
+    if not isinstance(q, torch.Tensor) or q.dim() != 4:
+        raise ValueError(f"q must be a 4-D tensor [B, T, H, Dk], got {getattr(q, 'shape', type(q).__name__)}")
+    batch, length, heads, dk = q.shape
+    if not isinstance(v, torch.Tensor) or v.dim() != 4:
+        raise ValueError(f"v must be a 4-D tensor [B, T, H, Dv], got {getattr(v, 'shape', type(v).__name__)}")
+    if not isinstance(alpha, torch.Tensor) or alpha.dim() != 4:
+        raise ValueError(f"alpha must be a 4-D tensor [B, T, H, M], got {getattr(alpha, 'shape', type(alpha).__name__)}")
+    dv, slots = v.shape[-1], alpha.shape[-1]
+    _expect_shape("k", k, (batch, length, heads, dk), "[B, T, H, Dk] like q")
+    _expect_shape("v", v, (batch, length, heads, dv), "[B, T, H, Dv]")
+    _expect_shape("alpha", alpha, (batch, length, heads, slots), "[B, T, H, M]")
+    _expect_shape("log_beta", log_beta, (batch, length, heads), "[B, T, H]")
+    _expect_shape("gamma", gamma, (batch, length, heads), "[B, T, H]")
+    for name, tensor in (("q", q), ("k", k), ("v", v), ("alpha", alpha), ("log_beta", log_beta), ("gamma", gamma)):
+        if not tensor.is_floating_point():
+            raise ValueError(f"{name} must be a floating-point tensor, got {tensor.dtype}")
+        if tensor.device != q.device:
+            raise ValueError(f"{name} is on {tensor.device} but q is on {q.device}; put all inputs on one device")
+    if length == 0:
+        raise ValueError("the inputs must hold at least one token (T >= 1)")
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be an integer >= 1, got {chunk_size!r}")
+    check_names(compress_fn, mix_fn)
+    forward = _pick_backend(backend, q.device)
+
+    rows = batch
+    if cu_seqlens is not None:
+        cu_seqlens = _check_cu_seqlens(cu_seqlens, batch, length)
+        rows = cu_seqlens.numel() - 1
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    state = _initial_state(initial_state, rows, heads, slots, dk, dv, chunk_size, dtype, q.device)
+    inputs = [t.to(dtype) for t in (q, k, v, alpha, log_beta, gamma)]
+    o, final = forward(*inputs, state, chunk_size, compress_fn, mix_fn, cu_seqlens)
+    return o.to(q.dtype), (final if output_final_state else None)

@@ -1,0 +1,87 @@
+"""The compression functions ``phi`` and mixing functions ``f`` of the design page, with the
+closed-form vector-Jacobian products of ``phi`` that the write rule needs.
+
+Every function works on the last axis (the M memory slots) and broadcasts over the rest, so
+the per-token reference and the chunk-parallel backend share them. The closed forms are
+checked against autograd in ``tests/test_functions.py``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+EPS = 1e-6
+
+COMPRESS_FNS = ("identity", "l2norm", "layernorm")
+MIX_FNS = ("ln_silu", "l2_silu", "softmax")
+
+
+def _layernorm(z: torch.Tensor) -> torch.Tensor:
+    centred = z - z.mean(dim=-1, keepdim=True)
+    return centred * torch.rsqrt(centred.pow(2).mean(dim=-1, keepdim=True) + EPS)
+
+
+def _l2norm(z: torch.Tensor) -> torch.Tensor:
+    return z * torch.rsqrt(z.pow(2).sum(dim=-1, keepdim=True) + EPS)
+
+
+def compress_residual_vjp(name: str, z: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
+    """``vjp_phi(z, phi(z) - alpha)``: the gradient of ``||phi(z) - alpha||^2 / 2`` in ``z``.
+
+    Args:
+        name: one of ``COMPRESS_FNS``.
+        z: ``[..., M]`` the anchor's read-out ``A k``.
+        alpha: ``[..., M]`` the compression target.
+    Returns:
+        ``[..., M]``, the vector ``u`` of the write ``M <- beta M - gamma outer(u, k)``.
+    """
+    if name == "identity":
+        return z - alpha
+    if name == "l2norm":
+        # J^T e = (e - zh (zh . e)) / |z|, with |z| including eps so it matches phi exactly.
+        inv_norm = torch.rsqrt(z.pow(2).sum(dim=-1, keepdim=True) + EPS)
+        z_hat = z * inv_norm
+        e = z_hat - alpha
+        return (e - z_hat * (z_hat * e).sum(dim=-1, keepdim=True)) * inv_norm
+    if name == "layernorm":
+        # J^T e = (e - mean(e) - zh mean(zh * e)) / sigma.
+        centred = z - z.mean(dim=-1, keepdim=True)
+        inv_sigma = torch.rsqrt(centred.pow(2).mean(dim=-1, keepdim=True) + EPS)
+        z_hat = centred * inv_sigma
+        e = z_hat - alpha
+        return (
+            e - e.mean(dim=-1, keepdim=True) - z_hat * (z_hat * e).mean(dim=-1, keepdim=True)
+        ) * inv_sigma
+    raise ValueError(f"compress_fn must be one of {COMPRESS_FNS}, got {name!r}")
+
+
+def compress(name: str, z: torch.Tensor) -> torch.Tensor:
+    """``phi(z)`` over the last axis (used by tests to check the closed-form VJP)."""
+    if name == "identity":
+        return z
+    if name == "l2norm":
+        return _l2norm(z)
+    if name == "layernorm":
+        return _layernorm(z)
+    raise ValueError(f"compress_fn must be one of {COMPRESS_FNS}, got {name!r}")
+
+
+def mix(name: str, y: torch.Tensor) -> torch.Tensor:
+    """The mixing function ``f`` applied to the pass-1 read-out ``y`` (``[..., M]``)."""
+    if name == "ln_silu":
+        return _layernorm(F.silu(y))
+    if name == "l2_silu":
+        return _l2norm(F.silu(y))
+    if name == "softmax":
+        return torch.softmax(y, dim=-1)
+    raise ValueError(f"mix_fn must be one of {MIX_FNS}, got {name!r}")
+
+
+def check_names(compress_fn: str, mix_fn: str) -> None:
+    """Raise a ``ValueError`` naming the argument when a function name is unknown."""
+    if compress_fn not in COMPRESS_FNS:
+        raise ValueError(f"compress_fn must be one of {COMPRESS_FNS}, got {compress_fn!r}")
+    if mix_fn not in MIX_FNS:
+        raise ValueError(f"mix_fn must be one of {MIX_FNS}, got {mix_fn!r}")
+

@@ -1,0 +1,32 @@
+"""Random op inputs shaped like the layer's (unit-norm q, k, v; gates in range) for the op tests."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from trellis_lm.ops import TrellisState
+
+
+def make_inputs(B, T, H, Dk, Dv, M, *, dtype=torch.float64, seed=None, requires_grad=False):
+    """``(q, k, v, alpha, log_beta, gamma)`` with fresh random values (seeded when asked)."""
+    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen, dtype=dtype)
+
+    tensors = (
+        F.normalize(rand(B, T, H, Dk), dim=-1),
+        F.normalize(rand(B, T, H, Dk), dim=-1),
+        F.normalize(rand(B, T, H, Dv), dim=-1),
+        rand(B, T, H, M),
+        F.logsigmoid(rand(B, T, H) + 3.0),
+        torch.sigmoid(rand(B, T, H)),
+    )
+    return tuple(t.detach().requires_grad_(requires_grad) for t in tensors)
+
+
+def make_state(N, H, Dk, Dv, M, *, chunk_size, dtype=torch.float64, requires_grad=False) -> TrellisState:
+    """A mid-sequence state: memories and anchors that differ, random offsets in [0, C)."""
+    tensors = [torch.randn(N, H, M, d, dtype=dtype).requires_grad_(requires_grad) for d in (Dk, Dv, Dk, Dv)]
+    return TrellisState(*tensors, offset=torch.randint(0, chunk_size, (N,)))

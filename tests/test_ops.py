@@ -1,0 +1,313 @@
+"""The op: every backend against the per-token reference of the design page (float64)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from op_inputs import make_inputs, make_state
+from trellis_lm.ops import COMPRESS_FNS, MIX_FNS, TrellisState, trellis_attention
+from trellis_lm.ops.functions import compress, compress_residual_vjp, mix
+
+FAST_BACKENDS = ["torch"]
+TOL = dict(rtol=1e-9, atol=1e-9)
+
+
+def assert_states_close(a: TrellisState, b: TrellisState, **tol) -> None:
+    for name, x in a.tensors().items():
+        torch.testing.assert_close(x, b.tensors()[name], **(tol or TOL), msg=lambda m: f"{name}: {m}")
+
+
+# ---------------------------------------------------------------------------------------------
+# An independent statement of the design page: one (row, head) at a time, phi's VJP by autograd.
+# It checks the reference (and through it the closed-form VJPs the backends share).
+
+
+def _phi(name, z):
+    if name == "identity":
+        return z
+    if name == "l2norm":
+        return z / torch.sqrt((z * z).sum() + 1e-6)
+    centred = z - z.mean()
+    return centred / torch.sqrt((centred * centred).mean() + 1e-6)
+
+
+def _f(name, y):
+    if name == "softmax":
+        return torch.softmax(y, dim=-1)
+    s = F.silu(y)
+    if name == "l2_silu":
+        return s / torch.sqrt((s * s).sum() + 1e-6)
+    centred = s - s.mean()
+    return centred / torch.sqrt((centred * centred).mean() + 1e-6)
+
+
+def naive(q, k, v, alpha, log_beta, gamma, m_k, m_v, C, cf, mf):
+    B, T, H, _ = q.shape
+    out = torch.zeros_like(v)
+    for b, h in itertools.product(range(B), range(H)):
+        MK, MV = m_k[b, h].clone(), m_v[b, h].clone()
+        for p in range(T):
+            if p % C == 0:
+                AK, AV = MK.clone(), MV.clone()
+            beta, g, a = log_beta[b, p, h].exp(), gamma[b, p, h], alpha[b, p, h]
+            zk = AK @ k[b, p, h]
+            uk = torch.func.vjp(lambda z: _phi(cf, z), zk)[1](_phi(cf, zk) - a)[0]
+            MK = beta * MK - g * torch.outer(uk, k[b, p, h])
+            hh = _f(mf, MK @ q[b, p, h])
+            zv = AV @ v[b, p, h]
+            uv = torch.func.vjp(lambda z: _phi(cf, z), zv)[1](_phi(cf, zv) - a)[0]
+            MV = beta * MV - g * torch.outer(uv, v[b, p, h])
+            out[b, p, h] = MV.T @ hh
+    return out
+
+
+@pytest.mark.parametrize("cf,mf", [("layernorm", "ln_silu"), ("l2norm", "softmax"), ("identity", "l2_silu")])
+@pytest.mark.parametrize("C", [1, 3])
+def test_reference_matches_the_design_page_statement(cf, mf, C):
+    x = make_inputs(1, 7, 2, 3, 4, 5)
+    m_k, m_v = torch.randn(1, 2, 5, 3, dtype=torch.float64), torch.randn(1, 2, 5, 4, dtype=torch.float64)
+    o, _ = trellis_attention(*x, initial_state=(m_k, m_v), chunk_size=C, compress_fn=cf, mix_fn=mf, backend="reference")
+    torch.testing.assert_close(o, naive(*x, m_k, m_v, C, cf, mf), **TOL)
+
+
+@pytest.mark.parametrize("name", COMPRESS_FNS)
+@pytest.mark.parametrize("M", [1, 2, 7])
+def test_closed_form_vjp_matches_autograd(name, M):
+    z = torch.randn(4, M, dtype=torch.float64, requires_grad=True)
+    alpha = torch.randn(4, M, dtype=torch.float64)
+    target = compress(name, z) - alpha
+    (expected,) = torch.autograd.grad(compress(name, z), z, target.detach())
+    torch.testing.assert_close(compress_residual_vjp(name, z, alpha), expected, **TOL)
+
+
+def test_mix_functions_have_their_defining_properties():
+    y = torch.randn(3, 9, dtype=torch.float64)
+    torch.testing.assert_close(mix("softmax", y).sum(-1), torch.ones(3, dtype=torch.float64))
+    torch.testing.assert_close(mix("l2_silu", y).norm(dim=-1), torch.ones(3, dtype=torch.float64), rtol=1e-5, atol=0)
+    ln = mix("ln_silu", y)
+    torch.testing.assert_close(ln.mean(-1), torch.zeros(3, dtype=torch.float64), rtol=0, atol=1e-12)
+    torch.testing.assert_close(ln.var(-1, unbiased=False), torch.ones(3, dtype=torch.float64), rtol=1e-4, atol=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Fast backends == reference.
+
+
+def run(backend, x, **kw):
+    return trellis_attention(*x, backend=backend, output_final_state=True, **kw)
+
+
+@pytest.mark.parametrize("backend", FAST_BACKENDS)
+@pytest.mark.parametrize("mf", MIX_FNS)
+@pytest.mark.parametrize("cf", COMPRESS_FNS)
+@pytest.mark.parametrize("C", [1, 3, 16, 64])
+def test_fast_backend_matches_reference(backend, C, cf, mf):
+    x = make_inputs(2, 37, 2, 5, 7, 6)
+    state = (torch.randn(2, 2, 6, 5, dtype=torch.float64), torch.randn(2, 2, 6, 7, dtype=torch.float64))
+    kw = dict(initial_state=state, chunk_size=C, compress_fn=cf, mix_fn=mf)
+    o_ref, s_ref = run("reference", x, **kw)
+    o, s = run(backend, x, **kw)
+    assert o_ref.abs().max() > 0.1  # the comparison is not between two near-zero tensors
+    torch.testing.assert_close(o, o_ref, **TOL)
+    assert_states_close(s, s_ref)
+
+
+@pytest.mark.parametrize("backend", FAST_BACKENDS)
+@pytest.mark.parametrize("B,T,H,Dk,Dv,M,C", [
+    (1, 1, 1, 1, 1, 1, 1),      # everything of size one
+    (1, 1, 3, 4, 4, 5, 64),     # one token, a chunk much longer than the input
+    (3, 65, 1, 3, 2, 7, 64),    # one token past a chunk
+    (2, 10, 2, 9, 3, 2, 10),    # T equal to the chunk
+    (1, 33, 2, 6, 6, 3, 32),
+])
+def test_odd_sizes(backend, B, T, H, Dk, Dv, M, C):
+    x = make_inputs(B, T, H, Dk, Dv, M)
+    state = make_state(B, H, Dk, Dv, M, chunk_size=C)
+    o_ref, s_ref = run("reference", x, initial_state=state, chunk_size=C)
+    o, s = run(backend, x, initial_state=state, chunk_size=C)
+    torch.testing.assert_close(o, o_ref, **TOL)
+    assert_states_close(s, s_ref)
+
+
+@pytest.mark.parametrize("backend", ["reference"] + FAST_BACKENDS)
+def test_zero_initial_state_is_none(backend):
+    x = make_inputs(2, 9, 2, 4, 4, 3)
+    zeros = (torch.zeros(2, 2, 3, 4, dtype=torch.float64),) * 2
+    o_none, s_none = run(backend, x, chunk_size=4, compress_fn="identity")
+    o_zero, s_zero = run(backend, x, initial_state=zeros, chunk_size=4, compress_fn="identity")
+    torch.testing.assert_close(o_none, o_zero, **TOL)
+    assert_states_close(s_none, s_zero)
+
+
+def test_chunk_size_changes_the_function():
+    """Guards the comparisons above: a backend that ignored chunk_size would be caught."""
+    x = make_inputs(1, 12, 1, 4, 4, 3)
+    state = (torch.randn(1, 1, 3, 4, dtype=torch.float64),) * 2
+    o1, _ = run("reference", x, initial_state=state, chunk_size=1)
+    o4, _ = run("reference", x, initial_state=state, chunk_size=4)
+    assert (o1 - o4).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("backend", ["reference"] + FAST_BACKENDS)
+@pytest.mark.parametrize("C", [1, 4, 5])
+def test_resume_at_every_split(backend, C):
+    T = 13
+    x = make_inputs(2, T, 2, 3, 5, 4)
+    state = make_state(2, 2, 3, 5, 4, chunk_size=C)
+    o_all, s_all = run("reference", x, initial_state=state, chunk_size=C)
+    for split in range(1, T):
+        o1, s1 = run(backend, [t[:, :split] for t in x], initial_state=state, chunk_size=C)
+        o2, s2 = run(backend, [t[:, split:] for t in x], initial_state=s1, chunk_size=C)
+        torch.testing.assert_close(torch.cat([o1, o2], dim=1), o_all, **TOL)
+        assert_states_close(s2, s_all)
+
+
+@pytest.mark.parametrize("backend", ["reference"] + FAST_BACKENDS)
+@pytest.mark.parametrize("C", [1, 3, 8])
+def test_varlen_equals_each_sequence_alone(backend, C):
+    lengths = [5, 0, 9, 1, 3]
+    N = len(lengths)
+    x = make_inputs(1, sum(lengths), 2, 4, 3, 5)
+    state = make_state(N, 2, 4, 3, 5, chunk_size=C)
+    cu = torch.tensor([0] + lengths).cumsum(0)
+    o, s = run(backend, x, initial_state=state, chunk_size=C, cu_seqlens=cu)
+    for n, (start, end) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        row_state = state.map(lambda t: t[n : n + 1])
+        if end == start:  # an empty sequence hands its state back untouched
+            assert_states_close(s.map(lambda t: t[n : n + 1]), row_state)
+            continue
+        o_n, s_n = run("reference", [t[:, start:end] for t in x], initial_state=row_state, chunk_size=C)
+        torch.testing.assert_close(o[:, start:end], o_n, **TOL)
+        assert_states_close(s.map(lambda t: t[n : n + 1]), s_n)
+
+
+# ---------------------------------------------------------------------------------------------
+# Gradients: autograd of the reference (float64) is the ground truth.
+
+
+def _grads(backend, x, state, C, cf, mf, cu_seqlens=None):
+    o, s = run(backend, x, initial_state=state, chunk_size=C, compress_fn=cf, mix_fn=mf, cu_seqlens=cu_seqlens)
+    gen = torch.Generator().manual_seed(0)
+    # A random projection of every output and of the final state, anchors included.
+    outs = [o] + [t for name, t in s.tensors().items() if name != "offset"]
+    loss = sum((t * torch.randn(t.shape, generator=gen, dtype=t.dtype)).sum() for t in outs)
+    leaves = list(x) + [t for name, t in state.tensors().items() if name != "offset"]
+    return torch.autograd.grad(loss, leaves)
+
+
+@pytest.mark.parametrize("backend", FAST_BACKENDS)
+@pytest.mark.parametrize("C,cf,mf", [
+    (1, "layernorm", "ln_silu"), (4, "layernorm", "ln_silu"), (5, "l2norm", "softmax"),
+    (3, "identity", "l2_silu"), (16, "layernorm", "softmax"),
+])
+def test_gradients_match_reference(backend, C, cf, mf):
+    x = make_inputs(2, 11, 2, 3, 4, 5, requires_grad=True)
+    state = make_state(2, 2, 3, 4, 5, chunk_size=C, requires_grad=True)
+    expected = _grads("reference", x, state, C, cf, mf)
+    got = _grads(backend, x, state, C, cf, mf)
+    names = ["q", "k", "v", "alpha", "log_beta", "gamma", "m_k", "m_v", "anchor_k", "anchor_v"]
+    for name, g, e in zip(names, got, expected):
+        assert e.abs().max() > 0 or name.startswith("anchor"), name
+        torch.testing.assert_close(g, e, rtol=1e-8, atol=1e-9, msg=lambda m: f"d/d{name}: {m}")
+
+
+@pytest.mark.parametrize("backend", FAST_BACKENDS)
+def test_gradients_flow_through_anchors(backend):
+    """Mid-chunk resume: the first chunk's writes are taken at the given anchors."""
+    x = make_inputs(1, 6, 1, 3, 3, 4, requires_grad=True)
+    state = make_state(1, 1, 3, 3, 4, chunk_size=4, requires_grad=True)
+    state.offset.fill_(2)
+    grads = _grads(backend, x, state, 4, "layernorm", "ln_silu")
+    expected = _grads("reference", x, state, 4, "layernorm", "ln_silu")
+    assert grads[-2].abs().max() > 1e-3 and grads[-1].abs().max() > 1e-3
+    torch.testing.assert_close(grads[-2], expected[-2], rtol=1e-8, atol=1e-9)
+    torch.testing.assert_close(grads[-1], expected[-1], rtol=1e-8, atol=1e-9)
+
+
+@pytest.mark.parametrize("backend", FAST_BACKENDS)
+def test_varlen_gradients_match_reference(backend):
+    lengths = [4, 0, 7]
+    x = make_inputs(1, sum(lengths), 2, 3, 3, 4, requires_grad=True)
+    state = make_state(3, 2, 3, 3, 4, chunk_size=3, requires_grad=True)
+    cu = torch.tensor([0] + lengths).cumsum(0)
+    got = _grads(backend, x, state, 3, "layernorm", "ln_silu", cu)
+    expected = _grads("reference", x, state, 3, "layernorm", "ln_silu", cu)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=1e-8, atol=1e-9)
+
+
+# ---------------------------------------------------------------------------------------------
+# Dtypes.
+
+
+@pytest.mark.parametrize("backend", ["reference"] + FAST_BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_low_precision_inputs_keep_float32_state(backend, dtype):
+    x64 = make_inputs(2, 20, 2, 8, 8, 6)
+    state = (torch.randn(2, 2, 6, 8), torch.randn(2, 2, 6, 8))
+    x = [t.to(dtype) for t in x64]
+    o, s = run(backend, x, initial_state=state, chunk_size=8)
+    assert o.dtype == dtype and s.m_k.dtype == torch.float32 and s.anchor_v.dtype == torch.float32
+    # Against float64 on the same (rounded) inputs: only the op's own arithmetic differs.
+    o_ref, _ = run("reference", [t.double() for t in x], initial_state=[t.double() for t in state], chunk_size=8)
+    err = (o.double() - o_ref).norm() / o_ref.norm()
+    assert err < {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5}[dtype]
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input: a ValueError that names the argument.
+
+
+def _call(**changes):
+    x = dict(zip(["q", "k", "v", "alpha", "log_beta", "gamma"], make_inputs(2, 5, 2, 3, 4, 6)))
+    kw = dict(chunk_size=4)
+    for key, value in changes.items():
+        (x if key in x else kw)[key] = value(x) if callable(value) and key in x else value
+    return trellis_attention(**x, **kw)
+
+
+@pytest.mark.parametrize("changes,match", [
+    (dict(q=lambda x: x["q"][0]), "q must be a 4-D"),
+    (dict(k=lambda x: x["k"][:, :4]), "k must have shape"),
+    (dict(v=lambda x: x["v"][:, :, :1]), "v must have shape"),
+    (dict(alpha=lambda x: x["alpha"][..., 0]), "alpha must be a 4-D"),
+    (dict(alpha=lambda x: x["alpha"][:1]), "alpha must have shape"),
+    (dict(log_beta=lambda x: x["log_beta"][..., None]), "log_beta must have shape"),
+    (dict(gamma=lambda x: x["gamma"][:, :2]), "gamma must have shape"),
+    (dict(q=lambda x: x["q"].long(), k=lambda x: x["k"].long()), "q must be a floating-point"),
+    (dict(q=lambda x: x["q"][:, :0], k=lambda x: x["k"][:, :0], v=lambda x: x["v"][:, :0],
+          alpha=lambda x: x["alpha"][:, :0], log_beta=lambda x: x["log_beta"][:, :0],
+          gamma=lambda x: x["gamma"][:, :0]), "at least one token"),
+    (dict(chunk_size=0), "chunk_size must be an integer >= 1"),
+    (dict(chunk_size=2.0), "chunk_size must be an integer >= 1"),
+    (dict(compress_fn="softplus"), "compress_fn must be one of"),
+    (dict(mix_fn="relu"), "mix_fn must be one of"),
+    (dict(backend="cuda"), "backend must be"),
+    (dict(cu_seqlens=torch.tensor([0, 5])), "cu_seqlens needs a batch of 1"),
+    (dict(initial_state=torch.zeros(2, 2, 6, 3)), "initial_state must be None, a pair"),
+    (dict(initial_state=(torch.zeros(1, 2, 6, 3), torch.zeros(1, 2, 6, 4))), "initial_state.m_k must have shape"),
+    (dict(initial_state=(torch.zeros(2, 2, 6, 3), torch.zeros(2, 2, 5, 4))), "initial_state.m_v must have shape"),
+])
+def test_bad_input_raises_a_clear_error(changes, match):
+    with pytest.raises(ValueError, match=match):
+        _call(**changes)
+
+
+def test_bad_cu_seqlens_and_state_counts():
+    x = make_inputs(1, 6, 2, 3, 3, 4)
+    with pytest.raises(ValueError, match="cu_seqlens must rise from 0 to T = 6"):
+        trellis_attention(*x, cu_seqlens=torch.tensor([0, 2, 5]))
+    with pytest.raises(ValueError, match="cu_seqlens must rise"):
+        trellis_attention(*x, cu_seqlens=torch.tensor([0, 4, 2, 6]))
+    with pytest.raises(ValueError, match="cu_seqlens must hold integers"):
+        trellis_attention(*x, cu_seqlens=torch.tensor([0.0, 6.0]))
+    with pytest.raises(ValueError, match="N = 2 sequences"):
+        trellis_attention(*x, cu_seqlens=torch.tensor([0, 2, 6]), initial_state=make_state(3, 2, 3, 3, 4, chunk_size=4))
+    state = make_state(1, 2, 3, 3, 4, chunk_size=4)
+    state.offset.fill_(4)
+    with pytest.raises(ValueError, match=r"offset must lie in \[0, chunk_size = 4\)"):
+        trellis_attention(*x, chunk_size=4, initial_state=state)
