@@ -72,12 +72,14 @@ def _initial_state(
     return state.map(lambda t: t.to(device=device, dtype=torch.long if t is state.offset else dtype))
 
 
-def _pick_backend(backend: str, device: torch.device):
-    if backend == "auto":
-        return BACKENDS["torch"]
-    if backend not in BACKENDS:
+def _pick_backend(backend: str, length: int, packed: bool):
+    if backend != "auto" and backend not in BACKENDS:
         raise ValueError(f"backend must be 'auto' or one of {sorted(BACKENDS)}, got {backend!r}")
-    return BACKENDS[backend]
+    if backend in ("auto", "torch") and length == 1 and not packed:
+        # Decoding: for one token per row the per-token form is the whole step, while the
+        # chunk form would pad the token to a full chunk and do C times the work.
+        return reference_forward
+    return BACKENDS["torch" if backend == "auto" else backend]
 
 
 def trellis_attention(
@@ -142,7 +144,7 @@ def trellis_attention(
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be an integer >= 1, got {chunk_size!r}")
     check_names(compress_fn, mix_fn)
-    forward = _pick_backend(backend, q.device)
+    forward = _pick_backend(backend, length, cu_seqlens is not None)
 
     rows = batch
     if cu_seqlens is not None:
