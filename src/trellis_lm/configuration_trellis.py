@@ -1,0 +1,134 @@
+"""Configuration of Trellis language models (design page, section 5).
+
+This file travels with checkpoints as remote code, so it imports only installed packages and
+flat sibling modules (see :mod:`.remote_code`).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, ClassVar
+
+from transformers import PreTrainedConfig
+
+from .ops import BACKENDS, COMPRESS_FNS, MIX_FNS
+from .remote_code import AUTO_MAP, code_is_packaged, export_code
+
+OP_BACKENDS = ("auto",) + tuple(sorted(BACKENDS))
+
+
+class TrellisConfig(PreTrainedConfig):
+    """Hyper-parameters of a Trellis model. Every field is used by the model.
+
+    Args:
+        vocab_size: number of token ids.
+        hidden_size: width D of the residual stream.
+        num_hidden_layers: number of blocks.
+        num_heads: heads H of each Trellis mixer.
+        head_dim: per-head width d of queries, keys and values (H * d need not equal D).
+        num_slots: memory slots M per head.
+        chunk_size: C of the op; the model is defined by it (1 is the exact recurrence).
+        compress_fn: the compression function phi, one of ``trellis_lm.ops.COMPRESS_FNS``.
+        mix_fn: the mixing function f, one of ``trellis_lm.ops.MIX_FNS``.
+        conv_size: width of the causal depthwise convolution on q and k; 0 disables it.
+        use_forget_gate: learn the forget gate beta; when False, beta = 1.
+        gate_logit_normalizer: log_beta = logsigmoid(beta_proj(x)) / gate_logit_normalizer.
+        intermediate_size: hidden width of the SwiGLU MLP.
+        rms_norm_eps: epsilon of every RMSNorm.
+        initializer_range: standard deviation of the linear and embedding weights at init.
+        tie_word_embeddings: share the input embedding with the LM head.
+        pad_token_id, bos_token_id, eos_token_id: special token ids (generation reads them).
+        use_cache: return a :class:`TrellisCache` from ``forward`` by default.
+        op_backend: ``"auto"`` or a backend of ``trellis_lm.ops.BACKENDS`` (e.g. ``"reference"``
+            to run the per-token loop); passed as ``backend=`` to the op.
+    """
+
+    model_type: ClassVar[str] = "trellis"
+    keys_to_ignore_at_inference: ClassVar[list[str]] = ["past_key_values"]
+    # Tools written for attention models read `num_attention_heads`.
+    attribute_map: ClassVar[dict[str, str]] = {"num_attention_heads": "num_heads"}
+
+    vocab_size: int = 32000
+    hidden_size: int = 768
+    num_hidden_layers: int = 12
+    num_heads: int = 12
+    head_dim: int = 64
+    num_slots: int = 64
+    chunk_size: int = 64
+    compress_fn: str = "layernorm"
+    mix_fn: str = "ln_silu"
+    conv_size: int = 4
+    use_forget_gate: bool = True
+    gate_logit_normalizer: float = 16.0
+    intermediate_size: int = 2048
+    rms_norm_eps: float = 1e-6
+    initializer_range: float = 0.02
+    tie_word_embeddings: bool = True
+    pad_token_id: int | None = 0
+    bos_token_id: int | None = 1
+    eos_token_id: int | list[int] | None = 2
+    use_cache: bool = True
+    op_backend: str = "auto"
+
+    def __post_init__(self, **kwargs: Any) -> None:
+        self._check_fields()
+        super().__post_init__(**kwargs)
+
+    def _check_fields(self) -> None:
+        """Raise a ``ValueError`` naming the first field whose value the model cannot use."""
+
+        def check(name: str, is_valid: Callable[[Any], bool], expected: str) -> None:
+            value = getattr(self, name)
+            if not is_valid(value):
+                raise ValueError(f"TrellisConfig.{name} must be {expected}, got {value!r}")
+
+        def is_token_id(value: Any) -> bool:
+            return _is_int(value) and 0 <= value < self.vocab_size
+
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_heads", "head_dim", "num_slots",
+                     "chunk_size", "intermediate_size"):
+            check(name, lambda v: _is_int(v) and v >= 1, "an integer >= 1")
+        check("conv_size", lambda v: _is_int(v) and v >= 0, "an integer >= 0 (0 disables the conv)")
+        check("compress_fn", lambda v: v in COMPRESS_FNS, f"one of {COMPRESS_FNS}")
+        check("mix_fn", lambda v: v in MIX_FNS, f"one of {MIX_FNS}")
+        check("op_backend", lambda v: v in OP_BACKENDS, f"one of {OP_BACKENDS}")
+        for name in ("gate_logit_normalizer", "rms_norm_eps", "initializer_range"):
+            check(name, lambda v: _is_real(v) and v > 0, "a number > 0")
+        for name in ("use_forget_gate", "tie_word_embeddings", "use_cache"):
+            check(name, lambda v: isinstance(v, bool), "True or False")
+        token_id = f"None or a token id in [0, vocab_size = {self.vocab_size})"
+        for name in ("pad_token_id", "bos_token_id"):
+            check(name, lambda v: v is None or is_token_id(v), token_id)
+        check("eos_token_id", lambda v: v is None or is_token_id(v) or (isinstance(v, list) and all(map(is_token_id, v))),
+              f"{token_id}, or a list of token ids")
+
+    def save_pretrained(self, save_directory: str | os.PathLike, push_to_hub: bool = False, **kwargs: Any) -> None:
+        """Save ``config.json`` together with the model code, so the folder loads with
+        ``trust_remote_code=True`` where ``trellis_lm`` is not installed.
+
+        A model's ``save_pretrained`` calls this, so its checkpoints carry the code too.
+        Loaded as remote code, the classes are registered for auto classes and transformers
+        copies their (already flat) files itself.
+        """
+        if not code_is_packaged():
+            return super().save_pretrained(save_directory, push_to_hub=push_to_hub, **kwargs)
+        self.auto_map = dict(AUTO_MAP)
+        super().save_pretrained(save_directory, **kwargs)
+        export_code(save_directory)
+        if push_to_hub:
+            # The parent would upload before the code is written; `push_to_hub` saves afresh
+            # (through this method) into a temporary folder and uploads all of it.
+            hub_keys = ("commit_message", "private", "token", "create_pr", "revision")
+            repo_id = kwargs.get("repo_id", os.path.basename(os.path.normpath(save_directory)))
+            self.push_to_hub(repo_id, **{key: kwargs[key] for key in hub_keys if key in kwargs})
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+__all__ = ["TrellisConfig"]

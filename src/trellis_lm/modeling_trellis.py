@@ -1,0 +1,526 @@
+"""Trellis language models for transformers (design page, sections 5 and 6).
+
+A Llama-shaped stack of pre-norm blocks whose token mixer is the Trellis two-pass memory op,
+with a fixed-size :class:`TrellisCache` for generation. Padding tokens (zeros of the
+attention mask) are skipped exactly: they neither change a layer's state nor count as
+positions, so each row of a padded batch gets what it gets alone; outputs at padding
+positions carry no mixer contribution.
+
+This file travels with checkpoints as remote code (see :mod:`.remote_code`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from functools import partial
+from typing import Any, Optional, Union
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers import initialization as init
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_utils import slice_logits_to_keep
+from transformers.utils import logging
+
+from .cache_trellis import TrellisCache
+from .configuration_trellis import TrellisConfig
+from .ops import TrellisState, trellis_attention
+
+logger = logging.get_logger(__name__)
+
+L2_EPS = 1e-6
+
+
+def _at_least_float32(x: torch.Tensor) -> torch.Tensor:
+    """Half-precision activations are upcast for norms and the op; float64 stays float64."""
+    return x if x.dtype in (torch.float32, torch.float64) else x.float()
+
+
+def _l2_normalize(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).sum(dim=-1, keepdim=True) + L2_EPS)
+
+
+def forget_gate_bias(num_heads: int, normalizer: float) -> torch.Tensor:
+    """``beta_proj`` bias that spreads beta from 0.9 to 0.999 across heads (0.99 for one head).
+
+    ``1 - beta`` is log-spaced over [1e-3, 1e-1], and while the weight term is small
+    ``beta = exp(logsigmoid(b) / normalizer)``, i.e. ``sigmoid(b) = beta ** normalizer``.
+    Returns ``[H]`` float64.
+    """
+    if num_heads == 1:
+        exponents = torch.tensor([-2.0], dtype=torch.float64)
+    else:
+        exponents = torch.linspace(-1.0, -3.0, num_heads, dtype=torch.float64)
+    p = (1.0 - 10.0**exponents) ** normalizer
+    return torch.log(p) - torch.log1p(-p)
+
+
+class TrellisRMSNorm(nn.Module):
+    """RMSNorm over the last axis, computed in at least float32."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = _at_least_float32(x)
+        return self.weight * (x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)).to(x.dtype)
+
+
+@dataclass
+class ValidTokens:
+    """The non-padding tokens of a batch, and how to gather them row by row.
+
+    Attributes:
+        mask: ``[B, T]`` bool, True at real tokens.
+        lengths: ``[B]`` real tokens per row.
+        cu_seqlens: ``[B + 1]`` start of each row's tokens in ``x[mask]`` (the op's packed layout).
+        order: ``[B, T]`` a per-row permutation that puts the row's real tokens first, in order.
+    """
+
+    mask: torch.Tensor
+    lengths: torch.Tensor
+    cu_seqlens: torch.Tensor
+    order: torch.Tensor
+
+    @classmethod
+    def from_mask(cls, mask: torch.Tensor) -> "ValidTokens":
+        lengths = mask.sum(dim=1)
+        order = torch.argsort((~mask).to(torch.int8), dim=1, stable=True)
+        return cls(mask, lengths, F.pad(lengths.cumsum(0), (1, 0)), order)
+
+    @classmethod
+    def from_attention_mask(cls, attention_mask: Any, batch: int, length: int) -> Optional["ValidTokens"]:
+        """Read the current ``length`` tokens' validity; ``None`` when all are real.
+
+        ``attention_mask`` is ``None``, a ``[B, past + T]`` tensor (its last T columns are
+        the current tokens), or a dict holding such a tensor (``generate`` passes masks as
+        ``{"<layer type>": mask}`` for some caches).
+        """
+        if isinstance(attention_mask, dict):
+            attention_mask = next((m for m in attention_mask.values() if isinstance(m, torch.Tensor)), None)
+        if attention_mask is None:
+            return None
+        if attention_mask.dim() != 2 or attention_mask.shape[0] != batch or attention_mask.shape[1] < length:
+            raise ValueError(
+                f"attention_mask must be a 2-D padding mask [B = {batch}, past + T >= {length}] with 0 at "
+                f"padding, got shape {tuple(attention_mask.shape)}"
+            )
+        mask = attention_mask[:, -length:].bool()
+        return None if bool(mask.all()) else cls.from_mask(mask)
+
+    def to(self, device: Union[str, torch.device], non_blocking: bool = False) -> "ValidTokens":
+        """A copy on ``device`` (accelerate calls this when blocks sit on several devices)."""
+        return ValidTokens(*(getattr(self, f.name).to(device, non_blocking=non_blocking) for f in fields(self)))
+
+    def compact(self, x: torch.Tensor) -> torch.Tensor:
+        """``[B, T, ...]`` -> the same with each row's real tokens moved to its front."""
+        return x.gather(1, self._index_like(x))
+
+    def restore(self, x: torch.Tensor) -> torch.Tensor:
+        """Inverse of :meth:`compact`."""
+        return torch.empty_like(x).scatter_(1, self._index_like(x), x)
+
+    def _index_like(self, x: torch.Tensor) -> torch.Tensor:
+        return self.order.view(self.order.shape + (1,) * (x.dim() - 2)).expand_as(x)
+
+
+class TrellisShortConv(nn.Conv1d):
+    """Causal depthwise convolution over time that carries its last inputs across calls."""
+
+    def __init__(self, channels: int, width: int) -> None:
+        super().__init__(channels, channels, width, groups=channels, bias=False)
+
+    def forward(
+        self, x: torch.Tensor, tail: Optional[torch.Tensor], lengths: Optional[torch.Tensor] = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Convolve ``x [B, T, C]`` after ``tail [B, width - 1, C]`` (zeros when ``None``).
+
+        With ``lengths [B]``, row b holds its tokens in ``x[b, :lengths[b]]`` (the rest is
+        ignored) and its new tail ends after them. Returns ``(y [B, T, C], new tail)``.
+        """
+        batch, length, channels = x.shape
+        carried = self.kernel_size[0] - 1
+        if tail is None:
+            tail = x.new_zeros(batch, carried, channels)
+        seq = torch.cat([tail.to(x.dtype), x], dim=1)
+        y = F.conv1d(seq.transpose(1, 2), self.weight, groups=channels).transpose(1, 2)
+        ends = lengths if lengths is not None else torch.full((batch,), length, device=x.device)
+        index = ends[:, None] + torch.arange(carried, device=x.device)
+        return y, seq.gather(1, index[..., None].expand(-1, -1, channels))
+
+
+class TrellisAttention(nn.Module):
+    """The Trellis mixer: projections, short convs, gates, the op, gated output.
+
+    Named ``self_attn`` in its block so Llama LoRA targets and conversions carry over.
+    """
+
+    def __init__(self, config: TrellisConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        hidden, heads, dim, slots = config.hidden_size, config.num_heads, config.head_dim, config.num_slots
+        self.q_proj = nn.Linear(hidden, heads * dim, bias=False)
+        self.k_proj = nn.Linear(hidden, heads * dim, bias=False)
+        self.v_proj = nn.Linear(hidden, heads * dim, bias=False)
+        self.alpha_proj = nn.Linear(hidden, heads * slots, bias=False)
+        self.beta_proj = nn.Linear(hidden, heads, bias=True) if config.use_forget_gate else None
+        self.gamma_proj = nn.Linear(hidden, heads, bias=True)
+        self.g_proj = nn.Linear(hidden, heads * dim, bias=False)
+        self.o_proj = nn.Linear(heads * dim, hidden, bias=False)
+        has_conv = config.conv_size > 0
+        self.q_conv = TrellisShortConv(heads * dim, config.conv_size) if has_conv else None
+        self.k_conv = TrellisShortConv(heads * dim, config.conv_size) if has_conv else None
+        self.o_norm = TrellisRMSNorm(dim, config.rms_norm_eps)
+        self.mk0 = nn.Parameter(torch.empty(heads, slots, dim))
+        self.mv0 = nn.Parameter(torch.empty(heads, slots, dim))
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        valid: Optional[ValidTokens] = None,
+        cache: Optional[TrellisCache] = None,
+    ) -> torch.Tensor:
+        """``x [B, T, D]`` -> ``[B, T, D]``; reads and updates this layer's entry of ``cache``."""
+        batch, length, _ = x.shape
+        heads, dim = self.config.num_heads, self.config.head_dim
+        layer_cache = cache.layers[self.layer_idx] if cache is not None else None
+
+        q, k = self.q_proj(x), self.k_proj(x)
+        if self.q_conv is not None:
+            q_tail, k_tail = (layer_cache.q_tail, layer_cache.k_tail) if layer_cache is not None else (None, None)
+            q, q_tail = self._convolve(self.q_conv, q, valid, q_tail)
+            k, k_tail = self._convolve(self.k_conv, k, valid, k_tail)
+        q = _l2_normalize(F.silu(_at_least_float32(q)).view(batch, length, heads, dim))
+        k = _l2_normalize(F.silu(_at_least_float32(k)).view(batch, length, heads, dim))
+        v = _l2_normalize(_at_least_float32(self.v_proj(x)).view(batch, length, heads, dim))
+        alpha = _at_least_float32(self.alpha_proj(x)).view(batch, length, heads, -1)
+        if self.beta_proj is not None:
+            log_beta = F.logsigmoid(_at_least_float32(self.beta_proj(x))) / self.config.gate_logit_normalizer
+        else:
+            log_beta = alpha.new_zeros(batch, length, heads)
+        gamma = torch.sigmoid(_at_least_float32(self.gamma_proj(x)))
+
+        if layer_cache is not None and layer_cache.state is not None:
+            initial_state = layer_cache.state
+        else:
+            initial_state = (self.mk0.expand(batch, -1, -1, -1), self.mv0.expand(batch, -1, -1, -1))
+        o, final_state = self._attend((q, k, v, alpha, log_beta, gamma), initial_state, valid, layer_cache is not None)
+
+        if layer_cache is not None:
+            if self.q_conv is not None:
+                layer_cache.q_tail, layer_cache.k_tail = q_tail, k_tail
+            if final_state is not None:
+                layer_cache.state = final_state
+        gate = F.gelu(self.g_proj(x)).view(batch, length, heads, dim)
+        return self.o_proj((self.o_norm(o) * gate).reshape(batch, length, heads * dim).to(x.dtype))
+
+    @staticmethod
+    def _convolve(
+        conv: TrellisShortConv, x: torch.Tensor, valid: Optional[ValidTokens], tail: Optional[torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The short conv over each row's real tokens only, so padding never enters it."""
+        if valid is None:
+            return conv(x, tail)
+        y, new_tail = conv(valid.compact(x), tail, valid.lengths)
+        return valid.restore(y), new_tail
+
+    def _attend(
+        self, features: tuple, initial_state: Any, valid: Optional[ValidTokens], keep_state: bool
+    ) -> tuple[torch.Tensor, Optional[TrellisState]]:
+        """Run the op; with padding, once on the real tokens packed as one sequence per row.
+
+        Returns ``o [B, T, H, d]`` (zeros at padding) and the final state, ``None`` when not
+        kept or when no row had a token (the state is then unchanged).
+        """
+        op = partial(
+            trellis_attention,
+            initial_state=initial_state,
+            chunk_size=self.config.chunk_size,
+            compress_fn=self.config.compress_fn,
+            mix_fn=self.config.mix_fn,
+            output_final_state=keep_state,
+            backend=self.config.op_backend,
+        )
+        if valid is None:
+            return op(*features)
+        v = features[2]
+        o = v.new_zeros(v.shape)
+        if not bool(valid.lengths.any()):
+            return o, None
+        packed = [f[valid.mask].unsqueeze(0) for f in features]
+        o_packed, final_state = op(*packed, cu_seqlens=valid.cu_seqlens)
+        o[valid.mask] = o_packed[0]
+        return o, final_state
+
+
+class TrellisMLP(nn.Module):
+    """SwiGLU feed-forward."""
+
+    def __init__(self, config: TrellisConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class TrellisDecoderLayer(GradientCheckpointingLayer):
+    """Pre-norm residual block: RMSNorm, Trellis mixer, RMSNorm, SwiGLU MLP."""
+
+    def __init__(self, config: TrellisConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.input_layernorm = TrellisRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = TrellisAttention(config, layer_idx)
+        self.post_attention_layernorm = TrellisRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = TrellisMLP(config)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        valid: Optional[ValidTokens] = None,
+        past_key_values: Optional[TrellisCache] = None,
+    ) -> torch.Tensor:
+        # `hidden_states` stays positional and the cache a keyword named `past_key_values`:
+        # that is what activation checkpointing expects.
+        hidden_states = hidden_states + self.self_attn(self.input_layernorm(hidden_states), valid, past_key_values)
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+
+
+class TrellisPreTrainedModel(PreTrainedModel):
+    """Shared settings and weight initialisation of the Trellis models."""
+
+    config_class = TrellisConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["TrellisDecoderLayer"]
+    _skip_keys_device_placement = ["past_key_values"]
+    # The cache cannot be rolled back, which assisted decoding needs.
+    _is_stateful = True
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        std = self.config.initializer_range
+        if isinstance(module, nn.Linear):
+            init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            init.normal_(module.weight, mean=0.0, std=std)
+        elif isinstance(module, TrellisShortConv):
+            # PyTorch's default for convolutions, which short convs of recurrent layers start from.
+            init.kaiming_uniform_(module.weight, a=math.sqrt(5))
+        elif isinstance(module, TrellisRMSNorm):
+            init.ones_(module.weight)
+        elif isinstance(module, TrellisAttention):
+            # Entries of order 1, so `MK0 k` spreads over the slots for a unit-norm k; a tiny
+            # memory would make the l2norm/layernorm compressions divide by about eps.
+            init.normal_(module.mk0, mean=0.0, std=1.0)
+            init.normal_(module.mv0, mean=0.0, std=1.0)
+            if module.beta_proj is not None:
+                # Modules are initialised children first, so this replaces the zero bias
+                # the nn.Linear branch gave beta_proj.
+                bias = forget_gate_bias(self.config.num_heads, self.config.gate_logit_normalizer)
+                init.copy_(module.beta_proj.bias, bias.to(module.beta_proj.bias))
+
+
+class TrellisModel(TrellisPreTrainedModel):
+    """Embeddings, blocks and the final norm; returns hidden states and the cache."""
+
+    def __init__(self, config: TrellisConfig) -> None:
+        super().__init__(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(TrellisDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = TrellisRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_init()
+
+    def forward(
+        self,
+        input_ids: Optional[torch.LongTensor] = None,
+        attention_mask: Union[torch.Tensor, dict, None] = None,
+        past_key_values: Optional[TrellisCache] = None,
+        inputs_embeds: Optional[torch.Tensor] = None,
+        use_cache: Optional[bool] = None,
+        output_hidden_states: Optional[bool] = None,
+        return_dict: Optional[bool] = None,
+        **kwargs: Any,
+    ) -> Union[BaseModelOutputWithPast, tuple]:
+        """Run the stack on ``input_ids [B, T]`` or ``inputs_embeds [B, T, D]``.
+
+        Args:
+            attention_mask: ``[B, past + T]`` with 0 at padding (left, right or anywhere),
+                a dict holding one, or ``None`` (no padding).
+            past_key_values: a :class:`TrellisCache` to continue from; it is updated in place.
+            use_cache: create a cache when none is given (default: ``config.use_cache``).
+            output_hidden_states: also return the embeddings and every block's output (the
+                last one after the final norm).
+            kwargs: accepted and ignored (e.g. ``position_ids``: order comes from the recurrence).
+        """
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids or inputs_embeds")
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        batch, length = inputs_embeds.shape[:2]
+        if use_cache is None:
+            use_cache = self.config.use_cache
+        cache = self._checked_cache(past_key_values, use_cache, batch)
+        valid = ValidTokens.from_attention_mask(attention_mask, batch, length)
+
+        hidden_states = inputs_embeds
+        all_hidden_states = (hidden_states,) if output_hidden_states else None
+        for layer in self.layers:
+            hidden_states = layer(hidden_states, valid=valid, past_key_values=cache)
+            if output_hidden_states:
+                all_hidden_states += (hidden_states,)
+        hidden_states = self.norm(hidden_states)
+        if output_hidden_states:
+            all_hidden_states = all_hidden_states[:-1] + (hidden_states,)
+        if cache is not None:
+            cache.add_seen_tokens(length)
+
+        output = BaseModelOutputWithPast(
+            last_hidden_state=hidden_states, past_key_values=cache, hidden_states=all_hidden_states
+        )
+        return output if (return_dict if return_dict is not None else self.config.return_dict) else output.to_tuple()
+
+    def _checked_cache(self, cache: Any, use_cache: bool, batch: int) -> Optional[TrellisCache]:
+        """The cache this forward reads and updates, or ``None``."""
+        if self.training and any(layer.gradient_checkpointing for layer in self.layers):
+            if cache is not None or use_cache:
+                logger.warning_once("A TrellisCache is not used under activation checkpointing in training.")
+            return None
+        if cache is None:
+            return TrellisCache(self.config.num_hidden_layers) if use_cache else None
+        if not isinstance(cache, TrellisCache):
+            raise ValueError(f"past_key_values must be a TrellisCache, got {type(cache).__name__}")
+        if len(cache.layers) != self.config.num_hidden_layers:
+            raise ValueError(
+                f"past_key_values has {len(cache.layers)} layers, the model {self.config.num_hidden_layers}"
+            )
+        if cache.batch_size not in (None, batch):
+            raise ValueError(f"past_key_values holds {cache.batch_size} rows, the input {batch}")
+        return cache
+
+
+class TrellisForCausalLM(TrellisPreTrainedModel, GenerationMixin):
+    """:class:`TrellisModel` with a language-modelling head (tied to the embeddings by default)."""
+
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: TrellisConfig) -> None:
+        super().__init__(config)
+        self.model = TrellisModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def forward(
+        self,
+        input_ids: Optional[torch.LongTensor] = None,
+        attention_mask: Union[torch.Tensor, dict, None] = None,
+        past_key_values: Optional[TrellisCache] = None,
+        inputs_embeds: Optional[torch.Tensor] = None,
+        labels: Optional[torch.LongTensor] = None,
+        use_cache: Optional[bool] = None,
+        logits_to_keep: Union[int, torch.Tensor] = 0,
+        output_hidden_states: Optional[bool] = None,
+        return_dict: Optional[bool] = None,
+        token_type_ids: Optional[torch.LongTensor] = None,
+        **kwargs: Any,
+    ) -> Union[CausalLMOutputWithPast, tuple]:
+        """Logits ``[B, T, V]`` (or of the positions ``logits_to_keep`` selects) and the cache.
+
+        ``labels [B, T]`` (-100 to ignore) give the next-token loss; ``kwargs`` go to
+        ``loss_function``, e.g. ``num_items_in_batch`` (the Trainer passes it with gradient
+        accumulation). ``token_type_ids`` is accepted and ignored (there are no segments), so
+        that ``generate(**tokenizer(...))`` works with tokenizers that return it. Other
+        arguments as in :meth:`TrellisModel.forward`.
+        """
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            output_hidden_states=output_hidden_states,
+            return_dict=True,
+        )
+        logits = self.lm_head(slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep))
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        output = CausalLMOutputWithPast(
+            loss=loss, logits=logits, past_key_values=outputs.past_key_values, hidden_states=outputs.hidden_states
+        )
+        return output if (return_dict if return_dict is not None else self.config.return_dict) else output.to_tuple()
+
+    def prepare_inputs_for_generation(
+        self,
+        input_ids: torch.LongTensor,
+        next_sequence_length: Optional[int] = None,
+        past_key_values: Optional[TrellisCache] = None,
+        attention_mask: Optional[torch.Tensor] = None,
+        inputs_embeds: Optional[torch.Tensor] = None,
+        is_first_iteration: Optional[bool] = False,
+        **kwargs: Any,
+    ) -> dict[str, Any]:
+        """Inputs of one ``generate`` step: only the tokens the cache has not taken in.
+
+        ``generate`` says how many those are in ``next_sequence_length`` (the prompt's unseen
+        part at prefill, 1 afterwards, ``None`` to feed everything). Prompt embeddings are
+        used on the first step only. The 2-D mask is passed whole; ``forward`` reads its tail.
+        """
+        def unseen(x: torch.Tensor) -> torch.Tensor:
+            return x if next_sequence_length is None else x[:, x.shape[1] - next_sequence_length :]
+
+        if inputs_embeds is not None and is_first_iteration:
+            model_inputs: dict[str, Any] = {"input_ids": None, "inputs_embeds": unseen(inputs_embeds)}
+        else:
+            model_inputs = {"input_ids": unseen(input_ids).contiguous()}
+        model_inputs["past_key_values"] = past_key_values
+        model_inputs["attention_mask"] = attention_mask
+        for key, value in kwargs.items():
+            if key != "labels":
+                model_inputs.setdefault(key, value)
+        # generate() may keep its bookkeeping on the host and leaves the move to this method.
+        return {
+            key: value.to(self.device) if isinstance(value, torch.Tensor) and self.device.type != "meta" else value
+            for key, value in model_inputs.items()
+        }
+
+    def _prepare_cache_for_generation(
+        self, generation_config: Any, model_kwargs: dict, generation_mode: Any, batch_size: int, max_cache_length: int
+    ) -> None:
+        """Give ``generate`` a :class:`TrellisCache` (the default would build a key-value cache).
+
+        A cache passed by the user is grown to the beams / returned sequences when it still
+        holds one row per prompt, so a conversation can continue with ``num_beams`` or
+        ``num_return_sequences`` > 1.
+        """
+        cache = model_kwargs.get("past_key_values")
+        if cache is not None:
+            if not isinstance(cache, TrellisCache):
+                raise ValueError(f"past_key_values must be a TrellisCache, got {type(cache).__name__}")
+            cache._is_user_defined = True
+            expand = max(generation_config.num_beams, generation_config.num_return_sequences)
+            if expand > 1 and cache.batch_size == batch_size:
+                cache.batch_repeat_interleave(expand)
+            return
+        if generation_config.use_cache is False:
+            return
+        if generation_config.cache_implementation not in (None, "dynamic"):
+            logger.warning_once(
+                f"cache_implementation={generation_config.cache_implementation!r} is ignored: Trellis models "
+                "always use their fixed-size TrellisCache."
+            )
+        model_kwargs["past_key_values"] = TrellisCache(self.config.num_hidden_layers)
+
+
+__all__ = ["TrellisForCausalLM", "TrellisModel", "TrellisPreTrainedModel"]

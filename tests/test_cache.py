@@ -1,0 +1,106 @@
+"""TrellisCache: fixed size, token count, row operations, saving and resuming."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from tiny_models import left_pad, random_tokens, tiny_model
+from trellis_lm import TrellisCache
+
+TOL = dict(rtol=1e-4, atol=1e-4)
+
+
+def prefilled(model, ids, mask=None) -> TrellisCache:
+    return model(ids, attention_mask=mask, use_cache=True).past_key_values
+
+
+def test_size_does_not_depend_on_tokens_seen():
+    model = tiny_model()
+    ids = random_tokens(2, 200)
+    short, long = prefilled(model, ids[:, :10]), prefilled(model, ids)
+    assert short.get_seq_length() == 10 and long.get_seq_length() == 200
+    assert short.nbytes() == long.nbytes()
+    # Per layer and row: two conv tails (3 x H*d) and four [H, M, d] float32 memories, plus the offset.
+    config = model.config
+    per_row = 2 * 3 * 16 * 4 + 4 * 2 * 6 * 8 * 4 + 8
+    assert long.nbytes() == config.num_hidden_layers * 2 * per_row
+    for _ in range(5):
+        model(ids[:, :1], past_key_values=long)
+    assert long.nbytes() == short.nbytes() and long.get_seq_length() == 205
+
+
+def test_seq_length_counts_columns_including_padding():
+    model = tiny_model()
+    ids, mask = left_pad([random_tokens(1, 6)[0], random_tokens(1, 2)[0]])
+    cache = prefilled(model, ids, mask)
+    assert cache.get_seq_length() == 6 and cache.batch_size == 2
+    assert TrellisCache(2).get_seq_length() == 0 and TrellisCache(2).batch_size is None
+
+
+@pytest.mark.parametrize("conv_size", [4, 0])
+def test_save_load_then_continue_equals_uninterrupted(tmp_path, conv_size):
+    model = tiny_model(seed=1, conv_size=conv_size, chunk_size=3)
+    ids, mask = left_pad([random_tokens(1, 12)[0], random_tokens(1, 7, seed=1)[0]])
+    expected = model(ids, attention_mask=mask).logits[:, 5:]
+    cache = prefilled(model, ids[:, :5], mask[:, :5])
+    cache.save(tmp_path / "memory.safetensors")
+    del cache
+    loaded = TrellisCache.load(tmp_path / "memory.safetensors", device="cpu")
+    assert loaded.get_seq_length() == 5 and len(loaded.layers) == 2
+    resumed = [model(ids[:, t : t + 1], attention_mask=mask[:, : t + 1], past_key_values=loaded).logits for t in range(5, 12)]
+    torch.testing.assert_close(torch.cat(resumed, dim=1)[mask[:, 5:].bool()], expected[mask[:, 5:].bool()], **TOL)
+
+
+def test_an_empty_cache_saves_and_loads(tmp_path):
+    TrellisCache(3).save(tmp_path / "empty.safetensors")
+    loaded = TrellisCache.load(tmp_path / "empty.safetensors")
+    assert len(loaded.layers) == 3 and loaded.nbytes() == 0 and loaded.batch_size is None
+
+
+def test_load_rejects_other_files(tmp_path):
+    save_file({"x": torch.zeros(1)}, tmp_path / "weights.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="not a Trellis cache"):
+        TrellisCache.load(tmp_path / "weights.safetensors")
+
+
+def test_row_operations_act_like_running_the_rows():
+    model = tiny_model(seed=2)
+    ids = random_tokens(3, 6)
+    nxt = random_tokens(3, 1, seed=5)
+
+    def next_logits(cache, rows):
+        return model(nxt[rows], past_key_values=cache).logits
+
+    expected = next_logits(prefilled(model, ids), [0, 1, 2])
+    reordered = prefilled(model, ids)
+    reordered.reorder_cache(torch.tensor([2, 2, 0]))
+    torch.testing.assert_close(next_logits(reordered, [2, 2, 0]), expected[[2, 2, 0]])
+    selected = prefilled(model, ids)
+    selected.batch_select_indices(torch.tensor([1]))
+    torch.testing.assert_close(next_logits(selected, [1]), expected[[1]])
+    repeated = prefilled(model, ids)
+    repeated.batch_repeat_interleave(2)
+    torch.testing.assert_close(next_logits(repeated, [0, 0, 1, 1, 2, 2]), expected[[0, 0, 1, 1, 2, 2]])
+
+
+def test_reset_and_what_the_cache_cannot_do():
+    model = tiny_model()
+    cache = prefilled(model, random_tokens(2, 5))
+    assert cache.is_compileable is False and cache.is_croppable is False
+    with pytest.raises(NotImplementedError, match="cannot be cropped"):
+        cache.crop(-1)
+    cache.reset()
+    assert cache.get_seq_length() == 0 and cache.nbytes() == 0
+    fresh = model(random_tokens(2, 3))
+    torch.testing.assert_close(model(random_tokens(2, 3), past_key_values=cache).logits, fresh.logits)
+
+
+def test_the_model_checks_the_cache_it_is_given():
+    model = tiny_model()
+    cache = prefilled(model, random_tokens(2, 4))
+    with pytest.raises(ValueError, match="holds 2 rows, the input 3"):
+        model(random_tokens(3, 1), past_key_values=cache)
+    with pytest.raises(ValueError, match="3 layers, the model 2"):
+        model(random_tokens(2, 1), past_key_values=TrellisCache(3))

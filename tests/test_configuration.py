@@ -1,0 +1,97 @@
+"""TrellisConfig: defaults, validation, auto-class registration, save/load."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+from tiny_models import tiny_config
+from trellis_lm import TrellisConfig, TrellisForCausalLM, TrellisModel
+from trellis_lm.ops import BACKENDS, COMPRESS_FNS, MIX_FNS
+
+
+DEFAULTS = dict(
+    vocab_size=32000, hidden_size=768, num_hidden_layers=12, num_heads=12, head_dim=64, num_slots=64,
+    chunk_size=64, compress_fn="layernorm", mix_fn="ln_silu", conv_size=4, use_forget_gate=True,
+    gate_logit_normalizer=16.0, intermediate_size=2048, rms_norm_eps=1e-6, initializer_range=0.02,
+    tie_word_embeddings=True, pad_token_id=0, bos_token_id=1, eos_token_id=2, use_cache=True,
+    op_backend="auto",
+)
+
+
+def trellis_fields(config: TrellisConfig) -> dict:
+    return {name: getattr(config, name) for name in DEFAULTS}
+
+
+def test_defaults_match_the_design_page():
+    config = TrellisConfig()
+    assert trellis_fields(config) == DEFAULTS
+    assert config.num_attention_heads == config.num_heads  # alias read by attention-model tooling
+
+
+@pytest.mark.parametrize(
+    "field, value, expected",
+    [
+        ("vocab_size", 0, ">= 1"),
+        ("hidden_size", -3, ">= 1"),
+        ("num_hidden_layers", 2.0, "integer"),
+        ("num_heads", True, "integer"),
+        ("head_dim", 0, ">= 1"),
+        ("num_slots", 0, ">= 1"),
+        ("chunk_size", 0, ">= 1"),
+        ("chunk_size", 4.5, "integer"),
+        ("intermediate_size", 0, ">= 1"),
+        ("conv_size", -1, ">= 0"),
+        ("compress_fn", "softmax", str(COMPRESS_FNS)),
+        ("mix_fn", "relu", str(MIX_FNS)),
+        ("op_backend", "cuda", "auto"),
+        ("gate_logit_normalizer", 0.0, "> 0"),
+        ("rms_norm_eps", -1e-6, "> 0"),
+        ("initializer_range", 0, "> 0"),
+        ("use_forget_gate", 1, "True or False"),
+        ("tie_word_embeddings", "yes", "True or False"),
+        ("use_cache", None, "True or False"),
+        ("pad_token_id", 97, "vocab_size"),
+        ("eos_token_id", [2, -1], "token id"),
+    ],
+)
+def test_invalid_values_name_the_field(field, value, expected):
+    with pytest.raises(ValueError, match=f"TrellisConfig.{field} must be .*") as error:
+        tiny_config(**{field: value})
+    assert expected in str(error.value)
+
+
+def test_accepted_edge_values():
+    config = tiny_config(conv_size=0, chunk_size=1, eos_token_id=[2, 1], pad_token_id=None, gate_logit_normalizer=8)
+    assert config.conv_size == 0 and config.eos_token_id == [2, 1]
+    for backend in ("auto",) + tuple(BACKENDS):
+        assert tiny_config(op_backend=backend).op_backend == backend
+
+
+def test_save_and_load_round_trip(tmp_path):
+    config = tiny_config(compress_fn="l2norm", mix_fn="softmax", conv_size=2, use_forget_gate=False, op_backend="reference")
+    config.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["model_type"] == "trellis"
+    assert saved["auto_map"]["AutoConfig"] == "configuration_trellis.TrellisConfig"
+    assert (tmp_path / "configuration_trellis.py").is_file()  # a config alone also carries its code
+    for loaded in (TrellisConfig.from_pretrained(tmp_path), AutoConfig.from_pretrained(tmp_path)):
+        assert type(loaded) is TrellisConfig
+        assert trellis_fields(loaded) == trellis_fields(config)
+
+
+def test_loading_an_invalid_config_fails(tmp_path):
+    tiny_config().save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**saved, "num_slots": 0}))
+    with pytest.raises(ValueError, match="TrellisConfig.num_slots"):
+        AutoConfig.from_pretrained(tmp_path)
+
+
+def test_auto_classes_pick_the_trellis_classes():
+    config = tiny_config()
+    assert type(AutoConfig.for_model("trellis", num_slots=6)) is TrellisConfig
+    assert type(AutoModel.from_config(config)) is TrellisModel
+    assert type(AutoModelForCausalLM.from_config(config)) is TrellisForCausalLM

@@ -1,0 +1,237 @@
+"""Generation: prefill/decode equivalences, padding, generate() modes, continuing from a cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from tiny_models import left_pad, random_tokens, tiny_model
+from trellis_lm import TrellisCache, TrellisForCausalLM
+from trellis_lm.ops import COMPRESS_FNS, MIX_FNS
+
+TOL = dict(rtol=1e-4, atol=1e-4)
+
+
+def logits_in_pieces(model: TrellisForCausalLM, ids: torch.Tensor, sizes: list[int], mask=None) -> torch.Tensor:
+    """Feed ``ids`` in consecutive pieces through one cache; the logits of all pieces."""
+    cache, logits, start = TrellisCache(model.config.num_hidden_layers), [], 0
+    for size in sizes:
+        piece_mask = None if mask is None else mask[:, : start + size]
+        logits.append(model(ids[:, start : start + size], attention_mask=piece_mask, past_key_values=cache).logits)
+        start += size
+    assert start == ids.shape[1] and cache.get_seq_length() == start
+    return torch.cat(logits, dim=1)
+
+
+# ----------------------------------------------------------------------------- equivalences
+
+
+@pytest.mark.parametrize("chunk_size, length", [(4, 12), (4, 11), (5, 13), (1, 6)])
+def test_prefill_then_decode_equals_full_forward(chunk_size, length):
+    model = tiny_model(seed=chunk_size, chunk_size=chunk_size)
+    ids = random_tokens(2, length, seed=length)
+    full = model(ids).logits
+    for prefix in sorted({1, 2, chunk_size, chunk_size + 1, length - 1}):
+        pieces = [prefix] + [1] * (length - prefix)
+        torch.testing.assert_close(logits_in_pieces(model, ids, pieces), full, **TOL, msg=f"prefix {prefix}")
+
+
+@pytest.mark.parametrize("sizes", [[3, 1, 5, 4], [1, 7, 2, 3], [6, 7]])
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, {"chunk_size": 5}, {"conv_size": 0}, {"conv_size": 1}, {"use_forget_gate": False},
+     {"compress_fn": "l2norm", "mix_fn": "softmax"}, {"compress_fn": "identity", "mix_fn": "l2_silu"}],
+)
+def test_prefill_in_uneven_pieces_equals_full_forward(sizes, overrides):
+    model = tiny_model(seed=3, **overrides)
+    ids = random_tokens(2, sum(sizes), seed=1)
+    torch.testing.assert_close(logits_in_pieces(model, ids, sizes), model(ids).logits, **TOL)
+
+
+def test_padded_pieces_equal_each_row_alone():
+    # The first piece holds nothing but padding for the short rows: their state must pass through.
+    model = tiny_model(seed=4, chunk_size=3)
+    rows = [random_tokens(1, n, seed=n)[0] for n in (11, 4, 6)]
+    ids, mask = left_pad(rows)
+    logits = logits_in_pieces(model, ids, [5, 1, 2, 3], mask)
+    for i, row in enumerate(rows):
+        torch.testing.assert_close(logits[i][mask[i].bool()], model(row[None]).logits[0], **TOL)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("compress_fn", COMPRESS_FNS)
+@pytest.mark.parametrize("mix_fn", MIX_FNS)
+def test_sweep_of_padded_pieces(compress_fn, mix_fn):
+    """The CI-sized checks above at a larger size: every function pair, several chunk sizes,
+    random prompt lengths, left padding and random piece sizes."""
+    generator = torch.Generator().manual_seed(len(compress_fn) * 10 + len(mix_fn))
+    for chunk_size in (1, 2, 7, 16):
+        model = tiny_model(
+            seed=chunk_size, hidden_size=64, num_hidden_layers=3, num_heads=4, head_dim=16, num_slots=12,
+            intermediate_size=96, chunk_size=chunk_size, compress_fn=compress_fn, mix_fn=mix_fn,
+        )
+        lengths = torch.randint(1, 41, (4,), generator=generator).tolist()
+        rows = [random_tokens(1, n, seed=n + chunk_size)[0] for n in lengths]
+        ids, mask = left_pad(rows)
+        sizes, left = [], ids.shape[1]
+        while left:
+            sizes.append(min(left, int(torch.randint(1, 12, (1,), generator=generator))))
+            left -= sizes[-1]
+        logits = logits_in_pieces(model, ids, sizes, mask)
+        for i, row in enumerate(rows):
+            torch.testing.assert_close(logits[i][mask[i].bool()], model(row[None]).logits[0], **TOL)
+
+
+# ----------------------------------------------------------------------------- generate()
+
+
+def prompts(seed: int = 0) -> list[torch.Tensor]:
+    return [random_tokens(1, n, seed=seed + n)[0] for n in (7, 3, 5)]
+
+
+def test_greedy_left_padded_batch_equals_each_row_alone():
+    model = tiny_model(seed=5)
+    ids, mask = left_pad(prompts())
+    batch = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    for i, row in enumerate(prompts()):
+        alone = model.generate(row[None], max_new_tokens=8, do_sample=False)
+        assert torch.equal(batch[i, ids.shape[1] :], alone[0, len(row) :])
+
+
+def test_greedy_with_and_without_cache_agree():
+    model = tiny_model(seed=6)
+    ids, mask = left_pad(prompts())
+    cached = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    uncached = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, use_cache=False)
+    assert torch.equal(cached, uncached)
+
+
+def reference_beam_search(model: TrellisForCausalLM, prompt: torch.Tensor, beams: int, steps: int) -> torch.Tensor:
+    """Beam search without EOS, one full forward per step and no cache: ranks by summed log-prob."""
+    sequences, scores = prompt[None], torch.zeros(1)
+    for _ in range(steps):
+        log_probs = torch.log_softmax(model(sequences, use_cache=False).logits[:, -1].double(), dim=-1)
+        totals = (scores[:, None] + log_probs).flatten()
+        best = totals.topk(beams).indices
+        vocab = log_probs.shape[-1]
+        sequences = torch.cat([sequences[best // vocab], (best % vocab)[:, None]], dim=1)
+        scores = totals[best]
+    return sequences[0]
+
+
+def test_beam_search_matches_an_independent_beam_search():
+    model = tiny_model(seed=7, eos_token_id=None)
+    ids, mask = left_pad(prompts())
+    batch = model.generate(ids, attention_mask=mask, max_new_tokens=5, num_beams=3, do_sample=False)
+    for i, row in enumerate(prompts()):
+        expected = reference_beam_search(model, row, beams=3, steps=5)
+        assert torch.equal(batch[i, ids.shape[1] :], expected[len(row) :])
+        alone = model.generate(row[None], max_new_tokens=5, num_beams=3, do_sample=False)
+        assert torch.equal(alone[0], expected)
+
+
+def test_sampling_with_a_seed():
+    model = tiny_model(seed=8)
+    ids, mask = left_pad(prompts())
+
+    def sample(**kwargs):
+        torch.manual_seed(1234)
+        return model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=True, top_k=0, **kwargs)
+
+    first = sample()
+    assert torch.equal(first, sample())
+    assert torch.equal(first, sample(use_cache=False))  # same draws from the same distributions
+    many = sample(num_return_sequences=3)
+    assert many.shape == (9, ids.shape[1] + 6)
+    assert torch.equal(many, sample(num_return_sequences=3, use_cache=False))
+    assert torch.equal(many[::3, : ids.shape[1]], ids)
+
+
+def test_inputs_embeds_prompt():
+    model = tiny_model(seed=9)
+    ids, mask = left_pad(prompts())
+    embeds = model.get_input_embeddings()(ids)
+    from_embeds = model.generate(inputs_embeds=embeds, attention_mask=mask, max_new_tokens=5, do_sample=False)
+    from_ids = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
+    assert torch.equal(from_embeds, from_ids[:, ids.shape[1] :])
+
+
+def test_generate_returns_and_continues_from_its_cache():
+    model = tiny_model(seed=10)
+    ids, mask = left_pad(prompts())
+    first = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
+    cache = first.past_key_values
+    assert isinstance(cache, TrellisCache)
+    assert cache.get_seq_length() == first.sequences.shape[1] - 1  # the last token is not fed yet
+    mask_so_far = torch.cat([mask, torch.ones(3, 4, dtype=torch.long)], dim=1)
+    resumed = model.generate(
+        first.sequences, attention_mask=mask_so_far, past_key_values=cache, max_new_tokens=5, do_sample=False
+    )
+    straight = model.generate(ids, attention_mask=mask, max_new_tokens=9, do_sample=False)
+    assert torch.equal(resumed, straight)
+
+
+def test_continuing_a_conversation_with_new_user_tokens():
+    model = tiny_model(seed=11)
+    ids, mask = left_pad(prompts())
+    first = model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, return_dict_in_generate=True)
+    follow_up = torch.cat([first.sequences, random_tokens(3, 4, seed=99)], dim=1)
+    follow_mask = torch.cat([mask, torch.ones(3, 7, dtype=torch.long)], dim=1)
+    resumed = model.generate(
+        follow_up, attention_mask=follow_mask, past_key_values=first.past_key_values, max_new_tokens=4, do_sample=False
+    )
+    assert torch.equal(resumed, model.generate(follow_up, attention_mask=follow_mask, max_new_tokens=4, do_sample=False))
+
+
+def test_a_returned_cache_feeds_several_return_sequences():
+    model = tiny_model(seed=12)
+    ids, mask = left_pad(prompts())
+    first = model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False, return_dict_in_generate=True)
+    mask_so_far = torch.cat([mask, torch.ones(3, 2, dtype=torch.long)], dim=1)
+
+    def sample(**kwargs):
+        torch.manual_seed(7)
+        return model.generate(
+            first.sequences, attention_mask=mask_so_far, max_new_tokens=4, do_sample=True, num_return_sequences=2, **kwargs
+        )
+
+    assert torch.equal(sample(past_key_values=first.past_key_values), sample(use_cache=False))
+
+
+def test_a_returned_cache_feeds_beam_search():
+    model = tiny_model(seed=13, eos_token_id=None)
+    row = prompts()[0]
+    first = model.generate(row[None], max_new_tokens=2, do_sample=False, return_dict_in_generate=True)
+    resumed = model.generate(first.sequences, past_key_values=first.past_key_values, max_new_tokens=4, num_beams=3)
+    assert torch.equal(resumed[0], reference_beam_search(model, first.sequences[0], beams=3, steps=4))
+
+
+def test_generate_refuses_a_foreign_cache():
+    from transformers import DynamicCache
+
+    model = tiny_model()
+    with pytest.raises(ValueError, match="TrellisCache"):
+        model.generate(random_tokens(1, 3), past_key_values=DynamicCache(), max_new_tokens=2)
+
+
+def test_any_transformers_tokenizer_works():
+    # A word-level tokenizer that also returns token_type_ids (BERT style), padding on the left.
+    words = ["<pad>", "<s>", "</s>"] + [f"w{i}" for i in range(90)]
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="w0"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", eos_token="</s>", padding_side="left",
+        model_input_names=["input_ids", "token_type_ids", "attention_mask"],
+    )
+    model = tiny_model(seed=14)
+    texts = ["w5 w6 w7 w8 w9", "w10 w11"]
+    batch = tokenizer(texts, padding=True, return_tensors="pt")
+    assert "token_type_ids" in batch
+    out = model.generate(**batch, max_new_tokens=4, do_sample=False)
+    alone = model.generate(**tokenizer(texts[1:], return_tensors="pt"), max_new_tokens=4, do_sample=False)
+    assert torch.equal(out[1, -4:], alone[0, -4:])
+    assert len(tokenizer.batch_decode(out, skip_special_tokens=True)) == 2
+    loss = model(**batch, labels=batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)).loss
+    assert torch.isfinite(loss)

@@ -1,0 +1,292 @@
+"""The model: forward, padding, loss, init, checkpoints, training features."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from transformers import AutoModel, AutoModelForCausalLM
+
+from tiny_models import VOCAB, left_pad, random_tokens, right_pad, tiny_model
+from trellis_lm import TrellisForCausalLM, TrellisModel
+from trellis_lm.modeling_trellis import ValidTokens, forget_gate_bias
+
+TOL = dict(rtol=1e-4, atol=1e-4)
+
+
+# ----------------------------------------------------------------------------- forward
+
+
+def test_forward_outputs():
+    model = tiny_model()
+    ids = random_tokens(2, 7)
+    out = model(ids, output_hidden_states=True)
+    assert out.logits.shape == (2, 7, VOCAB)
+    assert len(out.hidden_states) == model.config.num_hidden_layers + 1
+    assert torch.equal(out.hidden_states[-1], model.model(ids).last_hidden_state)
+    assert out.past_key_values.get_seq_length() == 7
+    logits, cache = model(ids, return_dict=False)
+    torch.testing.assert_close(logits, out.logits)
+    assert model(ids, use_cache=False).past_key_values is None
+
+
+def test_inputs_embeds_equal_input_ids():
+    model = tiny_model()
+    ids = random_tokens(2, 6)
+    embeds = model.get_input_embeddings()(ids)
+    torch.testing.assert_close(model(inputs_embeds=embeds).logits, model(ids).logits)
+    with pytest.raises(ValueError, match="exactly one of input_ids or inputs_embeds"):
+        model(ids, inputs_embeds=embeds)
+
+
+def test_llama_module_names():
+    names = set(tiny_model().state_dict())
+    for name in (
+        "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight",
+        "model.layers.1.input_layernorm.weight", "model.layers.1.post_attention_layernorm.weight",
+        "model.layers.1.mlp.gate_proj.weight", "model.layers.1.mlp.up_proj.weight", "model.layers.1.mlp.down_proj.weight",
+        "model.layers.1.self_attn.q_conv.weight", "model.layers.1.self_attn.k_conv.weight",
+        "model.layers.1.self_attn.o_norm.weight", "model.layers.1.self_attn.mk0", "model.layers.1.self_attn.mv0",
+        "model.layers.1.self_attn.beta_proj.bias", "model.layers.1.self_attn.gamma_proj.bias",
+    ) + tuple(f"model.layers.0.self_attn.{p}_proj.weight" for p in ("q", "k", "v", "alpha", "beta", "gamma", "g", "o")):
+        assert name in names, name
+    assert tiny_model().model.layers[0].self_attn.mk0.shape == (2, 6, 8)  # [H, M, d]
+
+
+def test_optional_parts_are_absent_when_disabled():
+    names = set(tiny_model(conv_size=0, use_forget_gate=False).state_dict())
+    assert not any("conv" in n or "beta_proj" in n for n in names)
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("chunk_size", 3), ("compress_fn", "l2norm"), ("mix_fn", "softmax"), ("conv_size", 2), ("conv_size", 0),
+     ("use_forget_gate", False), ("gate_logit_normalizer", 2.0), ("rms_norm_eps", 0.5), ("initializer_range", 0.1)],
+)
+def test_every_behavioural_field_changes_the_model(field, value):
+    ids = random_tokens(1, 9)
+    assert not torch.allclose(tiny_model(**{field: value})(ids).logits, tiny_model()(ids).logits)
+
+
+# ----------------------------------------------------------------------------- padding
+
+
+def test_left_and_right_padding_give_each_row_what_it_gets_alone():
+    model = tiny_model(seed=1)
+    rows = [random_tokens(1, n, seed=n)[0] for n in (9, 4, 1, 6)]
+    alone = [model(r[None]).logits[0] for r in rows]
+    for pad in (left_pad, right_pad):
+        ids, mask = pad(rows)
+        logits = model(ids, attention_mask=mask).logits
+        for i, expected in enumerate(alone):
+            torch.testing.assert_close(logits[i][mask[i].bool()], expected, **TOL)
+
+
+def test_padding_anywhere_is_skipped():
+    model = tiny_model(seed=2, chunk_size=3)
+    ids = random_tokens(2, 10)
+    mask = torch.ones_like(ids)
+    mask[0, [1, 2, 5, 9]] = 0
+    mask[1, [0, 4]] = 0
+    logits = model(ids, attention_mask=mask).logits
+    for i in range(2):
+        keep = mask[i].bool()
+        torch.testing.assert_close(logits[i][keep], model(ids[i][keep][None]).logits[0], **TOL)
+
+
+def test_mask_forms():
+    model = tiny_model()
+    ids, mask = left_pad([random_tokens(1, 5)[0], random_tokens(1, 3, seed=1)[0]])
+    expected = model(ids, attention_mask=mask).logits
+    torch.testing.assert_close(model(ids, attention_mask={"linear_attention": mask}).logits, expected)
+    torch.testing.assert_close(model(ids, attention_mask=mask.bool()).logits, expected)
+    # A longer mask covers past tokens too: the last T columns belong to the input.
+    longer = torch.cat([torch.ones(2, 4, dtype=torch.long), mask], dim=1)
+    torch.testing.assert_close(model(ids, attention_mask=longer).logits, expected)
+    torch.testing.assert_close(model(ids, attention_mask={"linear_attention": None}).logits, model(ids).logits)
+    with pytest.raises(ValueError, match="2-D padding mask"):
+        model(ids, attention_mask=mask[:, :2])
+
+
+def test_padding_information_travels_between_devices():
+    # accelerate moves a block's inputs to its device through `.to`; ValidTokens must follow.
+    from accelerate.utils import send_to_device
+
+    ids, mask = left_pad([random_tokens(1, 5)[0], random_tokens(1, 3, seed=1)[0]])
+    valid = ValidTokens.from_attention_mask(mask, 2, 5)
+    moved = send_to_device(valid, torch.device("cpu"))
+    assert isinstance(moved, ValidTokens)
+    for name in ("mask", "lengths", "cu_seqlens", "order"):
+        assert torch.equal(getattr(moved, name), getattr(valid, name))
+    assert valid.cu_seqlens.tolist() == [0, 5, 8]
+
+
+# ----------------------------------------------------------------------------- loss
+
+
+def test_loss_is_the_shifted_cross_entropy():
+    model = tiny_model()
+    ids = random_tokens(2, 8)
+    labels = ids.clone()
+    labels[0, :3] = -100
+    out = model(ids, labels=labels)
+    expected = F.cross_entropy(out.logits[:, :-1].reshape(-1, VOCAB), labels[:, 1:].reshape(-1), ignore_index=-100)
+    torch.testing.assert_close(out.loss, expected)
+
+
+def test_num_items_in_batch_divides_the_summed_loss():
+    model = tiny_model()
+    ids = random_tokens(2, 8)
+    out = model(ids, labels=ids, num_items_in_batch=torch.tensor(40))
+    summed = F.cross_entropy(out.logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1), reduction="sum")
+    torch.testing.assert_close(out.loss, summed / 40)
+
+
+def test_logits_to_keep():
+    model = tiny_model()
+    ids = random_tokens(2, 8)
+    full = model(ids).logits
+    torch.testing.assert_close(model(ids, logits_to_keep=1).logits, full[:, -1:])
+    torch.testing.assert_close(model(ids, logits_to_keep=torch.tensor([0, 5])).logits, full[:, [0, 5]])
+
+
+# ----------------------------------------------------------------------------- training
+
+
+def _gradients(model: TrellisForCausalLM, ids: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    model.zero_grad()
+    model(ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss.backward()
+    return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def test_padded_batch_gradients_are_the_sum_of_the_rows_gradients():
+    model = tiny_model(seed=3, chunk_size=3).train()
+
+    def summed_loss_gradients(ids, mask):
+        model.zero_grad()
+        labels = ids.masked_fill(mask == 0, -100)
+        model(ids, attention_mask=mask, labels=labels, num_items_in_batch=1).loss.backward()
+        return {name: p.grad.clone() for name, p in model.named_parameters()}
+
+    rows = [random_tokens(1, n, seed=n)[0] for n in (8, 3, 5)]
+    batch = summed_loss_gradients(*right_pad(rows))
+    per_row = [summed_loss_gradients(r[None], torch.ones(1, len(r), dtype=torch.long)) for r in rows]
+    for name, grad in batch.items():
+        torch.testing.assert_close(grad, sum(g[name] for g in per_row), rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_activation_checkpointing_gives_the_same_gradients():
+    model = tiny_model().train()
+    ids, mask = left_pad([random_tokens(1, 9)[0], random_tokens(1, 6, seed=1)[0]])
+    plain = _gradients(model, ids, mask)
+    model.activation_checkpointing_enable()
+    assert model.is_activation_checkpointing
+    checkpointed = _gradients(model, ids, mask)
+    assert plain.keys() == checkpointed.keys()
+    assert {"model.layers.0.self_attn.mk0", "model.layers.0.self_attn.beta_proj.bias"} <= plain.keys()
+    for name in plain:
+        torch.testing.assert_close(checkpointed[name], plain[name], msg=name)
+
+
+def test_bfloat16_forward_and_generate():
+    model = tiny_model(dtype=torch.bfloat16)
+    ids, mask = left_pad([random_tokens(1, 7)[0], random_tokens(1, 5, seed=1)[0]])
+    out = model(ids, attention_mask=mask)
+    assert out.logits.dtype == torch.bfloat16 and torch.isfinite(out.logits).all()
+    state = out.past_key_values.layers[0].state
+    assert state.m_k.dtype == torch.float32  # the memories stay float32
+    generated = model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
+    assert generated.shape == (2, 10)
+
+
+def test_op_backends_agree_in_float64():
+    model = tiny_model(dtype=torch.float64, chunk_size=3)
+    ids, mask = left_pad([random_tokens(1, 8)[0], random_tokens(1, 5, seed=1)[0]])
+    by_backend = {}
+    for backend in ("reference", "torch"):
+        model.config.op_backend = backend
+        by_backend[backend] = model(ids, attention_mask=mask).logits
+    torch.testing.assert_close(by_backend["torch"], by_backend["reference"], rtol=1e-10, atol=1e-10)
+
+
+# ----------------------------------------------------------------------------- init and checkpoints
+
+
+def test_initialisation():
+    model = tiny_model(num_heads=4, head_dim=8, hidden_size=64, num_slots=16, initializer_range=0.05)
+    attn = model.model.layers[0].self_attn
+    beta = torch.exp(F.logsigmoid(attn.beta_proj.bias.double()) / model.config.gate_logit_normalizer)
+    torch.testing.assert_close(beta[[0, -1]], torch.tensor([0.9, 0.999], dtype=torch.float64))
+    assert torch.all(beta[1:] > beta[:-1])  # one time scale per head
+    one_head = torch.exp(F.logsigmoid(forget_gate_bias(1, 16.0)) / 16.0)
+    torch.testing.assert_close(one_head, torch.tensor([0.99], dtype=torch.float64))
+    assert torch.equal(attn.gamma_proj.bias, torch.zeros(4))
+    assert 0.8 < attn.mk0.std() < 1.2 and 0.8 < attn.mv0.std() < 1.2
+    assert 0.04 < attn.q_proj.weight.std() < 0.06
+    assert torch.equal(attn.o_norm.weight, torch.ones(8)) and torch.equal(model.model.norm.weight, torch.ones(64))
+
+
+def test_tied_embeddings():
+    tied = tiny_model()
+    assert tied.lm_head.weight is tied.model.embed_tokens.weight
+    untied = tiny_model(tie_word_embeddings=False)
+    assert untied.lm_head.weight is not untied.model.embed_tokens.weight
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_save_and_load_give_identical_logits(tmp_path, tie):
+    model = tiny_model(tie_word_embeddings=tie)
+    model.save_pretrained(tmp_path)
+    assert ("lm_head.weight" in load_file(tmp_path / "model.safetensors")) is not tie
+    ids = random_tokens(2, 9)
+    for loaded in (AutoModelForCausalLM.from_pretrained(tmp_path), TrellisForCausalLM.from_pretrained(tmp_path)):
+        assert type(loaded) is TrellisForCausalLM and not loaded.training
+        for name, tensor in model.state_dict().items():
+            assert torch.equal(loaded.state_dict()[name], tensor), name
+        assert (loaded.lm_head.weight is loaded.model.embed_tokens.weight) is tie
+        torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=0)
+    base = AutoModel.from_pretrained(tmp_path)
+    assert type(base) is TrellisModel
+    torch.testing.assert_close(base(ids).last_hidden_state, model.model(ids).last_hidden_state, rtol=0, atol=0)
+
+
+def test_device_map_loading(tmp_path):
+    pytest.importorskip("accelerate")
+    model = tiny_model()
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, device_map="auto")
+    ids, mask = left_pad([random_tokens(1, 6)[0], random_tokens(1, 2, seed=1)[0]])
+    torch.testing.assert_close(loaded(ids, attention_mask=mask).logits, model(ids, attention_mask=mask).logits)
+    assert torch.equal(
+        loaded.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False),
+        model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False),
+    )
+
+
+def test_loading_initialises_what_the_checkpoint_lacks(tmp_path):
+    # Models are built on the meta device; missing tensors must get the real init, not junk.
+    model = tiny_model()
+    model.save_pretrained(tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")
+    dropped = ("model.layers.1.self_attn.mk0", "model.layers.1.self_attn.beta_proj.bias", "model.layers.1.self_attn.q_conv.weight")
+    save_file({k: v for k, v in weights.items() if k not in dropped}, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    loaded = TrellisForCausalLM.from_pretrained(tmp_path)
+    attn = loaded.model.layers[1].self_attn
+    torch.testing.assert_close(attn.beta_proj.bias, forget_gate_bias(2, 16.0).float())
+    assert 0.6 < attn.mk0.std() < 1.4 and torch.isfinite(attn.mk0).all()
+    assert 0 < attn.q_conv.weight.abs().max() <= 0.5  # kaiming-uniform bound 1/sqrt(width)
+    for name, tensor in model.state_dict().items():  # the rest is what was saved
+        if name not in dropped:
+            assert torch.equal(loaded.state_dict()[name], tensor), name
+
+
+def test_lora_with_llama_targets():
+    peft = pytest.importorskip("peft")
+    model = tiny_model()
+    ids = random_tokens(1, 6)
+    expected = model(ids).logits
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+    assert lora.get_nb_trainable_parameters()[0] > 0
+    torch.testing.assert_close(lora(input_ids=ids).logits, expected)  # LoRA B starts at zero
+    assert type(lora.merge_and_unload()) is TrellisForCausalLM

@@ -1,0 +1,191 @@
+"""Checkpoints carry flat copies of the code and load with trust_remote_code=True alone."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from transformers.dynamic_module_utils import get_imports, get_relative_imports
+
+from tiny_models import left_pad, random_tokens, tiny_model
+from trellis_lm import TrellisForCausalLM, train_tokenizer
+from trellis_lm.remote_code import AUTO_MAP, export_code, flat_name, flat_sources, flatten_imports
+
+
+@pytest.mark.parametrize(
+    "module, inside_ops, expected",
+    [("ops", False, "trellis_ops"), ("ops.dispatch", False, "trellis_ops_dispatch"),
+     ("cache_trellis", False, "cache_trellis"), ("state", True, "trellis_ops_state")],
+)
+def test_flat_names(module, inside_ops, expected):
+    assert flat_name(module, inside_ops) == expected
+
+
+def test_flatten_rewrites_only_relative_import_lines():
+    source = textwrap.dedent(
+        """\
+        from __future__ import annotations
+        import torch
+        from .ops import trellis_attention
+        from .ops.state import TrellisState
+        from .cache_trellis import TrellisCache
+        if True:
+            from .ops.functions import (
+                mix,
+            )
+        text = "from .ops import x"
+        """
+    )
+    flat = flatten_imports(source, inside_ops=False)
+    assert flat == source.replace("from .ops import trellis", "from .trellis_ops import trellis").replace(
+        "from .ops.state", "from .trellis_ops_state"
+    ).replace("    from .ops.functions", "    from .trellis_ops_functions")
+    assert flatten_imports("from .functions import mix\n", inside_ops=True) == "from .trellis_ops_functions import mix\n"
+
+
+@pytest.mark.parametrize(
+    "line, inside_ops",
+    [("from . import ops\n", False), ("from ..ops import x\n", True), ("from .ops.a.b import x\n", False),
+     ("from .state.x import y\n", True)],
+)
+def test_flatten_refuses_what_a_flat_folder_cannot_hold(line, inside_ops):
+    with pytest.raises(ValueError, match="cannot flatten"):
+        flatten_imports(line, inside_ops)
+
+
+def test_exported_code_is_self_contained(tmp_path):
+    written = export_code(tmp_path)
+    names = {p.name for p in written}
+    assert {"configuration_trellis.py", "modeling_trellis.py", "cache_trellis.py", "trellis_ops.py",
+            "trellis_ops_dispatch.py", "trellis_ops_state.py"} <= names
+    assert names == set(flat_sources())
+    for path in written:
+        # Read the way transformers' loader reads them: every relative import is a sibling file...
+        for module in get_relative_imports(path):
+            assert (tmp_path / f"{module}.py").is_file(), f"{path.name} imports missing .{module}"
+        # ...and no absolute import needs this package.
+        assert not any(name.startswith("trellis_lm") for name in get_imports(path)), path.name
+    for auto_class, reference in AUTO_MAP.items():
+        assert (tmp_path / f"{reference.split('.')[0]}.py").is_file(), auto_class
+
+
+REMOTE_SCRIPT = """
+import importlib.abc, sys
+from pathlib import Path
+
+class RefuseTrellisLm(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "trellis_lm" or name.startswith("trellis_lm."):
+            raise ImportError(f"{name} is hidden in this process")
+        return None
+
+sys.meta_path.insert(0, RefuseTrellisLm())
+sys.modules["triton"] = None  # as on a machine without triton (the CPU install)
+try:
+    import trellis_lm
+except ImportError:
+    pass
+else:
+    raise SystemExit("trellis_lm should not be importable here")
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+checkpoint, resaved = Path(sys.argv[1]), Path(sys.argv[2])
+config = AutoConfig.from_pretrained(checkpoint, trust_remote_code=True)
+model = AutoModelForCausalLM.from_pretrained(checkpoint, trust_remote_code=True)
+assert type(config).__module__.startswith("transformers_modules"), type(config).__module__
+assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
+inputs = torch.load(checkpoint / "inputs.pt")
+out = {"logits": model(**inputs).logits}
+out["generated"] = model.generate(**inputs, max_new_tokens=5, do_sample=False)
+out["beams"] = model.generate(**inputs, max_new_tokens=3, num_beams=2, do_sample=False)
+tokenizer = AutoTokenizer.from_pretrained(checkpoint, trust_remote_code=True)
+prompt = tokenizer(["hello world", "hi"], padding=True, return_tensors="pt")
+out["from_text"] = model.generate(**prompt, max_new_tokens=3, do_sample=False)
+model.save_pretrained(resaved)
+torch.save(out, checkpoint / "remote_outputs.pt")
+assert not any(name.startswith("trellis_lm") for name in sys.modules)
+"""
+
+
+def test_checkpoint_loads_as_remote_code_without_the_package(tmp_path):
+    model = tiny_model(seed=3, vocab_size=300)  # a byte-level tokenizer needs 259 ids at least
+    checkpoint, resaved = tmp_path / "checkpoint", tmp_path / "resaved"
+    model.save_pretrained(checkpoint)
+    tokenizer = train_tokenizer(["hello world", "hi there", "hello there world"] * 5, vocab_size=model.config.vocab_size)
+    tokenizer.save_pretrained(checkpoint)
+    assert json.loads((checkpoint / "config.json").read_text())["auto_map"] == AUTO_MAP
+    ids, mask = left_pad([random_tokens(1, 7)[0], random_tokens(1, 4, seed=1)[0]])
+    torch.save({"input_ids": ids, "attention_mask": mask}, checkpoint / "inputs.pt")
+
+    env = {**os.environ, "HF_MODULES_CACHE": str(tmp_path / "modules"), "HF_HUB_OFFLINE": "1"}
+    script = tmp_path / "load_remote.py"
+    script.write_text(REMOTE_SCRIPT)
+    run = subprocess.run(
+        [sys.executable, str(script), str(checkpoint), str(resaved)], env=env, cwd=tmp_path,
+        capture_output=True, text=True, timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+
+    remote = torch.load(checkpoint / "remote_outputs.pt")
+    torch.testing.assert_close(remote["logits"], model(ids, attention_mask=mask).logits, rtol=0, atol=0)
+    assert torch.equal(remote["generated"], model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False))
+    assert torch.equal(remote["beams"], model.generate(ids, attention_mask=mask, max_new_tokens=3, num_beams=2))
+    prompt = tokenizer(["hello world", "hi"], padding=True, return_tensors="pt")
+    assert torch.equal(remote["from_text"], model.generate(**prompt, max_new_tokens=3, do_sample=False))
+
+    # What the remote-code process saved is a complete checkpoint again.
+    assert json.loads((resaved / "config.json").read_text())["auto_map"] == AUTO_MAP
+    assert {p.name for p in resaved.glob("*.py")} >= {"modeling_trellis.py", "trellis_ops_dispatch.py"}
+    reloaded = TrellisForCausalLM.from_pretrained(resaved)
+    torch.testing.assert_close(reloaded(ids).logits, model(ids).logits, rtol=0, atol=0)
+
+
+@pytest.fixture
+def uploads(monkeypatch) -> dict[str, set]:
+    """Stand-ins for the Hub: repo id -> names of the files an upload would send."""
+    import transformers.configuration_utils as configuration_utils
+    import transformers.modeling_utils as modeling_utils
+    import transformers.utils.hub as hub
+
+    sent: dict[str, set] = {}
+
+    class FakeApi:
+        def create_repo(self, repo_id, **kwargs):
+            return type("Repo", (), {"repo_id": repo_id})()
+
+    class FakeCard:
+        def save(self, path):
+            pass
+
+    def fake_upload(self, working_dir, repo_id, files_timestamps, **kwargs):
+        sent[repo_id] = {
+            f for f in os.listdir(working_dir)
+            if f not in files_timestamps or os.path.getmtime(os.path.join(working_dir, f)) > files_timestamps[f]
+        }
+
+    for module in (hub, modeling_utils, configuration_utils):
+        monkeypatch.setattr(module, "hf_api", lambda: FakeApi())
+    for module in (hub, modeling_utils):
+        monkeypatch.setattr(module, "create_and_tag_model_card", lambda *args, **kwargs: FakeCard())
+    monkeypatch.setattr(hub.PushToHubMixin, "_upload_modified_files", fake_upload)
+    return sent
+
+
+CODE = {"modeling_trellis.py", "configuration_trellis.py", "trellis_ops.py", "trellis_ops_dispatch.py"}
+
+
+def test_push_to_hub_uploads_the_code(uploads, tmp_path):
+    model = tiny_model()
+    model.push_to_hub("someone/pushed")
+    model.save_pretrained(tmp_path / "saved", push_to_hub=True, repo_id="someone/saved")
+    model.config.save_pretrained(tmp_path / "config", push_to_hub=True, repo_id="someone/config")
+    assert CODE | {"config.json", "model.safetensors"} <= uploads["someone/pushed"]
+    assert CODE | {"config.json", "model.safetensors"} <= uploads["someone/saved"]
+    assert CODE | {"config.json"} <= uploads["someone/config"]

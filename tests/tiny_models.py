@@ -1,0 +1,51 @@
+"""Tiny Trellis models and inputs shared by the model, generation and remote-code tests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from trellis_lm import TrellisConfig, TrellisForCausalLM
+
+VOCAB = 97
+# Real tokens are drawn above the special ids, so a sequence never contains pad/bos/eos.
+FIRST_TOKEN = 3
+
+
+def tiny_config(**overrides: Any) -> TrellisConfig:
+    """2 layers, 2 heads of 8, 6 slots (not a power of two), chunks of 4."""
+    fields = dict(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_heads=2, head_dim=8, num_slots=6,
+        chunk_size=4, intermediate_size=48,
+    )
+    fields.update(overrides)
+    return TrellisConfig(**fields)
+
+
+def tiny_model(seed: int = 0, dtype: torch.dtype = torch.float32, **overrides: Any) -> TrellisForCausalLM:
+    """A randomly initialised model in eval mode."""
+    torch.manual_seed(seed)
+    return TrellisForCausalLM(tiny_config(**overrides)).to(dtype).eval()
+
+
+def random_tokens(batch: int, length: int, seed: int = 0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(FIRST_TOKEN, VOCAB, (batch, length), generator=generator)
+
+
+def left_pad(rows: list[torch.Tensor], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """1-D token rows -> (ids [B, T], attention mask [B, T]) padded on the left."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, width - len(row):] = row
+        mask[i, width - len(row):] = 1
+    return ids, mask
+
+
+def right_pad(rows: list[torch.Tensor], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """1-D token rows -> (ids [B, T], attention mask [B, T]) padded on the right."""
+    ids, mask = left_pad([r.flip(0) for r in rows], pad_id)
+    return ids.flip(1), mask.flip(1)
