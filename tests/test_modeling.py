@@ -290,3 +290,21 @@ def test_lora_with_llama_targets():
     assert lora.get_nb_trainable_parameters()[0] > 0
     torch.testing.assert_close(lora(input_ids=ids).logits, expected)  # LoRA B starts at zero
     assert type(lora.merge_and_unload()) is TrellisForCausalLM
+
+
+def test_short_conv_is_a_causal_depthwise_conv1d():
+    from trellis_lm.modeling_trellis import TrellisShortConv
+
+    conv = TrellisShortConv(channels=6, width=4)
+    torch.nn.init.normal_(conv.weight)
+    x = torch.randn(2, 9, 6)
+    expected = torch.nn.functional.conv1d(
+        torch.nn.functional.pad(x.transpose(1, 2), (3, 0)), conv.weight, groups=6
+    ).transpose(1, 2)
+    y, tail = conv(x, None)
+    torch.testing.assert_close(y, expected)
+    torch.testing.assert_close(tail, x[:, -3:])
+    # Continuing from the tail equals convolving the whole sequence.
+    y1, tail1 = conv(x[:, :5], None)
+    y2, _ = conv(x[:, 5:], tail1)
+    torch.testing.assert_close(torch.cat([y1, y2], dim=1), expected)
