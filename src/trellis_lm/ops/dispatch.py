@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Optional, Sequence, Union
 
 import torch
@@ -11,7 +12,20 @@ from .functions import check_names
 from .reference import reference_forward
 from .state import TrellisState
 
-BACKENDS = {"reference": reference_forward, "torch": chunked_forward}
+
+def _triton_forward(*args):
+    """Backend ``"triton"``: imported on first use, since importing triton is slow and the
+    package is optional (checkpoints loaded as remote code may run without it)."""
+    if not HAVE_TRITON:
+        raise ValueError("backend 'triton' needs the triton package (pip install triton); use backend 'torch'")
+    from .triton_chunk import triton_forward
+
+    return triton_forward(*args)
+
+
+# The names are fixed whatever is installed, so a config naming a backend loads everywhere.
+BACKENDS = {"reference": reference_forward, "torch": chunked_forward, "triton": _triton_forward}
+HAVE_TRITON = importlib.util.find_spec("triton") is not None
 
 InitialState = Union[None, TrellisState, Sequence[torch.Tensor]]
 
@@ -72,9 +86,11 @@ def _initial_state(
     return state.map(lambda t: t.to(device=device, dtype=torch.long if t is state.offset else dtype))
 
 
-def _pick_backend(backend: str, length: int, packed: bool):
+def _pick_backend(backend: str, length: int, packed: bool, device: torch.device):
     if backend != "auto" and backend not in BACKENDS:
         raise ValueError(f"backend must be 'auto' or one of {sorted(BACKENDS)}, got {backend!r}")
+    if backend == "auto" and device.type == "cuda" and HAVE_TRITON:
+        return BACKENDS["triton"]  # on GPUs, decode steps (T == 1) included
     if backend in ("auto", "torch") and length == 1 and not packed:
         # Decoding: for one token per row the per-token form is the whole step, while the
         # chunk form would pad the token to a full chunk and do C times the work.
@@ -115,7 +131,9 @@ def trellis_attention(
         output_final_state: also return the state after the last token.
         cu_seqlens: ``[N + 1]`` int, with B = 1: N sequences packed along T, each starting
             from its own initial state (zero length allowed: its state passes through).
-        backend: ``"reference"`` (per-token loop), ``"torch"`` (chunk-parallel) or ``"auto"``.
+        backend: ``"reference"`` (per-token loop), ``"torch"`` (chunk-parallel), ``"triton"``
+            (GPU kernels; registered when triton is installed) or ``"auto"`` (``"triton"`` for
+            CUDA tensors when available, else ``"torch"``, or ``"reference"`` for one token).
 
     Returns:
         ``o [B, T, H, Dv]`` in q's dtype, and the final :class:`TrellisState` (float32, or
@@ -144,7 +162,7 @@ def trellis_attention(
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be an integer >= 1, got {chunk_size!r}")
     check_names(compress_fn, mix_fn)
-    forward = _pick_backend(backend, length, cu_seqlens is not None)
+    forward = _pick_backend(backend, length, cu_seqlens is not None, q.device)
 
     rows = batch
     if cu_seqlens is not None:

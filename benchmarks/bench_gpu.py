@@ -1,0 +1,389 @@
+"""GPU benchmarks of backend "triton" (issue 3).
+
+    NOT YET RUN ON A GPU. It was written on a machine without one; only ``--compile-check``
+    (ahead-of-time sm_90 compiles, no GPU needed) has been run. Treat every figure it will
+    print as unverified until someone runs it on a GPU and records the output.
+
+    .venv/bin/python benchmarks/bench_gpu.py                  # correctness smoke check, then everything
+    .venv/bin/python benchmarks/bench_gpu.py --quick          # small sizes: checks the script runs
+    .venv/bin/python benchmarks/bench_gpu.py --only op        # op timings only (or: decode, check)
+    .venv/bin/python benchmarks/bench_gpu.py --compile-check  # no GPU: compile the kernels for sm_90,
+                                                              # report shared memory / registers / spills
+
+What it measures (bfloat16 activations, float32 states, chunk 64):
+  * op forward and forward+backward at (B, T, H, D, M) = (8, 4096, 16, 64, 64),
+    (2, 16384, 16, 64, 64), (1, 32768, 16, 128, 64): Trellis (backend "triton", through the
+    public ``trellis_attention``), against fla's ``chunk_gsa`` (M slots, per-slot log gates)
+    and ``chunk_gated_delta_rule`` when fla is installed, and PyTorch SDPA flash attention
+    (causal) at the same B, T, H, D.
+  * decode milliseconds per token, batch 1, of a 12-layer, 768-wide Trellis model against a
+    LlamaForCausalLM of the same size (sdpa attention, DynamicCache) after contexts of 1k, 16k
+    and 128k tokens. Both run eagerly (no CUDA graphs). Trellis's state does not grow, so its
+    figure should not depend on the context; the attention model's does.
+
+Timings are medians from ``triton.testing.do_bench`` (warm-up and repeats inside). The dot
+precision of the Trellis kernels is ``TRELLIS_TRITON_DOT_PRECISION`` (default tf32x3); the
+run prints it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import os
+import platform
+import statistics
+import sys
+import time
+from datetime import date
+
+import torch
+import torch.nn.functional as F
+
+OP_SIZES = [(8, 4096, 16, 64, 64), (2, 16384, 16, 64, 64), (1, 32768, 16, 128, 64)]
+QUICK_OP_SIZES = [(2, 512, 4, 64, 64)]
+CHUNK = 64
+SMEM_LIMIT = 232448  # bytes of shared memory one block may use on an H100 (227 KB)
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers.
+
+
+def bench_ms(fn) -> float:
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+
+
+def guarded(label: str, fn) -> str:
+    """Run one measurement; a failure (missing package, out of memory) becomes a line of text."""
+    try:
+        return fn()
+    except Exception as exc:  # noqa: BLE001 - report and go on with the other measurements
+        torch.cuda.empty_cache()
+        return f"{label}: failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
+
+
+def trellis_inputs(B, T, H, D, M, dtype=torch.bfloat16, grad=False, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen, device="cuda")
+
+    x = [
+        F.normalize(rand(B, T, H, D), dim=-1), F.normalize(rand(B, T, H, D), dim=-1),
+        F.normalize(rand(B, T, H, D), dim=-1), rand(B, T, H, M),
+        F.logsigmoid(rand(B, T, H) + 4.0), torch.sigmoid(rand(B, T, H)),
+    ]
+    x = [t.to(dtype).requires_grad_(grad) for t in x]
+    state = (rand(B, H, M, D), rand(B, H, M, D))  # N(0, 1) memories, as the model initialises them
+    return x, state
+
+
+# ---------------------------------------------------------------------------------------------
+# Correctness smoke check (first thing a GPU run does: the kernels were only run in the
+# interpreter when this was written).
+
+
+def check() -> list[str]:
+    from trellis_lm.ops import trellis_attention
+
+    rows = ["correctness: triton vs torch backend, float32, random state, mid-chunk resume, varlen:"]
+    for B, T, H, D, M, C in [(2, 300, 4, 64, 64, 64), (2, 257, 2, 48, 40, 32), (1, 100, 2, 128, 64, 1)]:
+        x, state = trellis_inputs(B, T, H, D, M, dtype=torch.float32, grad=True, seed=1)
+        out = {}
+        for backend in ("torch", "triton"):
+            o, s = trellis_attention(*x, initial_state=state, chunk_size=C, backend=backend, output_final_state=True)
+            loss = (o * o).sum() + s.m_k.sum() + s.m_v.square().sum()
+            grads = torch.autograd.grad(loss, x)
+            out[backend] = [o, s.m_k, s.m_v] + list(grads)
+        errs = [((a - b).abs().max() / b.abs().max().clamp(min=1e-6)).item()
+                for a, b in zip(out["triton"], out["torch"])]
+        names = ["o", "m_k", "m_v", "dq", "dk", "dv", "dalpha", "dlog_beta", "dgamma"]
+        worst = max(errs)
+        rows.append(f"  (B,T,H,D,M,C)={(B, T, H, D, M, C)}: max rel err {worst:.1e} "
+                    f"({names[errs.index(worst)]}) {'OK' if worst < 1e-3 else 'MISMATCH'}")
+    # varlen with an empty sequence, resumed mid-chunk
+    lengths = [70, 0, 129, 5]
+    x, _ = trellis_inputs(1, sum(lengths), 2, 64, 64, dtype=torch.float32, seed=2)
+    N = len(lengths)
+    from trellis_lm.ops import TrellisState
+
+    st = TrellisState(*(torch.randn(N, 2, 64, 64, device="cuda") for _ in range(4)),
+                      offset=torch.tensor([3, 0, 63, 10], device="cuda"))
+    cu = torch.tensor([0] + lengths, device="cuda").cumsum(0)
+    o1, s1 = trellis_attention(*x, initial_state=st, chunk_size=64, cu_seqlens=cu, backend="torch", output_final_state=True)
+    o2, s2 = trellis_attention(*x, initial_state=st, chunk_size=64, cu_seqlens=cu, backend="triton", output_final_state=True)
+    err = max(((a - b).abs().max() / b.abs().max()).item() for a, b in ((o2, o1), (s2.m_k, s1.m_k), (s2.anchor_v, s1.anchor_v)))
+    rows.append(f"  varlen {lengths} resumed mid-chunk: max rel err {err:.1e} {'OK' if err < 1e-3 else 'MISMATCH'}")
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# Op timings.
+
+
+def _kwargs_for(fn, **wanted):
+    """Pass only the keyword arguments the installed version of ``fn`` accepts."""
+    params = inspect.signature(fn).parameters
+    return {k: v for k, v in wanted.items() if k in params}
+
+
+def time_trellis(B, T, H, D, M) -> str:
+    from trellis_lm.ops import trellis_attention
+
+    x, state = trellis_inputs(B, T, H, D, M)
+    kw = dict(initial_state=state, chunk_size=CHUNK, backend="triton")
+    with torch.no_grad():
+        fwd = bench_ms(lambda: trellis_attention(*x, **kw))
+    xg, _ = trellis_inputs(B, T, H, D, M, grad=True)
+    do = torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16)
+
+    def fwd_bwd():
+        o, _ = trellis_attention(*xg, **kw)
+        o.backward(do)
+
+    both = bench_ms(fwd_bwd)
+    return f"  trellis (triton)        fwd {fwd:8.2f} ms | fwd+bwd {both:8.2f} ms"
+
+
+def time_fla_gsa(B, T, H, D, M) -> str:
+    from fla.ops.gsa import chunk_gsa
+
+    def inputs(grad):
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        r = lambda *s: torch.randn(*s, generator=gen, device="cuda")  # noqa: E731
+        t = [r(B, T, H, D), r(B, T, H, D), r(B, T, H, D), r(B, T, H, M), F.logsigmoid(r(B, T, H, M) + 4.0)]
+        return [a.to(torch.bfloat16).requires_grad_(grad) for a in t]
+
+    extra = _kwargs_for(chunk_gsa, head_first=False)
+    x = inputs(False)
+    with torch.no_grad():
+        fwd = bench_ms(lambda: chunk_gsa(*x, **extra))
+    xg = inputs(True)
+    do = torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16)
+
+    def fwd_bwd():
+        o = chunk_gsa(*xg, **extra)[0]
+        o.backward(do)
+
+    return f"  fla chunk_gsa (M={M})   fwd {fwd:8.2f} ms | fwd+bwd {bench_ms(fwd_bwd):8.2f} ms"
+
+
+def time_fla_gdn(B, T, H, D, M) -> str:
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    def inputs(grad):
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        r = lambda *s: torch.randn(*s, generator=gen, device="cuda")  # noqa: E731
+        t = [F.normalize(r(B, T, H, D), dim=-1), F.normalize(r(B, T, H, D), dim=-1), r(B, T, H, D),
+             F.logsigmoid(r(B, T, H) + 4.0), torch.sigmoid(r(B, T, H))]
+        return [a.to(torch.bfloat16).requires_grad_(grad) for a in t]
+
+    extra = _kwargs_for(chunk_gated_delta_rule, head_first=False)
+    x = inputs(False)
+    with torch.no_grad():
+        fwd = bench_ms(lambda: chunk_gated_delta_rule(*x, **extra))
+    xg = inputs(True)
+    do = torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16)
+
+    def fwd_bwd():
+        o = chunk_gated_delta_rule(*xg, **extra)[0]
+        o.backward(do)
+
+    return f"  fla chunk_gated_delta   fwd {fwd:8.2f} ms | fwd+bwd {bench_ms(fwd_bwd):8.2f} ms"
+
+
+def time_sdpa(B, T, H, D, M) -> str:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(B, H, T, D, generator=gen, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION), torch.no_grad():
+        fwd = bench_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
+    qg, kg, vg = (t.clone().requires_grad_(True) for t in (q, k, v))
+    do = torch.randn_like(q)
+
+    def fwd_bwd():
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            F.scaled_dot_product_attention(qg, kg, vg, is_causal=True).backward(do)
+
+    return f"  sdpa flash (causal)     fwd {fwd:8.2f} ms | fwd+bwd {bench_ms(fwd_bwd):8.2f} ms"
+
+
+def bench_ops(sizes) -> list[str]:
+    rows = []
+    for B, T, H, D, M in sizes:
+        rows.append(f"op, (B, T, H, D, M) = {(B, T, H, D, M)}, chunk {CHUNK}, bf16 in, fp32 state:")
+        for label, fn in (("trellis", time_trellis), ("fla chunk_gsa", time_fla_gsa),
+                          ("fla chunk_gated_delta_rule", time_fla_gdn), ("sdpa flash", time_sdpa)):
+            rows.append(guarded(f"  {label}", lambda: fn(B, T, H, D, M)))
+            torch.cuda.empty_cache()
+        print("\n".join(rows[-5:]), flush=True)
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# Decode.
+
+
+def same_size_models(hidden, layers, heads, head_dim, slots, vocab, chunk):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from trellis_lm import TrellisConfig, TrellisForCausalLM
+
+    common = dict(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
+                  intermediate_size=hidden * 8 // 3, tie_word_embeddings=True)
+    trellis = TrellisForCausalLM(TrellisConfig(num_heads=heads, head_dim=head_dim, num_slots=slots, chunk_size=chunk,
+                                               op_backend="triton", **common))
+    llama = LlamaForCausalLM(LlamaConfig(num_attention_heads=heads, num_key_value_heads=heads, head_dim=head_dim,
+                                         max_position_embeddings=1 << 18, attn_implementation="sdpa", **common))
+    return [m.to("cuda", torch.bfloat16).eval() for m in (trellis, llama)]
+
+
+@torch.no_grad()
+def decode_ms_per_token(model, context: int, steps: int, prefill_piece: int) -> float:
+    """Prefill ``context`` tokens in pieces, then time single-token steps that extend the cache."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    ids = torch.randint(0, model.config.vocab_size, (1, context), generator=gen, device="cuda")
+    cache, out = None, None
+    for start in range(0, context, prefill_piece):
+        out = model(input_ids=ids[:, start : start + prefill_piece], past_key_values=cache, use_cache=True)
+        cache = out.past_key_values
+    token = out.logits[:, -1:].argmax(-1)
+    times = []
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        out = model(input_ids=token, past_key_values=cache, use_cache=True)
+        token = out.logits[:, -1:].argmax(-1)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+        cache = out.past_key_values
+    return statistics.median(times[3:]) * 1e3
+
+
+def bench_decode(contexts, steps, prefill_piece, **size) -> list[str]:
+    trellis, llama = same_size_models(**size)
+    n_t = sum(p.numel() for p in trellis.parameters()) / 1e6
+    n_l = sum(p.numel() for p in llama.parameters()) / 1e6
+    rows = [f"decode, batch 1, bf16, eager, {size}; Trellis {n_t:.1f}M params (op backend triton), "
+            f"Llama {n_l:.1f}M params (sdpa, DynamicCache):"]
+    for c in contexts:
+        t = guarded("trellis", lambda: f"{decode_ms_per_token(trellis, c, steps, prefill_piece):7.2f}")
+        torch.cuda.empty_cache()
+        a = guarded("llama", lambda: f"{decode_ms_per_token(llama, c, steps, prefill_piece):7.2f}")
+        torch.cuda.empty_cache()
+        rows.append(f"  context {c:7d}: Trellis {t} ms/token | Llama {a} ms/token")
+        print(rows[-1], flush=True)
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# Ahead-of-time compile check (no GPU needed).
+
+
+def compile_check(head_dims=(64, 128), slots=64, chunk=CHUNK) -> list[str]:
+    """Compile every kernel for sm_90 with the launch settings the backend uses; report the
+    shared memory each needs (and registers / spill stack when cuobjdump can read the cubin)."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise SystemExit("--compile-check needs compiled kernels: unset TRITON_INTERPRET")
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from trellis_lm.ops import triton_chunk as tc
+
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    int_ptrs = ("seq_start", "seq_len", "off_ptr", "base_ptr", "cseq", "cidx")
+
+    def arg_type(name):
+        if name.endswith("_ptr"):
+            return "*i64" if any(s in name for s in int_ptrs) else "*fp32"
+        return "i32"
+
+    def resources(kernel):
+        try:
+            with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+                f.write(kernel.asm["cubin"])
+            out = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True).stdout
+            line = next(l for l in out.splitlines() if "REG" in l).split()
+            return " ".join(w for w in line if w.startswith(("REG", "STACK")))
+        except Exception:  # noqa: BLE001
+            return ""
+
+    rows = [f"ahead-of-time compile for sm_90, chunk {chunk}, M = {slots}, dot precision {tc.DOT_PRECISION}:"]
+    failed = False
+    for D in head_dims:
+        BT, BM, BD = tc._pow2(chunk), tc._pow2(slots), tc._pow2(D)
+        warps = tc._warps(D, D, slots)
+        P = tc.DOT_PRECISION
+        kernels = [
+            ("state_fwd", tc._state_fwd_kernel, dict(BT=BT, BM=BM, BD=BD, CF=2, PREC=P), tc._stages("state")),
+            ("output_fwd", tc._output_fwd_kernel, dict(BT=BT, BM=BM, BDK=BD, BDV=BD, CF=2, MF=0, PREC=P),
+             tc._stages("output")),
+            ("local_bwd", tc._local_bwd_kernel, dict(BT=BT, BM=BM, BDK=BD, BDV=BD, CF=2, MF=0, PREC=P),
+             tc._stages("local")),
+            ("chain_bwd", tc._chain_bwd_kernel,
+             dict(BT=BT, BM=BM, BD=BD, BDR=BD, CF=2, ADD_ALPHA=True, FINISH=True, PREC=P),
+             tc._stages("chain", BT, BM, BD, BD)),
+            ("recurrent", tc._recurrent_kernel, dict(BM=BM, BDK=BD, BDV=BD, CF=2, MF=0, PACKED=False), 1),
+        ]
+        for name, fn, constexprs, stages in kernels:
+            names = fn.arg_names
+            signature = {n: ("constexpr" if n in constexprs else arg_type(n)) for n in names}
+            src = ASTSource(fn, signature, {(names.index(k),): v for k, v in constexprs.items()})
+            start = time.perf_counter()
+            kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                                    options=dict(num_warps=warps, num_stages=stages))
+            shared = kernel.metadata.shared
+            ok = shared <= SMEM_LIMIT
+            failed |= not ok
+            rows.append(f"  D={D:3d} {name:10s} warps {warps:2d} stages {stages}: shared {shared:6d} B "
+                        f"{'ok' if ok else 'TOO MUCH'} | {resources(kernel)} | {time.perf_counter() - start:5.1f} s")
+            print(rows[-1], flush=True)
+    if failed:
+        rows.append("  some kernel needs more shared memory than an H100 block may use")
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="small sizes: checks the script runs")
+    parser.add_argument("--only", choices=["check", "op", "decode"], help="run one part")
+    parser.add_argument("--compile-check", action="store_true", help="no GPU needed: sm_90 compiles only")
+    args = parser.parse_args()
+    if args.compile_check:
+        rows = compile_check()
+        sys.exit(1 if any("TOO MUCH" in r for r in rows) else 0)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_gpu.py needs a CUDA GPU (or --compile-check)")
+    from trellis_lm.ops import triton_chunk
+
+    print(f"# {date.today()} | {torch.cuda.get_device_name()} | {platform.machine()} | torch {torch.__version__} "
+          f"| dot precision {triton_chunk.DOT_PRECISION}", flush=True)
+    rows = []
+    if args.only in (None, "check"):
+        rows += check()
+        print("\n".join(rows), flush=True)
+    if args.only in (None, "op"):
+        rows += bench_ops(QUICK_OP_SIZES if args.quick else OP_SIZES)
+    if args.only in (None, "decode"):
+        if args.quick:
+            rows += bench_decode([256, 1024], steps=10, prefill_piece=512, hidden=256, layers=2, heads=4,
+                                 head_dim=64, slots=64, vocab=1024, chunk=CHUNK)
+        else:
+            rows += bench_decode([1024, 16384, 131072], steps=50, prefill_piece=8192, hidden=768, layers=12,
+                                 heads=12, head_dim=64, slots=64, vocab=32000, chunk=CHUNK)
+    print("\n# summary\n" + "\n".join(rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,797 @@
+"""Backend ``"triton"``: Triton kernels for the Trellis op, forward and hand-derived backward.
+
+The math, piece by piece, is stated in plain PyTorch in :mod:`.triton_mirror` (read its
+docstring first); every kernel here computes one of those pieces for one head:
+
+forward
+    ``_state_fwd_kernel``   grid (sequences, heads), one launch per pass (keys, values): the
+                            chain of memories across chunks, kept on-chip in float32 with
+                            its anchor; saves the memory at every chunk start.
+    ``_output_fwd_kernel``  grid (chunk slots, heads): both reads of a chunk from its saved
+                            start memories, chunks in parallel.
+    ``_recurrent_kernel``   grid (sequences, heads): the per-token loop of the design page
+                            (both passes fused, memories on-chip). Used for ``chunk_size=1``
+                            (the exact recurrence) and for one-token decode steps, where the
+                            chunk form would pad every token to a 16-row tile. It can update
+                            a state in place (:mod:`.triton_decode`).
+backward (recomputes every chunk's intermediates from the saved chunk-start memories)
+    ``_local_bwd_kernel``   grid (chunk slots, heads): gradients that need no later chunk.
+    ``_chain_bwd_kernel``   grid (sequences, heads), one launch per pass, chunks in reverse:
+                            carries the memory gradient back, through the anchors (the
+                            second-order terms through ``vjp_phi``), and finishes
+                            ``dlog_beta`` as a reverse cumulative sum inside every chunk.
+
+Tiles: rows (tokens of a chunk) and the head and slot dims are padded to the next power of
+two >= 16 (``tl.dot``'s minimum) and masked. Decays are accumulated in log space inside a
+chunk. Products use ``tl.dot`` with ``input_precision`` from the environment variable
+``TRELLIS_TRITON_DOT_PRECISION``, default ``"tf32x3"`` (three tf32 products on tensor cores,
+about float32 accuracy). ``"ieee"`` (plain float32 FMAs) compiles slowly and overflows shared
+memory at head dim 128 on an H100; ``"tf32"`` is faster and less accurate (~1e-3) and needs
+more shared memory than tf32x3 with these tiles. (The interpreter always computes in float32.)
+
+Shared memory, from ahead-of-time compiles for sm_90 with tf32x3 at C = M = 64 (no GPU was
+available to run them): every kernel fits the H100's 227 KB at D = 64 and D = 128 with the
+``num_stages`` chosen in ``_stages``; the chain kernels do not fit with 3 stages.
+
+Float64 inputs are not run by these kernels: the backend hands them to the chunk-parallel
+PyTorch backend (same function, autograd backward). CPU tensors need ``TRITON_INTERPRET=1``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from .chunked import chunked_forward
+from .functions import COMPRESS_FNS, EPS, MIX_FNS
+from .state import TrellisState
+from .triton_mirror import chunk_slots, make_plan
+
+DOT_PRECISION = os.environ.get("TRELLIS_TRITON_DOT_PRECISION", "tf32x3")
+_EPS = tl.constexpr(EPS)
+
+# ---------------------------------------------------------------------------------------------
+# Row-wise functions over the slot axis (axis 1 of an [R, BM] tile; `cm` masks the real slots).
+# Every result is zero in the padded slots, so padded slots never leak into a product.
+
+
+@triton.jit
+def _rsum(x):
+    return tl.sum(x, axis=1)[:, None]
+
+
+@triton.jit
+def _residual_vjp(z, a, cm, M, CF: tl.constexpr):
+    """u = vjp_phi(z, phi(z) - a); CF: 0 identity, 1 l2norm, 2 layernorm."""
+    if CF == 0:
+        u = z - a
+    elif CF == 1:
+        r = 1.0 / tl.sqrt(_rsum(z * z) + _EPS)
+        zh = z * r
+        e = zh - a
+        u = (e - zh * _rsum(zh * e)) * r
+    else:
+        c = tl.where(cm, z - _rsum(z) / M, 0.0)
+        r = 1.0 / tl.sqrt(_rsum(c * c) / M + _EPS)
+        zh = c * r
+        e = zh - a
+        u = (e - _rsum(e) / M - zh * (_rsum(zh * e) / M)) * r
+    return tl.where(cm, u, 0.0)
+
+
+@triton.jit
+def _residual_vjp_bwd(z, a, gu, cm, M, CF: tl.constexpr):
+    """(dz, da) of u = _residual_vjp(z, a) for cotangent gu (see triton_mirror.residual_vjp_backward)."""
+    gu = tl.where(cm, gu, 0.0)
+    if CF == 0:
+        gz = gu
+        ga = -gu
+    elif CF == 1:
+        r = 1.0 / tl.sqrt(_rsum(z * z) + _EPS)
+        zh = z * r
+        e = zh - a
+        s = _rsum(zh * e)
+        gt = gu * r
+        gs = -_rsum(gt * zh)
+        ge = gt + gs * zh
+        gzh = -gt * s + gs * e + ge
+        gr = _rsum(gu * (e - zh * s)) + _rsum(gzh * z)
+        gz = gzh * r - gr * r * r * r * z
+        ga = -ge
+    else:
+        c = tl.where(cm, z - _rsum(z) / M, 0.0)
+        r = 1.0 / tl.sqrt(_rsum(c * c) / M + _EPS)
+        zh = c * r
+        e = tl.where(cm, zh - a, 0.0)
+        me = _rsum(e) / M
+        s = _rsum(zh * e) / M
+        gt = gu * r
+        gs = -_rsum(gt * zh)
+        ge = tl.where(cm, gt - _rsum(gt) / M + gs * zh / M, 0.0)
+        gzh = -gt * s + gs * e / M + ge
+        gr = _rsum(gu * (e - me - zh * s)) + _rsum(gzh * c)
+        gc = gzh * r - gr * r * r * r * c / M
+        gz = gc - _rsum(gc) / M
+        ga = -ge
+    return tl.where(cm, gz, 0.0), tl.where(cm, ga, 0.0)
+
+
+@triton.jit
+def _mix(y, cm, M, MF: tl.constexpr):
+    """h = f(y); MF: 0 ln_silu, 1 l2_silu, 2 softmax."""
+    if MF == 2:
+        ym = tl.where(cm, y, float("-inf"))
+        p = tl.exp(ym - tl.max(ym, axis=1)[:, None])
+        h = p / _rsum(p)
+    else:
+        s = tl.where(cm, y * tl.sigmoid(y), 0.0)
+        if MF == 1:
+            h = s / tl.sqrt(_rsum(s * s) + _EPS)
+        else:
+            c = tl.where(cm, s - _rsum(s) / M, 0.0)
+            h = c / tl.sqrt(_rsum(c * c) / M + _EPS)
+    return tl.where(cm, h, 0.0)
+
+
+@triton.jit
+def _mix_bwd(y, gh, cm, M, MF: tl.constexpr):
+    """dy of h = _mix(y) for cotangent gh."""
+    gh = tl.where(cm, gh, 0.0)
+    if MF == 2:
+        ym = tl.where(cm, y, float("-inf"))
+        p = tl.exp(ym - tl.max(ym, axis=1)[:, None])
+        h = p / _rsum(p)
+        gy = h * (gh - _rsum(h * gh))
+    else:
+        sig = tl.sigmoid(y)
+        s = tl.where(cm, y * sig, 0.0)
+        ds = sig * (1.0 + y * (1.0 - sig))
+        if MF == 1:
+            r = 1.0 / tl.sqrt(_rsum(s * s) + _EPS)
+            h = s * r
+            gs = (gh - h * _rsum(h * gh)) * r
+        else:
+            c = tl.where(cm, s - _rsum(s) / M, 0.0)
+            r = 1.0 / tl.sqrt(_rsum(c * c) / M + _EPS)
+            h = c * r
+            gs = (gh - _rsum(gh) / M - h * (_rsum(h * gh) / M)) * r
+        gy = gs * ds
+    return tl.where(cm, gy, 0.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Loads and stores. Token tensors are [tokens, H, D] contiguous; memories [rows, H, M, D].
+
+
+@triton.jit
+def _tok_offsets(tok0, nrows, h, H, D, BT: tl.constexpr, BD: tl.constexpr):
+    r = tl.arange(0, BT)
+    d = tl.arange(0, BD)
+    rows = (tok0 + r).to(tl.int64)
+    offs = (rows[:, None] * H + h) * D + d[None, :]
+    mask = (r < nrows)[:, None] & (d < D)[None, :]
+    return offs, mask
+
+
+@triton.jit
+def _load_tok(ptr, tok0, nrows, h, H, D, BT: tl.constexpr, BD: tl.constexpr):
+    offs, mask = _tok_offsets(tok0, nrows, h, H, D, BT, BD)
+    return tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _store_tok(ptr, x, tok0, nrows, h, H, D, BT: tl.constexpr, BD: tl.constexpr):
+    offs, mask = _tok_offsets(tok0, nrows, h, H, D, BT, BD)
+    tl.store(ptr + offs, x.to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _scal_offsets(tok0, nrows, h, H, BT: tl.constexpr):
+    r = tl.arange(0, BT)
+    return (tok0 + r).to(tl.int64) * H + h, r < nrows
+
+
+@triton.jit
+def _load_scal(ptr, tok0, nrows, h, H, BT: tl.constexpr):
+    offs, mask = _scal_offsets(tok0, nrows, h, H, BT)
+    return tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _store_scal(ptr, x, tok0, nrows, h, H, BT: tl.constexpr):
+    offs, mask = _scal_offsets(tok0, nrows, h, H, BT)
+    tl.store(ptr + offs, x, mask=mask)
+
+
+@triton.jit
+def _mat_offsets(index, M, D, BM: tl.constexpr, BD: tl.constexpr):
+    """Offsets of memory number `index` (= row * H + head) of shape [M, D]."""
+    m = tl.arange(0, BM)
+    d = tl.arange(0, BD)
+    offs = index.to(tl.int64) * M * D + m[:, None] * D + d[None, :]
+    return offs, (m < M)[:, None] & (d < D)[None, :]
+
+
+@triton.jit
+def _load_mat(ptr, index, M, D, BM: tl.constexpr, BD: tl.constexpr):
+    offs, mask = _mat_offsets(index, M, D, BM, BD)
+    return tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _load_mat_if(ptr, index, M, D, BM: tl.constexpr, BD: tl.constexpr, pred):
+    """_load_mat where the scalar `pred` holds, zeros elsewhere (no memory traffic)."""
+    offs, mask = _mat_offsets(index, M, D, BM, BD)
+    # (Written as a product: the interpreter turns `block & scalar` into int32, not a mask.)
+    mask = (mask.to(tl.int32) * pred.to(tl.int32)) != 0
+    return tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _store_mat(ptr, x, index, M, D, BM: tl.constexpr, BD: tl.constexpr):
+    offs, mask = _mat_offsets(index, M, D, BM, BD)
+    tl.store(ptr + offs, x, mask=mask)
+
+
+@triton.jit
+def _chunk_rows(i, off, L, C):
+    """Sequence-relative token range [lo, lo + nrows) of chunk i."""
+    lo = tl.maximum(i * C - off, 0)
+    hi = tl.minimum((i + 1) * C - off, L)
+    return lo, hi - lo
+
+
+@triton.jit
+def _log_decays(lb, nrows, BT: tl.constexpr):
+    """c = cumulative log decay inside the chunk, and c at the chunk's last token."""
+    r = tl.arange(0, BT)
+    c = tl.cumsum(lb, axis=0)
+    return c, tl.sum(tl.where(r == nrows - 1, c, 0.0), axis=0)
+
+
+@triton.jit
+def _decay_matrix(c, nrows, BT: tl.constexpr):
+    """E[r, i] = exp(c_r - c_i) for i <= r < nrows, else 0 (so D = E * gamma[None, :])."""
+    r = tl.arange(0, BT)
+    keep = (r[:, None] >= r[None, :]) & (r < nrows)[:, None]
+    return tl.exp(tl.where(keep, c[:, None] - c[None, :], float("-inf")))  # no overflow above the diagonal
+
+
+# ---------------------------------------------------------------------------------------------
+# Forward kernels.
+
+
+@triton.jit
+def _state_fwd_kernel(
+    x_ptr, al_ptr, lb_ptr, g_ptr, m0_ptr, a0_ptr,
+    seq_start_ptr, seq_len_ptr, off_ptr, base_ptr,
+    hs_ptr, m_out_ptr, a_out_ptr,
+    H, M, D, C,
+    BT: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, CF: tl.constexpr, PREC: tl.constexpr,
+):
+    n = tl.program_id(0)
+    h = tl.program_id(1)
+    start = tl.load(seq_start_ptr + n)
+    L = tl.load(seq_len_ptr + n)
+    off = tl.load(off_ptr + n)
+    base = tl.load(base_ptr + n)
+    cm = (tl.arange(0, BM) < M)[None, :]
+    S = _load_mat(m0_ptr, n * H + h, M, D, BM, BD)
+    A = _load_mat(a0_ptr, n * H + h, M, D, BM, BD)
+    # The given anchor counts when resuming mid-chunk, and passes through an empty sequence.
+    A = tl.where((off > 0) | (L == 0), A, S)
+    n_chunks = tl.where(L > 0, (off + L - 1) // C + 1, 0)
+    for i in range(0, n_chunks):
+        A = tl.where(i == 0, A, S)
+        _store_mat(hs_ptr, S, (base + i) * H + h, M, D, BM, BD)
+        lo, nrows = _chunk_rows(i, off, L, C)
+        X = _load_tok(x_ptr, start + lo, nrows, h, H, D, BT, BD)
+        Al = _load_tok(al_ptr, start + lo, nrows, h, H, M, BT, BM)
+        lb = _load_scal(lb_ptr, start + lo, nrows, h, H, BT)
+        g = _load_scal(g_ptr, start + lo, nrows, h, H, BT)
+        c, c_last = _log_decays(lb, nrows, BT)
+        w = g * tl.exp(c_last - c)
+        U = _residual_vjp(tl.dot(X, tl.trans(A), input_precision=PREC), Al, cm, M, CF)
+        S = tl.exp(c_last) * S - tl.dot(tl.trans(U * w[:, None]), X, input_precision=PREC)
+    _store_mat(m_out_ptr, S, n * H + h, M, D, BM, BD)
+    _store_mat(a_out_ptr, A, n * H + h, M, D, BM, BD)
+
+
+@triton.jit
+def _output_fwd_kernel(
+    q_ptr, k_ptr, v_ptr, al_ptr, lb_ptr, g_ptr, ak0_ptr, av0_ptr, hk_ptr, hv_ptr,
+    seq_start_ptr, seq_len_ptr, off_ptr, cseq_ptr, cidx_ptr,
+    o_ptr,
+    H, M, DK, DV, C,
+    BT: tl.constexpr, BM: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr,
+    CF: tl.constexpr, MF: tl.constexpr, PREC: tl.constexpr,
+):
+    j = tl.program_id(0)
+    h = tl.program_id(1)
+    n = tl.load(cseq_ptr + j)
+    if n >= 0:
+        i = tl.load(cidx_ptr + j)
+        start = tl.load(seq_start_ptr + n)
+        L = tl.load(seq_len_ptr + n)
+        off = tl.load(off_ptr + n)
+        lo, nrows = _chunk_rows(i, off, L, C)
+        tok0 = start + lo
+        cm = (tl.arange(0, BM) < M)[None, :]
+        SK = _load_mat(hk_ptr, j * H + h, M, DK, BM, BDK)
+        SV = _load_mat(hv_ptr, j * H + h, M, DV, BM, BDV)
+        resumed = (i == 0) & (off > 0)
+        AK = tl.where(resumed, _load_mat_if(ak0_ptr, n * H + h, M, DK, BM, BDK, resumed), SK)
+        AV = tl.where(resumed, _load_mat_if(av0_ptr, n * H + h, M, DV, BM, BDV, resumed), SV)
+        Q = _load_tok(q_ptr, tok0, nrows, h, H, DK, BT, BDK)
+        K = _load_tok(k_ptr, tok0, nrows, h, H, DK, BT, BDK)
+        V = _load_tok(v_ptr, tok0, nrows, h, H, DV, BT, BDV)
+        Al = _load_tok(al_ptr, tok0, nrows, h, H, M, BT, BM)
+        lb = _load_scal(lb_ptr, tok0, nrows, h, H, BT)
+        g = _load_scal(g_ptr, tok0, nrows, h, H, BT)
+        c, c_last = _log_decays(lb, nrows, BT)
+        E = _decay_matrix(c, nrows, BT)
+        mu = tl.exp(c)[:, None]
+        Dm = E * g[None, :]
+        UK = _residual_vjp(tl.dot(K, tl.trans(AK), input_precision=PREC), Al, cm, M, CF)
+        QK = tl.dot(Q, tl.trans(K), input_precision=PREC)
+        Y = mu * tl.dot(Q, tl.trans(SK), input_precision=PREC) - tl.dot(Dm * QK, UK, input_precision=PREC)
+        Hh = _mix(Y, cm, M, MF)
+        UV = _residual_vjp(tl.dot(V, tl.trans(AV), input_precision=PREC), Al, cm, M, CF)
+        HU = tl.dot(Hh, tl.trans(UV), input_precision=PREC)
+        O = mu * tl.dot(Hh, SV, input_precision=PREC) - tl.dot(Dm * HU, V, input_precision=PREC)
+        _store_tok(o_ptr, O, tok0, nrows, h, H, DV, BT, BDV)
+    else:  # a spare slot of the saved-memory buffer: give it defined contents
+        _store_mat(hk_ptr, tl.zeros([BM, BDK], dtype=tl.float32), j * H + h, M, DK, BM, BDK)
+        _store_mat(hv_ptr, tl.zeros([BM, BDV], dtype=tl.float32), j * H + h, M, DV, BM, BDV)
+
+
+@triton.jit
+def _recurrent_kernel(
+    q_ptr, k_ptr, v_ptr, al_ptr, lb_ptr, g_ptr, mk0_ptr, mv0_ptr, ak0_ptr, av0_ptr,
+    seq_start_ptr, seq_len_ptr, off_ptr,
+    o_ptr, mk_ptr, mv_ptr, ak_ptr, av_ptr,
+    H, M, DK, DV, C, T,
+    BM: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, CF: tl.constexpr, MF: tl.constexpr,
+    PACKED: tl.constexpr,
+):
+    """Token by token. The outputs may be the input state tensors (in-place update): every
+    program reads its own memories before the loop and writes them after it. Unless PACKED,
+    row n is tokens n*T .. n*T + T - 1 and the seq_* pointers are not read."""
+    n = tl.program_id(0)
+    h = tl.program_id(1)
+    if PACKED:
+        start = tl.load(seq_start_ptr + n)
+        L = tl.load(seq_len_ptr + n)
+    else:
+        start = n.to(tl.int64) * T
+        L = T
+    off = tl.load(off_ptr + n)
+    m = tl.arange(0, BM)
+    cm = (m < M)[None, :]
+    dk = tl.arange(0, BDK)
+    dv = tl.arange(0, BDV)
+    SK = _load_mat(mk0_ptr, n * H + h, M, DK, BM, BDK)
+    SV = _load_mat(mv0_ptr, n * H + h, M, DV, BM, BDV)
+    keep = (off > 0) | (L == 0)
+    AK = tl.where(keep, _load_mat(ak0_ptr, n * H + h, M, DK, BM, BDK), SK)
+    AV = tl.where(keep, _load_mat(av0_ptr, n * H + h, M, DV, BM, BDV), SV)
+    for t in range(0, L):
+        tok = (start + t).to(tl.int64)
+        new_chunk = (off + t) % C == 0
+        AK = tl.where(new_chunk, SK, AK)
+        AV = tl.where(new_chunk, SV, AV)
+        kk = tl.load(k_ptr + (tok * H + h) * DK + dk, mask=dk < DK, other=0.0).to(tl.float32)
+        qq = tl.load(q_ptr + (tok * H + h) * DK + dk, mask=dk < DK, other=0.0).to(tl.float32)
+        vv = tl.load(v_ptr + (tok * H + h) * DV + dv, mask=dv < DV, other=0.0).to(tl.float32)
+        al = tl.load(al_ptr + (tok * H + h) * M + m, mask=m < M, other=0.0).to(tl.float32)[None, :]
+        beta = tl.exp(tl.load(lb_ptr + tok * H + h).to(tl.float32))
+        gam = tl.load(g_ptr + tok * H + h).to(tl.float32)
+        uk = _residual_vjp(tl.sum(AK * kk[None, :], axis=1)[None, :], al, cm, M, CF)
+        SK = beta * SK - gam * tl.reshape(uk, [BM])[:, None] * kk[None, :]
+        hh = _mix(tl.sum(SK * qq[None, :], axis=1)[None, :], cm, M, MF)
+        uv = _residual_vjp(tl.sum(AV * vv[None, :], axis=1)[None, :], al, cm, M, CF)
+        SV = beta * SV - gam * tl.reshape(uv, [BM])[:, None] * vv[None, :]
+        o = tl.sum(SV * tl.reshape(hh, [BM])[:, None], axis=0)
+        tl.store(o_ptr + (tok * H + h) * DV + dv, o.to(o_ptr.dtype.element_ty), mask=dv < DV)
+    _store_mat(mk_ptr, SK, n * H + h, M, DK, BM, BDK)
+    _store_mat(mv_ptr, SV, n * H + h, M, DV, BM, BDV)
+    _store_mat(ak_ptr, AK, n * H + h, M, DK, BM, BDK)
+    _store_mat(av_ptr, AV, n * H + h, M, DV, BM, BDV)
+
+
+# ---------------------------------------------------------------------------------------------
+# Backward kernels.
+
+
+@triton.jit
+def _local_bwd_kernel(
+    q_ptr, k_ptr, v_ptr, al_ptr, lb_ptr, g_ptr, ak0_ptr, av0_ptr, hk_ptr, hv_ptr, do_ptr,
+    seq_start_ptr, seq_len_ptr, off_ptr, cseq_ptr, cidx_ptr,
+    dq_ptr, dk_ptr, dv_ptr, duk_ptr, duv_ptr, pk_ptr, pv_ptr, dg_ptr, dc_ptr,
+    H, M, DK, DV, C,
+    BT: tl.constexpr, BM: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr,
+    CF: tl.constexpr, MF: tl.constexpr, PREC: tl.constexpr,
+):
+    """triton_mirror.chunk_local_backward for one chunk and head."""
+    j = tl.program_id(0)
+    h = tl.program_id(1)
+    n = tl.load(cseq_ptr + j)
+    if n >= 0:
+        i = tl.load(cidx_ptr + j)
+        start = tl.load(seq_start_ptr + n)
+        L = tl.load(seq_len_ptr + n)
+        off = tl.load(off_ptr + n)
+        lo, nrows = _chunk_rows(i, off, L, C)
+        tok0 = start + lo
+        cm = (tl.arange(0, BM) < M)[None, :]
+        SK = _load_mat(hk_ptr, j * H + h, M, DK, BM, BDK)
+        SV = _load_mat(hv_ptr, j * H + h, M, DV, BM, BDV)
+        resumed = (i == 0) & (off > 0)
+        AK = tl.where(resumed, _load_mat_if(ak0_ptr, n * H + h, M, DK, BM, BDK, resumed), SK)
+        AV = tl.where(resumed, _load_mat_if(av0_ptr, n * H + h, M, DV, BM, BDV, resumed), SV)
+        Q = _load_tok(q_ptr, tok0, nrows, h, H, DK, BT, BDK)
+        K = _load_tok(k_ptr, tok0, nrows, h, H, DK, BT, BDK)
+        V = _load_tok(v_ptr, tok0, nrows, h, H, DV, BT, BDV)
+        dO = _load_tok(do_ptr, tok0, nrows, h, H, DV, BT, BDV)
+        Al = _load_tok(al_ptr, tok0, nrows, h, H, M, BT, BM)
+        lb = _load_scal(lb_ptr, tok0, nrows, h, H, BT)
+        g = _load_scal(g_ptr, tok0, nrows, h, H, BT)
+        c, c_last = _log_decays(lb, nrows, BT)
+        E = _decay_matrix(c, nrows, BT)
+        mu = tl.exp(c)
+        Dm = E * g[None, :]
+        # Recompute the chunk's forward.
+        UK = _residual_vjp(tl.dot(K, tl.trans(AK), input_precision=PREC), Al, cm, M, CF)
+        P = tl.dot(Q, tl.trans(SK), input_precision=PREC)
+        QK = tl.dot(Q, tl.trans(K), input_precision=PREC)
+        Y = mu[:, None] * P - tl.dot(Dm * QK, UK, input_precision=PREC)
+        Hh = _mix(Y, cm, M, MF)
+        UV = _residual_vjp(tl.dot(V, tl.trans(AV), input_precision=PREC), Al, cm, M, CF)
+        HS = tl.dot(Hh, SV, input_precision=PREC)
+        HU = tl.dot(Hh, tl.trans(UV), input_precision=PREC)
+        # Value read: O = mu * H SV - (D * H UV^T) V.
+        dOV = tl.dot(dO, tl.trans(V), input_precision=PREC)
+        dHU = -Dm * dOV
+        dD = -HU * dOV
+        dV = -tl.dot(tl.trans(Dm * HU), dO, input_precision=PREC)
+        dmu = tl.sum(HS * dO, axis=1)
+        dH = mu[:, None] * tl.dot(dO, tl.trans(SV), input_precision=PREC) + tl.dot(dHU, UV, input_precision=PREC)
+        dUV = tl.dot(tl.trans(dHU), Hh, input_precision=PREC)
+        # Key read: Y = mu * Q SK^T - (D * Q K^T) UK, H = f(Y).
+        dY = _mix_bwd(Y, dH, cm, M, MF)
+        dmu += tl.sum(P * dY, axis=1)
+        PK = mu[:, None] * dY
+        dQKD = -tl.dot(dY, tl.trans(UK), input_precision=PREC)
+        dQK = Dm * dQKD
+        dD += QK * dQKD
+        dQ = tl.dot(PK, SK, input_precision=PREC) + tl.dot(dQK, K, input_precision=PREC)
+        dK = tl.dot(tl.trans(dQK), Q, input_precision=PREC)
+        dUK = -tl.dot(tl.trans(Dm * QK), dY, input_precision=PREC)
+        # Gates: D[r, i] = gamma_i exp(c_r - c_i), mu_r = exp(c_r).
+        dg = tl.sum(dD * E, axis=0)
+        dDD = dD * Dm
+        dc = dmu * mu + tl.sum(dDD, axis=1) - tl.sum(dDD, axis=0)
+        _store_tok(dq_ptr, dQ, tok0, nrows, h, H, DK, BT, BDK)
+        _store_tok(dk_ptr, dK, tok0, nrows, h, H, DK, BT, BDK)
+        _store_tok(dv_ptr, dV, tok0, nrows, h, H, DV, BT, BDV)
+        _store_tok(duk_ptr, dUK, tok0, nrows, h, H, M, BT, BM)
+        _store_tok(duv_ptr, dUV, tok0, nrows, h, H, M, BT, BM)
+        _store_tok(pk_ptr, PK, tok0, nrows, h, H, M, BT, BM)
+        _store_tok(pv_ptr, mu[:, None] * Hh, tok0, nrows, h, H, M, BT, BM)
+        _store_scal(dg_ptr, dg, tok0, nrows, h, H, BT)
+        _store_scal(dc_ptr, dc, tok0, nrows, h, H, BT)
+
+
+@triton.jit
+def _chain_bwd_kernel(
+    x_ptr, al_ptr, lb_ptr, g_ptr, a0_ptr, hs_ptr, du_ptr, p_ptr, r_ptr, dm_fin_ptr, da_fin_ptr,
+    seq_start_ptr, seq_len_ptr, off_ptr, base_ptr,
+    dx_ptr, dal_ptr, dg_ptr, dc_ptr, dlb_ptr, dm0_ptr, da0_ptr,
+    H, M, D, DR, C,
+    BT: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, BDR: tl.constexpr,
+    CF: tl.constexpr, ADD_ALPHA: tl.constexpr, FINISH: tl.constexpr, PREC: tl.constexpr,
+):
+    """triton_mirror.chunk_chain_backward over one sequence's chunks in reverse, one pass.
+
+    Adds into dx, dg, dc (written by the local kernel) and into dal when ADD_ALPHA; with
+    FINISH (the last pass) also writes dlb, the reverse cumulative sum of dc in each chunk.
+    """
+    n = tl.program_id(0)
+    h = tl.program_id(1)
+    start = tl.load(seq_start_ptr + n)
+    L = tl.load(seq_len_ptr + n)
+    off = tl.load(off_ptr + n)
+    base = tl.load(base_ptr + n)
+    r = tl.arange(0, BT)
+    cm = (tl.arange(0, BM) < M)[None, :]
+    dS = _load_mat(dm_fin_ptr, n * H + h, M, D, BM, BD)
+    dA_fin = _load_mat(da_fin_ptr, n * H + h, M, D, BM, BD)
+    dA0 = tl.zeros([BM, BD], dtype=tl.float32)
+    n_chunks = tl.where(L > 0, (off + L - 1) // C + 1, 0)
+    for ii in range(0, n_chunks):
+        i = n_chunks - 1 - ii
+        lo, nrows = _chunk_rows(i, off, L, C)
+        tok0 = start + lo
+        S = _load_mat(hs_ptr, (base + i) * H + h, M, D, BM, BD)
+        resumed = (i == 0) & (off > 0)
+        A = tl.where(resumed, _load_mat_if(a0_ptr, n * H + h, M, D, BM, BD, resumed), S)
+        X = _load_tok(x_ptr, tok0, nrows, h, H, D, BT, BD)
+        Al = _load_tok(al_ptr, tok0, nrows, h, H, M, BT, BM)
+        dU = _load_tok(du_ptr, tok0, nrows, h, H, M, BT, BM)
+        P = _load_tok(p_ptr, tok0, nrows, h, H, M, BT, BM)
+        R = _load_tok(r_ptr, tok0, nrows, h, H, DR, BT, BDR)
+        lb = _load_scal(lb_ptr, tok0, nrows, h, H, BT)
+        g = _load_scal(g_ptr, tok0, nrows, h, H, BT)
+        c, c_last = _log_decays(lb, nrows, BT)
+        wexp = tl.where(r < nrows, tl.exp(c_last - c), 0.0)
+        w = g * wexp
+        mu_last = tl.exp(c_last)
+        Z = tl.dot(X, tl.trans(A), input_precision=PREC)
+        U = _residual_vjp(Z, Al, cm, M, CF)
+        XdS = tl.dot(X, tl.trans(dS), input_precision=PREC)
+        dU = dU - w[:, None] * XdS
+        dw = -tl.sum(U * XdS, axis=1)
+        dX = -tl.dot(w[:, None] * U, dS, input_precision=PREC)
+        dmu_last = tl.sum(tl.sum(S * dS, axis=1), axis=0)
+        dZ, dAl = _residual_vjp_bwd(Z, Al, dU, cm, M, CF)
+        dX += tl.dot(dZ, A, input_precision=PREC)
+        dA = tl.dot(tl.trans(dZ), X, input_precision=PREC)
+        dA += tl.where(ii == 0, dA_fin, 0.0)  # the final state's anchor is the last chunk's
+        dg = dw * wexp
+        dc = -dw * w + tl.where(r == nrows - 1, tl.sum(dw * w, axis=0) + dmu_last * mu_last, 0.0)
+        dX += _load_tok(dx_ptr, tok0, nrows, h, H, D, BT, BD)
+        _store_tok(dx_ptr, dX, tok0, nrows, h, H, D, BT, BD)
+        if ADD_ALPHA:
+            dAl += _load_tok(dal_ptr, tok0, nrows, h, H, M, BT, BM)
+        _store_tok(dal_ptr, dAl, tok0, nrows, h, H, M, BT, BM)
+        dg += _load_scal(dg_ptr, tok0, nrows, h, H, BT)
+        _store_scal(dg_ptr, dg, tok0, nrows, h, H, BT)
+        dc += _load_scal(dc_ptr, tok0, nrows, h, H, BT)
+        if FINISH:
+            _store_scal(dlb_ptr, tl.cumsum(dc, axis=0, reverse=True), tok0, nrows, h, H, BT)
+        else:
+            _store_scal(dc_ptr, dc, tok0, nrows, h, H, BT)
+        dS = mu_last * dS + tl.dot(tl.trans(P), R, input_precision=PREC) + tl.where(resumed, 0.0, dA)
+        dA0 += tl.where(resumed, dA, 0.0)
+    dA0 = tl.where(n_chunks == 0, dA_fin, dA0)  # an empty sequence hands its anchor through
+    _store_mat(dm0_ptr, dS, n * H + h, M, D, BM, BD)
+    _store_mat(da0_ptr, dA0, n * H + h, M, D, BM, BD)
+
+
+# ---------------------------------------------------------------------------------------------
+# Host side.
+
+
+def _pow2(n: int) -> int:
+    return max(16, triton.next_power_of_2(n))
+
+
+def _warps(*dims: int) -> int:
+    """Warps per program. The chunk kernels hold many [64, 64] float32 tiles at once; the
+    sm_90 compiles spill fewer registers with 8 warps at D <= 64 and 16 above (untimed)."""
+    return 8 if max(dims) <= 64 else 16
+
+
+def _stages(kernel: str, *tiles: int) -> int:
+    """Software-pipelining depth of the chunk loops (more stages = more shared memory)."""
+    if kernel == "state":
+        return 2
+    if kernel == "chain":
+        return 2 if max(tiles) <= 64 else 1
+    return 1  # no loop to pipeline
+
+
+def _codes(compress_fn: str, mix_fn: str) -> tuple[int, int]:
+    return COMPRESS_FNS.index(compress_fn), MIX_FNS.index(mix_fn)
+
+
+def _use_recurrent(length: int, chunk_size: int) -> bool:
+    """Token by token for the exact recurrence and for one-token steps (see the module doc)."""
+    return chunk_size == 1 or length == 1
+
+
+def _state_pass(x, alpha, log_beta, gamma, m0, a0, plan, chunk_size, cf):
+    """Run the state chain of one pass; returns (chunk-start memories, final memory, final anchor)."""
+    rows, heads, slots_m, dim = m0.shape
+    hs = x.new_empty((plan.slots, heads, slots_m, dim), dtype=torch.float32)
+    m_out = torch.empty_like(m0, dtype=torch.float32)
+    a_out = torch.empty_like(m0, dtype=torch.float32)
+    if rows * heads:
+        _state_fwd_kernel[(rows, heads)](
+            x, alpha, log_beta, gamma, m0, a0,
+            plan.seq_start, plan.seq_len, plan.offset, plan.chunk_base,
+            hs, m_out, a_out,
+            heads, slots_m, dim, chunk_size,
+            BT=_pow2(chunk_size), BM=_pow2(slots_m), BD=_pow2(dim), CF=cf, PREC=DOT_PRECISION,
+            num_warps=_warps(dim, slots_m), num_stages=_stages("state"),
+        )
+    return hs, m_out, a_out
+
+
+def recurrent_launch(q, k, v, alpha, log_beta, gamma, m_k, m_v, anchor_k, anchor_v, offset, cu_seqlens,
+                     o, outs, chunk_size, cf, mf):
+    """One launch of the token-by-token kernel; ``outs`` = new (m_k, m_v, anchor_k, anchor_v),
+    which may be the state tensors themselves (in-place update)."""
+    length, heads, dk = q.shape[1:]
+    dv, slots_m = v.shape[-1], alpha.shape[-1]
+    rows = offset.numel()
+    if cu_seqlens is None:
+        seq_start = seq_len = offset  # not read
+    else:
+        seq_start, seq_len = cu_seqlens[:-1].contiguous(), (cu_seqlens[1:] - cu_seqlens[:-1]).contiguous()
+    if rows * heads:
+        _recurrent_kernel[(rows, heads)](
+            q, k, v, alpha, log_beta, gamma, m_k, m_v, anchor_k, anchor_v,
+            seq_start, seq_len, offset,
+            o, *outs,
+            heads, slots_m, dk, dv, chunk_size, length,
+            BM=_pow2(slots_m), BDK=_pow2(dk), BDV=_pow2(dv), CF=cf, MF=mf, PACKED=cu_seqlens is not None,
+            num_warps=_warps(dk, dv, slots_m), num_stages=1,
+        )
+
+
+def _forward_impl(q, k, v, alpha, log_beta, gamma, m_k, m_v, anchor_k, anchor_v, offset, cu_seqlens,
+                  chunk_size, compress_fn, mix_fn):
+    """All tensors contiguous float32 on one device. Returns (o, m_k, m_v, a_k, a_v, h_k, h_v);
+    h_* are empty when the recurrent kernel ran (nothing saved: the backward recomputes them)."""
+    batch, length, heads, dk = q.shape
+    dv, slots_m = v.shape[-1], alpha.shape[-1]
+    cf, mf = _codes(compress_fn, mix_fn)
+    o = torch.empty_like(v)
+    if _use_recurrent(length, chunk_size):
+        outs = [torch.empty_like(t) for t in (m_k, m_v, anchor_k, anchor_v)]
+        recurrent_launch(q, k, v, alpha, log_beta, gamma, m_k, m_v, anchor_k, anchor_v, offset, cu_seqlens,
+                         o, outs, chunk_size, cf, mf)
+        return (o, *outs, q.new_empty((0,)), q.new_empty((0,)))
+    plan = make_plan(offset, batch, length, chunk_size, cu_seqlens)
+    h_k, mk_out, ak_out = _state_pass(k, alpha, log_beta, gamma, m_k, anchor_k, plan, chunk_size, cf)
+    h_v, mv_out, av_out = _state_pass(v, alpha, log_beta, gamma, m_v, anchor_v, plan, chunk_size, cf)
+    _output_fwd_kernel[(plan.slots, heads)](
+        q, k, v, alpha, log_beta, gamma, anchor_k, anchor_v, h_k, h_v,
+        plan.seq_start, plan.seq_len, plan.offset, plan.chunk_seq, plan.chunk_idx,
+        o,
+        heads, slots_m, dk, dv, chunk_size,
+        BT=_pow2(chunk_size), BM=_pow2(slots_m), BDK=_pow2(dk), BDV=_pow2(dv), CF=cf, MF=mf, PREC=DOT_PRECISION,
+        num_warps=_warps(dk, dv, slots_m), num_stages=_stages("output"),
+    )
+    return o, mk_out, mv_out, ak_out, av_out, h_k, h_v
+
+
+def _backward_impl(q, k, v, alpha, log_beta, gamma, m_k, m_v, anchor_k, anchor_v, offset, cu_seqlens,
+                   h_k, h_v, d_o, d_mk, d_mv, d_ak, d_av, chunk_size, compress_fn, mix_fn):
+    """Gradients for (q, k, v, alpha, log_beta, gamma, m_k, m_v, anchor_k, anchor_v)."""
+    batch, length, heads, dk = q.shape
+    dv, slots_m = v.shape[-1], alpha.shape[-1]
+    rows = offset.numel()
+    cf, mf = _codes(compress_fn, mix_fn)
+    plan = make_plan(offset, batch, length, chunk_size, cu_seqlens)
+    if h_k.numel() == 0 and plan.slots > 0:  # the forward ran token by token: rebuild the chunk starts
+        h_k = _state_pass(k, alpha, log_beta, gamma, m_k, anchor_k, plan, chunk_size, cf)[0]
+        h_v = _state_pass(v, alpha, log_beta, gamma, m_v, anchor_v, plan, chunk_size, cf)[0]
+    BT, BM, BDK, BDV = _pow2(chunk_size), _pow2(slots_m), _pow2(dk), _pow2(dv)
+    dq, dk_, dv_ = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    du_k, du_v, p_k, p_v, d_alpha = (torch.empty_like(alpha) for _ in range(5))
+    d_gamma, dc, d_lb = torch.empty_like(gamma), torch.empty_like(gamma), torch.empty_like(log_beta)
+    d_m0 = [torch.empty_like(m_k), torch.empty_like(m_v)]
+    d_a0 = [torch.empty_like(anchor_k), torch.empty_like(anchor_v)]
+    warps = _warps(dk, dv, slots_m)
+    if plan.slots * heads:
+        _local_bwd_kernel[(plan.slots, heads)](
+            q, k, v, alpha, log_beta, gamma, anchor_k, anchor_v, h_k, h_v, d_o,
+            plan.seq_start, plan.seq_len, plan.offset, plan.chunk_seq, plan.chunk_idx,
+            dq, dk_, dv_, du_k, du_v, p_k, p_v, d_gamma, dc,
+            heads, slots_m, dk, dv, chunk_size,
+            BT=BT, BM=BM, BDK=BDK, BDV=BDV, CF=cf, MF=mf, PREC=DOT_PRECISION, num_warps=warps,
+            num_stages=_stages("local"),
+        )
+    passes = (  # values first, keys last (the key pass finishes dlog_beta)
+        (v, anchor_v, h_v, du_v, p_v, d_o, d_mv, d_av, dv_, 1, dv, BDV, False),
+        (k, anchor_k, h_k, du_k, p_k, q, d_mk, d_ak, dk_, 0, dk, BDK, True),
+    )
+    if rows * heads:
+        for x, a0, hs, du, p, r, dm_fin, da_fin, dx, which, dim, bd, finish in passes:
+            _chain_bwd_kernel[(rows, heads)](
+                x, alpha, log_beta, gamma, a0, hs, du, p, r, dm_fin, da_fin,
+                plan.seq_start, plan.seq_len, plan.offset, plan.chunk_base,
+                dx, d_alpha, d_gamma, dc, d_lb, d_m0[which], d_a0[which],
+                heads, slots_m, dim, r.shape[-1], chunk_size,
+                BT=BT, BM=BM, BD=bd, BDR=_pow2(r.shape[-1]), CF=cf, ADD_ALPHA=finish, FINISH=finish,
+                PREC=DOT_PRECISION, num_warps=warps, num_stages=_stages("chain", BT, BM, bd, _pow2(r.shape[-1])),
+            )
+    return dq, dk_, dv_, d_alpha, d_lb, d_gamma, d_m0[0], d_m0[1], d_a0[0], d_a0[1]
+
+
+# ---------------------------------------------------------------------------------------------
+# Custom ops (so torch.compile traces through the op) and their autograd.
+
+
+@torch.library.custom_op("trellis_lm::triton_chunk_fwd", mutates_args=())
+def _fwd_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, alpha: torch.Tensor, log_beta: torch.Tensor,
+    gamma: torch.Tensor, m_k: torch.Tensor, m_v: torch.Tensor, anchor_k: torch.Tensor, anchor_v: torch.Tensor,
+    offset: torch.Tensor, cu_seqlens: Optional[torch.Tensor], chunk_size: int, compress_fn: str, mix_fn: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _forward_impl(q, k, v, alpha, log_beta, gamma, m_k, m_v, anchor_k, anchor_v, offset, cu_seqlens,
+                         chunk_size, compress_fn, mix_fn)
+
+
+@_fwd_op.register_fake
+def _(q, k, v, alpha, log_beta, gamma, m_k, m_v, anchor_k, anchor_v, offset, cu_seqlens, chunk_size, compress_fn, mix_fn):
+    batch, length = q.shape[:2]
+    news = [torch.empty_like(t) for t in (m_k, m_v, anchor_k, anchor_v)]
+    if _use_recurrent(length, chunk_size):
+        return (torch.empty_like(v), *news, q.new_empty((0,)), q.new_empty((0,)))
+    slots = chunk_slots(offset.shape[0], batch, length, chunk_size, cu_seqlens is not None)
+    return (torch.empty_like(v), *news, m_k.new_empty((slots,) + tuple(m_k.shape[1:])),
+            m_v.new_empty((slots,) + tuple(m_v.shape[1:])))
+
+
+@torch.library.custom_op("trellis_lm::triton_chunk_bwd", mutates_args=())
+def _bwd_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, alpha: torch.Tensor, log_beta: torch.Tensor,
+    gamma: torch.Tensor, m_k: torch.Tensor, m_v: torch.Tensor, anchor_k: torch.Tensor, anchor_v: torch.Tensor,
+    offset: torch.Tensor, cu_seqlens: Optional[torch.Tensor], h_k: torch.Tensor, h_v: torch.Tensor,
+    d_o: torch.Tensor, d_mk: torch.Tensor, d_mv: torch.Tensor, d_ak: torch.Tensor, d_av: torch.Tensor,
+    chunk_size: int, compress_fn: str, mix_fn: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+           torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _backward_impl(q, k, v, alpha, log_beta, gamma, m_k, m_v, anchor_k, anchor_v, offset, cu_seqlens,
+                          h_k, h_v, d_o, d_mk, d_mv, d_ak, d_av, chunk_size, compress_fn, mix_fn)
+
+
+@_bwd_op.register_fake
+def _(q, k, v, alpha, log_beta, gamma, m_k, m_v, anchor_k, anchor_v, offset, cu_seqlens, h_k, h_v,
+      d_o, d_mk, d_mv, d_ak, d_av, chunk_size, compress_fn, mix_fn):
+    return tuple(torch.empty_like(t) for t in (q, k, v, alpha, log_beta, gamma, m_k, m_v, anchor_k, anchor_v))
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, alpha, log_beta, gamma, m_k, m_v, anchor_k, anchor_v, offset, cu_seqlens, chunk_size, cf, mf = inputs
+    h_k, h_v = output[5], output[6]
+    ctx.save_for_backward(q, k, v, alpha, log_beta, gamma, m_k, m_v, anchor_k, anchor_v, offset, h_k, h_v)
+    ctx.cu_seqlens = cu_seqlens
+    ctx.args = (chunk_size, cf, mf)
+
+
+def _backward(ctx, d_o, d_mk, d_mv, d_ak, d_av, _d_hk, _d_hv):
+    q, k, v, alpha, log_beta, gamma, m_k, m_v, anchor_k, anchor_v, offset, h_k, h_v = ctx.saved_tensors
+    fill = lambda g, like: torch.zeros_like(like) if g is None else g.contiguous()  # noqa: E731
+    grads = _bwd_op(q, k, v, alpha, log_beta, gamma, m_k, m_v, anchor_k, anchor_v, offset, ctx.cu_seqlens,
+                    h_k, h_v, fill(d_o, v), fill(d_mk, m_k), fill(d_mv, m_v), fill(d_ak, anchor_k),
+                    fill(d_av, anchor_v), *ctx.args)
+    return tuple(grads) + (None,) * 5
+
+
+_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ---------------------------------------------------------------------------------------------
+# The backend.
+
+
+def _check_device(q: torch.Tensor) -> None:
+    if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            f"backend 'triton' runs on CUDA tensors (got {q.device}); on CPU set TRITON_INTERPRET=1 "
+            "before importing triton (slow: for tests), or use backend 'torch'"
+        )
+
+
+def triton_forward(q, k, v, alpha, log_beta, gamma, state: TrellisState, chunk_size, compress_fn, mix_fn, cu_seqlens):
+    """Backend ``"triton"``; arguments as validated by :func:`trellis_lm.ops.trellis_attention`."""
+    if q.dtype == torch.float64:
+        return chunked_forward(q, k, v, alpha, log_beta, gamma, state, chunk_size, compress_fn, mix_fn, cu_seqlens)
+    _check_device(q)
+    f32 = lambda t: t.to(torch.float32).contiguous()  # noqa: E731
+    offset = state.offset.to(torch.long).contiguous()
+    o, m_k, m_v, a_k, a_v, _, _ = _fwd_op(
+        *(f32(t) for t in (q, k, v, alpha, log_beta, gamma)),
+        *(f32(t) for t in (state.m_k, state.m_v, state.anchor_k, state.anchor_v)),
+        offset, cu_seqlens, chunk_size, compress_fn, mix_fn,
+    )
+    lengths = torch.full_like(offset, q.shape[1]) if cu_seqlens is None else cu_seqlens[1:] - cu_seqlens[:-1]
+    return o, TrellisState(m_k, m_v, a_k, a_v, (offset + lengths.to(offset.device)) % chunk_size)

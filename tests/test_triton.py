@@ -1,0 +1,389 @@
+"""Backend "triton" against the per-token reference.
+
+Without a GPU the kernels run in Triton's interpreter (numpy, float32), so shapes are tiny and
+tolerances are float32 ones. On a CUDA machine they run on the GPU. The PyTorch mirror of the
+kernels' decomposition (forward and hand-derived backward) is checked in float64 against
+autograd of the reference, to 1e-9, whether or not triton is installed.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+ON_GPU = torch.cuda.is_available()  # without a GPU, conftest.py switches triton to its interpreter
+
+from op_inputs import make_inputs, make_state  # noqa: E402
+from trellis_lm.ops import TrellisState, trellis_attention  # noqa: E402
+from trellis_lm.ops.dispatch import BACKENDS, HAVE_TRITON, _pick_backend  # noqa: E402
+from trellis_lm.ops.triton_mirror import mirror_op  # noqa: E402
+
+needs_triton = pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
+DEVICE = "cuda" if ON_GPU else "cpu"
+NAMES = ["q", "k", "v", "alpha", "log_beta", "gamma", "m_k", "m_v", "anchor_k", "anchor_v"]
+
+
+def _inputs(B, T, H, Dk, Dv, M, C, *, seed=0, dtype=torch.float32, grad=False, rows=None):
+    torch.manual_seed(seed)
+    x = [t.to(DEVICE).detach().requires_grad_(grad) for t in make_inputs(B, T, H, Dk, Dv, M, dtype=dtype, seed=seed)]
+    state = make_state(rows or B, H, Dk, Dv, M, chunk_size=C, dtype=dtype)
+    state = state.map(lambda t: t.to(DEVICE).detach().requires_grad_(grad and t.is_floating_point()))
+    return x, state
+
+
+def run(backend, x, **kw):
+    return trellis_attention(*x, backend=backend, output_final_state=True, **kw)
+
+
+def assert_close_f32(got, expected, name=""):
+    """Max error relative to the tensor's scale (float32 arithmetic in a different order)."""
+    got, expected = got.double().cpu(), expected.double().cpu()
+    scale = expected.abs().max().clamp(min=1e-6)
+    err = (got - expected).abs().max() / scale
+    assert err < 2e-5, f"{name}: max error {err:.2e} relative to max |expected| {scale:.2e}"
+
+
+def assert_states_close(a: TrellisState, b: TrellisState):
+    for name, t in a.tensors().items():
+        if name == "offset":
+            assert torch.equal(t.cpu(), b.offset.cpu())
+        else:
+            assert_close_f32(t, b.tensors()[name], name)
+
+
+def _grads(backend, x, state, cu_seqlens=None, **kw):
+    o, s = run(backend, x, initial_state=state, cu_seqlens=cu_seqlens, **kw)
+    gen = torch.Generator().manual_seed(0)
+    outs = [o] + [t for name, t in s.tensors().items() if name != "offset"]
+    loss = sum((t * torch.randn(t.shape, generator=gen, dtype=t.dtype).to(t.device)).sum() for t in outs)
+    leaves = list(x) + [t for name, t in state.tensors().items() if name != "offset"]
+    return torch.autograd.grad(loss, leaves)
+
+
+# ---------------------------------------------------------------------------------------------
+# The hand-derived backward, in PyTorch float64 (no triton needed).
+
+
+@pytest.mark.parametrize("C,cf,mf", [
+    (1, "layernorm", "ln_silu"), (4, "layernorm", "ln_silu"), (5, "l2norm", "softmax"), (3, "identity", "l2_silu"),
+])
+def test_mirror_matches_reference_autograd_float64(C, cf, mf):
+    x = make_inputs(2, 11, 2, 3, 4, 5, requires_grad=True, seed=C)
+    state = make_state(2, 2, 3, 4, 5, chunk_size=C, requires_grad=True)
+    BACKENDS["mirror"] = mirror_op
+    try:
+        o, s = run("mirror", x, initial_state=state, chunk_size=C, compress_fn=cf, mix_fn=mf)
+        o_ref, s_ref = run("reference", x, initial_state=state, chunk_size=C, compress_fn=cf, mix_fn=mf)
+        torch.testing.assert_close(o, o_ref, rtol=1e-9, atol=1e-9)
+        got = _grads("mirror", x, state, chunk_size=C, compress_fn=cf, mix_fn=mf)
+        expected = _grads("reference", x, state, chunk_size=C, compress_fn=cf, mix_fn=mf)
+    finally:
+        del BACKENDS["mirror"]
+    for name, g, e in zip(NAMES, got, expected):
+        torch.testing.assert_close(g, e, rtol=1e-8, atol=1e-9, msg=lambda m: f"d/d{name}: {m}")
+
+
+def test_mirror_varlen_gradients_float64():
+    lengths = [4, 0, 7, 1]
+    x = make_inputs(1, sum(lengths), 2, 3, 3, 4, requires_grad=True, seed=3)
+    state = make_state(4, 2, 3, 3, 4, chunk_size=3, requires_grad=True)
+    cu = torch.tensor([0] + lengths).cumsum(0)
+    BACKENDS["mirror"] = mirror_op
+    try:
+        got = _grads("mirror", x, state, cu, chunk_size=3)
+        expected = _grads("reference", x, state, cu, chunk_size=3)
+    finally:
+        del BACKENDS["mirror"]
+    for name, g, e in zip(NAMES, got, expected):
+        torch.testing.assert_close(g, e, rtol=1e-8, atol=1e-9, msg=lambda m: f"d/d{name}: {m}")
+
+
+def test_auto_picks_triton_for_cuda_tensors():
+    if not HAVE_TRITON:
+        pytest.skip("triton is not installed")
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert _pick_backend("auto", 100, False, cuda) is BACKENDS["triton"]
+    assert _pick_backend("auto", 1, False, cuda) is BACKENDS["triton"]
+    assert _pick_backend("auto", 100, False, cpu) is BACKENDS["torch"]
+    assert _pick_backend("auto", 1, False, cpu) is BACKENDS["reference"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Forward.
+
+
+@needs_triton
+@pytest.mark.parametrize("C,cf,mf,T", [
+    (4, "layernorm", "ln_silu", 13),
+    (4, "l2norm", "softmax", 13),
+    (3, "identity", "l2_silu", 13),
+    (1, "layernorm", "ln_silu", 13),   # the exact recurrence (token-by-token kernel)
+    (1, "l2norm", "softmax", 6),
+    (16, "layernorm", "ln_silu", 13),  # one chunk longer than the input
+    (4, "layernorm", "softmax", 8),    # T a multiple of C
+])
+def test_forward_matches_reference(C, cf, mf, T):
+    x, state = _inputs(2, T, 2, 5, 7, 6, C, seed=C + T)
+    kw = dict(initial_state=state, chunk_size=C, compress_fn=cf, mix_fn=mf)
+    o, s = run("triton", x, **kw)
+    o_ref, s_ref = run("reference", x, **kw)
+    assert o_ref.abs().max() > 0.1
+    assert_close_f32(o, o_ref, "o")
+    assert_states_close(s, s_ref)
+
+
+@needs_triton
+# Zero memories under layernorm compression divide by sqrt(eps) (design page, section 5): the
+# reads are ~1e3 and numpy's sigmoid overflows on the way to its exact limit, 0.
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
+def test_zero_state_and_chunk_start():
+    x, _ = _inputs(2, 9, 1, 4, 4, 3, 4, seed=1)
+    o, s = run("triton", x, chunk_size=4)
+    o_ref, s_ref = run("reference", x, chunk_size=4)
+    assert_close_f32(o, o_ref, "o")
+    assert_states_close(s, s_ref)
+
+
+@needs_triton
+@pytest.mark.parametrize("C", [4, 1])
+def test_resume_mid_chunk(C):
+    """op(x[:a]) then op(x[a:], state) == op(x), with splits inside a chunk."""
+    x, state = _inputs(2, 11, 2, 5, 7, 6, C, seed=5)
+    o_all, s_all = run("reference", x, initial_state=state, chunk_size=C)
+    for split in (3, 6):
+        o1, s1 = run("triton", [t[:, :split] for t in x], initial_state=state, chunk_size=C)
+        o2, s2 = run("triton", [t[:, split:] for t in x], initial_state=s1, chunk_size=C)
+        assert_close_f32(torch.cat([o1, o2], dim=1), o_all, f"o (split {split})")
+        assert_states_close(s2, s_all)
+
+
+@needs_triton
+@pytest.mark.parametrize("C", [4, 1])
+def test_varlen_with_an_empty_sequence(C):
+    lengths = [5, 0, 9, 1, 3]
+    x, state = _inputs(1, sum(lengths), 2, 5, 7, 6, C, seed=7, rows=len(lengths))
+    cu = torch.tensor([0] + lengths, device=DEVICE).cumsum(0)
+    o, s = run("triton", x, initial_state=state, chunk_size=C, cu_seqlens=cu)
+    o_ref, s_ref = run("reference", x, initial_state=state, chunk_size=C, cu_seqlens=cu)
+    assert_close_f32(o, o_ref, "o")
+    assert_states_close(s, s_ref)
+    empty = s.map(lambda t: t[1:2])  # the empty sequence hands its state back untouched
+    for name, t in empty.tensors().items():
+        assert torch.equal(t, state.tensors()[name][1:2]), name
+
+
+@needs_triton
+def test_low_precision_inputs_keep_float32_state():
+    x, state = _inputs(2, 9, 2, 8, 8, 6, 4, seed=2)
+    xb = [t.to(torch.bfloat16) for t in x]
+    o, s = run("triton", xb, initial_state=state, chunk_size=4)
+    assert o.dtype == torch.bfloat16 and s.m_k.dtype == torch.float32
+    o_ref, _ = run("reference", [t.float() for t in xb], initial_state=state, chunk_size=4)
+    assert ((o.float() - o_ref).norm() / o_ref.norm()) < 1e-2
+
+
+def test_float64_runs_the_torch_path():
+    if not HAVE_TRITON:
+        pytest.skip("triton is not installed")
+    x, state = _inputs(1, 7, 1, 3, 3, 4, 3, dtype=torch.float64)
+    o, _ = run("triton", x, initial_state=state, chunk_size=3)
+    o_ref, _ = run("reference", x, initial_state=state, chunk_size=3)
+    torch.testing.assert_close(o, o_ref, rtol=1e-9, atol=1e-9)
+
+
+# ---------------------------------------------------------------------------------------------
+# Backward.
+
+
+@needs_triton
+@pytest.mark.parametrize("C,cf,mf,T", [
+    (4, "layernorm", "ln_silu", 13),
+    (5, "l2norm", "softmax", 13),
+    (3, "identity", "l2_silu", 13),
+    (1, "layernorm", "ln_silu", 6),  # token-by-token forward; the backward rebuilds the chunk starts
+])
+def test_gradients_match_reference(C, cf, mf, T):
+    x, state = _inputs(2, T, 2, 5, 7, 6, C, seed=11 + C, grad=True)
+    kw = dict(chunk_size=C, compress_fn=cf, mix_fn=mf)
+    got = _grads("triton", x, state, **kw)
+    expected = _grads("reference", x, state, **kw)
+    for name, g, e in zip(NAMES, got, expected):
+        assert e.abs().max() > 0 or name.startswith("anchor"), name
+        assert_close_f32(g, e, f"d/d{name}")
+
+
+@needs_triton
+def test_gradients_flow_through_anchors():
+    """Mid-chunk resume: the first chunk's writes are taken at the given anchors."""
+    x, state = _inputs(1, 6, 1, 3, 3, 4, 4, seed=4, grad=True)
+    with torch.no_grad():
+        state.offset.fill_(2)
+    got = _grads("triton", x, state, chunk_size=4)
+    expected = _grads("reference", x, state, chunk_size=4)
+    assert expected[-2].abs().max() > 1e-3 and expected[-1].abs().max() > 1e-3
+    for name, g, e in zip(NAMES, got, expected):
+        assert_close_f32(g, e, f"d/d{name}")
+
+
+@needs_triton
+def test_varlen_gradients_match_reference():
+    lengths = [4, 0, 7, 2]
+    x, state = _inputs(1, sum(lengths), 2, 5, 7, 6, 3, seed=9, grad=True, rows=len(lengths))
+    cu = torch.tensor([0] + lengths, device=DEVICE).cumsum(0)
+    got = _grads("triton", x, state, cu, chunk_size=3)
+    expected = _grads("reference", x, state, cu, chunk_size=3)
+    for name, g, e in zip(NAMES, got, expected):
+        assert_close_f32(g, e, f"d/d{name}")
+
+
+@needs_triton
+def test_custom_op_checks_and_compiles():
+    """torch.library.opcheck (schema, fake tensors, autograd registration, AOT dispatch), then
+    torch.compile(fullgraph=True) through forward and backward."""
+    from trellis_lm.ops.triton_chunk import _fwd_op, triton_forward
+
+    x, state = _inputs(2, 6, 1, 3, 4, 5, 4, seed=1, grad=True)
+    tensors = list(x) + [state.m_k, state.m_v, state.anchor_k, state.anchor_v]
+    torch.library.opcheck(_fwd_op, tensors + [state.offset, None, 4, "layernorm", "ln_silu"])
+
+    def loss(*ts):
+        o, s = triton_forward(*ts[:6], TrellisState(*ts[6:], state.offset), 4, "layernorm", "ln_silu", None)
+        return o.square().sum() + s.m_k.sum() + s.anchor_v.square().sum()
+
+    compiled = torch.compile(loss, backend="aot_eager", fullgraph=True)
+    got = torch.autograd.grad(compiled(*tensors), tensors)
+    expected = torch.autograd.grad(loss(*tensors), tensors)
+    for name, g, e in zip(NAMES, got, expected):
+        torch.testing.assert_close(g, e, rtol=0, atol=0, msg=lambda m: f"d/d{name}: {m}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Decode step.
+
+
+@needs_triton
+@pytest.mark.parametrize("C", [3, 1])
+def test_decode_step_updates_the_state_in_place(C):
+    from trellis_lm.ops.triton_decode import trellis_decode_step_
+
+    x, state = _inputs(2, 5, 2, 5, 7, 6, C, seed=13)
+    o_ref, s_ref = run("reference", x, initial_state=state, chunk_size=C)
+    live = state.map(lambda t: t.detach().clone())
+    pointers = [t.data_ptr() for t in live.tensors().values()]
+    with torch.no_grad():
+        outs = [trellis_decode_step_(*[t[:, p : p + 1] for t in x], live, chunk_size=C) for p in range(5)]
+    assert [t.data_ptr() for t in live.tensors().values()] == pointers
+    assert_close_f32(torch.cat(outs, dim=1), o_ref, "o")
+    assert_states_close(live, s_ref)
+
+
+@needs_triton
+def test_decode_step_rejects_a_shared_anchor():
+    from trellis_lm.ops.triton_decode import trellis_decode_step_
+
+    x, state = _inputs(1, 1, 1, 3, 3, 4, 4)
+    shared = TrellisState.at_chunk_start(state.m_k, state.m_v)
+    with pytest.raises(ValueError, match="must not share storage"):
+        trellis_decode_step_(*x, shared, chunk_size=4)
+
+
+@needs_triton
+@pytest.mark.slow
+@pytest.mark.parametrize("C", [16, 32])
+def test_bigger_shapes(C):
+    """Full-size tiles (power-of-two dims, several chunks), forward and backward."""
+    x, state = _inputs(2, 3 * C + 5, 2, 16, 32, 16, C, seed=C, grad=True)
+    kw = dict(initial_state=state, chunk_size=C)
+    o, s = run("triton", x, **kw)
+    o_ref, s_ref = run("reference", x, **kw)
+    assert_close_f32(o, o_ref, "o")
+    assert_states_close(s, s_ref)
+    got = _grads("triton", x, state, chunk_size=C)
+    expected = _grads("reference", x, state, chunk_size=C)
+    for name, g, e in zip(NAMES, got, expected):
+        assert_close_f32(g, e, f"d/d{name}")
+
+
+@needs_triton
+@pytest.mark.slow
+def test_kernels_compile_for_sm90_within_shared_memory():
+    """Ahead-of-time sm_90 compiles (no GPU needed) at the GPU benchmark's shapes: every kernel
+    must fit an H100 block's shared memory with the launch settings the backend uses."""
+    import subprocess
+    from pathlib import Path
+
+    import triton
+
+    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
+        pytest.skip("triton has no bundled ptxas")
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_gpu.py"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, str(script), "--compile-check"], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+# ---------------------------------------------------------------------------------------------
+# Unwritten memory: every buffer the backend allocates starts as NaN, so an output element a
+# kernel forgets to write (a masked tail, an empty sequence, a skipped chunk) cannot pass.
+
+
+@needs_triton
+def test_poisoned_allocations_do_not_leak(monkeypatch):
+    lengths = [5, 0, 9]
+    x, state = _inputs(1, sum(lengths), 2, 5, 7, 6, 4, grad=True, rows=len(lengths))
+    cu = torch.tensor([0] + lengths).cumsum(0).to(DEVICE)
+    expected = _grads("reference", x, state, cu, chunk_size=4)
+    o_ref, s_ref = run("reference", x, initial_state=state, cu_seqlens=cu, chunk_size=4)
+
+    def nan_filled(make):
+        def poisoned(*args, **kwargs):
+            out = make(*args, **kwargs)
+            return out.fill_(float("nan")) if out.is_floating_point() else out
+        return poisoned
+
+    monkeypatch.setattr(torch, "empty", nan_filled(torch.empty))
+    monkeypatch.setattr(torch, "empty_like", nan_filled(torch.empty_like))
+    monkeypatch.setattr(torch.Tensor, "new_empty", nan_filled(torch.Tensor.new_empty))
+    o, s = run("triton", x, initial_state=state, cu_seqlens=cu, chunk_size=4)
+    got = _grads("triton", x, state, cu, chunk_size=4)
+    assert torch.isnan(torch.empty(3)).all()  # the poison is in place
+    assert_close_f32(o, o_ref, "o")
+    assert_states_close(s, s_ref)
+    for name, g, e in zip(NAMES, got, expected):
+        assert_close_f32(g, e, f"d/d{name}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Real sizes, on a GPU only (the interpreter would take hours): float32 and bf16 against the
+# float64 torch backend (itself checked against the reference above and in test_ops.py).
+
+
+@pytest.mark.skipif(not ON_GPU, reason="real sizes run on a GPU only")
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("C", [16, 64])
+def test_real_sizes_on_gpu(dtype, tol, C):
+    B, T, H, D, M = 2, 1000, 4, 64, 64  # T is not a multiple of C
+    x64 = [t.cuda() for t in make_inputs(B, T, H, D, D, M, seed=C)]
+    x = [t.to(dtype).requires_grad_() for t in x64]
+    x_ref = [t.detach().double().requires_grad_() for t in x]  # the same rounded inputs
+    state = make_state(B, H, D, D, M, chunk_size=C, dtype=torch.float32).map(lambda t: t.cuda())
+    state_ref = state.map(lambda t: t if t.dtype == torch.long else t.double())
+
+    def rel(a, b):
+        return ((a.double() - b).norm() / b.norm()).item()
+
+    o, s = run("triton", x, initial_state=state, chunk_size=C)
+    o_ref, s_ref = run("torch", x_ref, initial_state=state_ref, chunk_size=C)
+    assert o.dtype == dtype and s.m_k.dtype == torch.float32
+    assert rel(o, o_ref) < tol
+    for name, t in s.tensors().items():
+        if name != "offset":
+            assert rel(t, s_ref.tensors()[name]) < tol, name
+    grad_out = torch.randn_like(o_ref)
+    got = torch.autograd.grad(o, x, grad_out.to(dtype))
+    expected = torch.autograd.grad(o_ref, x_ref, grad_out)
+    for name, g, e in zip(NAMES, got, expected):
+        assert rel(g, e) < tol, f"d/d{name}"
