@@ -16,7 +16,10 @@ What it measures (bfloat16 activations, float32 states, chunk 64):
     public ``trellis_attention``), against fla's ``chunk_gsa`` (M slots, per-slot log gates)
     and ``chunk_gated_delta_rule`` when fla is installed, and PyTorch SDPA flash attention
     (causal) at the same B, T, H, D.
-  * decode milliseconds per token, batch 1, of a 12-layer, 768-wide Trellis model against a
+  * chunk 1 (the exact recurrence) forward+backward against chunk 64 at the first shape, and the
+    forward's achieved TFLOP/s and memory bandwidth against a bf16 matmul and a device copy
+    measured in the same run.
+  * decode milliseconds per token, batch 1 and 64, of a 12-layer, 768-wide Trellis model against a
     LlamaForCausalLM of the same size (sdpa attention, DynamicCache) after contexts of 1k, 16k
     and 128k tokens. Both run eagerly (no CUDA graphs). Trellis's state does not grow, so its
     figure should not depend on the context; the attention model's does.
@@ -130,7 +133,36 @@ def _kwargs_for(fn, **wanted):
     return {k: v for k, v in wanted.items() if k in params}
 
 
-def time_trellis(B, T, H, D, M) -> str:
+def chunk_form_flops(B: int, T: int, H: int, D: int, M: int, C: int) -> float:
+    """Matrix-multiply FLOPs of the forward chunk form (design page, section 2), per call.
+
+    Per chunk of L tokens and head: Q SK^T, K AK^T, the key-state update, V AV^T, H SV and the
+    value-state update (6 L M D), Q K^T and (D * H UV^T) V (2 L^2 D), (D * Q K^T) UK and H UV^T
+    (2 L^2 M); each product costs 2 FLOPs per multiply-add.
+    """
+    chunks = -(-T // C)
+    return 2.0 * B * H * chunks * C * (6 * M * D + 2 * C * D + 2 * C * M)
+
+
+def io_bytes(B: int, T: int, H: int, D: int, M: int) -> float:
+    """The least memory traffic of one forward call: bf16 q, k, v, alpha, gates read, o written."""
+    return 2.0 * B * T * H * (4 * D + M + 2)
+
+
+def measured_ceilings() -> tuple[float, float]:
+    """(bf16 matmul TFLOP/s, device-memory copy GB/s) measured on this device, in this run."""
+    n = 8192
+    a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    tflops = 2 * n**3 / bench_ms(lambda: a @ b) / 1e9
+    src = torch.empty(1 << 30, device="cuda", dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    gbps = 2 * src.numel() / bench_ms(lambda: dst.copy_(src)) / 1e6  # read + write
+    del a, b, src, dst
+    torch.cuda.empty_cache()
+    return tflops, gbps
+
+
+def time_trellis(B, T, H, D, M, ceilings=None, sequential=False) -> str:
     from trellis_lm.ops import trellis_attention
 
     x, state = trellis_inputs(B, T, H, D, M)
@@ -140,12 +172,22 @@ def time_trellis(B, T, H, D, M) -> str:
     xg, _ = trellis_inputs(B, T, H, D, M, grad=True)
     do = torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16)
 
-    def fwd_bwd():
-        o, _ = trellis_attention(*xg, **kw)
+    def fwd_bwd(chunk_size):
+        o, _ = trellis_attention(*xg, **dict(kw, chunk_size=chunk_size))
         o.backward(do)
 
-    both = bench_ms(fwd_bwd)
-    return f"  trellis (triton)        fwd {fwd:8.2f} ms | fwd+bwd {both:8.2f} ms"
+    both = bench_ms(lambda: fwd_bwd(CHUNK))
+    row = f"  trellis (triton)        fwd {fwd:8.2f} ms | fwd+bwd {both:8.2f} ms"
+    if ceilings is not None:
+        tflops = chunk_form_flops(B, T, H, D, M, CHUNK) / fwd / 1e9
+        gbps = io_bytes(B, T, H, D, M) / fwd / 1e6
+        row += (f"\n    forward: {tflops:6.1f} TFLOP/s ({100 * tflops / ceilings[0]:.1f}% of the measured bf16 matmul"
+                f" ceiling), {gbps:7.1f} GB/s of least traffic ({100 * gbps / ceilings[1]:.1f}% of measured copy"
+                " bandwidth)")
+    if sequential:
+        exact = bench_ms(lambda: fwd_bwd(1))
+        row += f"\n    chunk 1 (the exact recurrence) fwd+bwd {exact:8.2f} ms = {exact / both:.2f}x chunk {CHUNK}"
+    return row
 
 
 def time_fla_gsa(B, T, H, D, M) -> str:
@@ -213,12 +255,18 @@ def time_sdpa(B, T, H, D, M) -> str:
 
 
 def bench_ops(sizes) -> list[str]:
-    rows = []
-    for B, T, H, D, M in sizes:
+    ceilings = measured_ceilings()
+    rows = [f"measured ceilings: bf16 matmul {ceilings[0]:.0f} TFLOP/s, device copy {ceilings[1]:.0f} GB/s"]
+    for i, (B, T, H, D, M) in enumerate(sizes):
         rows.append(f"op, (B, T, H, D, M) = {(B, T, H, D, M)}, chunk {CHUNK}, bf16 in, fp32 state:")
-        for label, fn in (("trellis", time_trellis), ("fla chunk_gsa", time_fla_gsa),
-                          ("fla chunk_gated_delta_rule", time_fla_gdn), ("sdpa flash", time_sdpa)):
-            rows.append(guarded(f"  {label}", lambda: fn(B, T, H, D, M)))
+        timers = (
+            ("trellis", lambda: time_trellis(B, T, H, D, M, ceilings, sequential=i == 0)),
+            ("fla chunk_gsa", lambda: time_fla_gsa(B, T, H, D, M)),
+            ("fla chunk_gated_delta_rule", lambda: time_fla_gdn(B, T, H, D, M)),
+            ("sdpa flash", lambda: time_sdpa(B, T, H, D, M)),
+        )
+        for label, fn in timers:
+            rows.append(guarded(f"  {label}", fn))
             torch.cuda.empty_cache()
         print("\n".join(rows[-5:]), flush=True)
     return rows
@@ -243,10 +291,10 @@ def same_size_models(hidden, layers, heads, head_dim, slots, vocab, chunk):
 
 
 @torch.no_grad()
-def decode_ms_per_token(model, context: int, steps: int, prefill_piece: int) -> float:
+def decode_ms_per_token(model, context: int, steps: int, prefill_piece: int, batch: int = 1) -> float:
     """Prefill ``context`` tokens in pieces, then time single-token steps that extend the cache."""
     gen = torch.Generator(device="cuda").manual_seed(0)
-    ids = torch.randint(0, model.config.vocab_size, (1, context), generator=gen, device="cuda")
+    ids = torch.randint(0, model.config.vocab_size, (batch, context), generator=gen, device="cuda")
     cache, out = None, None
     for start in range(0, context, prefill_piece):
         out = model(input_ids=ids[:, start : start + prefill_piece], past_key_values=cache, use_cache=True)
@@ -264,19 +312,21 @@ def decode_ms_per_token(model, context: int, steps: int, prefill_piece: int) -> 
     return statistics.median(times[3:]) * 1e3
 
 
-def bench_decode(contexts, steps, prefill_piece, **size) -> list[str]:
+def bench_decode(contexts, batches, steps, prefill_piece, **size) -> list[str]:
     trellis, llama = same_size_models(**size)
     n_t = sum(p.numel() for p in trellis.parameters()) / 1e6
     n_l = sum(p.numel() for p in llama.parameters()) / 1e6
-    rows = [f"decode, batch 1, bf16, eager, {size}; Trellis {n_t:.1f}M params (op backend triton), "
+    rows = [f"decode, bf16, eager, {size}; Trellis {n_t:.1f}M params (op backend triton), "
             f"Llama {n_l:.1f}M params (sdpa, DynamicCache):"]
-    for c in contexts:
-        t = guarded("trellis", lambda: f"{decode_ms_per_token(trellis, c, steps, prefill_piece):7.2f}")
-        torch.cuda.empty_cache()
-        a = guarded("llama", lambda: f"{decode_ms_per_token(llama, c, steps, prefill_piece):7.2f}")
-        torch.cuda.empty_cache()
-        rows.append(f"  context {c:7d}: Trellis {t} ms/token | Llama {a} ms/token")
-        print(rows[-1], flush=True)
+    for batch in batches:
+        for c in contexts:
+            timed = {}
+            for name, model in (("Trellis", trellis), ("Llama", llama)):
+                timed[name] = guarded(name, lambda: f"{decode_ms_per_token(model, c, steps, prefill_piece, batch):7.2f}")
+                torch.cuda.empty_cache()
+            rows.append(f"  batch {batch:3d}, context {c:7d}: Trellis {timed['Trellis']} ms/token | "
+                        f"Llama {timed['Llama']} ms/token")
+            print(rows[-1], flush=True)
     return rows
 
 
@@ -377,10 +427,10 @@ def main() -> None:
         rows += bench_ops(QUICK_OP_SIZES if args.quick else OP_SIZES)
     if args.only in (None, "decode"):
         if args.quick:
-            rows += bench_decode([256, 1024], steps=10, prefill_piece=512, hidden=256, layers=2, heads=4,
+            rows += bench_decode([256, 1024], [1, 4], steps=10, prefill_piece=512, hidden=256, layers=2, heads=4,
                                  head_dim=64, slots=64, vocab=1024, chunk=CHUNK)
         else:
-            rows += bench_decode([1024, 16384, 131072], steps=50, prefill_piece=8192, hidden=768, layers=12,
+            rows += bench_decode([1024, 16384, 131072], [1, 64], steps=50, prefill_piece=8192, hidden=768, layers=12,
                                  heads=12, head_dim=64, slots=64, vocab=32000, chunk=CHUNK)
     print("\n# summary\n" + "\n".join(rows))
 
