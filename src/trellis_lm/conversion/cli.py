@@ -1,0 +1,151 @@
+"""Convert a Llama, Mistral, Qwen2 or Qwen3 checkpoint on disk to Trellis, and optionally distil
+the original model into it (see docs/conversion.md).
+
+Without --distill, DST is the converted model. With --distill, DST ends up holding the
+distilled model, and each stage's checkpoints go to --work-dir (default DST-distill):
+layerwise/ (stage 1, its result in layerwise/final) and logits/ (stage 2). --resume picks
+every stage up where it stopped; the conversion itself is seeded, so it simply runs again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, TrainingArguments
+from transformers.trainer_utils import get_last_checkpoint
+
+from ..modeling_trellis import TrellisForCausalLM
+from .distill import TokenBlocks, distill_layerwise, distill_logits, distillation_arguments
+from .llama import convert_llama_to_trellis
+
+
+def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the ``convert`` command's arguments to ``parser``."""
+    parser.add_argument("src", help="local folder of a Llama, Mistral, Qwen2 or Qwen3 causal-LM checkpoint")
+    parser.add_argument("dst", help="output folder for the Trellis model")
+    parser.add_argument("--num-slots", type=int, default=64, help="memory slots M per head (default 64)")
+    parser.add_argument("--chunk-size", type=int, default=64, help="chunk size C of the op (default 64)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the new parameters' initialisation")
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                        help="another TrellisConfig field, e.g. --set compress_fn=l2norm (value read as JSON "
+                             "when it parses, else as a string); repeatable")
+
+    distill = parser.add_argument_group("distillation (with --distill)")
+    distill.add_argument("--distill", action="store_true", help="run stage 1 (layer-wise) and stage 2 (logits)")
+    distill.add_argument("--data", nargs="+", default=[], metavar="PATH",
+                         help=".txt files (one text each), .jsonl files (a 'text' field per line) or folders of them")
+    distill.add_argument("--work-dir", default=None, help="checkpoints of both stages (default: DST-distill)")
+    distill.add_argument("--block-size", type=int, default=1024, help="tokens per training row (default 1024)")
+    distill.add_argument("--batch-size", type=int, default=8, help="rows per device and step (default 8)")
+    distill.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps (default 1)")
+    distill.add_argument("--stage1-steps", type=int, default=2000, help="stage 1 optimiser steps (default 2000)")
+    distill.add_argument("--stage1-lr", type=float, default=1e-3, help="stage 1 learning rate (default 1e-3)")
+    distill.add_argument("--stage1-train-carried", action="store_true",
+                         help="stage 1 also trains the q/k/v/o projections copied from the teacher")
+    distill.add_argument("--stage2-steps", type=int, default=4000, help="stage 2 optimiser steps (default 4000)")
+    distill.add_argument("--stage2-lr", type=float, default=None,
+                         help="stage 2 learning rate (default 1e-4 with LoRA, 1e-5 for full weights)")
+    distill.add_argument("--lora-rank", type=int, default=16, help="stage 2 LoRA rank; 0 trains full weights")
+    distill.add_argument("--temperature", type=float, default=1.0, help="stage 2 softmax temperature (default 1)")
+    distill.add_argument("--save-steps", type=int, default=500, help="checkpoint every N steps (default 500)")
+    distill.add_argument("--resume", action="store_true", help="continue each stage from its latest checkpoint")
+    distill.add_argument("--bf16", action="store_true", help="bfloat16 autocast, and the teacher in bfloat16")
+    distill.add_argument("--cpu", action="store_true", help="train on the CPU even if an accelerator is present")
+
+
+def run_convert(args: argparse.Namespace) -> int:
+    """Run the command parsed by :func:`add_convert_arguments`; returns the exit status."""
+    try:
+        overrides = dict(_parse_field(item) for item in args.set)
+        texts = read_texts(args.data) if args.distill else []  # before converting: fail fast
+        student = convert_llama_to_trellis(
+            args.src, args.dst, num_slots=args.num_slots, chunk_size=args.chunk_size, seed=args.seed, **overrides
+        )
+        print(f"converted {args.src} -> {args.dst} ({student.num_parameters() / 1e6:.1f}M parameters)")
+        if args.distill:
+            _distill(student, texts, args)
+            print(f"distilled model written to {args.dst}")
+    except ValueError as error:
+        print(f"trellis-lm convert: error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _distill(student: TrellisForCausalLM, texts: list[str], args: argparse.Namespace) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(args.dst)
+    data = TokenBlocks.from_texts(texts, tokenizer, args.block_size)
+    teacher = AutoModelForCausalLM.from_pretrained(args.src, dtype=torch.bfloat16 if args.bf16 else torch.float32)
+    saved_dtype = student.dtype
+    work = Path(args.work_dir or f"{str(args.dst).rstrip('/')}-distill")
+
+    layerwise_final = work / "layerwise" / "final"
+    if args.resume and (layerwise_final / "config.json").is_file():
+        student = TrellisForCausalLM.from_pretrained(layerwise_final, dtype=torch.float32)
+    else:
+        student = distill_layerwise(
+            student.float(), teacher, data, _training_args(work / "layerwise", args, args.stage1_steps, args.stage1_lr),
+            tokenizer=tokenizer, train_carried=args.stage1_train_carried,
+            resume_from_checkpoint=_checkpoint(work / "layerwise", args),
+        )
+        student.save_pretrained(layerwise_final)
+        tokenizer.save_pretrained(layerwise_final)
+
+    lora_rank = args.lora_rank or None
+    stage2_lr = args.stage2_lr if args.stage2_lr is not None else (1e-4 if lora_rank else 1e-5)
+    student = distill_logits(
+        student, teacher, data, _training_args(work / "logits", args, args.stage2_steps, stage2_lr),
+        tokenizer=tokenizer, temperature=args.temperature, lora_rank=lora_rank,
+        resume_from_checkpoint=_checkpoint(work / "logits", args),
+    )
+    student.to(saved_dtype).save_pretrained(args.dst)
+
+
+def _training_args(output_dir: Path, args: argparse.Namespace, steps: int, learning_rate: float) -> TrainingArguments:
+    return distillation_arguments(
+        str(output_dir), max_steps=steps, learning_rate=learning_rate, per_device_train_batch_size=args.batch_size,
+        gradient_accumulation_steps=args.grad_accum, save_steps=args.save_steps, bf16=args.bf16, use_cpu=args.cpu,
+    )
+
+
+def _checkpoint(output_dir: Path, args: argparse.Namespace) -> Optional[str]:
+    """The latest checkpoint to resume from, when ``--resume`` is given and one exists."""
+    return get_last_checkpoint(str(output_dir)) if args.resume and output_dir.is_dir() else None
+
+
+def read_texts(paths: list[str]) -> list[str]:
+    """Texts from ``.txt`` files (one each), ``.jsonl`` files (field ``text``) and folders of them."""
+    if not paths:
+        raise ValueError("--distill needs training texts: pass --data")
+    files: list[Path] = []
+    for path in map(Path, paths):
+        files.extend(sorted(p for p in path.rglob("*") if p.suffix in (".txt", ".jsonl")) if path.is_dir() else [path])
+    texts = []
+    for file in files:
+        if file.suffix == ".jsonl":
+            lines = file.read_text(encoding="utf-8").splitlines()
+            texts.extend(json.loads(line)["text"] for line in lines if line.strip())
+        elif file.suffix == ".txt":
+            texts.append(file.read_text(encoding="utf-8"))
+        else:
+            raise ValueError(f"--data {file}: expected a .txt or .jsonl file, or a folder of them")
+    if not texts:
+        raise ValueError(f"--data {' '.join(paths)}: no texts found")
+    return texts
+
+
+def _parse_field(item: str) -> tuple[str, Any]:
+    name, sep, value = item.partition("=")
+    if not sep:
+        raise ValueError(f"--set {item!r}: expected FIELD=VALUE")
+    try:
+        return name, json.loads(value)
+    except json.JSONDecodeError:
+        return name, value
+
+
+__all__ = ["add_convert_arguments", "read_texts", "run_convert"]
