@@ -11,9 +11,7 @@ with ``ast`` (no module is imported), so the demo needs no network and no data f
 from __future__ import annotations
 
 import argparse
-import ast
 import random
-import sysconfig
 import time
 from pathlib import Path
 
@@ -23,27 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, get_cosine_schedul
 
 import trellis_lm
 from trellis_lm import TrellisConfig, TrellisForCausalLM, train_tokenizer
-
-
-def stdlib_docstrings(max_chars: int) -> list[str]:
-    """Module, class and function docstrings of the standard library, up to ``max_chars``."""
-    texts, total = [], 0
-    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py")):
-        if "test" in path.parts or "idlelib" in path.parts:
-            continue
-        try:
-            tree = ast.parse(path.read_text(encoding="utf-8"))
-        except (SyntaxError, UnicodeDecodeError, OSError):
-            continue
-        for node in ast.walk(tree):
-            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-                doc = ast.get_docstring(node)
-                if doc and len(doc) > 80:
-                    texts.append(doc)
-                    total += len(doc)
-                    if total >= max_chars:
-                        return texts
-    return texts
+from trellis_lm.training import stdlib_docstrings
 
 
 def token_batches(ids: torch.Tensor, seq_len: int, batch_size: int, steps: int, seed: int):
@@ -119,7 +97,7 @@ def main() -> None:
     out = Path(args.out)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
-    print(f"saved a Hub-ready folder (weights, config, code, tokenizer) to {out}: "
+    print(f"saved a Hub-ready folder (weights, config, code, tokenizer, model card) to {out}: "
           + ", ".join(sorted(p.name for p in out.iterdir())))
 
     model = AutoModelForCausalLM.from_pretrained(out).eval()

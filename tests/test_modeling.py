@@ -117,9 +117,81 @@ def test_padding_information_travels_between_devices():
     valid = ValidTokens.from_attention_mask(mask, 2, 5)
     moved = send_to_device(valid, torch.device("cpu"))
     assert isinstance(moved, ValidTokens)
-    for name in ("mask", "lengths", "cu_seqlens", "order"):
+    for name in ("mask", "lengths", "cu_seqlens", "order", "seq_rows", "continues_row", "last_seqs"):
         assert torch.equal(getattr(moved, name), getattr(valid, name))
+    assert moved.reach is None
     assert valid.cu_seqlens.tolist() == [0, 5, 8]
+
+
+# ----------------------------------------------------------------------------- packed documents
+
+
+def _documents(lengths: tuple[int, ...]) -> list[torch.Tensor]:
+    return [random_tokens(1, n, seed=10 + i)[0] for i, n in enumerate(lengths)]
+
+
+def test_packed_documents_give_each_document_what_it_gets_alone():
+    from transformers import DataCollatorWithFlattening
+
+    model = tiny_model(seed=5, chunk_size=3)
+    docs = _documents((5, 1, 7, 2, 4))  # across chunk boundaries, shorter and longer than the conv
+    batch = DataCollatorWithFlattening()([{"input_ids": d.tolist()} for d in docs])
+    assert batch["input_ids"].shape == (1, 19)
+    logits = model(**batch).logits[0]
+    for doc, piece in zip(docs, logits.split([len(d) for d in docs])):
+        torch.testing.assert_close(piece, model(doc[None]).logits[0], **TOL)
+
+
+def test_packed_loss_and_gradients_are_those_of_the_documents():
+    from transformers import DataCollatorWithFlattening
+
+    model = tiny_model(seed=6, chunk_size=3).train()
+    docs = _documents((6, 3, 5))
+
+    def summed_loss_gradients(**batch):
+        model.zero_grad()
+        loss = model(**batch, num_items_in_batch=1).loss
+        loss.backward()
+        return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+    loss, packed = summed_loss_gradients(**DataCollatorWithFlattening()([{"input_ids": d.tolist()} for d in docs]))
+    alone = [summed_loss_gradients(input_ids=d[None], labels=d[None]) for d in docs]
+    torch.testing.assert_close(loss, sum(a[0] for a in alone), **TOL)
+    for name, grad in packed.items():
+        torch.testing.assert_close(grad, sum(a[1][name] for a in alone), rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_packed_rows_with_padding_and_a_cache():
+    model = tiny_model(seed=7, chunk_size=3)
+    first, second = _documents((4, 6)), _documents((5, 2))  # a last document shorter than the conv tail
+    rows = [torch.cat(first), torch.cat(second)]
+    ids, mask = left_pad(rows)
+    positions = torch.zeros_like(ids)
+    for i, docs in enumerate((first, second)):
+        positions[i, mask[i].bool()] = torch.cat([torch.arange(len(d)) for d in docs])
+    out = model(ids, attention_mask=mask, position_ids=positions, use_cache=True)
+    for i, docs in enumerate((first, second)):
+        pieces = out.logits[i][mask[i].bool()].split([len(d) for d in docs])
+        for doc, piece in zip(docs, pieces):
+            torch.testing.assert_close(piece, model(doc[None]).logits[0], **TOL)
+    # The cache continues each row's last document.
+    nxt = random_tokens(2, 2, seed=99)
+    cont = model(nxt, attention_mask=torch.cat([mask, torch.ones_like(nxt)], 1), past_key_values=out.past_key_values)
+    for i, docs in enumerate((first, second)):
+        alone = model(torch.cat([docs[-1], nxt[i]])[None]).logits[0, -2:]
+        torch.testing.assert_close(cont.logits[i], alone, **TOL)
+
+
+def test_position_ids_without_restarts_change_nothing():
+    # generate()-style positions (counted from each row's first real token) hold no document start.
+    model = tiny_model()
+    ids, mask = left_pad([random_tokens(1, 7)[0], random_tokens(1, 4, seed=1)[0]])
+    positions = (mask.cumsum(1) - 1).masked_fill(mask == 0, 1)
+    assert ValidTokens.from_attention_mask(mask, 2, 7, positions).has_documents is False
+    torch.testing.assert_close(model(ids, attention_mask=mask, position_ids=positions).logits,
+                               model(ids, attention_mask=mask).logits, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="position_ids must be 2-D"):
+        model(ids, position_ids=positions[0])
 
 
 # ----------------------------------------------------------------------------- loss
@@ -281,15 +353,38 @@ def test_loading_initialises_what_the_checkpoint_lacks(tmp_path):
             assert torch.equal(loaded.state_dict()[name], tensor), name
 
 
-def test_lora_with_llama_targets():
+def test_lora_adapters_train_save_load_generate_and_merge(tmp_path):
     peft = pytest.importorskip("peft")
+    from trellis_lm.training import LORA_TARGET_MODULES
+
     model = tiny_model()
-    ids = random_tokens(1, 6)
-    expected = model(ids).logits
-    lora = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
-    assert lora.get_nb_trainable_parameters()[0] > 0
-    torch.testing.assert_close(lora(input_ids=ids).logits, expected)  # LoRA B starts at zero
-    assert type(lora.merge_and_unload()) is TrellisForCausalLM
+    ids, mask = left_pad([random_tokens(1, 6)[0], random_tokens(1, 4, seed=1)[0]])
+    base_logits = model(ids, attention_mask=mask).logits
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=list(LORA_TARGET_MODULES)))
+    for layer in lora.base_model.model.model.layers:  # every documented target exists in every block
+        for target in LORA_TARGET_MODULES:
+            block_part = layer.mlp if target in ("gate_proj", "up_proj", "down_proj") else layer.self_attn
+            assert isinstance(getattr(block_part, target), peft.tuners.lora.LoraLayer), target
+    assert all("lora_" in name for name, p in lora.named_parameters() if p.requires_grad)
+    torch.testing.assert_close(lora(input_ids=ids, attention_mask=mask).logits, base_logits)  # B starts at zero
+
+    optimizer = torch.optim.SGD([p for p in lora.parameters() if p.requires_grad], lr=1.0)
+    lora.train()
+    lora(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss.backward()
+    optimizer.step()
+    lora.eval()
+    adapted = lora(input_ids=ids, attention_mask=mask).logits
+    assert not torch.allclose(adapted, base_logits, atol=1e-3)
+
+    lora.save_pretrained(tmp_path)
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in tmp_path.iterdir()}
+    reloaded = peft.PeftModel.from_pretrained(tiny_model(), tmp_path)
+    torch.testing.assert_close(reloaded(input_ids=ids, attention_mask=mask).logits, adapted, rtol=0, atol=0)
+    generate = dict(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+    assert torch.equal(reloaded.generate(**generate), lora.generate(**generate))
+    merged = reloaded.merge_and_unload()
+    assert type(merged) is TrellisForCausalLM
+    torch.testing.assert_close(merged(ids, attention_mask=mask).logits, adapted, **TOL)
 
 
 def test_short_conv_is_a_causal_depthwise_conv1d():

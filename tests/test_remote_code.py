@@ -14,6 +14,7 @@ from transformers.dynamic_module_utils import get_imports, get_relative_imports
 
 from tiny_models import left_pad, random_tokens, tiny_model
 from trellis_lm import TrellisForCausalLM, train_tokenizer
+from trellis_lm.model_card_trellis import MARKER
 from trellis_lm.remote_code import AUTO_MAP, export_code, flat_name, flat_sources, flatten_imports
 
 
@@ -108,6 +109,7 @@ out["beams"] = model.generate(**inputs, max_new_tokens=3, num_beams=2, do_sample
 tokenizer = AutoTokenizer.from_pretrained(checkpoint, trust_remote_code=True)
 prompt = tokenizer(["hello world", "hi"], padding=True, return_tensors="pt")
 out["from_text"] = model.generate(**prompt, max_new_tokens=3, do_sample=False)
+out["generation_config"] = model.generation_config.to_diff_dict()
 model.save_pretrained(resaved)
 torch.save(out, checkpoint / "remote_outputs.pt")
 assert not any(name.startswith("trellis_lm") for name in sys.modules)
@@ -116,11 +118,16 @@ assert not any(name.startswith("trellis_lm") for name in sys.modules)
 
 def test_checkpoint_loads_as_remote_code_without_the_package(tmp_path):
     model = tiny_model(seed=3, vocab_size=300)  # a byte-level tokenizer needs 259 ids at least
+    model.generation_config.max_new_tokens = 7  # a saved generation default travels with the checkpoint
     checkpoint, resaved = tmp_path / "checkpoint", tmp_path / "resaved"
     model.save_pretrained(checkpoint)
     tokenizer = train_tokenizer(["hello world", "hi there", "hello there world"] * 5, vocab_size=model.config.vocab_size)
     tokenizer.save_pretrained(checkpoint)
     assert json.loads((checkpoint / "config.json").read_text())["auto_map"] == AUTO_MAP
+    card = (checkpoint / "README.md").read_text()
+    assert card.startswith("---\nlibrary_name: transformers") and MARKER in card
+    assert 'from_pretrained("checkpoint", trust_remote_code=True)' in card
+    assert "| `num_slots` | `6` |" in card and "| `chunk_size` | `4` |" in card and '"max_new_tokens": 7' in card
     ids, mask = left_pad([random_tokens(1, 7)[0], random_tokens(1, 4, seed=1)[0]])
     torch.save({"input_ids": ids, "attention_mask": mask}, checkpoint / "inputs.pt")
 
@@ -139,22 +146,37 @@ def test_checkpoint_loads_as_remote_code_without_the_package(tmp_path):
     assert torch.equal(remote["beams"], model.generate(ids, attention_mask=mask, max_new_tokens=3, num_beams=2))
     prompt = tokenizer(["hello world", "hi"], padding=True, return_tensors="pt")
     assert torch.equal(remote["from_text"], model.generate(**prompt, max_new_tokens=3, do_sample=False))
+    assert {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "max_new_tokens": 7}.items() <= remote[
+        "generation_config"].items()
 
     # What the remote-code process saved is a complete checkpoint again.
     assert json.loads((resaved / "config.json").read_text())["auto_map"] == AUTO_MAP
-    assert {p.name for p in resaved.glob("*.py")} >= {"modeling_trellis.py", "trellis_ops_dispatch.py"}
+    assert {p.name for p in resaved.glob("*.py")} >= {"modeling_trellis.py", "trellis_ops_dispatch.py", "model_card_trellis.py"}
+    assert (resaved / "README.md").read_text().replace("resaved", "checkpoint") == card
     reloaded = TrellisForCausalLM.from_pretrained(resaved)
     torch.testing.assert_close(reloaded(ids).logits, model(ids).logits, rtol=0, atol=0)
 
 
+class FakeHub(dict):
+    """Repo id -> names of the files an upload sent; ``cards`` holds the uploaded README.md
+    texts and ``existing_cards`` the cards repositories hold before the upload."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cards: dict[str, str] = {}
+        self.existing_cards: dict[str, str] = {}
+
+
 @pytest.fixture
-def uploads(monkeypatch) -> dict[str, set]:
-    """Stand-ins for the Hub: repo id -> names of the files an upload would send."""
+def uploads(monkeypatch) -> FakeHub:
+    """Stand-ins for the Hub, recording what uploads would send."""
+    import huggingface_hub
     import transformers.configuration_utils as configuration_utils
     import transformers.modeling_utils as modeling_utils
     import transformers.utils.hub as hub
+    from huggingface_hub.errors import EntryNotFoundError
 
-    sent: dict[str, set] = {}
+    sent = FakeHub()
 
     class FakeApi:
         def create_repo(self, repo_id, **kwargs):
@@ -169,23 +191,50 @@ def uploads(monkeypatch) -> dict[str, set]:
             f for f in os.listdir(working_dir)
             if f not in files_timestamps or os.path.getmtime(os.path.join(working_dir, f)) > files_timestamps[f]
         }
+        if "README.md" in sent[repo_id]:
+            sent.cards[repo_id] = open(os.path.join(working_dir, "README.md"), encoding="utf-8").read()
+
+    def fake_card_load(repo_id, **kwargs):
+        if repo_id not in sent.existing_cards:
+            raise EntryNotFoundError(f"{repo_id} has no README.md")
+        return huggingface_hub.ModelCard(sent.existing_cards[repo_id])
 
     for module in (hub, modeling_utils, configuration_utils):
         monkeypatch.setattr(module, "hf_api", lambda: FakeApi())
     for module in (hub, modeling_utils):
         monkeypatch.setattr(module, "create_and_tag_model_card", lambda *args, **kwargs: FakeCard())
     monkeypatch.setattr(hub.PushToHubMixin, "_upload_modified_files", fake_upload)
+    monkeypatch.setattr(huggingface_hub.ModelCard, "load", staticmethod(fake_card_load))
     return sent
 
 
-CODE = {"modeling_trellis.py", "configuration_trellis.py", "trellis_ops.py", "trellis_ops_dispatch.py"}
+CODE = {"modeling_trellis.py", "configuration_trellis.py", "model_card_trellis.py", "trellis_ops.py",
+        "trellis_ops_dispatch.py"}
 
 
-def test_push_to_hub_uploads_the_code(uploads, tmp_path):
+def test_push_to_hub_uploads_the_code_and_the_model_card(uploads, tmp_path):
     model = tiny_model()
-    model.push_to_hub("someone/pushed")
+    model.push_to_hub("someone/pushed", tags=["my-tag"])
     model.save_pretrained(tmp_path / "saved", push_to_hub=True, repo_id="someone/saved")
     model.config.save_pretrained(tmp_path / "config", push_to_hub=True, repo_id="someone/config")
-    assert CODE | {"config.json", "model.safetensors"} <= uploads["someone/pushed"]
-    assert CODE | {"config.json", "model.safetensors"} <= uploads["someone/saved"]
+    for repo in ("someone/pushed", "someone/saved"):
+        assert CODE | {"config.json", "model.safetensors", "generation_config.json", "README.md"} <= uploads[repo]
+        # The card is the model's own, with the repository in its usage example.
+        assert MARKER in uploads.cards[repo] and f'from_pretrained("{repo}", trust_remote_code=True)' in uploads.cards[repo]
+    assert "- my-tag" in uploads.cards["someone/pushed"]
     assert CODE | {"config.json"} <= uploads["someone/config"]
+
+
+def test_push_to_hub_keeps_a_hand_written_card(uploads):
+    uploads.existing_cards["someone/written"] = "---\nlicense: mit\n---\n# A card someone wrote\n"
+    tiny_model().push_to_hub("someone/written")
+    assert "model.safetensors" in uploads["someone/written"] and "README.md" not in uploads["someone/written"]
+
+
+def test_save_pretrained_keeps_a_hand_written_card(tmp_path):
+    model = tiny_model()
+    model.save_pretrained(tmp_path)
+    assert MARKER in (tmp_path / "README.md").read_text()  # a generated card is refreshed on every save
+    (tmp_path / "README.md").write_text("# Mine\n")
+    model.save_pretrained(tmp_path)
+    assert (tmp_path / "README.md").read_text() == "# Mine\n"

@@ -12,8 +12,11 @@ This file travels with checkpoints as remote code (see :mod:`.remote_code`).
 from __future__ import annotations
 
 import math
+import os
+import tempfile
 from dataclasses import dataclass, fields
 from functools import partial
+from pathlib import Path
 from typing import Any, Optional, Union
 
 import torch
@@ -28,11 +31,14 @@ from transformers.utils import logging
 
 from .cache_trellis import TrellisCache
 from .configuration_trellis import TrellisConfig
+from .model_card_trellis import CARD_NAME, hub_card_text, is_generated, write_model_card
 from .ops import TrellisState, trellis_attention
 
 logger = logging.get_logger(__name__)
 
 L2_EPS = 1e-6
+# Reach of the short conv in a row's first document: it may see all of the carried tail.
+_UNBOUNDED_REACH = 2**62
 
 
 def _at_least_float32(x: torch.Tensor) -> torch.Tensor:
@@ -74,49 +80,117 @@ class TrellisRMSNorm(nn.Module):
 
 @dataclass
 class ValidTokens:
-    """The non-padding tokens of a batch, and how to gather them row by row.
+    """The real tokens of a batch, the documents they form, and how to gather them row by row.
+
+    Padding (zeros of the attention mask) is skipped. A row may also hold several documents
+    packed one after the other (``position_ids`` restarting at 0, as transformers'
+    ``DataCollatorWithFlattening`` makes them): each later document starts from the initial
+    memories, and its short conv sees nothing before it. A row's first document continues
+    whatever the row held before (the cache, or the initial memories).
+
+    The op runs once on ``x[mask]``: N sequences (documents; every row has at least one,
+    possibly empty) packed in row-major order.
 
     Attributes:
         mask: ``[B, T]`` bool, True at real tokens.
         lengths: ``[B]`` real tokens per row.
-        cu_seqlens: ``[B + 1]`` start of each row's tokens in ``x[mask]`` (the op's packed layout).
+        cu_seqlens: ``[N + 1]`` start of each sequence in ``x[mask]`` (the op's packed layout).
         order: ``[B, T]`` a per-row permutation that puts the row's real tokens first, in order.
+        seq_rows: ``[N]`` the row of each sequence.
+        continues_row: ``[N]`` bool, True for each row's first sequence.
+        last_seqs: ``[B]`` index of each row's last sequence (whose final state the row keeps).
+        reach: ``[B, T]`` in the compacted order of :meth:`compact`, how many earlier inputs each
+            token's short conv may see (its index in its document; unbounded in a row's first
+            document), or ``None`` when no row holds a second document.
     """
 
     mask: torch.Tensor
     lengths: torch.Tensor
     cu_seqlens: torch.Tensor
     order: torch.Tensor
+    seq_rows: torch.Tensor
+    continues_row: torch.Tensor
+    last_seqs: torch.Tensor
+    reach: Optional[torch.Tensor] = None
 
     @classmethod
-    def from_mask(cls, mask: torch.Tensor) -> "ValidTokens":
+    def from_mask(cls, mask: torch.Tensor, doc_starts: Optional[torch.Tensor] = None) -> "ValidTokens":
+        """From ``mask [B, T]`` and, optionally, ``doc_starts [B, T]`` (True at a real token that
+        starts a new document; never at a row's first real token)."""
+        batch, length = mask.shape
         lengths = mask.sum(dim=1)
         order = torch.argsort((~mask).to(torch.int8), dim=1, stable=True)
-        return cls(mask, lengths, F.pad(lengths.cumsum(0), (1, 0)), order)
+        row_offsets = F.pad(lengths.cumsum(0), (1, 0))
+        rows = torch.arange(batch, device=mask.device)
+        if doc_starts is None:
+            return cls(mask, lengths, row_offsets, order, rows, torch.ones_like(mask[:, 0]), rows)
+        starts = doc_starts.gather(1, order)  # real tokens come first after compaction
+        seq_flags = starts.clone()
+        seq_flags[:, 0] = True  # every row opens a sequence, an empty one for an all-padding row
+        seq_rows, seq_cols = seq_flags.nonzero(as_tuple=True)  # row-major: sequences in packed order
+        cu_seqlens = torch.cat([row_offsets[seq_rows] + seq_cols, row_offsets[-1:]])
+        last_seqs = seq_flags.sum(dim=1).cumsum(0) - 1
+        positions = torch.arange(length, device=mask.device).expand(batch, -1)
+        doc_start = torch.where(starts, positions, 0).cummax(dim=1).values
+        in_first_doc = starts.cumsum(dim=1) == 0
+        reach = torch.where(in_first_doc, torch.full_like(positions, _UNBOUNDED_REACH), positions - doc_start)
+        return cls(mask, lengths, cu_seqlens, order, seq_rows, seq_cols == 0, last_seqs, reach)
 
     @classmethod
-    def from_attention_mask(cls, attention_mask: Any, batch: int, length: int) -> Optional["ValidTokens"]:
-        """Read the current ``length`` tokens' validity; ``None`` when all are real.
+    def from_attention_mask(
+        cls, attention_mask: Any, batch: int, length: int, position_ids: Optional[torch.Tensor] = None
+    ) -> Optional["ValidTokens"]:
+        """Read the current ``length`` tokens' validity and documents; ``None`` when all tokens
+        are real and form one document per row.
 
         ``attention_mask`` is ``None``, a ``[B, past + T]`` tensor (its last T columns are
         the current tokens), or a dict holding such a tensor (``generate`` passes masks as
-        ``{"<layer type>": mask}`` for some caches).
+        ``{"<layer type>": mask}`` for some caches). ``position_ids`` (``[B or 1, past + T]``)
+        mark document starts: a real token numbered 0 that is not its row's first real
+        token starts a new document.
         """
         if isinstance(attention_mask, dict):
             attention_mask = next((m for m in attention_mask.values() if isinstance(m, torch.Tensor)), None)
-        if attention_mask is None:
+        if attention_mask is None and position_ids is None:
             return None
-        if attention_mask.dim() != 2 or attention_mask.shape[0] != batch or attention_mask.shape[1] < length:
+        if attention_mask is not None and (
+            attention_mask.dim() != 2 or attention_mask.shape[0] != batch or attention_mask.shape[1] < length
+        ):
             raise ValueError(
                 f"attention_mask must be a 2-D padding mask [B = {batch}, past + T >= {length}] with 0 at "
                 f"padding, got shape {tuple(attention_mask.shape)}"
             )
-        mask = attention_mask[:, -length:].bool()
-        return None if bool(mask.all()) else cls.from_mask(mask)
+        if position_ids is not None and (
+            position_ids.dim() != 2 or position_ids.shape[0] not in (1, batch) or position_ids.shape[1] < length
+        ):
+            raise ValueError(
+                f"position_ids must be 2-D [B = {batch} or 1, past + T >= {length}], restarting at 0 where a "
+                f"packed document starts, got shape {tuple(position_ids.shape)}"
+            )
+        if attention_mask is None:
+            mask = torch.ones(batch, length, dtype=torch.bool, device=position_ids.device)
+        else:
+            mask = attention_mask[:, -length:].bool()
+        doc_starts = None
+        if position_ids is not None:
+            positions = position_ids[:, -length:].to(mask.device).expand(batch, -1)
+            doc_starts = mask & (positions == 0) & (mask.cumsum(dim=1) > 1)
+            doc_starts = doc_starts if bool(doc_starts.any()) else None
+        if doc_starts is None and bool(mask.all()):
+            return None
+        return cls.from_mask(mask, doc_starts)
+
+    @property
+    def has_documents(self) -> bool:
+        """True when some row holds more than one document."""
+        return self.reach is not None
 
     def to(self, device: Union[str, torch.device], non_blocking: bool = False) -> "ValidTokens":
         """A copy on ``device`` (accelerate calls this when blocks sit on several devices)."""
-        return ValidTokens(*(getattr(self, f.name).to(device, non_blocking=non_blocking) for f in fields(self)))
+        moved = {f.name: getattr(self, f.name) for f in fields(self)}
+        return ValidTokens(**{
+            name: None if t is None else t.to(device, non_blocking=non_blocking) for name, t in moved.items()
+        })
 
     def compact(self, x: torch.Tensor) -> torch.Tensor:
         """``[B, T, ...]`` -> the same with each row's real tokens moved to its front."""
@@ -137,25 +211,45 @@ class TrellisShortConv(nn.Conv1d):
         super().__init__(channels, channels, width, groups=channels, bias=False)
 
     def forward(
-        self, x: torch.Tensor, tail: Optional[torch.Tensor], lengths: Optional[torch.Tensor] = None
+        self,
+        x: torch.Tensor,
+        tail: Optional[torch.Tensor],
+        lengths: Optional[torch.Tensor] = None,
+        reach: Optional[torch.Tensor] = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Convolve ``x [B, T, C]`` after ``tail [B, width - 1, C]`` (zeros when ``None``).
 
         With ``lengths [B]``, row b holds its tokens in ``x[b, :lengths[b]]`` (the rest is
-        ignored) and its new tail ends after them. Returns ``(y [B, T, C], new tail)``.
+        ignored) and its new tail ends after them. With ``reach [B, T]``, token t sees only the
+        ``reach[b, t]`` inputs before it (the rest count as zeros), so packed documents do not
+        leak into each other. Returns ``(y [B, T, C], new tail)``.
         """
         batch, length, channels = x.shape
-        carried = self.kernel_size[0] - 1
+        width = self.kernel_size[0]
+        carried = width - 1
         if tail is None:
             tail = x.new_zeros(batch, carried, channels)
         seq = torch.cat([tail.to(x.dtype), x], dim=1)
         # A few shifted multiply-adds: for decode-sized inputs F.conv1d spends far longer in
         # setting up its kernel than in the arithmetic. Same cross-correlation as nn.Conv1d.
         taps = self.weight[:, 0].to(x.dtype)  # [C, width]
-        y = sum(seq[:, j : j + length] * taps[:, j] for j in range(self.kernel_size[0]))
+        terms = (seq[:, j : j + length] * taps[:, j] for j in range(width))
+        if reach is None:
+            y = sum(terms)
+        else:
+            # Term j looks `width - 1 - j` inputs back.
+            y = sum(term * (width - 1 - j <= reach)[..., None] for j, term in enumerate(terms))
         ends = lengths if lengths is not None else torch.full((batch,), length, device=x.device)
         index = ends[:, None] + torch.arange(carried, device=x.device)
-        return y, seq.gather(1, index[..., None].expand(-1, -1, channels))
+        new_tail = seq.gather(1, index[..., None].expand(-1, -1, channels))
+        if reach is not None:
+            # Tail entry i lies `carried - 1 - i` inputs before the row's last token; what lies
+            # before that token's document is zero for the next call, as for a fresh conv.
+            last_reach = reach.gather(1, (ends - 1).clamp(min=0)[:, None])
+            last_reach = torch.where(ends[:, None] > 0, last_reach, _UNBOUNDED_REACH)  # no token: tail unchanged
+            back = torch.arange(carried - 1, -1, -1, device=x.device)
+            new_tail = new_tail * (back <= last_reach)[..., None]
+        return y, new_tail
 
 
 class TrellisAttention(nn.Module):
@@ -210,10 +304,8 @@ class TrellisAttention(nn.Module):
             log_beta = alpha.new_zeros(batch, length, heads)
         gamma = torch.sigmoid(_at_least_float32(self.gamma_proj(x)))
 
-        if layer_cache is not None and layer_cache.state is not None:
-            initial_state = layer_cache.state
-        else:
-            initial_state = (self.mk0.expand(batch, -1, -1, -1), self.mv0.expand(batch, -1, -1, -1))
+        carried_state = layer_cache.state if layer_cache is not None else None
+        initial_state = self._initial_state(carried_state, valid, batch)
         o, final_state = self._attend((q, k, v, alpha, log_beta, gamma), initial_state, valid, layer_cache is not None)
 
         if layer_cache is not None:
@@ -231,16 +323,38 @@ class TrellisAttention(nn.Module):
         """The short conv over each row's real tokens only, so padding never enters it."""
         if valid is None:
             return conv(x, tail)
-        y, new_tail = conv(valid.compact(x), tail, valid.lengths)
+        y, new_tail = conv(valid.compact(x), tail, valid.lengths, valid.reach)
         return valid.restore(y), new_tail
+
+    def _initial_state(self, carried: Optional[TrellisState], valid: Optional[ValidTokens], batch: int) -> Any:
+        """The op's initial state: one per row, or one per packed document.
+
+        A row continues ``carried`` (its cache entry) or starts from the learnt memories;
+        documents after a row's first always start from the learnt memories.
+        """
+        def fresh(rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+            return self.mk0.expand(rows, -1, -1, -1), self.mv0.expand(rows, -1, -1, -1)
+
+        if valid is None or not valid.has_documents:
+            return carried if carried is not None else fresh(batch)
+        if carried is None:
+            return fresh(valid.seq_rows.numel())
+        per_seq = carried.map(lambda t: t.index_select(0, valid.seq_rows.to(t.device)))
+        keep = valid.continues_row.to(per_seq.offset.device)
+        restart = {"m_k": self.mk0, "anchor_k": self.mk0, "m_v": self.mv0, "anchor_v": self.mv0, "offset": 0}
+        return TrellisState(**{
+            name: torch.where(keep.view(-1, *(1,) * (t.dim() - 1)), t, restart[name])
+            for name, t in per_seq.tensors().items()
+        })
 
     def _attend(
         self, features: tuple, initial_state: Any, valid: Optional[ValidTokens], keep_state: bool
     ) -> tuple[torch.Tensor, Optional[TrellisState]]:
         """Run the op; with padding, once on the real tokens packed as one sequence per row.
 
-        Returns ``o [B, T, H, d]`` (zeros at padding) and the final state, ``None`` when not
-        kept or when no row had a token (the state is then unchanged).
+        Returns ``o [B, T, H, d]`` (zeros at padding) and the final state, one per row (a row's
+        last document's), ``None`` when not kept or when no row had a token (the state is then
+        unchanged).
         """
         op = partial(
             trellis_attention,
@@ -260,6 +374,8 @@ class TrellisAttention(nn.Module):
         packed = [f[valid.mask].unsqueeze(0) for f in features]
         o_packed, final_state = op(*packed, cu_seqlens=valid.cu_seqlens)
         o[valid.mask] = o_packed[0]
+        if final_state is not None and valid.has_documents:
+            final_state = final_state.map(lambda t: t.index_select(0, valid.last_seqs.to(t.device)))
         return o, final_state
 
 
@@ -334,6 +450,66 @@ class TrellisPreTrainedModel(PreTrainedModel):
                 bias = forget_gate_bias(self.config.num_heads, self.config.gate_logit_normalizer)
                 init.copy_(module.beta_proj.bias, bias.to(module.beta_proj.bias))
 
+    def save_pretrained(
+        self,
+        save_directory: Union[str, os.PathLike],
+        is_main_process: bool = True,
+        state_dict: Optional[dict] = None,
+        push_to_hub: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        """transformers' ``save_pretrained`` (weights, config with the model code, generation
+        config), plus a model card ``README.md`` with usage and the configuration (see
+        :mod:`.model_card_trellis`; a hand-written card is kept).
+
+        With ``push_to_hub=True`` the model is then uploaded by :meth:`push_to_hub`, to
+        ``repo_id`` (default: the folder's name), with the ``commit_message``, ``private``,
+        ``create_pr``, ``revision`` and ``token`` given here.
+        """
+        hub_keys = ("repo_id", "commit_message", "commit_description", "private", "create_pr", "revision")
+        hub_options = {key: kwargs.pop(key) for key in hub_keys if key in kwargs}
+        super().save_pretrained(save_directory, is_main_process=is_main_process, state_dict=state_dict, **kwargs)
+        if not is_main_process:
+            return
+        write_model_card(save_directory, self)
+        if push_to_hub:
+            repo_id = hub_options.pop("repo_id", os.path.basename(os.path.normpath(save_directory)))
+            self.push_to_hub(repo_id, token=kwargs.get("token"), **hub_options)
+
+    def push_to_hub(
+        self,
+        repo_id: str,
+        *,
+        commit_message: Optional[str] = None,
+        commit_description: Optional[str] = None,
+        private: Optional[bool] = None,
+        token: Union[bool, str, None] = None,
+        revision: Optional[str] = None,
+        create_pr: bool = False,
+        max_shard_size: Union[int, str, None] = "50GB",
+        tags: Optional[list[str]] = None,
+    ) -> Any:
+        """Upload the weights, config, model code, generation config and model card to ``repo_id``.
+
+        As transformers' ``push_to_hub``, except for the card: transformers would upload a
+        generic one, this uploads the model's own (naming ``repo_id`` in its usage example),
+        unless the repository already holds a hand-written card, which is left as it is.
+        """
+        from transformers.utils import hub  # looked up at call time, so tests can stand in for the Hub
+
+        repo_id = hub.hf_api().create_repo(repo_id, private=private, token=token, exist_ok=True).repo_id
+        keep_remote_card = not is_generated(hub_card_text(repo_id, token))
+        with tempfile.TemporaryDirectory() as work_dir:
+            self.save_pretrained(work_dir, max_shard_size=max_shard_size)
+            if keep_remote_card:
+                (Path(work_dir) / CARD_NAME).unlink()
+            else:
+                write_model_card(work_dir, self, name=repo_id, tags=tuple(tags or ()) + tuple(self.model_tags or ()))
+            return self._upload_modified_files(
+                work_dir, repo_id, files_timestamps={}, commit_message=commit_message or "Upload model", token=token,
+                create_pr=create_pr, revision=revision, commit_description=commit_description,
+            )
+
 
 class TrellisModel(TrellisPreTrainedModel):
     """Embeddings, blocks and the final norm; returns hidden states and the cache."""
@@ -354,6 +530,7 @@ class TrellisModel(TrellisPreTrainedModel):
         use_cache: Optional[bool] = None,
         output_hidden_states: Optional[bool] = None,
         return_dict: Optional[bool] = None,
+        position_ids: Optional[torch.LongTensor] = None,
         **kwargs: Any,
     ) -> Union[BaseModelOutputWithPast, tuple]:
         """Run the stack on ``input_ids [B, T]`` or ``inputs_embeds [B, T, D]``.
@@ -365,7 +542,12 @@ class TrellisModel(TrellisPreTrainedModel):
             use_cache: create a cache when none is given (default: ``config.use_cache``).
             output_hidden_states: also return the embeddings and every block's output (the
                 last one after the final norm).
-            kwargs: accepted and ignored (e.g. ``position_ids``: order comes from the recurrence).
+            position_ids: ``[B or 1, past + T]``, only read for packed documents: a real token
+                numbered 0 that is not its row's first real token starts a new document, from the
+                initial memories and with a fresh short conv (transformers' packing convention, as
+                ``DataCollatorWithFlattening`` makes it). Order itself comes from the recurrence.
+            kwargs: accepted and ignored (e.g. the ``cu_seq_lens_*`` of flash-attention packing:
+                documents are read from ``position_ids``).
         """
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids or inputs_embeds")
@@ -375,7 +557,7 @@ class TrellisModel(TrellisPreTrainedModel):
         if use_cache is None:
             use_cache = self.config.use_cache
         cache = self._checked_cache(past_key_values, use_cache, batch)
-        valid = ValidTokens.from_attention_mask(attention_mask, batch, length)
+        valid = ValidTokens.from_attention_mask(attention_mask, batch, length, position_ids)
 
         hidden_states = inputs_embeds
         all_hidden_states = (hidden_states,) if output_hidden_states else None
@@ -436,6 +618,7 @@ class TrellisForCausalLM(TrellisPreTrainedModel, GenerationMixin):
         output_hidden_states: Optional[bool] = None,
         return_dict: Optional[bool] = None,
         token_type_ids: Optional[torch.LongTensor] = None,
+        position_ids: Optional[torch.LongTensor] = None,
         **kwargs: Any,
     ) -> Union[CausalLMOutputWithPast, tuple]:
         """Logits ``[B, T, V]`` (or of the positions ``logits_to_keep`` selects) and the cache.
@@ -454,6 +637,7 @@ class TrellisForCausalLM(TrellisPreTrainedModel, GenerationMixin):
             use_cache=use_cache,
             output_hidden_states=output_hidden_states,
             return_dict=True,
+            position_ids=position_ids,
         )
         logits = self.lm_head(slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep))
         loss = None

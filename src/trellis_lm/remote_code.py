@@ -18,7 +18,7 @@ from pathlib import Path
 
 # Modules of the package a checkpoint needs besides the op; this file is one of them because
 # the configuration imports it.
-CHECKPOINT_MODULES = ("configuration_trellis", "modeling_trellis", "cache_trellis", "remote_code")
+CHECKPOINT_MODULES = ("configuration_trellis", "modeling_trellis", "cache_trellis", "model_card_trellis", "remote_code")
 OPS_PACKAGE = "ops"
 FLAT_OPS = "trellis_ops"
 

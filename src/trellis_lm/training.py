@@ -1,0 +1,429 @@
+"""Training recipes on the stock ``transformers.Trainer``: pretraining and chat fine-tuning.
+
+Both recipes take two argument dataclasses, their own (:class:`PretrainArguments`,
+:class:`FinetuneArguments`) and transformers' ``TrainingArguments`` (batch size, steps,
+learning rate, ``--bf16``, ``--gradient_checkpointing``, checkpointing, logging, ...), so
+``HfArgumentParser`` turns them into command lines (``examples/pretrain.py``,
+``examples/finetune.py`` and ``trellis-lm train`` do just that).
+
+- **Pretraining** streams paragraphs of local text files with ``datasets`` (nothing is held in
+  memory), tokenizes them into pieces of at most ``max_length`` tokens, and packs
+  ``per_device_train_batch_size`` pieces into one row with ``DataCollatorWithFlattening``:
+  no padding, and the model restarts its memories and short convs at every piece (it reads
+  the ``position_ids`` the collator writes).
+- **Fine-tuning** renders chats (``{"messages": [{"role": ..., "content": ...}, ...]}``
+  JSONL) with the tokenizer's chat template and trains on the assistant turns only (every
+  other label is -100), optionally with LoRA adapters on :data:`LORA_TARGET_MODULES`.
+
+Without data files, each recipe writes a small sample (standard-library docstrings; synthetic
+arithmetic chats) into the output folder, so both run offline in about a minute on a CPU.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import random
+import sysconfig
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Union
+
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    DataCollatorForSeq2Seq,
+    DataCollatorWithFlattening,
+    PreTrainedTokenizerBase,
+    Trainer,
+    TrainingArguments,
+)
+from transformers.trainer_utils import get_last_checkpoint
+
+from .configuration_trellis import TrellisConfig
+from .modeling_trellis import TrellisForCausalLM
+from .tokenization_trellis import train_tokenizer
+
+# Every linear layer of a block that has a matrix worth adapting: the mixer's projections
+# (q, k, v, the slot targets alpha, the output gate g, o) and the SwiGLU MLP. beta_proj and
+# gamma_proj map to one number per head; train them fully (`modules_to_save`) if needed.
+LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "alpha_proj", "g_proj", "gate_proj", "up_proj", "down_proj")
+
+# The size of the models the recipes create when no checkpoint is given: trains in a minute
+# on a laptop CPU. `--config_overrides "hidden_size=512,num_hidden_layers=8"` changes it.
+SMALL_MODEL = dict(
+    hidden_size=128, num_hidden_layers=2, num_heads=4, head_dim=32, num_slots=16, chunk_size=32,
+    intermediate_size=384,
+)
+
+# Role markers are plain text, so any tokenizer can render it. Rendering a chat's first i
+# messages gives a prefix of rendering it whole, which is how `tokenize_chat` finds the turns.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}<|{{ message['role'] }}|>\n"
+    "{{ message['content'] }}{{ eos_token }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+# ----------------------------------------------------------------------------- arguments
+
+
+@dataclass
+class ModelArguments:
+    """Which model to train: an existing checkpoint, or a new one of :data:`SMALL_MODEL` size."""
+
+    model: Optional[str] = field(
+        default=None,
+        metadata={"help": "checkpoint folder or Hub id to start from; default: a new model and a new "
+                          "tokenizer trained on the data"},
+    )
+    config_overrides: Optional[str] = field(
+        default=None,
+        metadata={"help": "for a new model, TrellisConfig fields over the small default, e.g. "
+                          "'hidden_size=256,num_hidden_layers=4,chunk_size=64'"},
+    )
+    vocab_size: int = field(default=1024, metadata={"help": "vocabulary of a new tokenizer"})
+    max_length: int = field(default=256, metadata={"help": "tokens per training example (longer ones are cut)"})
+
+
+@dataclass
+class PretrainArguments(ModelArguments):
+    """Data of the pretraining recipe (:func:`pretrain`)."""
+
+    data_files: list[str] = field(
+        default_factory=list,
+        metadata={"help": "text files, one document per paragraph (blank-line separated); default: a "
+                          "sample of standard-library docstrings written to OUTPUT_DIR/sample_corpus.txt"},
+    )
+    shuffle_buffer: int = field(default=1000, metadata={"help": "documents in the streaming shuffle buffer"})
+    tokenizer_documents: int = field(default=5000, metadata={"help": "documents a new tokenizer is trained on"})
+
+
+@dataclass
+class FinetuneArguments(ModelArguments):
+    """Data and adapters of the chat fine-tuning recipe (:func:`finetune`)."""
+
+    data_files: list[str] = field(
+        default_factory=list,
+        metadata={"help": 'JSONL files of {"messages": [{"role": ..., "content": ...}, ...]}; default: '
+                          "synthetic arithmetic chats written to OUTPUT_DIR/sample_chats.jsonl"},
+    )
+    lora: bool = field(default=False, metadata={"help": "train LoRA adapters instead of all weights"})
+    lora_rank: int = field(default=8, metadata={"help": "LoRA rank r"})
+    lora_alpha: int = field(default=16, metadata={"help": "LoRA scaling alpha"})
+    lora_target_modules: list[str] = field(
+        default_factory=lambda: list(LORA_TARGET_MODULES), metadata={"help": "module names LoRA adapts"}
+    )
+    merge_lora: bool = field(default=True, metadata={"help": "also save the merged model to OUTPUT_DIR/merged"})
+
+
+# What the recipes change in TrainingArguments' defaults: a short CPU-sized run with progress,
+# logging and checkpoints. Anything given on the command line wins.
+PRETRAIN_DEFAULTS = dict(
+    output_dir="outputs/pretrain", max_steps=60, per_device_train_batch_size=16, learning_rate=3e-3,
+    warmup_steps=10, lr_scheduler_type="cosine", weight_decay=0.01, logging_steps=10, save_steps=50,
+    save_total_limit=2,
+)
+FINETUNE_DEFAULTS = dict(
+    output_dir="outputs/finetune", max_steps=60, per_device_train_batch_size=16, learning_rate=3e-3,
+    warmup_steps=10, lr_scheduler_type="cosine", logging_steps=10, save_steps=50, save_total_limit=2,
+)
+
+
+# ----------------------------------------------------------------------------- sample data
+
+
+def stdlib_docstrings(max_chars: int) -> list[str]:
+    """Module, class and function docstrings of this Python's standard library, up to
+    ``max_chars`` characters in all (read with ``ast``; nothing is imported)."""
+    texts, total = [], 0
+    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py")):
+        if "test" in path.parts or "idlelib" in path.parts:
+            continue
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError, OSError):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                doc = ast.get_docstring(node)
+                if doc and len(doc) > 80:
+                    texts.append(doc)
+                    total += len(doc)
+                    if total >= max_chars:
+                        return texts
+    return texts
+
+
+def write_sample_corpus(path: Union[str, Path], max_chars: int = 1_000_000) -> Path:
+    """Write standard-library docstrings to ``path``, one paragraph per document."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # A docstring's own blank lines would split it into several paragraphs: keep it whole.
+    documents = (" ".join(doc.split()) for doc in stdlib_docstrings(max_chars))
+    path.write_text("\n\n".join(documents) + "\n", encoding="utf-8")
+    return path
+
+
+def sample_chats(count: int, seed: int = 0) -> list[dict[str, list[dict[str, str]]]]:
+    """``count`` synthetic chats (a system prompt, then a question on sums and its answer)."""
+    rng = random.Random(seed)
+    chats = []
+    for _ in range(count):
+        a, b = rng.randrange(100), rng.randrange(100)
+        chats.append({"messages": [
+            {"role": "system", "content": "You add numbers."},
+            {"role": "user", "content": f"What is {a} + {b}?"},
+            {"role": "assistant", "content": f"{a} + {b} = {a + b}."},
+        ]})
+    return chats
+
+
+def write_sample_chats(path: Union[str, Path], count: int = 2000, seed: int = 0) -> Path:
+    """Write :func:`sample_chats` to ``path`` as JSONL."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(chat) + "\n" for chat in sample_chats(count, seed)), encoding="utf-8")
+    return path
+
+
+# ----------------------------------------------------------------------------- data pipeline
+
+
+def stream_documents(data_files: list[Union[str, Path]]) -> Any:
+    """A streaming ``datasets.IterableDataset`` of ``{"text": paragraph}`` from local text files."""
+    from datasets import load_dataset
+
+    files = [str(f) for f in data_files]
+    documents = load_dataset("text", data_files=files, sample_by="paragraph", streaming=True, split="train")
+    return documents.filter(lambda example: bool(example["text"].strip()))
+
+
+def document_pieces(ids: list[int], max_length: int) -> list[list[int]]:
+    """Cut one document's token ids into consecutive pieces of at most ``max_length``."""
+    return [ids[start : start + max_length] for start in range(0, len(ids), max_length)]
+
+
+def tokenize_for_packing(documents: Any, tokenizer: PreTrainedTokenizerBase, max_length: int) -> Any:
+    """Map ``{"text"}`` documents to ``{"input_ids"}`` pieces of at most ``max_length`` tokens,
+    each document ending with EOS. Works on streaming and in-memory datasets alike."""
+
+    def tokenize(batch: dict[str, list[str]]) -> dict[str, list[list[int]]]:
+        pieces = []
+        for ids in tokenizer(batch["text"])["input_ids"]:
+            pieces += document_pieces(ids + [tokenizer.eos_token_id], max_length)
+        return {"input_ids": pieces}
+
+    return documents.map(tokenize, batched=True, remove_columns=["text"])
+
+
+def ensure_chat_template(tokenizer: PreTrainedTokenizerBase) -> None:
+    """Give ``tokenizer`` :data:`CHAT_TEMPLATE` unless it has a chat template already."""
+    if not getattr(tokenizer, "chat_template", None):
+        tokenizer.chat_template = CHAT_TEMPLATE
+
+
+def tokenize_chat(
+    messages: list[dict[str, str]], tokenizer: PreTrainedTokenizerBase, max_length: Optional[int] = None
+) -> dict[str, list[int]]:
+    """Token ids of a rendered chat and labels that train on the assistant turns only.
+
+    Each turn is tokenized on its own, and an assistant turn's header (the generation prompt)
+    apart from its content, so the prompt of every answer is tokenized exactly as
+    ``apply_chat_template(..., add_generation_prompt=True)`` tokenizes it at inference.
+
+    Returns ``{"input_ids": [L], "labels": [L]}`` (labels -100 outside assistant contents),
+    cut to ``max_length``. Raises ``ValueError`` when the template does not render a chat's
+    first messages as a prefix of the whole chat.
+    """
+    input_ids: list[int] = []
+    labels: list[int] = []
+    rendered = ""
+
+    def extend(text: str, train: bool) -> None:
+        nonlocal rendered
+        if not text.startswith(rendered):
+            raise ValueError("the chat template must render the first messages of a chat as a prefix of the whole chat")
+        ids = tokenizer(text[len(rendered) :], add_special_tokens=False)["input_ids"]
+        input_ids.extend(ids)
+        labels.extend(ids if train else [-100] * len(ids))
+        rendered = text
+
+    def render(upto: int, add_generation_prompt: bool = False) -> str:
+        return tokenizer.apply_chat_template(messages[:upto], tokenize=False, add_generation_prompt=add_generation_prompt)
+
+    for i, message in enumerate(messages):
+        is_answer = message["role"] == "assistant"
+        if is_answer:
+            extend(render(i, add_generation_prompt=True), train=False)
+        extend(render(i + 1), train=is_answer)
+    return {"input_ids": input_ids[:max_length], "labels": labels[:max_length]}
+
+
+# ----------------------------------------------------------------------------- models
+
+
+def model_and_tokenizer(
+    args: ModelArguments, tokenizer_texts: Callable[[], Iterable[str]], checkpoint: Optional[str] = None
+) -> tuple[TrellisForCausalLM, PreTrainedTokenizerBase]:
+    """Load ``args.model``, or create a :data:`SMALL_MODEL`-sized model (with ``args.config_overrides``)
+    and a tokenizer trained on ``tokenizer_texts()``, or read from the Trainer ``checkpoint`` this
+    run resumes (whose weights the Trainer restores)."""
+    if args.model is not None:
+        return AutoModelForCausalLM.from_pretrained(args.model), AutoTokenizer.from_pretrained(args.model)
+    if checkpoint is not None:
+        tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    else:
+        tokenizer = train_tokenizer(tokenizer_texts(), vocab_size=args.vocab_size)
+    config = TrellisConfig(
+        vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, **SMALL_MODEL,
+    )
+    if args.config_overrides:
+        config.update_from_string(args.config_overrides)
+        config = TrellisConfig.from_dict(config.to_dict())  # re-runs the field checks
+    return TrellisForCausalLM(config), tokenizer
+
+
+def _resumed_checkpoint(training_args: TrainingArguments) -> Optional[str]:
+    """The checkpoint ``--resume_from_checkpoint`` names: a folder, or ``last`` for the newest
+    one in the output folder (``None`` when there is none yet: the run starts afresh)."""
+    resume = training_args.resume_from_checkpoint
+    return get_last_checkpoint(training_args.output_dir) if resume == "last" else resume
+
+
+def _output_dir(training_args: TrainingArguments) -> Path:
+    if training_args.output_dir is None:
+        raise ValueError("TrainingArguments.output_dir must be set")
+    path = Path(training_args.output_dir)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+# ----------------------------------------------------------------------------- recipes
+
+
+def pretrain(args: PretrainArguments, training_args: TrainingArguments) -> Trainer:
+    """Pretrain on packed documents streamed from ``args.data_files``; returns the Trainer.
+
+    The final model and tokenizer are saved to ``training_args.output_dir`` (Hub-ready:
+    weights, config, code, tokenizer, generation config, model card); checkpoints every
+    ``save_steps`` go to ``checkpoint-N`` folders there.
+    """
+    output_dir = _output_dir(training_args)
+    checkpoint = _resumed_checkpoint(training_args)
+    data_files = args.data_files or [write_sample_corpus(output_dir / "sample_corpus.txt")]
+    documents = stream_documents(data_files)
+    model, tokenizer = model_and_tokenizer(
+        args, lambda: (doc["text"] for doc in documents.take(args.tokenizer_documents)), checkpoint
+    )
+    shuffled = documents.shuffle(seed=training_args.seed, buffer_size=args.shuffle_buffer)
+    trainer = Trainer(
+        model=model,
+        args=training_args,
+        train_dataset=tokenize_for_packing(shuffled, tokenizer, args.max_length),
+        # One row of `per_device_train_batch_size` pieces, with position ids restarting at each.
+        data_collator=DataCollatorWithFlattening(),
+        processing_class=tokenizer,
+    )
+    trainer.train(resume_from_checkpoint=checkpoint)
+    trainer.save_model()
+    return trainer
+
+
+def finetune(args: FinetuneArguments, training_args: TrainingArguments) -> Trainer:
+    """Supervised fine-tuning on chats, loss on the assistant turns only; returns the Trainer.
+
+    With ``args.lora``, only LoRA adapters train; ``output_dir`` then holds the adapter
+    (``PeftModel.from_pretrained(base, output_dir)``) and, with ``args.merge_lora``,
+    ``output_dir/merged`` the base model with the adapters merged in.
+    """
+    from datasets import load_dataset
+
+    output_dir = _output_dir(training_args)
+    checkpoint = _resumed_checkpoint(training_args)
+    data_files = args.data_files or [write_sample_chats(output_dir / "sample_chats.jsonl")]
+    chats = load_dataset("json", data_files=[str(f) for f in data_files], split="train")
+
+    def chat_texts() -> Iterator[str]:
+        for chat in chats:
+            yield from (message["content"] for message in chat["messages"])
+
+    model, tokenizer = model_and_tokenizer(args, chat_texts, checkpoint)
+    ensure_chat_template(tokenizer)
+    train_dataset = chats.map(
+        lambda chat: tokenize_chat(chat["messages"], tokenizer, args.max_length), remove_columns=chats.column_names
+    )
+    if args.lora:
+        from peft import LoraConfig, get_peft_model
+
+        lora_config = LoraConfig(
+            r=args.lora_rank, lora_alpha=args.lora_alpha, target_modules=list(args.lora_target_modules),
+            task_type="CAUSAL_LM",
+        )
+        model = get_peft_model(model, lora_config)
+    trainer = Trainer(
+        model=model,
+        args=training_args,
+        train_dataset=train_dataset,
+        # Pads input ids, the attention mask and (with -100) the labels.
+        data_collator=DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100),
+        processing_class=tokenizer,
+    )
+    trainer.train(resume_from_checkpoint=checkpoint)
+    trainer.save_model()
+    if args.lora and args.merge_lora and trainer.is_world_process_zero():
+        merged = trainer.model.merge_and_unload()
+        merged.save_pretrained(output_dir / "merged")
+        tokenizer.save_pretrained(output_dir / "merged")
+    return trainer
+
+
+def chat_reply(
+    model: Any, tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]], **generate_kwargs: Any
+) -> str:
+    """The model's next assistant turn after ``messages`` (greedy unless ``generate_kwargs`` say otherwise)."""
+    prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    inputs = tokenizer(prompt, add_special_tokens=False, return_tensors="pt").to(model.device)
+    generate_kwargs.setdefault("max_new_tokens", 32)
+    generate_kwargs.setdefault("do_sample", False)
+    output = model.generate(**inputs, **generate_kwargs)
+    return tokenizer.decode(output[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+
+
+def parse_recipe_arguments(
+    recipe_args_class: type, defaults: dict[str, Any], argv: Optional[list[str]] = None, prog: Optional[str] = None
+) -> tuple[Any, TrainingArguments]:
+    """Parse ``argv`` into ``(recipe_args_class(...), TrainingArguments(...))`` with ``HfArgumentParser``;
+    ``defaults`` replace TrainingArguments' own."""
+    from transformers import HfArgumentParser
+
+    parser = HfArgumentParser((recipe_args_class, TrainingArguments), prog=prog)
+    parser.set_defaults(**defaults)
+    return parser.parse_args_into_dataclasses(args=argv)
+
+
+__all__ = [
+    "CHAT_TEMPLATE",
+    "FINETUNE_DEFAULTS",
+    "FinetuneArguments",
+    "LORA_TARGET_MODULES",
+    "ModelArguments",
+    "PRETRAIN_DEFAULTS",
+    "PretrainArguments",
+    "SMALL_MODEL",
+    "chat_reply",
+    "document_pieces",
+    "ensure_chat_template",
+    "finetune",
+    "parse_recipe_arguments",
+    "pretrain",
+    "sample_chats",
+    "stdlib_docstrings",
+    "stream_documents",
+    "tokenize_chat",
+    "tokenize_for_packing",
+    "write_sample_chats",
+    "write_sample_corpus",
+]

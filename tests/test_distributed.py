@@ -1,0 +1,45 @@
+"""DDP through the Trainer and FSDP sharding, in two CPU processes (gloo) started by torchrun."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from distributed_check import FSDP_STEP_ROWS
+from tiny_models import tiny_model
+from trainer_helpers import right_padded, sgd_trainer, trained_parameters
+
+SCRIPT = Path(__file__).with_name("distributed_check.py")
+
+
+def test_ddp_and_fsdp_on_two_cpu_processes(tmp_path):
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(SCRIPT),
+         str(tmp_path)],
+        env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+
+    # DDP: the ranks stay in sync and match one process taking the same global batch of 4.
+    ranks = [torch.load(tmp_path / f"ddp_rank{r}.pt") for r in range(2)]
+    single = trained_parameters(sgd_trainer(str(tmp_path / "single"), max_steps=2, per_device_train_batch_size=4))
+    initial = dict(tiny_model(seed=1).named_parameters())
+    assert ranks[0].keys() == single.keys()
+    for name, expected in single.items():
+        assert torch.equal(ranks[0][name], ranks[1][name]), name
+        torch.testing.assert_close(ranks[0][name], expected, rtol=1e-5, atol=1e-6, msg=name)
+    assert any(not torch.equal(single[name], initial[name]) for name in single)
+
+    # FSDP: the policy wraps exactly the blocks, and a sharded step is the unsharded one.
+    fsdp = torch.load(tmp_path / "fsdp.pt")
+    assert fsdp["wrapped"] == ["model.layers.0", "model.layers.1"]
+    model = tiny_model(seed=1).train()
+    model(**right_padded(FSDP_STEP_ROWS[0] + FSDP_STEP_ROWS[1])).loss.backward()
+    torch.optim.SGD(model.parameters(), lr=1.0).step()
+    for name, expected in model.named_parameters():
+        torch.testing.assert_close(fsdp["parameters"][name], expected.detach(), rtol=1e-5, atol=1e-6, msg=name)
