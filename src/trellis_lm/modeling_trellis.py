@@ -239,14 +239,15 @@ class TrellisShortConv(nn.Conv1d):
         else:
             # Term j looks `width - 1 - j` inputs back.
             y = sum(term * (width - 1 - j <= reach)[..., None] for j, term in enumerate(terms))
-        ends = lengths if lengths is not None else torch.full((batch,), length, device=x.device)
-        index = ends[:, None] + torch.arange(carried, device=x.device)
+        if lengths is None:  # every row's tokens fill x: the tail is the sequence's end
+            return y, seq[:, length:]
+        index = lengths[:, None] + torch.arange(carried, device=x.device)
         new_tail = seq.gather(1, index[..., None].expand(-1, -1, channels))
         if reach is not None:
             # Tail entry i lies `carried - 1 - i` inputs before the row's last token; what lies
             # before that token's document is zero for the next call, as for a fresh conv.
-            last_reach = reach.gather(1, (ends - 1).clamp(min=0)[:, None])
-            last_reach = torch.where(ends[:, None] > 0, last_reach, _UNBOUNDED_REACH)  # no token: tail unchanged
+            last_reach = reach.gather(1, (lengths - 1).clamp(min=0)[:, None])
+            last_reach = torch.where(lengths[:, None] > 0, last_reach, _UNBOUNDED_REACH)  # no token: tail unchanged
             back = torch.arange(carried - 1, -1, -1, device=x.device)
             new_tail = new_tail * (back <= last_reach)[..., None]
         return y, new_tail

@@ -15,7 +15,8 @@ from .state import TrellisState
 def _write(memory, anchor, key, alpha, beta, gamma, compress_fn):
     """One online-gradient step: ``beta * M - gamma * outer(vjp_phi(A key, phi(A key) - alpha), key)``."""
     u = compress_residual_vjp(compress_fn, torch.einsum("nhmd,nhd->nhm", anchor, key), alpha)
-    return beta[..., None, None] * memory - gamma[..., None, None] * u[..., :, None] * key[..., None, :]
+    # gamma is folded into the small vector u, so the [M, D] memory is written in two passes.
+    return torch.addcmul(beta[..., None, None] * memory, (gamma[..., None] * u)[..., :, None], key[..., None, :], value=-1)
 
 
 def _run_rows(q, k, v, alpha, log_beta, gamma, state, chunk_size, compress_fn, mix_fn):
@@ -23,9 +24,10 @@ def _run_rows(q, k, v, alpha, log_beta, gamma, state, chunk_size, compress_fn, m
     m_k, m_v, a_k, a_v, offset = state.m_k, state.m_v, state.anchor_k, state.anchor_v, state.offset
     outputs = []
     for t in range(q.shape[1]):
-        starts_chunk = ((offset + t) % chunk_size == 0)[:, None, None, None]
-        a_k = torch.where(starts_chunk, m_k, a_k)
-        a_v = torch.where(starts_chunk, m_v, a_v)
+        starts_chunk = (offset + t) % chunk_size == 0
+        if bool(starts_chunk.any()):  # only one token in C starts a chunk: skip copying the rest
+            a_k = torch.where(starts_chunk[:, None, None, None], m_k, a_k)
+            a_v = torch.where(starts_chunk[:, None, None, None], m_v, a_v)
         beta = log_beta[:, t].exp()
         m_k = _write(m_k, a_k, k[:, t], alpha[:, t], beta, gamma[:, t], compress_fn)
         h = mix(mix_fn, torch.einsum("nhmd,nhd->nhm", m_k, q[:, t]))
