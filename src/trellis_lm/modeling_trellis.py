@@ -74,8 +74,9 @@ class TrellisRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = _at_least_float32(x)
-        return self.weight * (x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)).to(x.dtype)
+        # torch's fused kernel: one operation instead of five matters in token-by-token decoding.
+        normed = F.rms_norm(_at_least_float32(x), x.shape[-1:], eps=self.eps)
+        return self.weight * normed.to(x.dtype)
 
 
 @dataclass
