@@ -302,6 +302,39 @@ def _state_fwd_kernel(
 
 
 @triton.jit
+def _chunk_operands(
+    q_ptr, k_ptr, v_ptr, al_ptr, lb_ptr, g_ptr, ak0_ptr, av0_ptr, hk_ptr, hv_ptr,
+    seq_start_ptr, seq_len_ptr, off_ptr, cidx_ptr, n, j, h,
+    H, M, DK, DV, C,
+    BT: tl.constexpr, BM: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr,
+):
+    """Everything a chunk-parallel kernel reads for chunk slot ``j`` (of sequence ``n``), head
+    ``h``: its rows, saved start memories, anchors (the given ones in a resumed first chunk),
+    inputs, and the decays ``E[r, i] = exp(c_r - c_i)``, ``mu = exp(c)``, ``Dm = E * gamma``."""
+    i = tl.load(cidx_ptr + j)
+    start = tl.load(seq_start_ptr + n)
+    L = tl.load(seq_len_ptr + n)
+    off = tl.load(off_ptr + n)
+    lo, nrows = _chunk_rows(i, off, L, C)
+    tok0 = start + lo
+    cm = (tl.arange(0, BM) < M)[None, :]
+    SK = _load_mat(hk_ptr, j * H + h, M, DK, BM, BDK)
+    SV = _load_mat(hv_ptr, j * H + h, M, DV, BM, BDV)
+    resumed = (i == 0) & (off > 0)
+    AK = tl.where(resumed, _load_mat_if(ak0_ptr, n * H + h, M, DK, BM, BDK, resumed), SK)
+    AV = tl.where(resumed, _load_mat_if(av0_ptr, n * H + h, M, DV, BM, BDV, resumed), SV)
+    Q = _load_tok(q_ptr, tok0, nrows, h, H, DK, BT, BDK)
+    K = _load_tok(k_ptr, tok0, nrows, h, H, DK, BT, BDK)
+    V = _load_tok(v_ptr, tok0, nrows, h, H, DV, BT, BDV)
+    Al = _load_tok(al_ptr, tok0, nrows, h, H, M, BT, BM)
+    lb = _load_scal(lb_ptr, tok0, nrows, h, H, BT)
+    g = _load_scal(g_ptr, tok0, nrows, h, H, BT)
+    c, _ = _log_decays(lb, nrows, BT)
+    E = _decay_matrix(c, nrows, BT)
+    return tok0, nrows, cm, SK, SV, AK, AV, Q, K, V, Al, E, tl.exp(c), E * g[None, :]
+
+
+@triton.jit
 def _output_fwd_kernel(
     q_ptr, k_ptr, v_ptr, al_ptr, lb_ptr, g_ptr, ak0_ptr, av0_ptr, hk_ptr, hv_ptr,
     seq_start_ptr, seq_len_ptr, off_ptr, cseq_ptr, cidx_ptr,
@@ -314,35 +347,16 @@ def _output_fwd_kernel(
     h = tl.program_id(1)
     n = tl.load(cseq_ptr + j)
     if n >= 0:
-        i = tl.load(cidx_ptr + j)
-        start = tl.load(seq_start_ptr + n)
-        L = tl.load(seq_len_ptr + n)
-        off = tl.load(off_ptr + n)
-        lo, nrows = _chunk_rows(i, off, L, C)
-        tok0 = start + lo
-        cm = (tl.arange(0, BM) < M)[None, :]
-        SK = _load_mat(hk_ptr, j * H + h, M, DK, BM, BDK)
-        SV = _load_mat(hv_ptr, j * H + h, M, DV, BM, BDV)
-        resumed = (i == 0) & (off > 0)
-        AK = tl.where(resumed, _load_mat_if(ak0_ptr, n * H + h, M, DK, BM, BDK, resumed), SK)
-        AV = tl.where(resumed, _load_mat_if(av0_ptr, n * H + h, M, DV, BM, BDV, resumed), SV)
-        Q = _load_tok(q_ptr, tok0, nrows, h, H, DK, BT, BDK)
-        K = _load_tok(k_ptr, tok0, nrows, h, H, DK, BT, BDK)
-        V = _load_tok(v_ptr, tok0, nrows, h, H, DV, BT, BDV)
-        Al = _load_tok(al_ptr, tok0, nrows, h, H, M, BT, BM)
-        lb = _load_scal(lb_ptr, tok0, nrows, h, H, BT)
-        g = _load_scal(g_ptr, tok0, nrows, h, H, BT)
-        c, c_last = _log_decays(lb, nrows, BT)
-        E = _decay_matrix(c, nrows, BT)
-        mu = tl.exp(c)[:, None]
-        Dm = E * g[None, :]
+        tok0, nrows, cm, SK, SV, AK, AV, Q, K, V, Al, E, mu, Dm = _chunk_operands(
+            q_ptr, k_ptr, v_ptr, al_ptr, lb_ptr, g_ptr, ak0_ptr, av0_ptr, hk_ptr, hv_ptr,
+            seq_start_ptr, seq_len_ptr, off_ptr, cidx_ptr, n, j, h, H, M, DK, DV, C, BT, BM, BDK, BDV)
         UK = _residual_vjp(tl.dot(K, tl.trans(AK), input_precision=PREC), Al, cm, M, CF)
         QK = tl.dot(Q, tl.trans(K), input_precision=PREC)
-        Y = mu * tl.dot(Q, tl.trans(SK), input_precision=PREC) - tl.dot(Dm * QK, UK, input_precision=PREC)
+        Y = mu[:, None] * tl.dot(Q, tl.trans(SK), input_precision=PREC) - tl.dot(Dm * QK, UK, input_precision=PREC)
         Hh = _mix(Y, cm, M, MF)
         UV = _residual_vjp(tl.dot(V, tl.trans(AV), input_precision=PREC), Al, cm, M, CF)
         HU = tl.dot(Hh, tl.trans(UV), input_precision=PREC)
-        O = mu * tl.dot(Hh, SV, input_precision=PREC) - tl.dot(Dm * HU, V, input_precision=PREC)
+        O = mu[:, None] * tl.dot(Hh, SV, input_precision=PREC) - tl.dot(Dm * HU, V, input_precision=PREC)
         _store_tok(o_ptr, O, tok0, nrows, h, H, DV, BT, BDV)
     else:  # a spare slot of the saved-memory buffer: give it defined contents
         _store_mat(hk_ptr, tl.zeros([BM, BDK], dtype=tl.float32), j * H + h, M, DK, BM, BDK)
@@ -421,29 +435,10 @@ def _local_bwd_kernel(
     h = tl.program_id(1)
     n = tl.load(cseq_ptr + j)
     if n >= 0:
-        i = tl.load(cidx_ptr + j)
-        start = tl.load(seq_start_ptr + n)
-        L = tl.load(seq_len_ptr + n)
-        off = tl.load(off_ptr + n)
-        lo, nrows = _chunk_rows(i, off, L, C)
-        tok0 = start + lo
-        cm = (tl.arange(0, BM) < M)[None, :]
-        SK = _load_mat(hk_ptr, j * H + h, M, DK, BM, BDK)
-        SV = _load_mat(hv_ptr, j * H + h, M, DV, BM, BDV)
-        resumed = (i == 0) & (off > 0)
-        AK = tl.where(resumed, _load_mat_if(ak0_ptr, n * H + h, M, DK, BM, BDK, resumed), SK)
-        AV = tl.where(resumed, _load_mat_if(av0_ptr, n * H + h, M, DV, BM, BDV, resumed), SV)
-        Q = _load_tok(q_ptr, tok0, nrows, h, H, DK, BT, BDK)
-        K = _load_tok(k_ptr, tok0, nrows, h, H, DK, BT, BDK)
-        V = _load_tok(v_ptr, tok0, nrows, h, H, DV, BT, BDV)
+        tok0, nrows, cm, SK, SV, AK, AV, Q, K, V, Al, E, mu, Dm = _chunk_operands(
+            q_ptr, k_ptr, v_ptr, al_ptr, lb_ptr, g_ptr, ak0_ptr, av0_ptr, hk_ptr, hv_ptr,
+            seq_start_ptr, seq_len_ptr, off_ptr, cidx_ptr, n, j, h, H, M, DK, DV, C, BT, BM, BDK, BDV)
         dO = _load_tok(do_ptr, tok0, nrows, h, H, DV, BT, BDV)
-        Al = _load_tok(al_ptr, tok0, nrows, h, H, M, BT, BM)
-        lb = _load_scal(lb_ptr, tok0, nrows, h, H, BT)
-        g = _load_scal(g_ptr, tok0, nrows, h, H, BT)
-        c, c_last = _log_decays(lb, nrows, BT)
-        E = _decay_matrix(c, nrows, BT)
-        mu = tl.exp(c)
-        Dm = E * g[None, :]
         # Recompute the chunk's forward.
         UK = _residual_vjp(tl.dot(K, tl.trans(AK), input_precision=PREC), Al, cm, M, CF)
         P = tl.dot(Q, tl.trans(SK), input_precision=PREC)
