@@ -35,7 +35,6 @@ import argparse
 import inspect
 import os
 import platform
-import statistics
 import sys
 import time
 from datetime import date
@@ -290,29 +289,9 @@ def same_size_models(hidden, layers, heads, head_dim, slots, vocab, chunk):
     return [m.to("cuda", torch.bfloat16).eval() for m in (trellis, llama)]
 
 
-@torch.no_grad()
-def decode_ms_per_token(model, context: int, steps: int, prefill_piece: int, batch: int = 1) -> float:
-    """Prefill ``context`` tokens in pieces, then time single-token steps that extend the cache."""
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    ids = torch.randint(0, model.config.vocab_size, (batch, context), generator=gen, device="cuda")
-    cache, out = None, None
-    for start in range(0, context, prefill_piece):
-        out = model(input_ids=ids[:, start : start + prefill_piece], past_key_values=cache, use_cache=True)
-        cache = out.past_key_values
-    token = out.logits[:, -1:].argmax(-1)
-    times = []
-    for _ in range(steps):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        out = model(input_ids=token, past_key_values=cache, use_cache=True)
-        token = out.logits[:, -1:].argmax(-1)
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-        cache = out.past_key_values
-    return statistics.median(times[3:]) * 1e3
-
-
 def bench_decode(contexts, batches, steps, prefill_piece, **size) -> list[str]:
+    from trellis_lm.benchmark import decode_ms_per_token
+
     trellis, llama = same_size_models(**size)
     n_t = sum(p.numel() for p in trellis.parameters()) / 1e6
     n_l = sum(p.numel() for p in llama.parameters()) / 1e6

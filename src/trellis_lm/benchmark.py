@@ -79,11 +79,13 @@ def same_size_models(hidden: int, layers: int, heads: int, head_dim: int, slots:
 
 
 @torch.no_grad()
-def decode_ms_per_token(model, context: int, steps: int, prefill_piece: int = 1024) -> float:
-    """Prefill ``context`` tokens (in pieces, to bound the attention baseline's memory), then
-    time single-token forward passes that extend the cache."""
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, model.config.vocab_size, (1, context), generator=gen)
+def decode_ms_per_token(model, context: int, steps: int, prefill_piece: int = 1024, batch: int = 1) -> float:
+    """Prefill ``context`` tokens of ``batch`` rows (in pieces, to bound the attention baseline's
+    memory) on the model's device, then time single-token forward passes that extend the cache."""
+    device = model.device
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    gen = torch.Generator(device=device).manual_seed(0)
+    ids = torch.randint(0, model.config.vocab_size, (batch, context), generator=gen, device=device)
     cache = None
     for start in range(0, context, prefill_piece):
         out = model(input_ids=ids[:, start : start + prefill_piece], past_key_values=cache, use_cache=True)
@@ -91,8 +93,10 @@ def decode_ms_per_token(model, context: int, steps: int, prefill_piece: int = 10
     token = out.logits[:, -1:].argmax(-1)
     times = []
     for _ in range(steps):
+        sync()
         start = time.perf_counter()
         out = model(input_ids=token, past_key_values=cache, use_cache=True)
+        sync()
         times.append(time.perf_counter() - start)
         cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
     return statistics.median(times[1:]) * 1e3
