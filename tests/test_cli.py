@@ -113,7 +113,7 @@ def test_bench_quick(capsys, monkeypatch):
     monkeypatch.setattr(benchmark, "bench_op", lambda *args, repeats: quick_op(1, 16, 1, 4, 4, 4, repeats=1))
     monkeypatch.setattr(
         benchmark, "bench_decode",
-        lambda contexts, steps, **size: quick_decode([4, 8], 2, hidden=16, layers=1, heads=1, head_dim=8, slots=4,
+        lambda contexts, rounds, **size: quick_decode([4, 8], 1, hidden=16, layers=1, heads=1, head_dim=8, slots=4,
                                                      vocab=32),
     )
     threads = torch.get_num_threads()

@@ -78,44 +78,68 @@ def same_size_models(hidden: int, layers: int, heads: int, head_dim: int, slots:
     return trellis.eval(), llama.eval()
 
 
-@torch.no_grad()
-def decode_ms_per_token(model, context: int, steps: int, prefill_piece: int = 1024, batch: int = 1) -> float:
-    """Prefill ``context`` tokens of ``batch`` rows (in pieces, to bound the attention baseline's
-    memory) on the model's device, then time single-token forward passes that extend the cache."""
-    device = model.device
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    gen = torch.Generator(device=device).manual_seed(0)
-    ids = torch.randint(0, model.config.vocab_size, (batch, context), generator=gen, device=device)
-    cache = None
-    for start in range(0, context, prefill_piece):
-        out = model(input_ids=ids[:, start : start + prefill_piece], past_key_values=cache, use_cache=True)
-        cache = out.past_key_values
-    token = out.logits[:, -1:].argmax(-1)
-    times = []
-    for _ in range(steps):
-        sync()
+class DecodeStepper:
+    """A model with ``context`` tokens of ``batch`` rows already in its cache, on its device
+    (prefilled in pieces, to bound an attention baseline's memory); each :meth:`step` times
+    one single-token forward that extends the cache."""
+
+    @torch.no_grad()
+    def __init__(self, model, context: int, prefill_piece: int = 1024, batch: int = 1) -> None:
+        self.model, device = model, model.device
+        self.sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        gen = torch.Generator(device=device).manual_seed(0)
+        ids = torch.randint(0, model.config.vocab_size, (batch, context), generator=gen, device=device)
+        self.cache = None
+        for start in range(0, context, prefill_piece):
+            out = model(input_ids=ids[:, start : start + prefill_piece], past_key_values=self.cache, use_cache=True)
+            self.cache = out.past_key_values
+        self.token = out.logits[:, -1:].argmax(-1)
+
+    @torch.no_grad()
+    def step(self) -> float:
+        """Seconds for one decode step."""
+        self.sync()
         start = time.perf_counter()
-        out = model(input_ids=token, past_key_values=cache, use_cache=True)
-        sync()
-        times.append(time.perf_counter() - start)
-        cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
-    return statistics.median(times[1:]) * 1e3
+        out = self.model(input_ids=self.token, past_key_values=self.cache, use_cache=True)
+        self.sync()
+        elapsed = time.perf_counter() - start
+        self.cache, self.token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        return elapsed
 
 
-def bench_decode(contexts: list[int], steps: int, **size) -> list[str]:
+def decode_ms_per_token(model, context: int, steps: int, prefill_piece: int = 1024, batch: int = 1) -> float:
+    """Median milliseconds of a single-token forward after ``context`` tokens (see :class:`DecodeStepper`)."""
+    stepper = DecodeStepper(model, context, prefill_piece, batch)
+    return statistics.median([stepper.step() for _ in range(steps + 1)][1:]) * 1e3
+
+
+def interleaved_decode_ms(runs: dict, rounds: int, block: int = 8) -> dict:
+    """Median ms/token of each run ``name -> (model, context)``, timed in turns of ``block``
+    steps for ``rounds`` rounds, so that a machine whose speed drifts (a shared VM) slows every
+    run alike. The first step of each turn is not counted: it runs with the memory caches the
+    previous run left behind."""
+    steppers = {name: DecodeStepper(model, context) for name, (model, context) in runs.items()}
+    times = {name: [] for name in runs}
+    for _ in range(rounds):
+        for name, stepper in steppers.items():
+            times[name] += [stepper.step() for _ in range(block)][1:]
+    return {name: statistics.median(t) * 1e3 for name, t in times.items()}
+
+
+def bench_decode(contexts: list[int], rounds: int, **size) -> list[str]:
     trellis, llama = same_size_models(**size)
     n_t = sum(p.numel() for p in trellis.parameters()) / 1e6
     n_l = sum(p.numel() for p in llama.parameters()) / 1e6
     rows = [f"decode, batch 1, float32, {size}; Trellis {n_t:.1f}M params, Llama {n_l:.1f}M params "
-            "(sdpa attention, DynamicCache):"]
-    trellis_ms = {c: decode_ms_per_token(trellis, c, steps) for c in contexts}
-    llama_ms = {c: decode_ms_per_token(llama, c, steps) for c in contexts}
+            f"(sdpa attention, DynamicCache); all runs timed in turns, {rounds} turns of 8 steps each:"]
+    models = {"Trellis": trellis, "Llama": llama}
+    ms = interleaved_decode_ms({(name, c): (model, c) for c in contexts for name, model in models.items()}, rounds)
     for c in contexts:
-        rows.append(f"  context {c:6d}: Trellis {trellis_ms[c]:7.2f} ms/token | Llama {llama_ms[c]:7.2f} ms/token"
-                    f" | Llama/Trellis {llama_ms[c] / trellis_ms[c]:.2f}x")
+        rows.append(f"  context {c:6d}: Trellis {ms['Trellis', c]:7.2f} ms/token | Llama {ms['Llama', c]:7.2f} ms/token"
+                    f" | Llama/Trellis {ms['Llama', c] / ms['Trellis', c]:.2f}x")
     lo, hi = contexts[0], contexts[-1]
-    rows.append(f"  Trellis ms/token at {hi} / at {lo}: {trellis_ms[hi] / trellis_ms[lo]:.3f}"
-                f"  (Llama: {llama_ms[hi] / llama_ms[lo]:.3f})")
+    rows.append(f"  Trellis ms/token at {hi} / at {lo}: {ms['Trellis', hi] / ms['Trellis', lo]:.3f}"
+                f"  (Llama: {ms['Llama', hi] / ms['Llama', lo]:.3f})")
     return rows
 
 
@@ -133,9 +157,9 @@ def run_bench(args: argparse.Namespace) -> int:
           f" | torch {torch.__version__}")
     if args.quick:
         rows = bench_op(1, 128, 2, 16, 16, 16, repeats=3)
-        rows += bench_decode([32, 256], steps=5, hidden=64, layers=2, heads=2, head_dim=16, slots=16, vocab=256)
+        rows += bench_decode([32, 256], rounds=1, hidden=64, layers=2, heads=2, head_dim=16, slots=16, vocab=256)
     else:
         rows = bench_op(1, 2048, 4, 64, 64, 64, repeats=9)
-        rows += bench_decode([256, 8192], steps=40, hidden=512, layers=4, heads=8, head_dim=64, slots=64, vocab=4096)
+        rows += bench_decode([256, 8192], rounds=6, hidden=512, layers=4, heads=8, head_dim=64, slots=64, vocab=4096)
     print("\n".join(rows))
     return 0

@@ -81,9 +81,15 @@ def _initial_state(
     _expect_shape("initial_state.offset", state.offset, (rows,), f"[N] with N = {rows} sequences")
     if state.offset.is_floating_point():
         raise ValueError(f"initial_state.offset must hold integers, got {state.offset.dtype}")
-    if bool(((state.offset < 0) | (state.offset >= chunk_size)).any()):
+    lowest, highest = state.offset.aminmax() if rows else (torch.tensor(0), torch.tensor(0))
+    if lowest.item() < 0 or highest.item() >= chunk_size:
         raise ValueError(f"initial_state.offset must lie in [0, chunk_size = {chunk_size}), got {state.offset.tolist()}")
-    return state.map(lambda t: t.to(device=device, dtype=torch.long if t is state.offset else dtype))
+    return state.map(lambda t: _as(t, torch.long if t is state.offset else dtype, device))
+
+
+def _as(tensor: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    # Skipping the no-op conversions is measurable when decoding one token per call.
+    return tensor if tensor.dtype == dtype and tensor.device == device else tensor.to(device=device, dtype=dtype)
 
 
 def _pick_backend(backend: str, length: int, packed: bool, device: torch.device):
@@ -170,6 +176,6 @@ def trellis_attention(
         rows = cu_seqlens.numel() - 1
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     state = _initial_state(initial_state, rows, heads, slots, dk, dv, chunk_size, dtype, q.device)
-    inputs = [t.to(dtype) for t in (q, k, v, alpha, log_beta, gamma)]
+    inputs = [_as(t, dtype, q.device) for t in (q, k, v, alpha, log_beta, gamma)]
     o, final = forward(*inputs, state, chunk_size, compress_fn, mix_fn, cu_seqlens)
-    return o.to(q.dtype), (final if output_final_state else None)
+    return _as(o, q.dtype, q.device), (final if output_final_state else None)

@@ -13,26 +13,32 @@ from .state import TrellisState
 
 
 def _write(memory, anchor, key, alpha, beta, gamma, compress_fn):
-    """One online-gradient step: ``beta * M - gamma * outer(vjp_phi(A key, phi(A key) - alpha), key)``."""
-    u = compress_residual_vjp(compress_fn, torch.einsum("nhmd,nhd->nhm", anchor, key), alpha)
+    """One online-gradient step: ``beta * M - gamma * outer(vjp_phi(A key, phi(A key) - alpha), key)``.
+
+    Shapes: memory, anchor ``[N, H, M, D]``, key ``[N, H, D]``, alpha ``[N, H, M]``,
+    beta ``[N, H, 1, 1]``, gamma ``[N, H, 1]``.
+    """
+    u = compress_residual_vjp(compress_fn, (anchor @ key[..., None])[..., 0], alpha)
     # gamma is folded into the small vector u, so the [M, D] memory is written in two passes.
-    return torch.addcmul(beta[..., None, None] * memory, (gamma[..., None] * u)[..., :, None], key[..., None, :], value=-1)
+    return torch.addcmul(beta * memory, (gamma * u)[..., :, None], key[..., None, :], value=-1)
 
 
 def _run_rows(q, k, v, alpha, log_beta, gamma, state, chunk_size, compress_fn, mix_fn):
     """Inputs ``[N, T, H, *]`` in the compute dtype; each row starts from its own state."""
     m_k, m_v, a_k, a_v, offset = state.m_k, state.m_v, state.anchor_k, state.anchor_v, state.offset
+    # Shaped once for all tokens to broadcast over a step's [N, H, M, D] memories.
+    betas, gammas = log_beta.exp()[..., None, None], gamma[..., None]
     outputs = []
     for t in range(q.shape[1]):
         starts_chunk = (offset + t) % chunk_size == 0
         if bool(starts_chunk.any()):  # only one token in C starts a chunk: skip copying the rest
             a_k = torch.where(starts_chunk[:, None, None, None], m_k, a_k)
             a_v = torch.where(starts_chunk[:, None, None, None], m_v, a_v)
-        beta = log_beta[:, t].exp()
-        m_k = _write(m_k, a_k, k[:, t], alpha[:, t], beta, gamma[:, t], compress_fn)
-        h = mix(mix_fn, torch.einsum("nhmd,nhd->nhm", m_k, q[:, t]))
-        m_v = _write(m_v, a_v, v[:, t], alpha[:, t], beta, gamma[:, t], compress_fn)
-        outputs.append(torch.einsum("nhmd,nhm->nhd", m_v, h))
+        alpha_t, beta_t, gamma_t = alpha[:, t], betas[:, t], gammas[:, t]
+        m_k = _write(m_k, a_k, k[:, t], alpha_t, beta_t, gamma_t, compress_fn)
+        h = mix(mix_fn, (m_k @ q[:, t, ..., None])[..., 0])
+        m_v = _write(m_v, a_v, v[:, t], alpha_t, beta_t, gamma_t, compress_fn)
+        outputs.append((h[..., None, :] @ m_v)[..., 0, :])
     o = torch.stack(outputs, dim=1) if outputs else v.new_zeros(v.shape)
     return o, TrellisState(m_k, m_v, a_k, a_v, (offset + q.shape[1]) % chunk_size)
 
