@@ -296,6 +296,9 @@ def test_initialisation():
     assert torch.equal(attn.gamma_proj.bias, torch.zeros(4))
     assert 0.8 < attn.mk0.std() < 1.2 and 0.8 < attn.mv0.std() < 1.2
     assert 0.04 < attn.q_proj.weight.std() < 0.06
+    # Compression targets of unit variance per slot for a unit-RMS input, as phi outputs them.
+    alpha = attn.alpha_proj(F.rms_norm(torch.randn(256, 64), (64,)))
+    assert 0.85 < alpha.std() < 1.15
     assert torch.equal(attn.o_norm.weight, torch.ones(8)) and torch.equal(model.model.norm.weight, torch.ones(64))
 
 

@@ -450,6 +450,13 @@ class TrellisPreTrainedModel(PreTrainedModel):
             # memory would make the l2norm/layernorm compressions divide by about eps.
             init.normal_(module.mk0, mean=0.0, std=1.0)
             init.normal_(module.mv0, mean=0.0, std=1.0)
+            # Targets of unit variance per slot, the scale the layernorm compression outputs
+            # (the mixer's input has unit RMS at init). The layernorm compression's Jacobian
+            # removes the radial part of phi(z) - alpha, so a write is about -J^T alpha: with the
+            # generic 0.02 init the targets, hence the writes, would be several times too small
+            # to learn from (MQAR then barely moves, docs/results.md). Replaces the nn.Linear
+            # branch's init, as conversion does (conversion/llama.py).
+            init.normal_(module.alpha_proj.weight, mean=0.0, std=self.config.hidden_size**-0.5)
             if module.beta_proj is not None:
                 # Modules are initialised children first, so this replaces the zero bias
                 # the nn.Linear branch gave beta_proj.
