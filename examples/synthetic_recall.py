@@ -27,10 +27,13 @@ import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import torch
 
-from trellis_lm.eval.synthetic import MQARTask, ModelSize, ModelSpec, TrainSettings, default_variants, run_mqar
+from trellis_lm.eval.synthetic import (
+    MQARTask, ModelSize, ModelSpec, NIAHTask, TrainSettings, default_variants, run_mqar, run_niah,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -50,6 +53,9 @@ class Preset:
     pairs: tuple[int, ...]
     seq_lens: tuple[int, ...]
     sweep_variants: tuple[str, ...]
+    niah: Optional[NIAHTask] = None
+    niah_train: Optional[TrainSettings] = None
+    niah_variants: tuple[str, ...] = ("llama", "trellis")
 
 
 PRESETS = {
@@ -63,6 +69,17 @@ PRESETS = {
         vocab_size=64, num_train=20_000, num_test=512,
         base_seq_len=64, base_pairs=4, pairs=(2, 4, 8), seq_lens=(64, 128),
         sweep_variants=("llama", "trellis"),
+        niah=NIAHTask(train_context=256, eval_contexts=(256, 1024, 4096, 16384), samples=4, num_train=20_000),
+        niah_train=TrainSettings(max_steps=1500, batch_size=32, learning_rate=1e-2),
+    ),
+    # The issue's goal setting only (seq_len 256, 16 pairs, hidden 128, 2 layers), sized for a CPU:
+    # a 256-token vocabulary and 1500 steps of 32 sequences (~1.5 s a step for Trellis on 2 cores).
+    "cpu-goal": Preset(
+        size=ModelSize(hidden_size=128, num_hidden_layers=2, num_heads=2, head_dim=64, intermediate_size=256,
+                       num_slots=64, chunk_size=64),
+        train=TrainSettings(max_steps=1500, batch_size=32, learning_rate=5e-3),
+        vocab_size=256, num_train=50_000, num_test=512,
+        base_seq_len=256, base_pairs=16, pairs=(16,), seq_lens=(256,), sweep_variants=("llama", "trellis"),
     ),
     # Zoology-sized: the issue's goal setting (seq_len 256, 16 pairs, hidden 128, 2 layers), a large
     # vocabulary, up to 64 pairs and 512 tokens, every variant in every sweep.
@@ -73,13 +90,17 @@ PRESETS = {
         vocab_size=8192, num_train=100_000, num_test=3000,
         base_seq_len=256, base_pairs=16, pairs=(4, 8, 16, 32, 64), seq_lens=(64, 128, 256, 512),
         sweep_variants=tuple(spec.name for spec in default_variants()),
+        niah=NIAHTask(train_context=1024, eval_contexts=(1024, 4096, 16384, 65536), samples=16, num_train=50_000),
+        niah_train=TrainSettings(max_steps=3000, batch_size=32, learning_rate=3e-3),
+        niah_variants=tuple(spec.name for spec in default_variants()),
     ),
 }
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--task", choices=("mqar", "niah"), default="mqar")
+    parser.add_argument("--task", choices=("all", "mqar", "niah"), default="all",
+                        help="all: the MQAR sweep, then S-NIAH training and scoring; results.md shows both")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
     parser.add_argument("--variants", help="comma-separated subset of: " + ",".join(s.name for s in default_variants()))
     parser.add_argument("--pairs", help="comma-separated key-value pair counts (replaces the preset's)")
@@ -89,7 +110,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--jobs", type=int, default=1, help="mqar: runs trained at once, in separate processes")
     parser.add_argument("--out", type=Path, default=REPO / "outputs" / "synthetic-recall")
     parser.add_argument("--results-md", type=Path, default=REPO / "docs" / "results.md")
-    parser.add_argument("--model", help="niah: a trained checkpoint folder (with its tokenizer)")
+    parser.add_argument("--model", help="niah: score this trained checkpoint folder (with its tokenizer) instead of "
+                        "training the preset's models on the task")
     parser.add_argument("--context-lengths", default="256,512,1024", help="niah: context sizes in tokens")
     parser.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="niah: needle depths in [0, 1]")
     parser.add_argument("--niah-samples", type=int, default=8, help="niah: examples per (length, depth)")
@@ -149,26 +171,25 @@ def accuracy_table(results: list[dict], column: str, fixed: str, fixed_value: in
     return "\n".join(lines)
 
 
-def plot_accuracy(results: list[dict], column: str, fixed: str, fixed_value: int, path: Path) -> bool:
-    """Accuracy against ``column`` (one line per model); False when there is nothing to draw."""
+def plot_lines(series: dict[str, list[tuple[float, float]]], xlabel: str, ylabel: str, title: str, path: Path) -> bool:
+    """One line per name of ``series`` (``(x, y)`` points, x on a log2 axis); False when no
+    series has two points, so there is nothing to draw."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in results if r["task"][fixed] == fixed_value]
-    if len({r["task"][column] for r in rows}) < 2:
+    series = {name: sorted(points) for name, points in series.items() if len(points) > 1}
+    if not series:
         return False
     figure, axes = plt.subplots(figsize=(6, 4))
-    for model in dict.fromkeys(r["model"] for r in rows):
-        points = sorted((r["task"][column], r["accuracy"]) for r in rows if r["model"] == model)
-        if len(points) > 1:  # the ablations sit at one point: they have their own table
-            axes.plot(*zip(*points), marker="o", label=model)
+    for name, points in series.items():
+        axes.plot(*zip(*points), marker="o", label=name)
     axes.set_xscale("log", base=2)
-    axes.set_xlabel(column)
-    axes.set_ylabel("MQAR accuracy")
+    axes.set_xlabel(xlabel)
+    axes.set_ylabel(ylabel)
     axes.set_ylim(0, 1.02)
-    axes.set_title(f"{fixed} = {fixed_value}")
+    axes.set_title(title)
     axes.legend(fontsize=7)
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -192,7 +213,7 @@ def ablation_section(results: list[dict], preset: Preset) -> list[str]:
             if (r["task"]["seq_len"], r["task"]["num_kv_pairs"]) == (preset.base_seq_len, preset.base_pairs)}
     if len(base) < 2:
         return []
-    lines = [f"## Ablations (seq_len = {preset.base_seq_len}, {preset.base_pairs} pairs)", "",
+    lines = [f"### Ablations (seq_len = {preset.base_seq_len}, {preset.base_pairs} pairs)", "",
              "| model | changed | accuracy |", "|---|---|---:|"]
     for name, r in base.items():
         changed = ", ".join(f"{k}={v}" for k, v in r["overrides"].items()) or "-"
@@ -206,21 +227,12 @@ def ablation_section(results: list[dict], preset: Preset) -> list[str]:
     return lines + ["", "One seed per run: differences of a few points are within run-to-run noise.", ""]
 
 
-def write_mqar_markdown(results: list[dict], preset: Preset, args: argparse.Namespace, command: str) -> None:
-    md_path = args.results_md
-    figures = md_path.parent / "figures"
+def mqar_lines(results: list[dict], preset: Preset, command: str, figures: Path, md_dir: Path) -> list[str]:
     size, train = results[0]["size"], results[0]["train"]
     lines = [
-        "# Synthetic recall results",
-        "",
-        "Produced by running, from the repository root:",
-        "",
-        f"    {command}",
-        "",
-        f"- date (UTC): {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M}",
-        f"- machine: {machine_description()}",
+        "## MQAR", "", f"Command: `{command}`", "",
         f"- model size: {size}",
-        f"- training: {train} (transformers.Trainer, AdamW, cosine schedule)",
+        f"- training: {train} (transformers.Trainer, AdamW, warm-up then cosine)",
         f"- data: MQAR, vocab {preset.vocab_size}, {preset.num_train} train / {preset.num_test} test examples "
         "per setting, power_a 0.01; accuracy = fraction of answer positions whose argmax equals the value "
         f"(chance: 1/{preset.vocab_size - preset.vocab_size // 2})",
@@ -230,66 +242,135 @@ def write_mqar_markdown(results: list[dict], preset: Preset, args: argparse.Name
         ("num_kv_pairs", "seq_len", preset.base_seq_len, "Accuracy vs number of key-value pairs"),
         ("seq_len", "num_kv_pairs", preset.base_pairs, "Accuracy vs context length"),
     ):
+        rows = [r for r in results if r["task"][fixed] == value]
         # A sweep with a single point adds nothing to the table of all runs below.
-        if len({r["task"][column] for r in results if r["task"][fixed] == value}) < 2:
+        if len({r["task"][column] for r in rows}) < 2:
             continue
-        lines += [f"## {title} ({fixed} = {value})", "", accuracy_table(results, column, fixed, value), ""]
+        lines += [f"### {title} ({fixed} = {value})", "", accuracy_table(results, column, fixed, value), ""]
+        series: dict[str, list] = {}
+        for r in rows:
+            series.setdefault(r["model"], []).append((r["task"][column], r["accuracy"]))
         figure = figures / f"mqar_accuracy_vs_{column}.png"
-        if plot_accuracy(results, column, fixed, value, figure):
-            lines += [f"![{title}]({figure.relative_to(md_path.parent).as_posix()})", ""]
+        if plot_lines(series, column, "MQAR accuracy", f"{fixed} = {value}", figure):
+            lines += [f"![{title}]({figure.relative_to(md_dir).as_posix()})", ""]
     lines += ablation_section(results, preset)
-    lines += ["## All runs", "", "| model | seq_len | pairs | accuracy | mean train loss | params | train s |",
+    lines += ["### All runs", "", "| model | seq_len | pairs | accuracy | mean train loss | params | train s |",
               "|---|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         lines.append(f"| {r['model']} | {r['task']['seq_len']} | {r['task']['num_kv_pairs']} | {r['accuracy']:.3f} "
                      f"| {r['mean_train_loss']:.3f} | {r['num_parameters']} | {r['train_seconds']:.0f} |")
+    return lines + [""]
+
+
+def niah_lines(results: list[dict], command: str, figures: Path, md_dir: Path) -> list[str]:
+    task, train = results[0]["task"], results[0]["train"]
+    lines = [
+        "## Single-needle retrieval (S-NIAH)", "", f"Command: `{command}`", "",
+        f"- trained from scratch on {task['num_train']} prompts of {task['train_context']} tokens (noise haystack, a "
+        "7-digit number needle at a uniform depth; loss on the answer only), then scored with greedy `generate()` on "
+        f"unseen needles: {task['samples']} prompts per (context, depth), depths {task['depths']}",
+        f"- training: {train}; tokenizer: byte-level BPE, {task['tokenizer_vocab']} tokens, trained on the task's text",
+        "",
+        "| model | " + " | ".join(f"{c} tokens" for c in task["eval_contexts"]) + " |",
+        "|---|" + "---:|" * len(task["eval_contexts"]),
+    ]
+    series = {}
+    for r in results:
+        means = {int(length): sum(s.values()) / len(s) for length, s in r["scores"].items()}
+        series[r["model"]] = sorted(means.items())
+        lines.append(f"| {r['model']} | " + " | ".join(f"{means[c]:.2f}" for c in task["eval_contexts"]) + " |")
+    lines += ["", "Mean over depths of the fraction of needles retrieved. By depth:", ""]
+    for r in results:
+        lines.append(f"- {r['model']}: " + "; ".join(
+            f"{length}: " + ", ".join(f"{float(d):g}->{v:.2f}" for d, v in s.items()) for length, s in r["scores"].items()))
+    figure = figures / "niah_accuracy_vs_context.png"
+    if plot_lines(series, "context tokens", "needles retrieved",
+                  f"S-NIAH, trained at {task['train_context']} tokens", figure):
+        lines += ["", f"![S-NIAH accuracy vs context]({figure.relative_to(md_dir).as_posix()})"]
+    return lines + [""]
+
+
+def write_markdown(results: dict, preset: Preset, args: argparse.Namespace) -> None:
+    """``args.results_md`` from the saved results of both tasks, plus the hand-written reading
+    (``results_notes.md`` beside it) when there is one."""
+    md_path = args.results_md
+    figures = md_path.parent / "figures"
+    lines = [
+        "# Synthetic recall results", "",
+        "Written by `examples/synthetic_recall.py` (commands below, run from the repository root).", "",
+        f"- date (UTC): {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M}",
+        f"- machine: {machine_description()}",
+        "",
+    ]
+    if "mqar" in results:
+        lines += mqar_lines(results["mqar"]["results"], preset, results["mqar"]["command"], figures, md_path.parent)
+    if "niah" in results:
+        lines += niah_lines(results["niah"]["results"], results["niah"]["command"], figures, md_path.parent)
+    notes = md_path.parent / "results_notes.md"
+    if notes.exists():
+        lines += [notes.read_text(encoding="utf-8")]
     md_path.parent.mkdir(parents=True, exist_ok=True)
-    md_path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    md_path.write_text("\n".join(lines).rstrip() + "\n", encoding="utf-8")
 
 
-def run_mqar_study(args: argparse.Namespace, command: str) -> list[dict]:
-    preset = PRESETS[args.preset]
-    train = preset.train if args.max_steps is None else dataclasses.replace(preset.train, max_steps=args.max_steps)
-    grid = mqar_grid(preset, args)
-    args.out.mkdir(parents=True, exist_ok=True)
+def run_in_turn(args: argparse.Namespace, jobs: list, describe) -> list[dict]:
+    """Run ``fn(*fn_args)`` for each ``(fn, fn_args)`` of ``jobs``, ``args.jobs`` at a time; print
+    ``describe(index, result)`` as each finishes. Returns the results in the order of ``jobs``."""
     done: dict[int, dict] = {}
     started = time.perf_counter()
 
     def record(index: int, result: dict) -> None:
         done[index] = result
-        spec, task = grid[index]
-        print(f"[{len(done)}/{len(grid)}] {spec.name:20s} seq_len={task.seq_len:4d} pairs={task.num_kv_pairs:3d} "
-              f"acc={result['accuracy']:.3f} mean loss={result['mean_train_loss']:.3f} "
-              f"({result['train_seconds']:.0f}s train, {time.perf_counter() - started:.0f}s total)", flush=True)
-        # Written after every run, so an interrupted sweep keeps what it finished.
-        finished = [done[i] for i in sorted(done)]
-        (args.out / "mqar_results.json").write_text(json.dumps({"command": command, "results": finished}, indent=1))
+        print(f"[{len(done)}/{len(jobs)}] {describe(index, result)} ({time.perf_counter() - started:.0f}s total)",
+              flush=True)
 
     if args.jobs == 1:
-        for index, (spec, task) in enumerate(grid):
-            record(index, run_mqar(spec, task, preset.size, train))
+        for index, (fn, fn_args) in enumerate(jobs):
+            record(index, fn(*fn_args))
     else:
         # Small models use one core badly: separate processes, one torch thread pool each.
         context = multiprocessing.get_context("spawn")
         with ProcessPoolExecutor(args.jobs, mp_context=context, initializer=torch.set_num_threads,
                                  initargs=(args.threads,)) as pool:
-            futures = {pool.submit(run_mqar, spec, task, preset.size, train): i for i, (spec, task) in enumerate(grid)}
+            futures = {pool.submit(fn, *fn_args): i for i, (fn, fn_args) in enumerate(jobs)}
             for future in as_completed(futures):
                 record(futures[future], future.result())
-    results = [done[i] for i in range(len(grid))]
-    write_mqar_markdown(results, preset, args, command)
-    print(f"wrote {args.out / 'mqar_results.json'} and {args.results_md}")
-    return results
+    return [done[i] for i in range(len(jobs))]
 
 
-def run_niah_study(args: argparse.Namespace, command: str) -> dict:
+def run_mqar_study(args: argparse.Namespace, preset: Preset) -> list[dict]:
+    train = preset.train if args.max_steps is None else dataclasses.replace(preset.train, max_steps=args.max_steps)
+    grid = mqar_grid(preset, args)
+
+    def describe(index: int, r: dict) -> str:
+        return (f"mqar {r['model']:20s} seq_len={r['task']['seq_len']:4d} pairs={r['task']['num_kv_pairs']:3d} "
+                f"acc={r['accuracy']:.3f} mean loss={r['mean_train_loss']:.3f} ({r['train_seconds']:.0f}s train)")
+
+    return run_in_turn(args, [(run_mqar, (spec, task, preset.size, train)) for spec, task in grid], describe)
+
+
+def run_niah_training(args: argparse.Namespace, preset: Preset) -> list[dict]:
+    """Train the preset's NIAH variants at its short context and score them at every length."""
+    train = preset.niah_train if args.max_steps is None else dataclasses.replace(preset.niah_train,
+                                                                                  max_steps=args.max_steps)
+    wanted = set(args.variants.split(",")) if args.variants else set(preset.niah_variants)
+    specs = [spec for spec in default_variants() if spec.name in preset.niah_variants and spec.name in wanted]
+    if not specs:
+        return []
+
+    def describe(index: int, r: dict) -> str:
+        means = {length: sum(s.values()) / len(s) for length, s in r["scores"].items()}
+        return f"niah {r['model']:20s} " + " ".join(f"{k}:{v:.2f}" for k, v in means.items())
+
+    return run_in_turn(args, [(run_niah, (spec, preset.niah, preset.size, train)) for spec in specs], describe)
+
+
+def score_checkpoint_niah(args: argparse.Namespace, command: str) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import trellis_lm  # noqa: F401  (registers the auto classes)
     from trellis_lm.eval.niah import make_niah_example, score_niah
 
-    if not args.model:
-        raise SystemExit("--task niah needs --model (a trained checkpoint folder with its tokenizer)")
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model).eval()
     scores: dict[str, dict[str, float]] = {}
@@ -302,8 +383,8 @@ def run_niah_study(args: argparse.Namespace, command: str) -> dict:
             scores.setdefault(str(length), {})[str(depth)] = score_niah(model, tokenizer, examples, max_new_tokens)
             print(f"context={length} depth={depth}: {scores[str(length)][str(depth)]:.3f}", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "niah_results.json").write_text(json.dumps({"command": command, "scores": scores}, indent=1))
-    print(f"wrote {args.out / 'niah_results.json'}")
+    (args.out / "niah_checkpoint_results.json").write_text(json.dumps({"command": command, "scores": scores}, indent=1))
+    print(f"wrote {args.out / 'niah_checkpoint_results.json'}")
     return scores
 
 
@@ -311,10 +392,24 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     command = shlex.join(["python", "examples/synthetic_recall.py", *(sys.argv[1:] if argv is None else argv)])
-    if args.task == "mqar":
-        run_mqar_study(args, command)
-    else:
-        run_niah_study(args, command)
+    if args.task == "niah" and args.model:
+        score_checkpoint_niah(args, command)
+        return
+    preset = PRESETS[args.preset]
+    args.out.mkdir(parents=True, exist_ok=True)
+    saved = args.out / "synthetic_results.json"
+    # A run of one task keeps the other task's latest results in the page.
+    results = json.loads(saved.read_text()) if saved.exists() else {}
+    if args.task in ("all", "mqar"):
+        results["mqar"] = {"command": command, "results": run_mqar_study(args, preset)}
+        saved.write_text(json.dumps(results, indent=1))
+    if args.task in ("all", "niah") and preset.niah is not None:
+        niah = run_niah_training(args, preset)
+        if niah:
+            results["niah"] = {"command": command, "results": niah}
+            saved.write_text(json.dumps(results, indent=1))
+    write_markdown(results, preset, args)
+    print(f"wrote {saved} and {args.results_md}")
 
 
 if __name__ == "__main__":

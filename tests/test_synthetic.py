@@ -16,9 +16,11 @@ import torch.nn.functional as F
 from tiny_models import tiny_model
 from trellis_lm import train_tokenizer
 from trellis_lm.eval.mqar import FILLER_TOKEN, IGNORE_INDEX, answer_accuracy, make_mqar
-from trellis_lm.eval.niah import NOISE_SENTENCES, NIAHExample, make_niah_example, niah_match, score_niah
+from trellis_lm.eval.niah import (
+    NOISE_SENTENCES, NIAHExample, make_niah_example, make_niah_training_data, niah_match, niah_tokenizer, score_niah,
+)
 from trellis_lm.eval.synthetic import (
-    MQARTask, ModelSize, TrainSettings, build_model, default_variants, mqar_accuracy, run_mqar,
+    MQARTask, ModelSize, NIAHTask, TrainSettings, build_model, default_variants, mqar_accuracy, run_mqar,
 )
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "synthetic_recall.py"
@@ -196,6 +198,26 @@ def test_run_mqar_end_to_end(name):
     json.dumps(result)
 
 
+def test_niah_training_data_trains_on_the_answer_only():
+    tokenizer = niah_tokenizer(300)
+    ids, labels, mask = make_niah_training_data(tokenizer, 6, 128, seed=1)
+    again = make_niah_training_data(tokenizer, 6, 128, seed=1)
+    assert all(torch.equal(a, b) for a, b in zip((ids, labels, mask), again))
+    assert ids.shape == labels.shape == mask.shape and ids.shape[0] == 6
+    for row_ids, row_labels, row_mask in zip(ids, labels, mask):
+        real = int(row_mask.sum())
+        assert bool(row_mask[:real].all()) and not bool(row_mask[real:].any())  # right padding
+        answer = row_labels != IGNORE_INDEX
+        # The labelled tokens are the row's last real ones: the answer, then EOS.
+        assert torch.equal(answer.nonzero()[:, 0], torch.arange(real - int(answer.sum()), real))
+        assert row_labels[real - 1] == tokenizer.eos_token_id
+        assert torch.equal(row_labels[answer], row_ids[answer])
+        text = tokenizer.decode(row_ids[:real], skip_special_tokens=True)
+        value = tokenizer.decode(row_labels[answer][:-1]).strip()
+        # The answer is the needle's value, stated in the needle earlier in the prompt.
+        assert len(value) == 7 and value.isdigit() and f"is {value}." in text and text.endswith(f" is {value}")
+
+
 def load_example():
     module_spec = importlib.util.spec_from_file_location("synthetic_recall", EXAMPLE)
     module = importlib.util.module_from_spec(module_spec)
@@ -208,18 +230,31 @@ def load_example():
 def test_example_command_writes_json_tables_and_plots(tmp_path, monkeypatch):
     example = load_example()
     # The cpu preset's sweep shape with tiny models and data, to stay fast.
-    small = dataclasses.replace(example.PRESETS["cpu"], size=TINY, num_train=64, num_test=16)
+    tiny_niah = NIAHTask(train_context=128, eval_contexts=(128, 160), depths=(0.0, 1.0), samples=1, num_train=8,
+                         tokenizer_vocab=300)
+    small = dataclasses.replace(example.PRESETS["cpu"], size=TINY, num_train=64, num_test=16, niah=tiny_niah)
     monkeypatch.setitem(example.PRESETS, "cpu", small)
     md = tmp_path / "docs" / "results.md"
-    example.main(["--task", "mqar", "--preset", "cpu", "--variants", "llama,trellis", "--pairs", "2,4",
+    (md.parent).mkdir()
+    (md.parent / "results_notes.md").write_text("## Reading\n\nhand-written\n")
+    example.main(["--preset", "cpu", "--variants", "llama,trellis,trellis-no-forget", "--pairs", "2,4",
                   "--seq-lens", "64,128", "--max-steps", "2", "--out", str(tmp_path / "out"), "--results-md", str(md)])
-    results = json.loads((tmp_path / "out" / "mqar_results.json").read_text())["results"]
-    assert {(r["model"], r["task"]["seq_len"], r["task"]["num_kv_pairs"]) for r in results} == {
-        (m, s, p) for m in ("llama", "trellis") for s, p in ((64, 2), (64, 4), (128, 4))}
+    saved = json.loads((tmp_path / "out" / "synthetic_results.json").read_text())
+    runs = {(r["model"], r["task"]["seq_len"], r["task"]["num_kv_pairs"]) for r in saved["mqar"]["results"]}
+    # Every variant at the base setting; only the swept models elsewhere.
+    assert runs == {(m, s, p) for m in ("llama", "trellis") for s, p in ((64, 2), (64, 4), (128, 4))} | {
+        ("trellis-no-forget", 64, 4)}
+    assert {r["model"] for r in saved["niah"]["results"]} == {"llama", "trellis"}
+    assert set(saved["niah"]["results"][0]["scores"]) == {"128", "160"}
     text = md.read_text()
     assert "| llama |" in text and "num_kv_pairs=2" in text and "seq_len=128" in text
-    assert (md.parent / "figures" / "mqar_accuracy_vs_num_kv_pairs.png").stat().st_size > 0
-    assert (md.parent / "figures" / "mqar_accuracy_vs_seq_len.png").stat().st_size > 0
+    assert "| the forget gate helps | trellis " in text and "S-NIAH" in text and "hand-written" in text
+    for name in ("mqar_accuracy_vs_num_kv_pairs", "mqar_accuracy_vs_seq_len", "niah_accuracy_vs_context"):
+        assert (md.parent / "figures" / f"{name}.png").stat().st_size > 0
+    # A later run of one task keeps the other's results on the page.
+    example.main(["--task", "mqar", "--preset", "cpu", "--variants", "llama", "--pairs", "4", "--seq-lens", "64",
+                  "--max-steps", "1", "--out", str(tmp_path / "out"), "--results-md", str(md)])
+    assert "S-NIAH" in md.read_text()
 
 
 def test_example_command_scores_niah_on_a_checkpoint(tmp_path, tokenizer):
@@ -227,7 +262,7 @@ def test_example_command_scores_niah_on_a_checkpoint(tmp_path, tokenizer):
     tokenizer.save_pretrained(tmp_path / "model")
     load_example().main(["--task", "niah", "--model", str(tmp_path / "model"), "--context-lengths", "128",
                          "--depths", "0,1", "--niah-samples", "2", "--out", str(tmp_path / "out")])
-    scores = json.loads((tmp_path / "out" / "niah_results.json").read_text())["scores"]
+    scores = json.loads((tmp_path / "out" / "niah_checkpoint_results.json").read_text())["scores"]
     assert set(scores["128"]) == {"0.0", "1.0"} and all(0 <= v <= 1 for v in scores["128"].values())
 
 
@@ -238,6 +273,8 @@ def test_presets_cover_the_requested_ablations():
     names = {spec.name for spec, _ in grid}
     assert names == {spec.name for spec in default_variants()}
     assert {task.seq_len for _, task in grid} == {64, 128}
+    # The ablations run once, at the base setting; the pair and length sweeps only for the swept models.
+    assert len(grid) == len(default_variants()) + 2 * (len(example.PRESETS["cpu"].pairs) - 1) + 2
     assert len(example.mqar_grid(example.PRESETS["gpu"], example.parse_args(["--preset", "gpu"]))) > len(grid)
 
 

@@ -172,6 +172,55 @@ def _module_docstring(source: str) -> str | None:
     return inspect.cleandoc(ast.literal_eval(head[: end + 3]))
 
 
+def niah_tokenizer(vocab_size: int = 512, seed: int = 0) -> Any:
+    """A byte-level BPE tokenizer trained offline on S-NIAH text (noise haystack, needles,
+    questions), for models trained on the task from scratch."""
+    from ..tokenization_trellis import train_tokenizer
+
+    rng = random.Random(seed)
+    haystack = " ".join(NOISE_SENTENCES)
+
+    def corpus():
+        for _ in range(2000):
+            key, value = rng.choice(NEEDLE_KEYS), rng.randrange(1_000_000, 10_000_000)
+            yield (f"{haystack} The special magic number for {key} is {value}. {haystack}\nQuestion: what is the "
+                   f"special magic number for {key}?\nAnswer: The special magic number for {key} is {value}")
+
+    return train_tokenizer(corpus(), vocab_size)
+
+
+def make_niah_training_data(
+    tokenizer: Any, num_examples: int, context_tokens: int, seed: int, *, needle_kind: str = "number",
+    haystack: str = "noise",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """S-NIAH examples to train on: each prompt (needle at a uniformly drawn depth) followed by
+    its answer and EOS, tokenized apart as ``generate()`` will see them.
+
+    Returns:
+        ``input_ids``, ``labels`` and ``attention_mask``, each ``[N, T]`` with T the longest
+        row; rows are right-padded, and ``labels`` is -100 everywhere but the answer and EOS.
+    """
+    if tokenizer.eos_token_id is None or tokenizer.pad_token_id is None:
+        raise ValueError("the tokenizer needs an eos and a pad token to build training examples")
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(num_examples):
+        example = make_niah_example(tokenizer, context_tokens, rng.random(), needle_kind, rng.getrandbits(32), haystack)
+        prompt = tokenizer(example.prompt)["input_ids"]
+        answer = tokenizer(" " + example.answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        rows.append((prompt, answer))
+    length = max(len(p) + len(a) for p, a in rows)
+    input_ids = torch.full((num_examples, length), tokenizer.pad_token_id, dtype=torch.long)
+    labels = torch.full((num_examples, length), -100, dtype=torch.long)
+    attention_mask = torch.zeros(num_examples, length, dtype=torch.long)
+    for i, (prompt, answer) in enumerate(rows):
+        end = len(prompt) + len(answer)
+        input_ids[i, :end] = torch.tensor(prompt + answer)
+        labels[i, len(prompt) : end] = torch.tensor(answer)
+        attention_mask[i, :end] = 1
+    return input_ids, labels, attention_mask
+
+
 def niah_match(completion: str, answer: str) -> bool:
     """Whether a completion states the answer: exact substring match after trimming spaces."""
     return answer.strip() in completion
@@ -204,4 +253,7 @@ def score_niah(
     return hits / len(examples)
 
 
-__all__ = ["NEEDLE_KINDS", "NIAHExample", "make_niah_example", "niah_match", "score_niah"]
+__all__ = [
+    "NEEDLE_KINDS", "NIAHExample", "make_niah_example", "make_niah_training_data", "niah_match", "niah_tokenizer",
+    "score_niah",
+]

@@ -27,6 +27,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, Trainer
 from ..configuration_trellis import TrellisConfig
 from ..modeling_trellis import TrellisForCausalLM
 from .mqar import answer_accuracy, make_mqar
+from .niah import make_niah_example, make_niah_training_data, niah_tokenizer, score_niah
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,19 @@ class MQARTask:
     num_train: int = 4000
     num_test: int = 500
     power_a: float = 0.01
+
+
+@dataclass(frozen=True)
+class NIAHTask:
+    """S-NIAH trained at ``train_context`` tokens and scored at every length of ``eval_contexts``
+    (see :mod:`trellis_lm.eval.niah`); number needles in the noise haystack."""
+
+    train_context: int = 256
+    eval_contexts: tuple[int, ...] = (256, 1024, 4096, 16384)
+    depths: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)
+    samples: int = 4
+    num_train: int = 20_000
+    tokenizer_vocab: int = 512
 
 
 @dataclass(frozen=True)
@@ -121,16 +135,41 @@ def build_model(spec: ModelSpec, size: ModelSize, vocab_size: int, max_len: int)
 
 
 class TensorDataset(Dataset):
-    """Rows of ``input_ids [N, T]`` and ``labels [N, T]`` as the dicts ``Trainer`` feeds the model."""
+    """Rows of ``input_ids [N, T]``, ``labels [N, T]`` and optionally ``attention_mask [N, T]``,
+    as the dicts ``Trainer`` feeds the model."""
 
-    def __init__(self, input_ids: torch.Tensor, labels: torch.Tensor) -> None:
-        self.input_ids, self.labels = input_ids, labels
+    def __init__(self, input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None = None) -> None:
+        self.input_ids, self.labels, self.attention_mask = input_ids, labels, attention_mask
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.input_ids[index], "labels": self.labels[index]}
+        row = {"input_ids": self.input_ids[index], "labels": self.labels[index]}
+        if self.attention_mask is not None:
+            row["attention_mask"] = self.attention_mask[index]
+        return row
+
+
+def train_model(model: PreTrainedModel, dataset: Dataset, train: TrainSettings) -> dict[str, float]:
+    """Train ``model`` in place with ``transformers.Trainer`` (AdamW, warm-up then cosine).
+
+    Returns:
+        ``mean_train_loss`` (averaged over all steps) and ``train_seconds`` (wall clock).
+    """
+    with tempfile.TemporaryDirectory() as output_dir:
+        args = TrainingArguments(
+            output_dir=output_dir, max_steps=train.max_steps, per_device_train_batch_size=train.batch_size,
+            learning_rate=train.learning_rate, weight_decay=train.weight_decay,
+            warmup_steps=math.ceil(train.warmup_ratio * train.max_steps), lr_scheduler_type="cosine",
+            logging_steps=max(1, train.max_steps // 10), save_strategy="no", report_to=[],
+            disable_tqdm=True, seed=train.seed, dataloader_num_workers=0, use_cpu=not torch.cuda.is_available(),
+            bf16=torch.cuda.is_available() and torch.cuda.is_bf16_supported(),
+        )
+        trainer = Trainer(model=model, args=args, train_dataset=dataset)
+        started = time.perf_counter()
+        output = trainer.train()
+        return {"mean_train_loss": output.training_loss, "train_seconds": time.perf_counter() - started}
 
 
 @torch.no_grad()
@@ -169,29 +208,44 @@ def run_mqar(spec: ModelSpec, task: MQARTask, size: ModelSize, train: TrainSetti
 
     torch.manual_seed(train.seed)
     model = build_model(spec, size, task.vocab_size, task.seq_len)
-    with tempfile.TemporaryDirectory() as output_dir:
-        args = TrainingArguments(
-            output_dir=output_dir, max_steps=train.max_steps, per_device_train_batch_size=train.batch_size,
-            learning_rate=train.learning_rate, weight_decay=train.weight_decay,
-            warmup_steps=math.ceil(train.warmup_ratio * train.max_steps), lr_scheduler_type="cosine",
-            logging_steps=max(1, train.max_steps // 10), save_strategy="no", report_to=[],
-            disable_tqdm=True, seed=train.seed, dataloader_num_workers=0, use_cpu=not torch.cuda.is_available(),
-            bf16=torch.cuda.is_available() and torch.cuda.is_bf16_supported(),
-        )
-        trainer = Trainer(model=model, args=args, train_dataset=TensorDataset(train_ids, train_labels))
-        started = time.perf_counter()
-        output = trainer.train()
-        train_seconds = time.perf_counter() - started
+    trained = train_model(model, TensorDataset(train_ids, train_labels), train)
     accuracy = mqar_accuracy(model, test_ids, test_labels, train.eval_batch_size)
     return {
         "model": spec.name, "kind": spec.kind, "overrides": dict(spec.overrides),
         "task": dataclasses.asdict(task), "size": dataclasses.asdict(size), "train": dataclasses.asdict(train),
-        "accuracy": accuracy, "mean_train_loss": output.training_loss,
-        "num_parameters": sum(p.numel() for p in model.parameters()), "train_seconds": train_seconds,
+        "accuracy": accuracy, **trained, "num_parameters": sum(p.numel() for p in model.parameters()),
+    }
+
+
+def run_niah(spec: ModelSpec, task: NIAHTask, size: ModelSize, train: TrainSettings) -> dict[str, Any]:
+    """Train ``spec`` on S-NIAH at ``task.train_context`` tokens, then score greedy retrieval with
+    ``generate()`` at each context length and depth on unseen examples.
+
+    Returns:
+        A JSON-ready record like :func:`run_mqar`'s, with ``scores[length][depth]`` (fraction of
+        ``task.samples`` examples whose completion holds the needle's value).
+    """
+    tokenizer = niah_tokenizer(task.tokenizer_vocab, seed=train.seed)
+    ids, labels, mask = make_niah_training_data(tokenizer, task.num_train, task.train_context, seed=2 * train.seed)
+    torch.manual_seed(train.seed)
+    model = build_model(spec, size, len(tokenizer), max(task.eval_contexts) + 64)
+    trained = train_model(model, TensorDataset(ids, labels, mask), train)
+    model.eval()
+    scores: dict[str, dict[str, float]] = {}
+    for length in task.eval_contexts:
+        for depth in task.depths:
+            # Seeds far from the training data's draws: unseen keys, values and positions.
+            examples = [make_niah_example(tokenizer, length, depth, "number", seed=10**9 + 1000 * i + length)
+                        for i in range(task.samples)]
+            scores.setdefault(str(length), {})[str(depth)] = score_niah(model, tokenizer, examples, max_new_tokens=10)
+    return {
+        "model": spec.name, "kind": spec.kind, "overrides": dict(spec.overrides), "task": dataclasses.asdict(task),
+        "size": dataclasses.asdict(size), "train": dataclasses.asdict(train), "scores": scores, **trained,
+        "num_parameters": sum(p.numel() for p in model.parameters()),
     }
 
 
 __all__ = [
-    "MQARTask", "ModelSize", "ModelSpec", "TensorDataset", "TrainSettings", "build_model",
-    "default_variants", "mqar_accuracy", "run_mqar",
+    "MQARTask", "ModelSize", "ModelSpec", "NIAHTask", "TensorDataset", "TrainSettings", "build_model",
+    "default_variants", "mqar_accuracy", "run_mqar", "run_niah", "train_model",
 ]
