@@ -292,7 +292,7 @@ def niah_lines(results: list[dict], command: str, figures: Path, md_dir: Path) -
 
 def write_markdown(results: dict, preset: Preset, args: argparse.Namespace) -> None:
     """``args.results_md`` from the saved results of both tasks, plus the hand-written reading
-    (``results_notes.md`` beside it) when there is one."""
+    (``<name>_notes.md`` beside it, e.g. ``results_notes.md``) when there is one."""
     md_path = args.results_md
     figures = md_path.parent / "figures"
     lines = [
@@ -306,7 +306,7 @@ def write_markdown(results: dict, preset: Preset, args: argparse.Namespace) -> N
         lines += mqar_lines(results["mqar"]["results"], preset, results["mqar"]["command"], figures, md_path.parent)
     if "niah" in results:
         lines += niah_lines(results["niah"]["results"], results["niah"]["command"], figures, md_path.parent)
-    notes = md_path.parent / "results_notes.md"
+    notes = md_path.with_name(f"{md_path.stem}_notes.md")
     if notes.exists():
         lines += [notes.read_text(encoding="utf-8")]
     md_path.parent.mkdir(parents=True, exist_ok=True)
