@@ -27,12 +27,13 @@ def test_ddp_and_fsdp_on_two_cpu_processes(tmp_path):
 
     # DDP: the ranks stay in sync and match one process taking the same global batch of 4.
     ranks = [torch.load(tmp_path / f"ddp_rank{r}.pt") for r in range(2)]
-    single = trained_parameters(sgd_trainer(str(tmp_path / "single"), max_steps=2, per_device_train_batch_size=4))
-    initial = dict(tiny_model(seed=1).named_parameters())
+    single = trained_parameters(
+        sgd_trainer(str(tmp_path / "single"), dtype=torch.float64, max_steps=2, per_device_train_batch_size=4))
+    initial = dict(tiny_model(seed=1).double().named_parameters())
     assert ranks[0].keys() == single.keys()
     for name, expected in single.items():
         assert torch.equal(ranks[0][name], ranks[1][name]), name
-        torch.testing.assert_close(ranks[0][name], expected, rtol=1e-5, atol=1e-6, msg=name)
+        torch.testing.assert_close(ranks[0][name], expected, rtol=1e-10, atol=1e-12, msg=name)
     assert any(not torch.equal(single[name], initial[name]) for name in single)
 
     # FSDP: the policy wraps exactly the blocks, and a sharded step is the unsharded one.
