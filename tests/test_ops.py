@@ -215,6 +215,28 @@ def test_gradients_match_reference(backend, C, cf, mf):
         torch.testing.assert_close(g, e, rtol=1e-8, atol=1e-9, msg=lambda m: f"d/d{name}: {m}")
 
 
+@pytest.mark.parametrize("cf,mf", list(itertools.product(COMPRESS_FNS, MIX_FNS)))
+def test_single_token_step_matches_reference(cf, mf):
+    """The decode step (``torch``/``auto`` with T == 1) against the loop, values and gradients;
+    rows at a chunk start (offset 0: anchors replaced) and mid-chunk (anchors kept)."""
+    from trellis_lm.ops.dispatch import _pick_backend
+    from trellis_lm.ops.step import step_forward
+
+    assert _pick_backend("torch", 1, False, torch.device("cpu")) is step_forward
+    x = make_inputs(3, 1, 2, 3, 5, 7, requires_grad=True)
+    state = make_state(3, 2, 3, 5, 7, chunk_size=4, requires_grad=True)
+    state.offset.copy_(torch.tensor([0, 2, 3]))
+    o, final = run("torch", x, initial_state=state, chunk_size=4, compress_fn=cf, mix_fn=mf)
+    o_ref, final_ref = run("reference", x, initial_state=state, chunk_size=4, compress_fn=cf, mix_fn=mf)
+    torch.testing.assert_close(o, o_ref, **TOL)
+    assert_states_close(final, final_ref)
+    assert final.offset.tolist() == [1, 3, 0]
+    expected = _grads("reference", x, state, 4, cf, mf)
+    for g, e in zip(_grads("torch", x, state, 4, cf, mf), expected):
+        torch.testing.assert_close(g, e, rtol=1e-8, atol=1e-9)
+    assert expected[-2].abs().max() > 0  # the mid-chunk rows' anchors get gradients
+
+
 @pytest.mark.parametrize("backend", FAST_BACKENDS)
 def test_gradients_flow_through_anchors(backend):
     """Mid-chunk resume: the first chunk's writes are taken at the given anchors."""

@@ -11,6 +11,7 @@ from .chunked import chunked_forward
 from .functions import check_names
 from .reference import reference_forward
 from .state import TrellisState
+from .step import step_forward
 
 
 def _triton_forward(*args):
@@ -98,9 +99,9 @@ def _pick_backend(backend: str, length: int, packed: bool, device: torch.device)
     if backend == "auto" and device.type == "cuda" and HAVE_TRITON:
         return BACKENDS["triton"]  # on GPUs, decode steps (T == 1) included
     if backend in ("auto", "torch") and length == 1 and not packed:
-        # Decoding: for one token per row the per-token form is the whole step, while the
-        # chunk form would pad the token to a full chunk and do C times the work.
-        return reference_forward
+        # Decoding: one token per row is one step of the per-token form (see step.py), while
+        # the chunk form would pad the token to a full chunk and do C times the work.
+        return step_forward
     return BACKENDS["torch" if backend == "auto" else backend]
 
 
@@ -139,7 +140,8 @@ def trellis_attention(
             from its own initial state (zero length allowed: its state passes through).
         backend: ``"reference"`` (per-token loop), ``"torch"`` (chunk-parallel), ``"triton"``
             (GPU kernels; registered when triton is installed) or ``"auto"`` (``"triton"`` for
-            CUDA tensors when available, else ``"torch"``, or ``"reference"`` for one token).
+            CUDA tensors when available, else ``"torch"``). With T == 1 (and no ``cu_seqlens``),
+            ``"torch"`` runs the single-token step of :mod:`.step`.
 
     Returns:
         ``o [B, T, H, Dv]`` in q's dtype, and the final :class:`TrellisState` (float32, or

@@ -1,0 +1,35 @@
+"""The single-token step of the torch backend: what decoding runs once per layer and token.
+
+The loop body of the design page (section 1) for one token, arranged to launch few tensor
+operations: on CPUs a decode step's cost is mostly per-operation overhead, not arithmetic on
+the [H, M, D] memories. Both passes' compressions read their anchors, which no write of this
+token changes, so one VJP call serves the key and the value pass. Same operations, hence the
+same numbers, as :mod:`.reference` (``tests/test_ops.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .functions import compress_residual_vjp, mix
+from .state import TrellisState
+
+
+def step_forward(q, k, v, alpha, log_beta, gamma, state, chunk_size, compress_fn, mix_fn, cu_seqlens):
+    """One token per row (``T == 1``, no ``cu_seqlens``); arguments as validated by
+    :func:`trellis_lm.ops.trellis_attention`: q, k ``[N, 1, H, Dk]``, v ``[N, 1, H, Dv]``,
+    alpha ``[N, 1, H, M]``, log_beta and gamma ``[N, 1, H]``. Returns ``o [N, 1, H, Dv]`` and the state."""
+    m_k, m_v, a_k, a_v, offset = state.m_k, state.m_v, state.anchor_k, state.anchor_v, state.offset
+    starts_chunk = offset == 0
+    if bool(starts_chunk.any()):
+        a_k = torch.where(starts_chunk[:, None, None, None], m_k, a_k)
+        a_v = torch.where(starts_chunk[:, None, None, None], m_v, a_v)
+    q, k, v = q[:, 0, ..., None], k[:, 0, ..., None], v[:, 0, ..., None]  # column vectors [N, H, D, 1]
+    beta = log_beta[:, 0, :, None, None].exp()  # [N, H, 1, 1]
+    anchor_reads = torch.stack([a_k @ k, a_v @ v])[..., 0]  # [2, N, H, M]
+    u = (compress_residual_vjp(compress_fn, anchor_reads, alpha[:, 0]) * gamma[:, 0, :, None])[..., None]
+    m_k = torch.addcmul(beta * m_k, u[0], k.transpose(-1, -2), value=-1)
+    h = mix(mix_fn, (m_k @ q)[..., 0])  # [N, H, M]
+    m_v = torch.addcmul(beta * m_v, u[1], v.transpose(-1, -2), value=-1)
+    o = (h[..., None, :] @ m_v).transpose(1, 2)  # [N, 1, H, Dv]
+    return o, TrellisState(m_k, m_v, a_k, a_v, (offset + 1) % chunk_size)
