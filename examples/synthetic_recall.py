@@ -59,7 +59,8 @@ class Preset:
 
 
 PRESETS = {
-    # About 30 min on 2 CPU cores with --jobs 2: 17 runs, the chunk-size-1 run the longest.
+    # On 2 CPU cores with --jobs 2: the MQAR sweep (17 runs, the chunk-size-1 run the longest) took
+    # 35 min, S-NIAH (2 runs, scored up to 16k tokens) about 20 min more.
     # lr 1e-2: at 3e-3 neither Trellis nor Llama gets past recalling "some value of the
     # context" in this budget.
     "cpu": Preset(
@@ -153,7 +154,8 @@ def mqar_grid(preset: Preset, args: argparse.Namespace) -> list[tuple[ModelSpec,
 
 def machine_description() -> str:
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU, {os.cpu_count()} cores"
-    return f"{device}, {torch.get_num_threads()} torch thread(s), {platform.platform()}, torch {torch.__version__}"
+    # Torch threads per run are the command's --threads (default 1), shown with each command.
+    return f"{device}, {platform.platform()}, torch {torch.__version__}"
 
 
 def accuracy_table(results: list[dict], column: str, fixed: str, fixed_value: int) -> str:
@@ -281,8 +283,9 @@ def niah_lines(results: list[dict], command: str, figures: Path, md_dir: Path) -
         lines.append(f"| {r['model']} | " + " | ".join(f"{means[c]:.2f}" for c in task["eval_contexts"]) + " |")
     lines += ["", "Mean over depths of the fraction of needles retrieved. By depth:", ""]
     for r in results:
-        lines.append(f"- {r['model']}: " + "; ".join(
-            f"{length}: " + ", ".join(f"{float(d):g}->{v:.2f}" for d, v in s.items()) for length, s in r["scores"].items()))
+        by_length = (f"{length}: " + ", ".join(f"{float(d):g}->{v:.2f}" for d, v in scores.items())
+                     for length, scores in r["scores"].items())
+        lines.append(f"- {r['model']}: " + "; ".join(by_length))
     figure = figures / "niah_accuracy_vs_context.png"
     if plot_lines(series, "context tokens", "needles retrieved",
                   f"S-NIAH, trained at {task['train_context']} tokens", figure):
@@ -338,8 +341,13 @@ def run_in_turn(args: argparse.Namespace, jobs: list, describe) -> list[dict]:
     return [done[i] for i in range(len(jobs))]
 
 
+def with_steps(train: TrainSettings, args: argparse.Namespace) -> TrainSettings:
+    """``train`` with ``--max-steps`` applied when given."""
+    return train if args.max_steps is None else dataclasses.replace(train, max_steps=args.max_steps)
+
+
 def run_mqar_study(args: argparse.Namespace, preset: Preset) -> list[dict]:
-    train = preset.train if args.max_steps is None else dataclasses.replace(preset.train, max_steps=args.max_steps)
+    train = with_steps(preset.train, args)
     grid = mqar_grid(preset, args)
 
     def describe(index: int, r: dict) -> str:
@@ -351,8 +359,7 @@ def run_mqar_study(args: argparse.Namespace, preset: Preset) -> list[dict]:
 
 def run_niah_training(args: argparse.Namespace, preset: Preset) -> list[dict]:
     """Train the preset's NIAH variants at its short context and score them at every length."""
-    train = preset.niah_train if args.max_steps is None else dataclasses.replace(preset.niah_train,
-                                                                                  max_steps=args.max_steps)
+    train = with_steps(preset.niah_train, args)
     wanted = set(args.variants.split(",")) if args.variants else set(preset.niah_variants)
     specs = [spec for spec in default_variants() if spec.name in preset.niah_variants and spec.name in wanted]
     if not specs:

@@ -240,7 +240,7 @@ class TrellisShortConv(nn.Conv1d):
         windows = seq.unfold(1, width, 1)  # [B, T, C, width], a view
         taps = self.weight[:, 0].to(x.dtype)  # [C, width]
         if reach is not None:
-            # Tap j looks `width - 1 - j` inputs back; what lies before the document is zero.
+            # Tap j looks `width - 1 - j` inputs back; what lies before the document counts as zero.
             lookback = torch.arange(width - 1, -1, -1, device=x.device)
             taps = taps * (lookback <= reach[..., None])[..., None, :]  # [B, T, C, width]
         y = (windows * taps).sum(dim=-1)
@@ -249,12 +249,11 @@ class TrellisShortConv(nn.Conv1d):
         index = lengths[:, None] + torch.arange(carried, device=x.device)
         new_tail = seq.gather(1, index[..., None].expand(-1, -1, channels))
         if reach is not None:
-            # Tail entry i lies `carried - 1 - i` inputs before the row's last token; what lies
+            # Tail entry i lies `carried - 1 - i` = lookback[i + 1] inputs before the row's last token; what lies
             # before that token's document is zero for the next call, as for a fresh conv.
             last_reach = reach.gather(1, (lengths - 1).clamp(min=0)[:, None])
             last_reach = torch.where(lengths[:, None] > 0, last_reach, _UNBOUNDED_REACH)  # no token: tail unchanged
-            back = torch.arange(carried - 1, -1, -1, device=x.device)
-            new_tail = new_tail * (back <= last_reach)[..., None]
+            new_tail = new_tail * (lookback[1:] <= last_reach)[..., None]
         return y, new_tail
 
 
