@@ -17,7 +17,7 @@ DEFAULTS = dict(
     chunk_size=64, compress_fn="layernorm", mix_fn="ln_silu", conv_size=4, use_forget_gate=True,
     gate_logit_normalizer=16.0, intermediate_size=2048, rms_norm_eps=1e-6, initializer_range=0.02,
     tie_word_embeddings=True, pad_token_id=0, bos_token_id=1, eos_token_id=2, use_cache=True,
-    op_backend="auto",
+    op_backend="auto", compile_decode=False,
 )
 
 
@@ -53,6 +53,7 @@ def test_defaults_match_the_design_page():
         ("use_forget_gate", 1, "True or False"),
         ("tie_word_embeddings", "yes", "True or False"),
         ("use_cache", None, "True or False"),
+        ("compile_decode", "yes", "True or False"),
         ("pad_token_id", 97, "vocab_size"),
         ("eos_token_id", [2, -1], "token id"),
     ],

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import copy
+import shutil
+
 import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
@@ -9,6 +12,7 @@ from transformers import PreTrainedTokenizerFast
 
 from tiny_models import left_pad, random_tokens, tiny_model
 from trellis_lm import TrellisCache, TrellisForCausalLM
+from trellis_lm.modeling_trellis import _compiled_mix
 from trellis_lm.ops import COMPRESS_FNS, MIX_FNS
 
 TOL = dict(rtol=1e-4, atol=1e-4)
@@ -82,6 +86,43 @@ def test_sweep_of_padded_pieces(compress_fn, mix_fn):
         logits = logits_in_pieces(model, ids, sizes, mask)
         for i, row in enumerate(rows):
             torch.testing.assert_close(logits[i][mask[i].bool()], model(row[None]).logits[0], **TOL)
+
+
+# ----------------------------------------------------------------------------- compiled decode
+
+needs_compiler = pytest.mark.skipif(
+    shutil.which("g++") is None and shutil.which("clang++") is None,
+    reason="torch.compile on CPU needs a C++ compiler",
+)
+
+
+@needs_compiler
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, {"compress_fn": "l2norm", "mix_fn": "softmax", "use_forget_gate": False, "conv_size": 0}],
+)
+def test_compiled_decode_step_equals_eager(overrides):
+    # float64, odd sizes; the decode steps cross chunk starts (every 3rd token), where anchors move.
+    eager = tiny_model(seed=5, dtype=torch.float64, chunk_size=3, num_heads=3, head_dim=5, num_slots=7, **overrides)
+    compiled = copy.deepcopy(eager)
+    compiled.config.compile_decode = True
+    ids = random_tokens(2, 12, seed=2)
+    pieces = [4] + [1] * 8
+    calls = _compiled_mix.cache_info()
+    fused = logits_in_pieces(compiled, ids, pieces)
+    calls_after = _compiled_mix.cache_info()
+    # Every layer's every single-token step took the compiled function.
+    assert (calls_after.hits + calls_after.misses) - (calls.hits + calls.misses) == 8 * eager.config.num_hidden_layers
+    torch.testing.assert_close(fused, logits_in_pieces(eager, ids, pieces), rtol=1e-12, atol=1e-12)
+
+
+@needs_compiler
+def test_generate_with_compiled_decode():
+    model = tiny_model(seed=8)
+    ids = random_tokens(2, 6, seed=3)
+    eager = model.generate(ids, max_new_tokens=10, do_sample=False)
+    model.config.compile_decode = True
+    torch.testing.assert_close(model.generate(ids, max_new_tokens=10, do_sample=False), eager, rtol=0, atol=0)
 
 
 # ----------------------------------------------------------------------------- generate()

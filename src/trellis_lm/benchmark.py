@@ -8,6 +8,7 @@ same (its output is what BENCHMARKS.md records).
 from __future__ import annotations
 
 import argparse
+import copy
 import platform
 import statistics
 import time
@@ -70,12 +71,16 @@ def bench_op(B: int, T: int, H: int, D: int, M: int, C: int, repeats: int) -> li
 
 
 def same_size_models(hidden: int, layers: int, heads: int, head_dim: int, slots: int, vocab: int):
+    """A Trellis model, the same with ``compile_decode=True`` (same weights), and a Llama model
+    of the same width and depth; all in eval mode."""
     common = dict(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, intermediate_size=hidden * 8 // 3,
                   tie_word_embeddings=True)
-    trellis = TrellisForCausalLM(TrellisConfig(num_heads=heads, head_dim=head_dim, num_slots=slots, **common))
+    trellis = TrellisForCausalLM(TrellisConfig(num_heads=heads, head_dim=head_dim, num_slots=slots, **common)).eval()
+    compiled = copy.deepcopy(trellis)
+    compiled.config.compile_decode = True
     llama = LlamaForCausalLM(LlamaConfig(num_attention_heads=heads, num_key_value_heads=heads, head_dim=head_dim,
                                          max_position_embeddings=1 << 20, **common))
-    return trellis.eval(), llama.eval()
+    return trellis, compiled, llama.eval()
 
 
 class DecodeStepper:
@@ -116,9 +121,11 @@ def decode_ms_per_token(model, context: int, steps: int, prefill_piece: int = 10
 def interleaved_decode_ms(runs: dict, rounds: int, block: int = 8) -> dict:
     """Median ms/token of each run ``name -> (model, context)``, timed in turns of ``block``
     steps for ``rounds`` rounds, so that a machine whose speed drifts (a shared VM) slows every
-    run alike. The first step of each turn is not counted: it runs with the memory caches the
-    previous run left behind."""
+    run alike. Each run takes one untimed step first (a compiled model compiles there), and the
+    first step of each turn is not counted: it runs with the memory caches the previous run left."""
     steppers = {name: DecodeStepper(model, context) for name, (model, context) in runs.items()}
+    for stepper in steppers.values():
+        stepper.step()
     times = {name: [] for name in runs}
     for _ in range(rounds):
         for name, stepper in steppers.items():
@@ -127,19 +134,22 @@ def interleaved_decode_ms(runs: dict, rounds: int, block: int = 8) -> dict:
 
 
 def bench_decode(contexts: list[int], rounds: int, **size) -> list[str]:
-    trellis, llama = same_size_models(**size)
+    trellis, compiled, llama = same_size_models(**size)
     n_t = sum(p.numel() for p in trellis.parameters()) / 1e6
     n_l = sum(p.numel() for p in llama.parameters()) / 1e6
-    rows = [f"decode, batch 1, float32, {size}; Trellis {n_t:.1f}M params, Llama {n_l:.1f}M params "
-            f"(sdpa attention, DynamicCache); all runs timed in turns, {rounds} turns of 8 steps each:"]
-    models = {"Trellis": trellis, "Llama": llama}
+    rows = [f"decode, batch 1, float32, {size}; Trellis {n_t:.1f}M params (eager, and with compile_decode=True), "
+            f"Llama {n_l:.1f}M params (sdpa attention, DynamicCache); all runs timed in turns, {rounds} turns of 8 "
+            "steps each:"]
+    models = {"Trellis": trellis, "compiled": compiled, "Llama": llama}
     ms = interleaved_decode_ms({(name, c): (model, c) for c in contexts for name, model in models.items()}, rounds)
     for c in contexts:
-        rows.append(f"  context {c:6d}: Trellis {ms['Trellis', c]:7.2f} ms/token | Llama {ms['Llama', c]:7.2f} ms/token"
-                    f" | Llama/Trellis {ms['Llama', c] / ms['Trellis', c]:.2f}x")
+        llama_ms = ms["Llama", c]
+        rows.append(f"  context {c:6d}: Trellis {ms['Trellis', c]:7.2f} | compiled {ms['compiled', c]:7.2f} | Llama "
+                    f"{llama_ms:7.2f} ms/token | Llama/Trellis {llama_ms / ms['Trellis', c]:.2f}x, "
+                    f"Llama/compiled {llama_ms / ms['compiled', c]:.2f}x")
     lo, hi = contexts[0], contexts[-1]
-    rows.append(f"  Trellis ms/token at {hi} / at {lo}: {ms['Trellis', hi] / ms['Trellis', lo]:.3f}"
-                f"  (Llama: {ms['Llama', hi] / ms['Llama', lo]:.3f})")
+    rows.append(f"  ms/token at {hi} / at {lo}: Trellis {ms['Trellis', hi] / ms['Trellis', lo]:.3f}, compiled "
+                f"{ms['compiled', hi] / ms['compiled', lo]:.3f}  (Llama: {ms['Llama', hi] / ms['Llama', lo]:.3f})")
     return rows
 
 

@@ -41,6 +41,11 @@ class TrellisConfig(PreTrainedConfig):
         use_cache: return a :class:`TrellisCache` from ``forward`` by default.
         op_backend: ``"auto"`` or a backend of ``trellis_lm.ops.BACKENDS`` (e.g. ``"reference"``
             to run the per-token loop); passed as ``backend=`` to the op.
+        compile_decode: on CPUs, run each layer's single-token decode step through
+            ``torch.compile`` (one compilation per process and shape, tens of seconds; needs a
+            C++ compiler). Same function, fewer and fused operations: decoding on CPUs is bound
+            by per-operation overhead. Prefill, training and GPUs (their fused Triton decode
+            kernel) are not affected.
     """
 
     model_type: ClassVar[str] = "trellis"
@@ -69,6 +74,7 @@ class TrellisConfig(PreTrainedConfig):
     eos_token_id: int | list[int] | None = 2
     use_cache: bool = True
     op_backend: str = "auto"
+    compile_decode: bool = False
 
     def __post_init__(self, **kwargs: Any) -> None:
         self._check_fields()
@@ -94,7 +100,7 @@ class TrellisConfig(PreTrainedConfig):
         check("op_backend", lambda v: v in OP_BACKENDS, f"one of {OP_BACKENDS}")
         for name in ("gate_logit_normalizer", "rms_norm_eps", "initializer_range"):
             check(name, lambda v: _is_real(v) and v > 0, "a number > 0")
-        for name in ("use_forget_gate", "tie_word_embeddings", "use_cache"):
+        for name in ("use_forget_gate", "tie_word_embeddings", "use_cache", "compile_decode"):
             check(name, lambda v: isinstance(v, bool), "True or False")
         token_id = f"None or a token id in [0, vocab_size = {self.vocab_size})"
         for name in ("pad_token_id", "bos_token_id"):

@@ -11,13 +11,14 @@ This file travels with checkpoints as remote code (see :mod:`.remote_code`).
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import tempfile
 from dataclasses import dataclass, fields
 from functools import partial
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -245,7 +246,8 @@ class TrellisShortConv(nn.Conv1d):
             taps = taps * (lookback <= reach[..., None])[..., None, :]  # [B, T, C, width]
         y = (windows * taps).sum(dim=-1)
         if lengths is None:  # every row's tokens fill x: the tail is the sequence's end
-            return y, seq[:, length:]
+            # A copy, not a view: a view would keep the whole prefill's inputs alive in the cache.
+            return y, seq[:, length:].contiguous()
         index = lengths[:, None] + torch.arange(carried, device=x.device)
         new_tail = seq.gather(1, index[..., None].expand(-1, -1, channels))
         if reach is not None:
@@ -290,13 +292,39 @@ class TrellisAttention(nn.Module):
         cache: Optional[TrellisCache] = None,
     ) -> torch.Tensor:
         """``x [B, T, D]`` -> ``[B, T, D]``; reads and updates this layer's entry of ``cache``."""
+        layer_cache = cache.layers[self.layer_idx] if cache is not None else None
+        if layer_cache is None:
+            return self.mix(x, valid, None, None, None, keep_state=False)[0]
+        carried = (layer_cache.q_tail, layer_cache.k_tail, layer_cache.state)
+        mix = self.mix
+        if (self.config.compile_decode and x.shape[1] == 1 and x.device.type == "cpu" and valid is None
+                and layer_cache.state is not None):
+            mix = partial(_compiled_mix(), self)
+        out, q_tail, k_tail, state = mix(x, valid, *carried, keep_state=True)
+        if self.q_conv is not None:
+            layer_cache.q_tail, layer_cache.k_tail = q_tail, k_tail
+        if state is not None:
+            layer_cache.state = state
+        return out
+
+    def mix(
+        self,
+        x: torch.Tensor,
+        valid: Optional[ValidTokens],
+        q_tail: Optional[torch.Tensor],
+        k_tail: Optional[torch.Tensor],
+        state: Optional[TrellisState],
+        keep_state: bool,
+    ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor], Optional[TrellisState]]:
+        """The mixer as a function of what a cache carries: ``x [B, T, D]`` after the short-conv
+        tails (``[B, conv_size - 1, H * d]``, ``None`` for zeros) and the op ``state`` (``None``:
+        the learnt initial memories). Returns ``(y [B, T, D], q_tail, k_tail, final state)``, the
+        state ``None`` when not ``keep_state`` or when no row had a real token."""
         batch, length, _ = x.shape
         heads, dim = self.config.num_heads, self.config.head_dim
-        layer_cache = cache.layers[self.layer_idx] if cache is not None else None
 
         q, k = self.q_proj(x), self.k_proj(x)
         if self.q_conv is not None:
-            q_tail, k_tail = (layer_cache.q_tail, layer_cache.k_tail) if layer_cache is not None else (None, None)
             q, q_tail = self._convolve(self.q_conv, q, valid, q_tail)
             k, k_tail = self._convolve(self.k_conv, k, valid, k_tail)
         q = _l2_normalize(F.silu(_at_least_float32(q)).view(batch, length, heads, dim))
@@ -309,17 +337,11 @@ class TrellisAttention(nn.Module):
             log_beta = alpha.new_zeros(batch, length, heads)
         gamma = torch.sigmoid(_at_least_float32(self.gamma_proj(x)))
 
-        carried_state = layer_cache.state if layer_cache is not None else None
-        initial_state = self._initial_state(carried_state, valid, batch)
-        o, final_state = self._attend((q, k, v, alpha, log_beta, gamma), initial_state, valid, layer_cache is not None)
-
-        if layer_cache is not None:
-            if self.q_conv is not None:
-                layer_cache.q_tail, layer_cache.k_tail = q_tail, k_tail
-            if final_state is not None:
-                layer_cache.state = final_state
+        initial_state = self._initial_state(state, valid, batch)
+        o, state = self._attend((q, k, v, alpha, log_beta, gamma), initial_state, valid, keep_state)
         gate = F.gelu(self.g_proj(x)).view(batch, length, heads, dim)
-        return self.o_proj((self.o_norm(o) * gate).reshape(batch, length, heads * dim).to(x.dtype))
+        y = self.o_proj((self.o_norm(o) * gate).reshape(batch, length, heads * dim).to(x.dtype))
+        return y, q_tail, k_tail, state
 
     @staticmethod
     def _convolve(
@@ -382,6 +404,16 @@ class TrellisAttention(nn.Module):
         if final_state is not None and valid.has_documents:
             final_state = final_state.map(lambda t: t.index_select(0, valid.last_seqs.to(t.device)))
         return o, final_state
+
+
+@functools.cache
+def _compiled_mix() -> Callable:
+    """:meth:`TrellisAttention.mix` compiled for single-token steps (``config.compile_decode``).
+
+    One compiled function for every layer of every model in the process: the module is an
+    argument, so layers of one shape share the compiled code instead of recompiling each.
+    """
+    return torch.compile(TrellisAttention.mix, fullgraph=True, dynamic=False)
 
 
 class TrellisMLP(nn.Module):
