@@ -297,6 +297,8 @@ class TrellisAttention(nn.Module):
             return self.mix(x, valid, None, None, None, keep_state=False)[0]
         carried = (layer_cache.q_tail, layer_cache.k_tail, layer_cache.state)
         mix = self.mix
+        # Compiled: decode steps without padding (packing padded rows depends on the mask's values)
+        # after a prefill, on CPUs (GPUs run the fused Triton step).
         if (self.config.compile_decode and x.shape[1] == 1 and x.device.type == "cpu" and valid is None
                 and layer_cache.state is not None):
             mix = partial(_compiled_mix(), self)
