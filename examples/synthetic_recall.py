@@ -60,7 +60,7 @@ class Preset:
 
 PRESETS = {
     # On 2 CPU cores with --jobs 2: the MQAR sweep (17 runs, the chunk-size-1 run the longest) took
-    # 35 min, S-NIAH (2 runs, scored up to 16k tokens) about 10 min more.
+    # 35 min, S-NIAH (3 runs, scored up to 16k tokens) about 11 min more.
     # lr 1e-2: at 3e-3 neither Trellis nor Llama gets past recalling "some value of the
     # context" in this budget.
     "cpu": Preset(
@@ -73,6 +73,8 @@ PRESETS = {
         # Trained at 128 tokens: at 256, 1500 steps left both models unable to retrieve at all.
         niah=NIAHTask(train_context=128, eval_contexts=(128, 1024, 4096, 16384), samples=4, num_train=20_000),
         niah_train=TrainSettings(max_steps=1500, batch_size=32, learning_rate=1e-2),
+        # Without the forget gate nothing written decays: does retrieval then reach past 128 tokens?
+        niah_variants=("llama", "trellis", "trellis-no-forget"),
     ),
     # The issue's goal setting only (seq_len 256, 16 pairs, hidden 128, 2 layers), sized for a CPU:
     # a 256-token vocabulary and 1500 steps of 32 sequences (~1.5 s a step for Trellis on 2 cores).
