@@ -43,9 +43,9 @@ class TrellisConfig(PreTrainedConfig):
             to run the per-token loop); passed as ``backend=`` to the op.
         compile_decode: on CPUs, run each layer's single-token decode step through
             ``torch.compile`` (compiled once per process and batch size, about 10 s for a small
-            model on 2 cores; needs a C++ compiler). Same function, fewer and fused operations: decoding on CPUs is bound
-            by per-operation overhead. Prefill, training and GPUs (their fused Triton decode
-            kernel) are not affected.
+            model on 2 cores; needs a C++ compiler). Same function, fewer and fused operations:
+            decoding on CPUs is bound by per-operation overhead. Prefill, training and GPUs
+            (their fused Triton decode kernel) are not affected.
     """
 
     model_type: ClassVar[str] = "trellis"

@@ -11,12 +11,11 @@ This file travels with checkpoints as remote code (see :mod:`.remote_code`).
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 import tempfile
 from dataclasses import dataclass, fields
-from functools import partial
+from functools import cache, partial
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
@@ -408,7 +407,7 @@ class TrellisAttention(nn.Module):
         return o, final_state
 
 
-@functools.cache
+@cache
 def _compiled_mix() -> Callable:
     """:meth:`TrellisAttention.mix` compiled for single-token steps (``config.compile_decode``).
 
