@@ -325,7 +325,7 @@ def compile_check(head_dims=(64, 128), slots=64, chunk=CHUNK) -> list[str]:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from trellis_lm.ops import triton_chunk as tc
+    from trellis_lm.ops.trellis import triton_chunk as tc
 
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     int_ptrs = ("seq_start", "seq_len", "off_ptr", "base_ptr", "cseq", "cidx")
@@ -394,7 +394,7 @@ def main() -> None:
         sys.exit(1 if any("TOO MUCH" in r for r in rows) else 0)
     if not torch.cuda.is_available():
         raise SystemExit("bench_gpu.py needs a CUDA GPU (or --compile-check)")
-    from trellis_lm.ops import triton_chunk
+    from trellis_lm.ops.trellis import triton_chunk
 
     print(f"# {date.today()} | {torch.cuda.get_device_name()} | {platform.machine()} | torch {torch.__version__} "
           f"| dot precision {triton_chunk.DOT_PRECISION}", flush=True)

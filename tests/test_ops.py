@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from op_inputs import make_inputs, make_state
 from trellis_lm.ops import COMPRESS_FNS, MIX_FNS, TrellisState, trellis_attention
-from trellis_lm.ops.functions import compress, compress_residual_vjp, mix
+from trellis_lm.ops.trellis.functions import compress, compress_residual_vjp, mix
 
 FAST_BACKENDS = ["torch"]
 TOL = dict(rtol=1e-9, atol=1e-9)
@@ -219,8 +219,8 @@ def test_gradients_match_reference(backend, C, cf, mf):
 def test_single_token_step_matches_reference(cf, mf):
     """The decode step (``torch``/``auto`` with T == 1) against the loop, values and gradients;
     rows at a chunk start (offset 0: anchors replaced) and mid-chunk (anchors kept)."""
-    from trellis_lm.ops.dispatch import _pick_backend
-    from trellis_lm.ops.step import step_forward
+    from trellis_lm.ops.trellis.dispatch import _pick_backend
+    from trellis_lm.ops.trellis.step import step_forward
 
     assert _pick_backend("torch", 1, False, torch.device("cpu")) is step_forward
     x = make_inputs(3, 1, 2, 3, 5, 7, requires_grad=True)

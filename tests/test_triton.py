@@ -18,8 +18,8 @@ ON_GPU = torch.cuda.is_available()  # without a GPU, conftest.py switches triton
 
 from op_inputs import make_inputs, make_state  # noqa: E402
 from trellis_lm.ops import TrellisState, trellis_attention  # noqa: E402
-from trellis_lm.ops.dispatch import BACKENDS, HAVE_TRITON, _pick_backend  # noqa: E402
-from trellis_lm.ops.triton_mirror import mirror_op  # noqa: E402
+from trellis_lm.ops.trellis.dispatch import BACKENDS, HAVE_TRITON, _pick_backend  # noqa: E402
+from triton_mirror import mirror_op  # noqa: E402
 
 needs_triton = pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
 DEVICE = "cuda" if ON_GPU else "cpu"
@@ -108,7 +108,7 @@ def test_auto_picks_triton_for_cuda_tensors():
     assert _pick_backend("auto", 100, False, cuda) is BACKENDS["triton"]
     assert _pick_backend("auto", 1, False, cuda) is BACKENDS["triton"]
     assert _pick_backend("auto", 100, False, cpu) is BACKENDS["torch"]
-    from trellis_lm.ops.step import step_forward
+    from trellis_lm.ops.trellis.step import step_forward
 
     assert _pick_backend("auto", 1, False, cpu) is step_forward
 
@@ -245,7 +245,7 @@ def test_varlen_gradients_match_reference():
 def test_custom_op_checks_and_compiles():
     """torch.library.opcheck (schema, fake tensors, autograd registration, AOT dispatch), then
     torch.compile(fullgraph=True) through forward and backward."""
-    from trellis_lm.ops.triton_chunk import _fwd_op, triton_forward
+    from trellis_lm.ops.trellis.triton_chunk import _fwd_op, triton_forward
 
     x, state = _inputs(2, 6, 1, 3, 4, 5, 4, seed=1, grad=True)
     tensors = list(x) + [state.m_k, state.m_v, state.anchor_k, state.anchor_v]
@@ -269,7 +269,7 @@ def test_custom_op_checks_and_compiles():
 @needs_triton
 @pytest.mark.parametrize("C", [3, 1])
 def test_decode_step_updates_the_state_in_place(C):
-    from trellis_lm.ops.triton_decode import trellis_decode_step_
+    from trellis_lm.ops.trellis.triton_decode import trellis_decode_step_
 
     x, state = _inputs(2, 5, 2, 5, 7, 6, C, seed=13)
     o_ref, s_ref = run("reference", x, initial_state=state, chunk_size=C)
@@ -284,7 +284,7 @@ def test_decode_step_updates_the_state_in_place(C):
 
 @needs_triton
 def test_decode_step_rejects_a_shared_anchor():
-    from trellis_lm.ops.triton_decode import trellis_decode_step_
+    from trellis_lm.ops.trellis.triton_decode import trellis_decode_step_
 
     x, state = _inputs(1, 1, 1, 3, 3, 4, 4)
     shared = TrellisState.at_chunk_start(state.m_k, state.m_v)

@@ -2,9 +2,14 @@
 
 transformers' remote-code loader copies a module and the files of its relative imports, and
 it only understands flat imports ``from .name import x`` that resolve to a sibling ``name.py``.
-The package keeps the op in the sub-package ``ops/``, so a checkpoint gets flat copies:
-``ops/__init__.py`` becomes ``trellis_ops.py``, ``ops/X.py`` becomes ``trellis_ops_X.py``, and
-only the relative import lines are rewritten to match. Everything else is copied verbatim.
+The package keeps its ops and mixers in sub-packages, so a checkpoint gets flat copies: a
+module at ``a/b/c.py`` becomes ``trellis_a_b_c.py``, a package ``a/b/__init__.py`` becomes
+``trellis_a_b.py``, modules at the package root keep their names, and only the relative
+import lines are rewritten to match. Everything else is copied verbatim.
+
+Only what a model runs is exported: the modules the configuration and the model import,
+followed through their relative imports (including imports made inside functions, which
+transformers' loader also requires to be present), and nothing else.
 
 When the classes themselves were loaded as remote code, their files are already flat and
 transformers copies them on save by itself; :func:`code_is_packaged` tells the two apart.
@@ -16,11 +21,9 @@ import os
 import re
 from pathlib import Path
 
-# Modules of the package a checkpoint needs besides the op; this file is one of them because
-# the configuration imports it.
-CHECKPOINT_MODULES = ("configuration_trellis", "modeling_trellis", "cache_trellis", "model_card_trellis", "remote_code")
-OPS_PACKAGE = "ops"
-FLAT_OPS = "trellis_ops"
+# Where the import closure starts; this file is in it because the configuration imports it.
+CHECKPOINT_MODULES = ("configuration_trellis", "modeling_trellis")
+FLAT_PREFIX = "trellis"
 
 AUTO_MAP = {
     "AutoConfig": "configuration_trellis.TrellisConfig",
@@ -34,53 +37,75 @@ _RELATIVE_IMPORT = re.compile(r"^(?P<indent>[ \t]*)from[ \t]+(?P<dots>\.+)(?P<mo
 
 
 def code_is_packaged() -> bool:
-    """True when running from the ``trellis_lm`` package (``ops/`` is a sub-package here)."""
-    return (_HERE / OPS_PACKAGE / "__init__.py").is_file()
+    """True when running from the ``trellis_lm`` package (the ops are a sub-package here)."""
+    return (_HERE / "ops" / "__init__.py").is_file()
 
 
-def flat_name(module: str, inside_ops: bool) -> str:
-    """The flat module name for a relative import target.
+def flat_name(module: str) -> str:
+    """The flat file stem of a module given by its dotted path inside the package.
 
-    From the package root, ``ops`` -> ``trellis_ops``, ``ops.X`` -> ``trellis_ops_X`` and any
-    other sibling keeps its name; from inside ``ops/``, ``X`` -> ``trellis_ops_X``.
+    ``"cache_trellis"`` -> ``"cache_trellis"``; ``"ops"`` -> ``"trellis_ops"``;
+    ``"ops.trellis.step"`` -> ``"trellis_ops_trellis_step"``.
     """
     parts = module.split(".")
-    if inside_ops and len(parts) == 1:
-        return f"{FLAT_OPS}_{module}"
-    if not inside_ops and parts[0] == OPS_PACKAGE and len(parts) <= 2:
-        return FLAT_OPS if len(parts) == 1 else f"{FLAT_OPS}_{parts[1]}"
-    if not inside_ops and len(parts) == 1:
-        return module
-    raise ValueError(f"cannot flatten the relative import of {module!r} (inside ops: {inside_ops})")
+    return module if len(parts) == 1 and not (_HERE / module).is_dir() else "_".join([FLAT_PREFIX, *parts])
 
 
-def flatten_imports(source: str, inside_ops: bool) -> str:
-    """Rewrite the relative import lines of ``source`` to the flat names of :func:`flat_name`.
+def resolve(package: str, dots: str, module: str) -> str:
+    """The dotted path inside the package that ``from <dots><module> import`` names, written in
+    the (dotted, possibly empty) ``package``.
 
-    Raises ``ValueError`` for relative imports the flat layout cannot express
-    (``from . import x``, ``from .. import x``, deeper packages).
+    Raises ``ValueError`` for what a flat folder cannot hold: ``from . import x`` (no module
+    named) and imports climbing above the package root.
     """
+    if not module:
+        raise ValueError(f"cannot flatten `from {dots} import ...`: name the module (`from .name import ...`)")
+    base = package.split(".") if package else []
+    climb = len(dots) - 1
+    if climb > len(base):
+        raise ValueError(f"cannot flatten `from {dots}{module} import ...` in {package or 'the root'}: it leaves the package")
+    return ".".join(base[: len(base) - climb] + module.split("."))
+
+
+def relative_imports(source: str, package: str) -> list[str]:
+    """Dotted paths (inside the package) of every relative import in ``source``."""
+    return [resolve(package, m["dots"], m["module"]) for m in _RELATIVE_IMPORT.finditer(source)]
+
+
+def flatten_imports(source: str, package: str) -> str:
+    """Rewrite the relative import lines of ``source`` (a module of ``package``) to flat names."""
 
     def rewrite(match: re.Match) -> str:
-        if match["dots"] != "." or not match["module"]:
-            raise ValueError(f"cannot flatten {match.group(0).strip()!r}: only `from .name import ...` is supported")
-        return f"{match['indent']}from .{flat_name(match['module'], inside_ops)} import"
+        target = resolve(package, match["dots"], match["module"])
+        return f"{match['indent']}from .{flat_name(target)} import"
 
     return _RELATIVE_IMPORT.sub(rewrite, source)
+
+
+def _module_file(module: str) -> tuple[Path, str]:
+    """``(path, package)`` of a dotted module path inside the package."""
+    path = _HERE.joinpath(*module.split("."))
+    if path.is_dir():
+        return path / "__init__.py", module
+    return path.with_suffix(".py"), module.rpartition(".")[0]
 
 
 def flat_sources() -> dict[str, str]:
     """File name in a checkpoint -> source text, for every module the checkpoint code needs."""
     if not code_is_packaged():
         raise RuntimeError("the flat checkpoint code can only be built from the trellis_lm package")
-    sources = {
-        f"{name}.py": flatten_imports((_HERE / f"{name}.py").read_text(encoding="utf-8"), inside_ops=False)
-        for name in CHECKPOINT_MODULES
-    }
-    for path in sorted((_HERE / OPS_PACKAGE).glob("*.py")):
-        name = FLAT_OPS if path.stem == "__init__" else f"{FLAT_OPS}_{path.stem}"
-        sources[f"{name}.py"] = flatten_imports(path.read_text(encoding="utf-8"), inside_ops=True)
-    return sources
+    sources: dict[str, str] = {}
+    pending = list(CHECKPOINT_MODULES)
+    while pending:
+        module = pending.pop()
+        name = f"{flat_name(module)}.py"
+        if name in sources:
+            continue
+        path, package = _module_file(module)
+        source = path.read_text(encoding="utf-8")
+        sources[name] = flatten_imports(source, package)
+        pending.extend(relative_imports(source, package))
+    return dict(sorted(sources.items()))
 
 
 def export_code(save_directory: str | os.PathLike) -> list[Path]:

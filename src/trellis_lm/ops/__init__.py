@@ -1,12 +1,11 @@
-"""The Trellis op: one signature, several backends computing the same function.
+"""The memory ops of the model family, one folder each, every one with one public function.
 
-``trellis_attention`` (in :mod:`.dispatch`) is the public entry point; ``reference`` holds the
-per-token loop of the design page, ``chunked`` the chunk-parallel PyTorch form, ``functions``
-the compression and mixing functions they share, and ``state`` the carried state.
+* :mod:`.trellis`: :func:`trellis_attention`, the two-pass Trellis memory (``trellis.md``).
+
+Helpers the ops share live beside them: :mod:`.checks` (argument checks), :mod:`.varlen`
+(chunk grids for packed and resumed sequences) and :mod:`.state` (the base of the states).
 """
 
-from .dispatch import BACKENDS, trellis_attention
-from .functions import COMPRESS_FNS, MIX_FNS
-from .state import TrellisState
+from .trellis import BACKENDS, COMPRESS_FNS, MIX_FNS, TrellisState, trellis_attention
 
 __all__ = ["BACKENDS", "COMPRESS_FNS", "MIX_FNS", "TrellisState", "trellis_attention"]

@@ -1,44 +1,37 @@
-"""The recurrent state the op carries from one call to the next."""
+"""What every op's carried state shares: a dataclass of tensors with the sequences on dim 0."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import Callable, Sequence, TypeVar
 
 import torch
 
+StateT = TypeVar("StateT", bound="OpState")
+
 
 @dataclass
-class TrellisState:
-    """Memories, their anchors and the position within the current chunk, for N sequences.
+class OpState:
+    """Base of the op states: every field is a tensor whose dim 0 indexes sequences."""
 
-    Attributes:
-        m_k: ``[N, H, M, Dk]`` key memory ``MK`` after the last token.
-        m_v: ``[N, H, M, Dv]`` value memory ``MV``.
-        anchor_k: ``[N, H, M, Dk]`` ``MK`` as it was at the start of the current chunk; the
-            gradient of every write in a chunk is taken there (design page, section 1).
-        anchor_v: ``[N, H, M, Dv]`` likewise for ``MV``.
-        offset: ``[N]`` int64, tokens seen modulo the chunk size. At 0 the next token starts a
-            chunk, so the anchors are about to be replaced and their value does not matter.
-
-    Memories are float32, or float64 when the op ran in float64.
-    """
-
-    m_k: torch.Tensor
-    m_v: torch.Tensor
-    anchor_k: torch.Tensor
-    anchor_v: torch.Tensor
-    offset: torch.Tensor
-
-    @classmethod
-    def at_chunk_start(cls, m_k: torch.Tensor, m_v: torch.Tensor) -> "TrellisState":
-        """A state whose next token starts a chunk (what a pair ``(m_k, m_v)`` means)."""
-        offset = torch.zeros(m_k.shape[0], dtype=torch.long, device=m_k.device)
-        return cls(m_k, m_v, m_k, m_v, offset)
-
-    def map(self, fn) -> "TrellisState":
+    def map(self: StateT, fn: Callable[[torch.Tensor], torch.Tensor]) -> StateT:
         """Apply ``fn`` to every tensor (e.g. ``lambda t: t.index_select(0, idx)``)."""
-        return TrellisState(**{f.name: fn(getattr(self, f.name)) for f in fields(self)})
+        return type(self)(**{f.name: fn(getattr(self, f.name)) for f in fields(self)})
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The fields by name, in declaration order."""
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+    @classmethod
+    def cat(cls: type[StateT], states: Sequence[StateT]) -> StateT:
+        """The states of several groups of sequences as one, in order."""
+        return cls(**{name: torch.cat([getattr(s, name) for s in states]) for name in cls.field_names()})
+
+    @property
+    def rows(self) -> int:
+        """Sequences held (N)."""
+        return next(iter(self.tensors().values())).shape[0]

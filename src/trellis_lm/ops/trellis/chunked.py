@@ -11,48 +11,20 @@ one chunk's state to the next runs as a Python loop over chunks.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
+from ..varlen import from_chunks, grid_positions, to_chunks
 from .functions import compress_residual_vjp, mix
 from .state import TrellisState
-
-
-def _grid_positions(state: TrellisState, batch: int, length: int, cu_seqlens: Optional[torch.Tensor], chunk_size: int):
-    """Where every input token goes on the ``[N, G]`` grid, and each sequence's length.
-
-    Returns ``(flat_index [tokens], lengths [N], G)`` with tokens in input order (row-major
-    over ``[B, T]``, or packed order with ``cu_seqlens``) and ``G`` a multiple of C.
-    """
-    device = state.offset.device
-    if cu_seqlens is None:
-        lengths = torch.full((batch,), length, dtype=torch.long, device=device)
-        seq_id = torch.arange(batch, device=device).repeat_interleave(length)
-        pos = torch.arange(length, device=device).repeat(batch)
-    else:
-        lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-        seq_id = torch.repeat_interleave(torch.arange(lengths.numel(), device=device), lengths)
-        pos = torch.arange(length, device=device) - cu_seqlens[seq_id]
-    span = int((state.offset + lengths).max())
-    grid = max(-(-span // chunk_size), 1) * chunk_size
-    return seq_id * grid + state.offset[seq_id] + pos, lengths, grid
-
-
-def _to_chunks(x: torch.Tensor, flat_index: torch.Tensor, rows: int, grid: int, chunk_size: int) -> torch.Tensor:
-    """``[tokens, H, *rest]`` -> ``[N, H, chunks, C, *rest]`` with zeros in filler cells."""
-    cells = x.new_zeros((rows * grid,) + tuple(x.shape[1:])).index_copy(0, flat_index, x)
-    cells = cells.view((rows, grid // chunk_size, chunk_size) + tuple(x.shape[1:]))
-    return cells.movedim(3, 1)
 
 
 def chunked_forward(q, k, v, alpha, log_beta, gamma, state, chunk_size, compress_fn, mix_fn, cu_seqlens):
     """Backend ``"torch"``; arguments as validated by :func:`trellis_lm.ops.trellis_attention`."""
     batch, length, heads, _ = q.shape
     rows, chunk = state.offset.numel(), chunk_size
-    flat_index, lengths, grid = _grid_positions(state, batch, length, cu_seqlens, chunk)
+    flat_index, lengths, grid = grid_positions(state.offset, batch, length, cu_seqlens, chunk)
     Q, K, V, A, LB, G = (
-        _to_chunks(x.reshape((batch * length,) + tuple(x.shape[2:])), flat_index, rows, grid, chunk)
+        to_chunks(x.reshape((batch * length,) + tuple(x.shape[2:])), flat_index, rows, grid, chunk)
         for x in (q, k, v, alpha, log_beta, gamma)
     )  # Q: [N, H, chunks, C, Dk]; LB, G: [N, H, chunks, C]
 
@@ -87,7 +59,6 @@ def chunked_forward(q, k, v, alpha, log_beta, gamma, state, chunk_size, compress
         a_k, a_v = s_k, s_v
 
     o = torch.stack(outputs, dim=2)  # [N, H, chunks, C, Dv]
-    o = o.movedim(1, 3).reshape((rows * grid, heads, o.shape[-1]))[flat_index]
     # A sequence with no tokens hands its initial state back untouched, anchors included.
     empty = (lengths == 0)[:, None, None, None]
     final = TrellisState(
@@ -97,4 +68,4 @@ def chunked_forward(q, k, v, alpha, log_beta, gamma, state, chunk_size, compress
         torch.where(empty, state.anchor_v, final_a_v),
         (state.offset + lengths) % chunk,
     )
-    return o.reshape(batch, length, heads, -1), final
+    return from_chunks(o, flat_index, batch, length), final

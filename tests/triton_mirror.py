@@ -1,8 +1,8 @@
 """A PyTorch statement of exactly what the Triton backend computes, forward and manual backward.
 
-The Triton kernels (:mod:`.triton_chunk`) split the op into pieces that this module states in
+The Triton kernels (:mod:`trellis_lm.ops.trellis.triton_chunk`) split the op into pieces that this module states in
 plain PyTorch, one sequence and one chunk at a time, heads batched. It is the oracle the
-kernel tests compare the pieces against, and the float64 path of backend ``"triton"``.
+kernel tests compare the pieces against.
 
 Decomposition (design page, section 2; per head, per chunk of L tokens, start state ``S``,
 anchor ``A`` = ``S`` except in the first chunk after a mid-chunk resume):
@@ -35,65 +35,9 @@ from typing import Optional
 
 import torch
 
-from .functions import EPS, compress_residual_vjp, mix
-from .state import TrellisState
-
-# ---------------------------------------------------------------------------------------------
-# The chunk plan: where every sequence's chunks lie, shared by the mirror and the kernels.
-
-
-@dataclass
-class ChunkPlan:
-    """Sequences, their chunks, and a table of every chunk slot (all int64 tensors on the device).
-
-    Sequence ``n`` covers flat tokens ``seq_start[n] .. seq_start[n] + seq_len[n]`` of the
-    ``[B * T]`` token axis, resumes at ``offset[n]`` within a chunk, and has
-    ``n_chunks[n]`` chunks stored from ``chunk_base[n]``; its chunk ``i`` covers its tokens
-    ``max(i C - offset, 0) .. min((i + 1) C - offset, len)``. ``chunk_seq[j]`` /
-    ``chunk_idx[j]`` name the sequence and chunk of slot ``j < slots`` (-1 for a spare slot):
-    ``slots`` is a bound known from the shapes alone, so nothing waits on the device.
-    """
-
-    seq_start: torch.Tensor
-    seq_len: torch.Tensor
-    offset: torch.Tensor
-    n_chunks: torch.Tensor
-    chunk_base: torch.Tensor
-    chunk_seq: torch.Tensor
-    chunk_idx: torch.Tensor
-    slots: int
-
-
-def chunk_slots(rows: int, batch: int, length: int, chunk_size: int, packed: bool) -> int:
-    """An upper bound on the number of chunks over all sequences, from the shapes alone."""
-    if not packed:  # every row has T tokens and starts at some offset < C
-        return batch * ((chunk_size - 2 + length) // chunk_size + 1)
-    # A sequence of n >= 1 tokens has at most (n - 1) // C + 2 chunks.
-    return length // chunk_size + 2 * rows
-
-
-def make_plan(offset: torch.Tensor, batch: int, length: int, chunk_size: int, cu_seqlens: Optional[torch.Tensor]) -> ChunkPlan:
-    device = offset.device
-    rows = offset.numel()
-    if cu_seqlens is None:
-        seq_start = torch.arange(rows, device=device) * length
-        seq_len = torch.full((rows,), length, dtype=torch.long, device=device)
-    else:
-        seq_start = cu_seqlens[:-1].to(device=device, dtype=torch.long)
-        seq_len = (cu_seqlens[1:] - cu_seqlens[:-1]).to(device=device, dtype=torch.long)
-    offset = offset.to(torch.long)
-    n_chunks = torch.where(seq_len > 0, torch.div(offset + seq_len - 1, chunk_size, rounding_mode="floor") + 1, 0)
-    ends = n_chunks.cumsum(0)
-    chunk_base = ends - n_chunks
-    slots = chunk_slots(rows, batch, length, chunk_size, cu_seqlens is not None)
-    j = torch.arange(slots, device=device)
-    seq = torch.searchsorted(ends, j, right=True)
-    valid = seq < rows
-    seq_c = seq.clamp(max=rows - 1)
-    chunk_seq = torch.where(valid, seq_c, -1)
-    chunk_idx = torch.where(valid, j - chunk_base[seq_c], 0)
-    return ChunkPlan(seq_start, seq_len, offset, n_chunks, chunk_base, chunk_seq, chunk_idx, slots)
-
+from trellis_lm.ops.trellis.functions import EPS, compress_residual_vjp, mix
+from trellis_lm.ops.trellis.state import TrellisState
+from trellis_lm.ops.varlen import ChunkPlan, make_plan
 
 # ---------------------------------------------------------------------------------------------
 # Row-wise closed forms (last axis = the M slots).

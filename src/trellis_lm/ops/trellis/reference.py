@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from ..varlen import per_sequence
 from .functions import compress_residual_vjp, mix
 from .state import TrellisState
 
@@ -45,15 +46,7 @@ def _run_rows(q, k, v, alpha, log_beta, gamma, state, chunk_size, compress_fn, m
 
 def reference_forward(q, k, v, alpha, log_beta, gamma, state, chunk_size, compress_fn, mix_fn, cu_seqlens):
     """Backend ``"reference"``; arguments as validated by :func:`trellis_lm.ops.trellis_attention`."""
-    if cu_seqlens is None:
-        return _run_rows(q, k, v, alpha, log_beta, gamma, state, chunk_size, compress_fn, mix_fn)
-    outputs, finals = [], []
-    bounds = cu_seqlens.tolist()
-    for n, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
-        row = state.map(lambda t: t[n : n + 1])
-        pieces = (x[:, start:end] for x in (q, k, v, alpha, log_beta, gamma))
-        o, final = _run_rows(*pieces, row, chunk_size, compress_fn, mix_fn)
-        outputs.append(o)
-        finals.append(final)
-    final = TrellisState(**{name: torch.cat([f.tensors()[name] for f in finals]) for name in state.tensors()})
-    return torch.cat(outputs, dim=1), final
+    def run(*args):
+        return _run_rows(*args, chunk_size, compress_fn, mix_fn)
+
+    return per_sequence(run, (q, k, v, alpha, log_beta, gamma), state, cu_seqlens)

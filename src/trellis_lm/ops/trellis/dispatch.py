@@ -7,6 +7,10 @@ from typing import Optional, Sequence, Union
 
 import torch
 
+from ..checks import (
+    as_dtype, check_chunk_size, check_cu_seqlens, check_offsets, compute_dtype, expect_dims, expect_float_inputs,
+    expect_shape,
+)
 from .chunked import chunked_forward
 from .functions import check_names
 from .reference import reference_forward
@@ -29,29 +33,6 @@ BACKENDS = {"reference": reference_forward, "torch": chunked_forward, "triton": 
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 
 InitialState = Union[None, TrellisState, Sequence[torch.Tensor]]
-
-
-def _expect_shape(name: str, tensor: torch.Tensor, shape: tuple, meaning: str) -> None:
-    if not isinstance(tensor, torch.Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor of shape {meaning}, got {type(tensor).__name__}")
-    if tuple(tensor.shape) != tuple(shape):
-        raise ValueError(f"{name} must have shape {meaning} = {tuple(shape)}, got {tuple(tensor.shape)}")
-
-
-def _check_cu_seqlens(cu_seqlens: torch.Tensor, batch: int, length: int) -> torch.Tensor:
-    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-        raise ValueError("cu_seqlens must be a 1-D integer tensor [N + 1] of sequence start offsets")
-    if cu_seqlens.is_floating_point() or cu_seqlens.is_complex():
-        raise ValueError(f"cu_seqlens must hold integers, got {cu_seqlens.dtype}")
-    if batch != 1:
-        raise ValueError(f"cu_seqlens needs a batch of 1 (sequences packed along T), got batch size {batch}")
-    bounds = cu_seqlens.tolist()
-    if bounds[0] != 0 or bounds[-1] != length or any(b > a for a, b in zip(bounds[1:], bounds[:-1])):
-        raise ValueError(
-            f"cu_seqlens must rise from 0 to T = {length} without decreasing, got {bounds[:8]}"
-            + ("..." if len(bounds) > 8 else "")
-        )
-    return cu_seqlens.to(dtype=torch.long)
 
 
 def _initial_state(
@@ -78,23 +59,9 @@ def _initial_state(
         ("m_k", k_shape, k_meaning), ("anchor_k", k_shape, k_meaning),
         ("m_v", v_shape, v_meaning), ("anchor_v", v_shape, v_meaning),
     ):
-        _expect_shape(f"initial_state.{name}", getattr(state, name), shape, f"{meaning} with N = {rows} sequences")
-    _expect_shape("initial_state.offset", state.offset, (rows,), f"[N] with N = {rows} sequences")
-    if state.offset.is_floating_point():
-        raise ValueError(f"initial_state.offset must hold integers, got {state.offset.dtype}")
-    # Reading values back cannot be compiled; a compiled decode step is fed states this op made.
-    if rows and not torch.compiler.is_compiling():
-        lowest, highest = (int(x) for x in state.offset.aminmax())
-        if lowest < 0 or highest >= chunk_size:
-            raise ValueError(
-                f"initial_state.offset must lie in [0, chunk_size = {chunk_size}), got {state.offset.tolist()}"
-            )
-    return state.map(lambda t: _as(t, torch.long if t is state.offset else dtype, device))
-
-
-def _as(tensor: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    # Skipping the no-op conversions is measurable when decoding one token per call.
-    return tensor if tensor.dtype == dtype and tensor.device == device else tensor.to(device=device, dtype=dtype)
+        expect_shape(f"initial_state.{name}", getattr(state, name), shape, f"{meaning} with N = {rows} sequences")
+    check_offsets("initial_state.offset", state.offset, rows, chunk_size)
+    return state.map(lambda t: as_dtype(t, torch.long if t is state.offset else dtype, device))
 
 
 def _pick_backend(backend: str, length: int, packed: bool, device: torch.device):
@@ -151,37 +118,29 @@ def trellis_attention(
         ``o [B, T, H, Dv]`` in q's dtype, and the final :class:`TrellisState` (float32, or
         float64 for float64 inputs) when ``output_final_state`` else ``None``.
     """
-    if not isinstance(q, torch.Tensor) or q.dim() != 4:
-        raise ValueError(f"q must be a 4-D tensor [B, T, H, Dk], got {getattr(q, 'shape', type(q).__name__)}")
+    expect_dims("q", q, 4, "[B, T, H, Dk]")
     batch, length, heads, dk = q.shape
-    if not isinstance(v, torch.Tensor) or v.dim() != 4:
-        raise ValueError(f"v must be a 4-D tensor [B, T, H, Dv], got {getattr(v, 'shape', type(v).__name__)}")
-    if not isinstance(alpha, torch.Tensor) or alpha.dim() != 4:
-        raise ValueError(f"alpha must be a 4-D tensor [B, T, H, M], got {getattr(alpha, 'shape', type(alpha).__name__)}")
+    expect_dims("v", v, 4, "[B, T, H, Dv]")
+    expect_dims("alpha", alpha, 4, "[B, T, H, M]")
     dv, slots = v.shape[-1], alpha.shape[-1]
-    _expect_shape("k", k, (batch, length, heads, dk), "[B, T, H, Dk] like q")
-    _expect_shape("v", v, (batch, length, heads, dv), "[B, T, H, Dv]")
-    _expect_shape("alpha", alpha, (batch, length, heads, slots), "[B, T, H, M]")
-    _expect_shape("log_beta", log_beta, (batch, length, heads), "[B, T, H]")
-    _expect_shape("gamma", gamma, (batch, length, heads), "[B, T, H]")
-    for name, tensor in (("q", q), ("k", k), ("v", v), ("alpha", alpha), ("log_beta", log_beta), ("gamma", gamma)):
-        if not tensor.is_floating_point():
-            raise ValueError(f"{name} must be a floating-point tensor, got {tensor.dtype}")
-        if tensor.device != q.device:
-            raise ValueError(f"{name} is on {tensor.device} but q is on {q.device}; put all inputs on one device")
+    expect_shape("k", k, (batch, length, heads, dk), "[B, T, H, Dk] like q")
+    expect_shape("v", v, (batch, length, heads, dv), "[B, T, H, Dv]")
+    expect_shape("alpha", alpha, (batch, length, heads, slots), "[B, T, H, M]")
+    expect_shape("log_beta", log_beta, (batch, length, heads), "[B, T, H]")
+    expect_shape("gamma", gamma, (batch, length, heads), "[B, T, H]")
+    expect_float_inputs({"q": q, "k": k, "v": v, "alpha": alpha, "log_beta": log_beta, "gamma": gamma}, q.device)
     if length == 0:
         raise ValueError("the inputs must hold at least one token (T >= 1)")
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be an integer >= 1, got {chunk_size!r}")
+    check_chunk_size(chunk_size)
     check_names(compress_fn, mix_fn)
     forward = _pick_backend(backend, length, cu_seqlens is not None, q.device)
 
     rows = batch
     if cu_seqlens is not None:
-        cu_seqlens = _check_cu_seqlens(cu_seqlens, batch, length)
+        cu_seqlens = check_cu_seqlens(cu_seqlens, batch, length)
         rows = cu_seqlens.numel() - 1
-    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    dtype = compute_dtype(q)
     state = _initial_state(initial_state, rows, heads, slots, dk, dv, chunk_size, dtype, q.device)
-    inputs = [_as(t, dtype, q.device) for t in (q, k, v, alpha, log_beta, gamma)]
+    inputs = [as_dtype(t, dtype, q.device) for t in (q, k, v, alpha, log_beta, gamma)]
     o, final = forward(*inputs, state, chunk_size, compress_fn, mix_fn, cu_seqlens)
-    return _as(o, q.dtype, q.device), (final if output_final_state else None)
+    return as_dtype(o, q.dtype, q.device), (final if output_final_state else None)

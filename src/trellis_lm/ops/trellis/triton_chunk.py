@@ -1,6 +1,6 @@
 """Backend ``"triton"``: Triton kernels for the Trellis op, forward and hand-derived backward.
 
-The math, piece by piece, is stated in plain PyTorch in :mod:`.triton_mirror` (read its
+The math, piece by piece, is stated in plain PyTorch in ``tests/triton_mirror.py`` (read its
 docstring first); every kernel here computes one of those pieces for one head:
 
 forward
@@ -49,7 +49,7 @@ import triton.language as tl
 from .chunked import chunked_forward
 from .functions import COMPRESS_FNS, EPS, MIX_FNS
 from .state import TrellisState
-from .triton_mirror import chunk_slots, make_plan
+from ..varlen import chunk_slots, make_plan
 
 DOT_PRECISION = os.environ.get("TRELLIS_TRITON_DOT_PRECISION", "tf32x3")
 _EPS = tl.constexpr(EPS)
@@ -85,7 +85,7 @@ def _residual_vjp(z, a, cm, M, CF: tl.constexpr):
 
 @triton.jit
 def _residual_vjp_bwd(z, a, gu, cm, M, CF: tl.constexpr):
-    """(dz, da) of u = _residual_vjp(z, a) for cotangent gu (see triton_mirror.residual_vjp_backward)."""
+    """(dz, da) of u = _residual_vjp(z, a) for cotangent gu (see tests/triton_mirror.py: residual_vjp_backward)."""
     gu = tl.where(cm, gu, 0.0)
     if CF == 0:
         gz = gu
@@ -430,7 +430,7 @@ def _local_bwd_kernel(
     BT: tl.constexpr, BM: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr,
     CF: tl.constexpr, MF: tl.constexpr, PREC: tl.constexpr,
 ):
-    """triton_mirror.chunk_local_backward for one chunk and head."""
+    """tests/triton_mirror.py: chunk_local_backward for one chunk and head."""
     j = tl.program_id(0)
     h = tl.program_id(1)
     n = tl.load(cseq_ptr + j)
@@ -490,7 +490,7 @@ def _chain_bwd_kernel(
     BT: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, BDR: tl.constexpr,
     CF: tl.constexpr, ADD_ALPHA: tl.constexpr, FINISH: tl.constexpr, PREC: tl.constexpr,
 ):
-    """triton_mirror.chunk_chain_backward over one sequence's chunks in reverse, one pass.
+    """tests/triton_mirror.py: chunk_chain_backward over one sequence's chunks in reverse, one pass.
 
     Adds into dx, dg, dc (written by the local kernel) and into dal when ADD_ALPHA; with
     FINISH (the last pass) also writes dlb, the reverse cumulative sum of dc in each chunk.

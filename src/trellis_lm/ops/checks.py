@@ -1,0 +1,75 @@
+"""Argument checks shared by every op's dispatcher, so all ops word their errors alike."""
+
+from __future__ import annotations
+
+import torch
+
+
+def expect_shape(name: str, tensor: object, shape: tuple, meaning: str) -> None:
+    """Raise a ``ValueError`` naming ``name`` unless ``tensor`` is a tensor of exactly ``shape``."""
+    if not isinstance(tensor, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor of shape {meaning}, got {type(tensor).__name__}")
+    if tuple(tensor.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {meaning} = {tuple(shape)}, got {tuple(tensor.shape)}")
+
+
+def expect_dims(name: str, tensor: object, dims: int, meaning: str) -> None:
+    """Raise a ``ValueError`` naming ``name`` unless ``tensor`` is a ``dims``-D tensor."""
+    if not isinstance(tensor, torch.Tensor) or tensor.dim() != dims:
+        got = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+        raise ValueError(f"{name} must be a {dims}-D tensor {meaning}, got {got}")
+
+
+def expect_float_inputs(tensors: dict[str, torch.Tensor], device: torch.device) -> None:
+    """Every input floating point and on ``device`` (the first input's)."""
+    for name, tensor in tensors.items():
+        if not tensor.is_floating_point():
+            raise ValueError(f"{name} must be a floating-point tensor, got {tensor.dtype}")
+        if tensor.device != device:
+            raise ValueError(f"{name} is on {tensor.device} but q is on {device}; put all inputs on one device")
+
+
+def check_chunk_size(chunk_size: object) -> int:
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be an integer >= 1, got {chunk_size!r}")
+    return chunk_size
+
+
+def check_cu_seqlens(cu_seqlens: object, batch: int, length: int) -> torch.Tensor:
+    """``[N + 1]`` non-decreasing offsets from 0 to T, with a batch of 1; returned as int64."""
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError("cu_seqlens must be a 1-D integer tensor [N + 1] of sequence start offsets")
+    if cu_seqlens.is_floating_point() or cu_seqlens.is_complex():
+        raise ValueError(f"cu_seqlens must hold integers, got {cu_seqlens.dtype}")
+    if batch != 1:
+        raise ValueError(f"cu_seqlens needs a batch of 1 (sequences packed along T), got batch size {batch}")
+    bounds = cu_seqlens.tolist()
+    if bounds[0] != 0 or bounds[-1] != length or any(b > a for a, b in zip(bounds[1:], bounds[:-1])):
+        raise ValueError(
+            f"cu_seqlens must rise from 0 to T = {length} without decreasing, got {bounds[:8]}"
+            + ("..." if len(bounds) > 8 else "")
+        )
+    return cu_seqlens.to(dtype=torch.long)
+
+
+def check_offsets(name: str, offset: torch.Tensor, rows: int, chunk_size: int) -> None:
+    """A state's per-row position within its chunk: int64-like ``[N]`` in ``[0, chunk_size)``."""
+    expect_shape(name, offset, (rows,), f"[N] with N = {rows} sequences")
+    if offset.is_floating_point():
+        raise ValueError(f"{name} must hold integers, got {offset.dtype}")
+    # Reading values back cannot be compiled; a compiled decode step is fed states this op made.
+    if rows and not torch.compiler.is_compiling():
+        lowest, highest = (int(x) for x in offset.aminmax())
+        if lowest < 0 or highest >= chunk_size:
+            raise ValueError(f"{name} must lie in [0, chunk_size = {chunk_size}), got {offset.tolist()}")
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """States and op arithmetic: float64 for float64 inputs, else float32."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def as_dtype(tensor: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``tensor.to(device, dtype)``, skipping the no-op conversion (measurable when decoding one
+    token per call)."""
+    return tensor if tensor.dtype == dtype and tensor.device == device else tensor.to(device=device, dtype=dtype)

@@ -1,0 +1,127 @@
+"""Where the tokens of several sequences go when an op processes them chunk by chunk.
+
+Two layouts, shared by the ops' backends:
+
+* the *grid* of the PyTorch chunk forms: every sequence on its own row, its token j at
+  position ``offset + j``, chunks starting at multiples of C, free cells filled with neutral
+  inputs; rows that resume mid-chunk or have different lengths then share chunk boundaries;
+* the *chunk plan* of the Triton kernels: a table of every (sequence, chunk) pair, so a grid of
+  programs can take one chunk each without padding sequences to a common length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+
+def grid_positions(offset: torch.Tensor, batch: int, length: int, cu_seqlens: Optional[torch.Tensor], chunk_size: int):
+    """Where every input token goes on the ``[N, G]`` grid, and each sequence's length.
+
+    Args:
+        offset: ``[N]`` each sequence's position within its first chunk.
+        batch, length: the inputs' B and T (tokens in row-major order over ``[B, T]``, or
+            packed along T with ``cu_seqlens`` and B = 1).
+    Returns:
+        ``(flat_index [B * T], lengths [N], G)``: token i goes to cell ``flat_index[i]`` of the
+        flattened ``[N * G]`` grid; ``G`` is a multiple of C.
+    """
+    device = offset.device
+    if cu_seqlens is None:
+        lengths = torch.full((batch,), length, dtype=torch.long, device=device)
+        seq_id = torch.arange(batch, device=device).repeat_interleave(length)
+        pos = torch.arange(length, device=device).repeat(batch)
+    else:
+        lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+        seq_id = torch.repeat_interleave(torch.arange(lengths.numel(), device=device), lengths)
+        pos = torch.arange(length, device=device) - cu_seqlens[seq_id]
+    span = int((offset + lengths).max())
+    grid = max(-(-span // chunk_size), 1) * chunk_size
+    return seq_id * grid + offset[seq_id] + pos, lengths, grid
+
+
+def to_chunks(x: torch.Tensor, flat_index: torch.Tensor, rows: int, grid: int, chunk_size: int, fill: float = 0.0):
+    """``[tokens, H, *rest]`` -> ``[N, H, chunks, C, *rest]``, free cells holding ``fill``."""
+    cells = x.new_full((rows * grid,) + tuple(x.shape[1:]), fill).index_copy(0, flat_index, x)
+    cells = cells.view((rows, grid // chunk_size, chunk_size) + tuple(x.shape[1:]))
+    return cells.movedim(3, 1)
+
+
+def from_chunks(o: torch.Tensor, flat_index: torch.Tensor, batch: int, length: int) -> torch.Tensor:
+    """Inverse of :func:`to_chunks` for outputs: ``[N, H, chunks, C, D]`` -> ``[B, T, H, D]``."""
+    rows, heads = o.shape[:2]
+    o = o.movedim(1, 3).reshape((-1, heads, o.shape[-1]))[flat_index]
+    return o.reshape(batch, length, heads, -1)
+
+
+@dataclass
+class ChunkPlan:
+    """Sequences, their chunks, and a table of every chunk slot (all int64 tensors on the device).
+
+    Sequence ``n`` covers flat tokens ``seq_start[n] .. seq_start[n] + seq_len[n]`` of the
+    ``[B * T]`` token axis, resumes at ``offset[n]`` within a chunk, and has
+    ``n_chunks[n]`` chunks stored from ``chunk_base[n]``; its chunk ``i`` covers its tokens
+    ``max(i C - offset, 0) .. min((i + 1) C - offset, len)``. ``chunk_seq[j]`` /
+    ``chunk_idx[j]`` name the sequence and chunk of slot ``j < slots`` (-1 for a spare slot):
+    ``slots`` is a bound known from the shapes alone, so nothing waits on the device.
+    """
+
+    seq_start: torch.Tensor
+    seq_len: torch.Tensor
+    offset: torch.Tensor
+    n_chunks: torch.Tensor
+    chunk_base: torch.Tensor
+    chunk_seq: torch.Tensor
+    chunk_idx: torch.Tensor
+    slots: int
+
+
+def chunk_slots(rows: int, batch: int, length: int, chunk_size: int, packed: bool) -> int:
+    """An upper bound on the number of chunks over all sequences, from the shapes alone."""
+    if not packed:  # every row has T tokens and starts at some offset < C
+        return batch * ((chunk_size - 2 + length) // chunk_size + 1)
+    # A sequence of n >= 1 tokens has at most (n - 1) // C + 2 chunks.
+    return length // chunk_size + 2 * rows
+
+
+def make_plan(offset: torch.Tensor, batch: int, length: int, chunk_size: int, cu_seqlens: Optional[torch.Tensor]) -> ChunkPlan:
+    """The :class:`ChunkPlan` of ``N = offset.numel()`` sequences laid out as the op's inputs."""
+    device = offset.device
+    rows = offset.numel()
+    if cu_seqlens is None:
+        seq_start = torch.arange(rows, device=device) * length
+        seq_len = torch.full((rows,), length, dtype=torch.long, device=device)
+    else:
+        seq_start = cu_seqlens[:-1].to(device=device, dtype=torch.long)
+        seq_len = (cu_seqlens[1:] - cu_seqlens[:-1]).to(device=device, dtype=torch.long)
+    offset = offset.to(torch.long)
+    n_chunks = torch.where(seq_len > 0, torch.div(offset + seq_len - 1, chunk_size, rounding_mode="floor") + 1, 0)
+    ends = n_chunks.cumsum(0)
+    chunk_base = ends - n_chunks
+    slots = chunk_slots(rows, batch, length, chunk_size, cu_seqlens is not None)
+    j = torch.arange(slots, device=device)
+    seq = torch.searchsorted(ends, j, right=True)
+    valid = seq < rows
+    seq_c = seq.clamp(max=rows - 1)
+    chunk_seq = torch.where(valid, seq_c, -1)
+    chunk_idx = torch.where(valid, j - chunk_base[seq_c], 0)
+    return ChunkPlan(seq_start, seq_len, offset, n_chunks, chunk_base, chunk_seq, chunk_idx, slots)
+
+
+def per_sequence(run, inputs: tuple, state, cu_seqlens: Optional[torch.Tensor]):
+    """Run ``run(*inputs, state)`` once per packed sequence (the reference loops' varlen path).
+
+    ``inputs`` are ``[1, T, ...]`` tensors packed along T; ``state`` an :class:`~.state.OpState`
+    with one row per sequence. Returns the outputs concatenated along T and the final states.
+    """
+    if cu_seqlens is None:
+        return run(*inputs, state)
+    outputs, finals = [], []
+    bounds = cu_seqlens.tolist()
+    for n, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+        o, final = run(*(x[:, start:end] for x in inputs), state.map(lambda t: t[n : n + 1]))
+        outputs.append(o)
+        finals.append(final)
+    return torch.cat(outputs, dim=1), type(state).cat(finals)
