@@ -40,7 +40,7 @@ def test_seq_length_counts_columns_including_padding():
     ids, mask = left_pad([random_tokens(1, 6)[0], random_tokens(1, 2)[0]])
     cache = prefilled(model, ids, mask)
     assert cache.get_seq_length() == 6 and cache.batch_size == 2
-    assert TrellisCache(2).get_seq_length() == 0 and TrellisCache(2).batch_size is None
+    assert TrellisCache(["trellis"] * 2).get_seq_length() == 0 and TrellisCache(["trellis"] * 2).batch_size is None
 
 
 @pytest.mark.parametrize("conv_size", [4, 0])
@@ -58,7 +58,7 @@ def test_save_load_then_continue_equals_uninterrupted(tmp_path, conv_size):
 
 
 def test_an_empty_cache_saves_and_loads(tmp_path):
-    TrellisCache(3).save(tmp_path / "empty.safetensors")
+    TrellisCache(["trellis"] * 3).save(tmp_path / "empty.safetensors")
     loaded = TrellisCache.load(tmp_path / "empty.safetensors")
     assert len(loaded.layers) == 3 and loaded.nbytes() == 0 and loaded.batch_size is None
 
@@ -106,5 +106,5 @@ def test_the_model_checks_the_cache_it_is_given():
     cache = prefilled(model, random_tokens(2, 4))
     with pytest.raises(ValueError, match="holds 2 rows, the input 3"):
         model(random_tokens(3, 1), past_key_values=cache)
-    with pytest.raises(ValueError, match="3 layers, the model 2"):
-        model(random_tokens(2, 1), past_key_values=TrellisCache(3))
+    with pytest.raises(ValueError, match=r"made for layers \['trellis', 'trellis', 'trellis'\], the model has"):
+        model(random_tokens(2, 1), past_key_values=TrellisCache(["trellis"] * 3))

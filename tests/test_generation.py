@@ -12,7 +12,7 @@ from transformers import PreTrainedTokenizerFast
 
 from tiny_models import left_pad, random_tokens, tiny_model
 from trellis_lm import TrellisCache, TrellisForCausalLM
-from trellis_lm.modeling_trellis import _compiled_mix
+from trellis_lm.mixers.base import compiled_mix
 from trellis_lm.ops import COMPRESS_FNS, MIX_FNS
 
 TOL = dict(rtol=1e-4, atol=1e-4)
@@ -20,7 +20,7 @@ TOL = dict(rtol=1e-4, atol=1e-4)
 
 def logits_in_pieces(model: TrellisForCausalLM, ids: torch.Tensor, sizes: list[int], mask=None) -> torch.Tensor:
     """Feed ``ids`` in consecutive pieces through one cache; the logits of all pieces."""
-    cache, logits, start = TrellisCache(model.config.num_hidden_layers), [], 0
+    cache, logits, start = TrellisCache(model.config), [], 0
     for size in sizes:
         piece_mask = None if mask is None else mask[:, : start + size]
         logits.append(model(ids[:, start : start + size], attention_mask=piece_mask, past_key_values=cache).logits)
@@ -108,9 +108,9 @@ def test_compiled_decode_step_equals_eager(overrides):
     compiled.config.compile_decode = True
     ids = random_tokens(2, 12, seed=2)
     pieces = [4] + [1] * 8
-    calls = _compiled_mix.cache_info()
+    calls = compiled_mix.cache_info()
     fused = logits_in_pieces(compiled, ids, pieces)
-    calls_after = _compiled_mix.cache_info()
+    calls_after = compiled_mix.cache_info()
     # Every layer's every single-token step took the compiled function.
     assert (calls_after.hits + calls_after.misses) - (calls.hits + calls.misses) == 8 * eager.config.num_hidden_layers
     torch.testing.assert_close(fused, logits_in_pieces(eager, ids, pieces), rtol=1e-12, atol=1e-12)

@@ -10,7 +10,8 @@ from transformers import AutoModel, AutoModelForCausalLM
 
 from tiny_models import VOCAB, left_pad, random_tokens, right_pad, tiny_model
 from trellis_lm import TrellisForCausalLM, TrellisModel
-from trellis_lm.modeling_trellis import ValidTokens, forget_gate_bias
+from trellis_lm.mixers import forget_gate_bias
+from trellis_lm.mixers.tokens import ValidTokens
 
 TOL = dict(rtol=1e-4, atol=1e-4)
 
@@ -391,7 +392,7 @@ def test_lora_adapters_train_save_load_generate_and_merge(tmp_path):
 
 
 def test_short_conv_is_a_causal_depthwise_conv1d():
-    from trellis_lm.modeling_trellis import TrellisShortConv
+    from trellis_lm.mixers.parts import TrellisShortConv
 
     conv = TrellisShortConv(channels=6, width=4)
     torch.nn.init.normal_(conv.weight)

@@ -19,12 +19,12 @@ from trellis_lm.remote_code import AUTO_MAP, export_code, flat_name, flat_source
 
 
 @pytest.mark.parametrize(
-    "module, inside_ops, expected",
-    [("ops", False, "trellis_ops"), ("ops.dispatch", False, "trellis_ops_dispatch"),
-     ("cache_trellis", False, "cache_trellis"), ("state", True, "trellis_ops_state")],
+    "module, expected",
+    [("ops", "trellis_ops"), ("ops.trellis.dispatch", "trellis_ops_trellis_dispatch"),
+     ("cache_trellis", "cache_trellis"), ("mixers.base", "trellis_mixers_base")],
 )
-def test_flat_names(module, inside_ops, expected):
-    assert flat_name(module, inside_ops) == expected
+def test_flat_names(module, expected):
+    assert flat_name(module) == expected
 
 
 def test_flatten_rewrites_only_relative_import_lines():
@@ -33,37 +33,42 @@ def test_flatten_rewrites_only_relative_import_lines():
         from __future__ import annotations
         import torch
         from .ops import trellis_attention
-        from .ops.state import TrellisState
+        from .ops.state import OpState
         from .cache_trellis import TrellisCache
         if True:
-            from .ops.functions import (
+            from .ops.trellis.functions import (
                 mix,
             )
         text = "from .ops import x"
         """
     )
-    flat = flatten_imports(source, inside_ops=False)
+    flat = flatten_imports(source, package="")
     assert flat == source.replace("from .ops import trellis", "from .trellis_ops import trellis").replace(
         "from .ops.state", "from .trellis_ops_state"
-    ).replace("    from .ops.functions", "    from .trellis_ops_functions")
-    assert flatten_imports("from .functions import mix\n", inside_ops=True) == "from .trellis_ops_functions import mix\n"
+    ).replace("    from .ops.trellis.functions", "    from .trellis_ops_trellis_functions")
+    # Inside a sub-package, one dot is a sibling and two climb to the parent.
+    assert flatten_imports("from .functions import mix\n", "ops.trellis") == "from .trellis_ops_trellis_functions import mix\n"
+    assert flatten_imports("from ..checks import x\n", "ops.trellis") == "from .trellis_ops_checks import x\n"
+    assert flatten_imports("from ...cache_trellis import x\n", "ops.trellis") == "from .cache_trellis import x\n"
 
 
 @pytest.mark.parametrize(
-    "line, inside_ops",
-    [("from . import ops\n", False), ("from ..ops import x\n", True), ("from .ops.a.b import x\n", False),
-     ("from .state.x import y\n", True)],
+    "line, package",
+    [("from . import ops\n", ""), ("from ..ops import x\n", ""), ("from ....x import y\n", "ops.trellis")],
 )
-def test_flatten_refuses_what_a_flat_folder_cannot_hold(line, inside_ops):
+def test_flatten_refuses_what_a_flat_folder_cannot_hold(line, package):
     with pytest.raises(ValueError, match="cannot flatten"):
-        flatten_imports(line, inside_ops)
+        flatten_imports(line, package)
 
 
 def test_exported_code_is_self_contained(tmp_path):
     written = export_code(tmp_path)
     names = {p.name for p in written}
     assert {"configuration_trellis.py", "modeling_trellis.py", "cache_trellis.py", "trellis_ops.py",
-            "trellis_ops_dispatch.py", "trellis_ops_state.py"} <= names
+            "trellis_ops_trellis_dispatch.py", "trellis_ops_state.py", "trellis_mixers_attention.py",
+            "trellis_ops_trellis_triton_chunk.py"} <= names
+    # Only what a model runs: not the CLI, training, evaluation or conversion code.
+    assert not any(part in name for name in names for part in ("cli", "training", "eval", "conversion", "mirror"))
     assert names == set(flat_sources())
     for path in written:
         # Read the way transformers' loader reads them: every relative import is a sibling file...
@@ -151,7 +156,7 @@ def test_checkpoint_loads_as_remote_code_without_the_package(tmp_path):
 
     # What the remote-code process saved is a complete checkpoint again.
     assert json.loads((resaved / "config.json").read_text())["auto_map"] == AUTO_MAP
-    assert {p.name for p in resaved.glob("*.py")} >= {"modeling_trellis.py", "trellis_ops_dispatch.py", "model_card_trellis.py"}
+    assert {p.name for p in resaved.glob("*.py")} >= {"modeling_trellis.py", "trellis_ops_trellis_dispatch.py", "model_card_trellis.py"}
     assert (resaved / "README.md").read_text().replace("resaved", "checkpoint") == card
     reloaded = TrellisForCausalLM.from_pretrained(resaved)
     torch.testing.assert_close(reloaded(ids).logits, model(ids).logits, rtol=0, atol=0)
@@ -209,7 +214,7 @@ def uploads(monkeypatch) -> FakeHub:
 
 
 CODE = {"modeling_trellis.py", "configuration_trellis.py", "model_card_trellis.py", "trellis_ops.py",
-        "trellis_ops_dispatch.py"}
+        "trellis_ops_trellis_dispatch.py", "trellis_mixers_trellis.py"}
 
 
 def test_push_to_hub_uploads_the_code_and_the_model_card(uploads, tmp_path):

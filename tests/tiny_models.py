@@ -13,20 +13,30 @@ VOCAB = 97
 FIRST_TOKEN = 3
 
 
-def tiny_config(**overrides: Any) -> TrellisConfig:
-    """2 layers, 2 heads of 8, 6 slots (not a power of two), chunks of 4."""
+# Layer schedules the model-level tests run over: the issue's three, at the smallest depth.
+SCHEDULES = {
+    "trellis": ["trellis", "trellis"],
+    "lattice": ["lattice", "lattice"],
+    "hybrid": ["trellis", "trellis", "attention", "lattice"],
+}
+
+
+def tiny_config(schedule: str = "trellis", **overrides: Any) -> TrellisConfig:
+    """2 layers (4 for the hybrid), 2 heads of 8, 6 slots (not a power of two), chunks of 4;
+    ``schedule`` names the layers' mixers (see ``SCHEDULES``)."""
+    kinds = SCHEDULES[schedule]
     fields = dict(
-        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_heads=2, head_dim=8, num_slots=6,
-        chunk_size=4, intermediate_size=48,
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=len(kinds), num_heads=2, head_dim=8, num_slots=6,
+        chunk_size=4, intermediate_size=48, mixer_types=None if schedule == "trellis" else kinds,
     )
     fields.update(overrides)
     return TrellisConfig(**fields)
 
 
-def tiny_model(seed: int = 0, dtype: torch.dtype = torch.float32, **overrides: Any) -> TrellisForCausalLM:
+def tiny_model(seed: int = 0, dtype: torch.dtype = torch.float32, schedule: str = "trellis", **overrides: Any) -> TrellisForCausalLM:
     """A randomly initialised model in eval mode."""
     torch.manual_seed(seed)
-    return TrellisForCausalLM(tiny_config(**overrides)).to(dtype).eval()
+    return TrellisForCausalLM(tiny_config(schedule, **overrides)).to(dtype).eval()
 
 
 def random_tokens(batch: int, length: int, seed: int = 0) -> torch.Tensor:

@@ -1,63 +1,72 @@
-"""The generation cache of Trellis models (design page, section 6).
+"""The generation cache of Trellis models: one entry per layer, of the layer's kind.
 
-Per layer it holds the short-conv tails of q and k (the last ``conv_size - 1`` projected
-inputs of every row) and the op's :class:`TrellisState`; the cache also counts the tokens
-(columns, padding included) it has seen. Its size does not grow with the tokens seen.
+* A memory layer (``"trellis"``, ``"lattice"``) carries the short-conv tails of q and k (the
+  last ``conv_size - 1`` projected inputs of every row) and its op's state: a fixed size,
+  whatever the number of tokens seen (design pages, section 6).
+* An attention layer (``"attention"``) carries every key and value it has seen, as attention
+  must, with which columns later tokens may see and how many real tokens each row holds.
+
+The cache also counts the tokens (columns, padding included) it has seen, and remembers the
+configuration fields that define its layers' functions, so that a model refuses a cache made
+by another model (:meth:`TrellisCache.check_compatible`).
 """
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, fields
-from typing import Callable, Optional, Union
+from typing import Any, Callable, ClassVar, Mapping, Optional, Sequence, Union
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers.cache_utils import Cache
 
-from .ops import TrellisState
+from .ops import OpState, TrellisState
 
 FORMAT = "trellis-cache"
-FORMAT_VERSION = "1"
+# Version 1 (one kind of layer, no record of the model) is not read: its layer count could not
+# be checked against anything before allocating.
+FORMAT_VERSION = "2"
 
 
-@dataclass
-class TrellisLayerCache:
-    """What one layer carries from one forward call to the next; ``None`` before its first call.
+class LayerCache:
+    """What one layer carries from one forward call to the next; empty before its first call.
 
-    Attributes:
-        q_tail, k_tail: ``[B, conv_size - 1, H * d]`` the last projected q / k inputs of each
-            row, in the activation dtype (``None`` also when the model has no short conv).
-        state: the op state, with ``N = B`` rows.
+    Subclasses are dataclasses whose fields are tensors or op states (``None`` while empty),
+    every tensor with the batch on dim 0.
     """
 
-    q_tail: Optional[torch.Tensor] = None
-    k_tail: Optional[torch.Tensor] = None
-    state: Optional[TrellisState] = None
-
+    kind: ClassVar[str]
     # What the generic `Cache` methods ask of their layers.
     is_compileable = False
     is_croppable = False
     supports_early_init = False
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        """Every tensor held, by name (the state's fields under their own names)."""
-        held = {"q_tail": self.q_tail, "k_tail": self.k_tail, **(self.state.tensors() if self.state else {})}
-        return {name: tensor for name, tensor in held.items() if tensor is not None}
-
-    @classmethod
-    def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> "TrellisLayerCache":
-        """Inverse of :meth:`tensors`."""
-        state_names = [f.name for f in fields(TrellisState)]
-        state = TrellisState(**{n: tensors[n] for n in state_names}) if state_names[0] in tensors else None
-        return cls(tensors.get("q_tail"), tensors.get("k_tail"), state)
+        """Every tensor held, by name (an op state's fields under their own names)."""
+        held: dict[str, torch.Tensor] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, OpState):
+                held.update(value.tensors())
+            elif value is not None:
+                held[f.name] = value
+        return held
 
     def map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Apply ``fn`` to every tensor; all of them have the batch on dim 0."""
-        self.q_tail = None if self.q_tail is None else fn(self.q_tail)
-        self.k_tail = None if self.k_tail is None else fn(self.k_tail)
-        self.state = None if self.state is None else self.state.map(fn)
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is not None:
+                setattr(self, f.name, value.map(fn) if isinstance(value, OpState) else fn(value))
+
+    @property
+    def rows(self) -> Optional[int]:
+        """Rows held, or ``None`` while empty."""
+        held = self.tensors()
+        return next(iter(held.values())).shape[0] if held else None
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self.map_rows(lambda t: t.index_select(0, beam_idx.to(t.device)))
@@ -69,41 +78,124 @@ class TrellisLayerCache:
         self.map_rows(lambda t: t.repeat_interleave(repeats, dim=0))
 
     def reset(self) -> None:
-        self.q_tail = self.k_tail = self.state = None
+        for f in fields(self):
+            setattr(self, f.name, None)
 
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError(
-            "a Trellis cache cannot be cropped: its state folds every token in and keeps no per-token history"
+            "a Trellis cache cannot be cropped: its memory layers fold every token in and keep no per-token history"
         )
 
     def get_max_length(self) -> int:
         return -1  # no limit on the tokens it can take
 
 
+@dataclass
+class MemoryLayerCache(LayerCache):
+    """A memory layer's entry (Trellis or Lattice).
+
+    Attributes:
+        q_tail, k_tail: ``[B, conv_size - 1, channels]`` the last projected q / k inputs of each
+            row, in the activation dtype (``None`` also when the model has no short conv).
+        state: the op's state (:class:`~trellis_lm.ops.TrellisState` or
+            :class:`~trellis_lm.ops.LatticeState`), with ``N = B`` rows.
+    """
+
+    q_tail: Optional[torch.Tensor] = None
+    k_tail: Optional[torch.Tensor] = None
+    state: Optional[OpState] = None
+
+    state_class: ClassVar[type[OpState]]
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> "MemoryLayerCache":
+        """Inverse of :meth:`tensors`; raises ``ValueError`` when a state is incomplete."""
+        names = cls.state_class.field_names()
+        present = [n for n in names if n in tensors]
+        if present and len(present) != len(names):
+            raise ValueError(f"a {cls.kind} layer's state needs tensors {names}, the file holds {present}")
+        state = cls.state_class(**{n: tensors[n] for n in names}) if present else None
+        return cls(tensors.get("q_tail"), tensors.get("k_tail"), state)
+
+
+@dataclass
+class TrellisLayerCache(MemoryLayerCache):
+    kind: ClassVar[str] = "trellis"
+    state_class: ClassVar[type[OpState]] = TrellisState
+
+
+@dataclass
+class AttentionLayerCache(LayerCache):
+    """A softmax-attention layer's entry; it grows with the columns seen.
+
+    Attributes:
+        keys, values: ``[B, H_kv, S, d]`` every column's key (after RoPE) and value, in the
+            activation dtype.
+        visible: ``[B, S]`` bool, True where a later token may attend: real tokens of each
+            row's current document (padding and finished packed documents are False).
+        positions: ``[B]`` int64, real tokens of each row's current document (the next
+            token's RoPE position).
+    """
+
+    kind: ClassVar[str] = "attention"
+
+    keys: Optional[torch.Tensor] = None
+    values: Optional[torch.Tensor] = None
+    visible: Optional[torch.Tensor] = None
+    positions: Optional[torch.Tensor] = None
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> "AttentionLayerCache":
+        names = [f.name for f in fields(cls)]
+        present = [n for n in names if n in tensors]
+        if present and len(present) != len(names):
+            raise ValueError(f"an attention layer's entry needs tensors {names}, the file holds {present}")
+        return cls(**{n: tensors[n] for n in present})
+
+
+LAYER_CACHES: dict[str, type[LayerCache]] = {c.kind: c for c in (TrellisLayerCache, AttentionLayerCache)}
+
+
 class TrellisCache(Cache):
-    """Fixed-size cache of a Trellis model: one :class:`TrellisLayerCache` per layer.
+    """The cache of a Trellis-family model: one entry per layer, of the layer's kind.
 
     ``generate()`` builds one by itself; pass one as ``past_key_values`` to continue a
     sequence, including one returned by an earlier ``generate(..., return_dict_in_generate=True)``
-    or read back with :meth:`load`.
+    or read back with :meth:`load`. Memory layers hold a fixed size whatever the context;
+    attention layers grow by their keys and values.
 
     Args:
-        num_layers: the model's ``config.num_hidden_layers``.
+        config: the model's configuration (its ``layer_kinds`` give the entries, and the cache
+            remembers the fields that define the layers, see :meth:`check_compatible`), or a
+            plain sequence of layer kinds (no fields remembered).
     """
 
-    # The op runs Python control flow per call; `generate()` must not try to compile it, and
+    # The ops run Python control flow per call; `generate()` must not try to compile them, and
     # with a compileable cache it would also hand `forward` its masks as dicts.
     is_compileable = False
 
-    def __init__(self, num_layers: int) -> None:
-        super().__init__(layers=[TrellisLayerCache() for _ in range(num_layers)])
+    def __init__(self, config: Any) -> None:
+        if hasattr(config, "layer_signature"):
+            kinds, signature = config.layer_kinds, config.layer_signature()
+        else:
+            kinds, signature = list(config), None
+        unknown = [(i, kind) for i, kind in enumerate(kinds) if kind not in LAYER_CACHES]
+        if unknown:
+            raise ValueError(f"layer kinds must be among {sorted(LAYER_CACHES)}; got {unknown[0][1]!r} at index {unknown[0][0]}")
+        super().__init__(layers=[LAYER_CACHES[kind]() for kind in kinds])
+        self.signature: Optional[dict[str, Any]] = signature
         self.seen_tokens = 0
 
     def __repr__(self) -> str:
         return (
-            f"{type(self).__name__}(layers={len(self.layers)}, rows={self.batch_size}, "
+            f"{type(self).__name__}(kinds={self.kinds}, rows={self.batch_size}, "
             f"seen_tokens={self.seen_tokens}, nbytes={self.nbytes()})"
         )
+
+    @property
+    def kinds(self) -> list[str]:
+        """Each layer's kind, in order."""
+        return [layer.kind for layer in self.layers]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Tokens (columns of ``input_ids``, padding included) the cache has taken in."""
@@ -116,7 +208,7 @@ class TrellisCache(Cache):
     @property
     def batch_size(self) -> Optional[int]:
         """Rows held, or ``None`` before the first forward."""
-        held = [layer.state.offset.shape[0] for layer in self.layers if layer.state is not None]
+        held = [layer.rows for layer in self.layers if layer.rows is not None]
         return held[0] if held else None
 
     def reset(self) -> None:
@@ -124,11 +216,31 @@ class TrellisCache(Cache):
         self.seen_tokens = 0
 
     def nbytes(self) -> int:
-        """Bytes held by the cache's tensors; independent of the number of tokens seen."""
+        """Bytes held by the cache's tensors (constant in the tokens seen unless the model has
+        attention layers)."""
         return sum(t.numel() * t.element_size() for layer in self.layers for t in layer.tensors().values())
 
+    def check_compatible(self, config: Any) -> None:
+        """Raise a ``ValueError`` naming the first difference between the layers this cache was
+        made for and those of ``config``'s model: a continuation would otherwise be silently
+        wrong (same shapes, another function) or fail deep inside a layer."""
+        if self.kinds != config.layer_kinds:
+            raise ValueError(
+                f"past_key_values was made for layers {self.kinds}, the model has {config.layer_kinds} "
+                "(config.mixer_types)"
+            )
+        if self.signature is None:
+            return
+        for name, value in config.layer_signature().items():
+            if self.signature.get(name) != value:
+                raise ValueError(
+                    f"past_key_values was made by a model with {name}={self.signature.get(name)!r}, "
+                    f"this model has {name}={value!r}"
+                )
+
     def save(self, path: Union[str, os.PathLike]) -> None:
-        """Write the cache to one safetensors file (tensors, token count, layer count)."""
+        """Write the cache to one safetensors file (tensors, layer kinds, token count, the
+        fields its layers were made with)."""
         # safetensors refuses tensors sharing memory (a state's anchor may be its memory).
         tensors = {
             f"layers.{i}.{name}": t.detach().contiguous().clone().cpu()
@@ -138,31 +250,80 @@ class TrellisCache(Cache):
         metadata = {
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
-            "num_layers": str(len(self.layers)),
+            "layer_kinds": json.dumps(self.kinds),
             "seen_tokens": str(self.seen_tokens),
+            "signature": json.dumps(self.signature),
         }
         save_file(tensors, os.fspath(path), metadata=metadata)
 
     @classmethod
-    def load(cls, path: Union[str, os.PathLike], device: Union[str, torch.device, None] = None) -> "TrellisCache":
-        """Read a cache written by :meth:`save`, onto ``device`` (default: CPU)."""
+    def load(
+        cls, path: Union[str, os.PathLike], device: Union[str, torch.device, None] = None, config: Any = None
+    ) -> "TrellisCache":
+        """Read a cache written by :meth:`save`, onto ``device`` (default: CPU).
+
+        The file's header is checked against its tensors (and, given the model's ``config``,
+        against the model) before any tensor is read.
+        """
         with safe_open(os.fspath(path), framework="pt", device=str(device or "cpu")) as f:
             metadata = f.metadata() or {}
-            if metadata.get("format") != FORMAT:
-                raise ValueError(f"{path} is not a Trellis cache file (metadata format: {metadata.get('format')!r})")
-            if metadata.get("format_version") != FORMAT_VERSION:
-                raise ValueError(
-                    f"{path} holds cache format version {metadata.get('format_version')!r}, "
-                    f"this code reads {FORMAT_VERSION!r}"
-                )
-            cache = cls(int(metadata["num_layers"]))
-            per_layer: list[dict[str, torch.Tensor]] = [{} for _ in cache.layers]
+            kinds, seen, signature = _read_header(metadata, path)
+            per_layer: list[dict[str, str]] = [{} for _ in kinds]
             for key in f.keys():
-                _, index, name = key.split(".", 2)
-                per_layer[int(index)][name] = f.get_tensor(key)
-        cache.layers = [TrellisLayerCache.from_tensors(tensors) for tensors in per_layer]
-        cache.seen_tokens = int(metadata["seen_tokens"])
+                parts = key.split(".", 2)
+                if len(parts) != 3 or parts[0] != "layers" or not parts[1].isdigit() or int(parts[1]) >= len(kinds):
+                    raise ValueError(f"{path}: tensor {key!r} is not 'layers.<index < {len(kinds)}>.<name>'")
+                per_layer[int(parts[1])][parts[2]] = key
+            cache = cls(kinds)
+            cache.signature = signature
+            if config is not None:
+                cache.check_compatible(config)
+            cache.layers = [
+                LAYER_CACHES[kind].from_tensors({name: f.get_tensor(key) for name, key in keys.items()})
+                for kind, keys in zip(kinds, per_layer)
+            ]
+        cache.seen_tokens = seen
         return cache
 
 
-__all__ = ["TrellisCache", "TrellisLayerCache"]
+def _read_header(metadata: Mapping[str, str], path: Any) -> tuple[list[str], int, Optional[dict]]:
+    """``(layer kinds, seen tokens, signature)`` from a cache file's metadata, checked."""
+    if metadata.get("format") != FORMAT:
+        raise ValueError(f"{path} is not a Trellis cache file (metadata format: {metadata.get('format')!r})")
+    version = metadata.get("format_version")
+    if version != FORMAT_VERSION:
+        raise ValueError(
+            f"{path} holds cache format version {version!r}, this code reads {FORMAT_VERSION!r} "
+            "(re-create the cache by running the model on the text again)"
+        )
+
+    def field(name: str, parse: Callable[[str], Any], expected: str) -> Any:
+        try:
+            return parse(metadata[name])
+        except (KeyError, ValueError, TypeError) as error:
+            raise ValueError(f"{path}: metadata {name!r} must be {expected}, got {metadata.get(name)!r}") from error
+
+    def count(text: str) -> int:
+        if not text.isdigit():
+            raise ValueError(text)
+        return int(text)
+
+    seen = field("seen_tokens", count, "a whole number >= 0")
+
+    def kinds_list(text: str) -> list[str]:
+        kinds = json.loads(text)
+        if not isinstance(kinds, list) or not all(kind in LAYER_CACHES for kind in kinds):
+            raise ValueError(text)
+        return kinds
+
+    def signature(text: str) -> Optional[dict]:
+        value = json.loads(text)
+        if value is not None and not isinstance(value, dict):
+            raise ValueError(text)
+        return value
+
+    kinds = field("layer_kinds", kinds_list, f"a JSON list of layer kinds among {sorted(LAYER_CACHES)}")
+    return kinds, seen, field("signature", signature, "a JSON object or null")
+
+
+__all__ = ["AttentionLayerCache", "LayerCache", "MemoryLayerCache", "TrellisCache", "TrellisLayerCache"]

@@ -12,27 +12,56 @@ from typing import Any, Callable, ClassVar
 from transformers import PreTrainedConfig
 
 from .ops import BACKENDS, COMPRESS_FNS, MIX_FNS
+
+LATTICE_VARIANTS = ("dec", "enc", "sim")  # MERGE: from .ops once the Lattice op lands
 from .remote_code import AUTO_MAP, code_is_packaged, export_code
 
 OP_BACKENDS = ("auto",) + tuple(sorted(BACKENDS))
+# The fields that define each kind of mixer's function (besides the layer's own weights): the
+# validation reads them, and a cache remembers those of the kinds its model has.
+MIXER_FIELDS = {
+    "trellis": ("hidden_size", "num_heads", "head_dim", "num_slots", "chunk_size", "compress_fn", "mix_fn",
+                "conv_size", "use_forget_gate", "gate_logit_normalizer"),
+    "lattice": ("hidden_size", "num_heads", "head_dim", "num_slots", "chunk_size", "lattice_variant", "conv_size"),
+    "attention": ("hidden_size", "num_heads", "head_dim", "num_key_value_heads", "rope_theta", "attention_bias"),
+}
+MIXER_TYPES = tuple(MIXER_FIELDS)
+# transformers' own names for the schedule, in the standard `layer_types` field.
+STANDARD_LAYER_TYPES = {"trellis": "linear_attention", "lattice": "linear_attention", "attention": "full_attention"}
 
 
 class TrellisConfig(PreTrainedConfig):
     """Hyper-parameters of a Trellis model. Every field is used by the model.
 
+    Every layer has a token mixer of its own kind (``mixer_types``); a field that no layer of
+    the model uses does not change the model.
+
     Args:
         vocab_size: number of token ids.
         hidden_size: width D of the residual stream.
         num_hidden_layers: number of blocks.
-        num_heads: heads H of each Trellis mixer.
+        mixer_types: one entry per layer, each ``"trellis"`` (design page ``trellis.md``),
+            ``"lattice"`` (``lattice.md``) or ``"attention"`` (causal softmax attention with
+            RoPE); ``None`` (the default) means every layer is ``"trellis"`` (:attr:`layer_kinds`
+            resolves it). The standard ``layer_types`` field is set from it (memory mixers as
+            ``"linear_attention"``, attention as ``"full_attention"``).
+        num_heads: heads H of every mixer (query heads of attention layers).
         head_dim: per-head width d of queries, keys and values (H * d need not equal D).
-        num_slots: memory slots M per head.
-        chunk_size: C of the op; the model is defined by it (1 is the exact recurrence).
-        compress_fn: the compression function phi, one of ``trellis_lm.ops.COMPRESS_FNS``.
-        mix_fn: the mixing function f, one of ``trellis_lm.ops.MIX_FNS``.
-        conv_size: width of the causal depthwise convolution on q and k; 0 disables it.
-        use_forget_gate: learn the forget gate beta; when False, beta = 1.
+        num_slots: memory slots M per head (Trellis and Lattice).
+        chunk_size: C of the memory ops; the model is defined by it (1 is the exact recurrence).
+        compress_fn: Trellis's compression function phi, one of ``trellis_lm.ops.COMPRESS_FNS``.
+        mix_fn: Trellis's mixing function f, one of ``trellis_lm.ops.MIX_FNS``.
+        lattice_variant: Lattice's write rule, one of ``trellis_lm.ops.LATTICE_VARIANTS``
+            (``"dec"``, ``"enc"``, ``"sim"``).
+        conv_size: width of the causal depthwise convolution on q and k of the memory mixers;
+            0 disables it.
+        use_forget_gate: learn Trellis's forget gate beta; when False, beta = 1.
         gate_logit_normalizer: log_beta = logsigmoid(beta_proj(x)) / gate_logit_normalizer.
+        num_key_value_heads: key/value heads of attention layers (grouped-query attention);
+            ``None`` means ``num_heads``. Must divide ``num_heads``.
+        rope_theta: base of the rotary position embedding of attention layers (plain RoPE on
+            all of ``head_dim``; positions count each row's real tokens).
+        attention_bias: attention layers' q/k/v projections have biases (as Qwen2's).
         intermediate_size: hidden width of the SwiGLU MLP.
         rms_norm_eps: epsilon of every RMSNorm.
         initializer_range: standard deviation of the linear and embedding weights at init.
@@ -56,15 +85,20 @@ class TrellisConfig(PreTrainedConfig):
     vocab_size: int = 32000
     hidden_size: int = 768
     num_hidden_layers: int = 12
+    mixer_types: list[str] | None = None
     num_heads: int = 12
     head_dim: int = 64
     num_slots: int = 64
     chunk_size: int = 64
     compress_fn: str = "layernorm"
     mix_fn: str = "ln_silu"
+    lattice_variant: str = "dec"
     conv_size: int = 4
     use_forget_gate: bool = True
     gate_logit_normalizer: float = 16.0
+    num_key_value_heads: int | None = None
+    rope_theta: float = 10000.0
+    attention_bias: bool = False
     intermediate_size: int = 2048
     rms_norm_eps: float = 1e-6
     initializer_range: float = 0.02
@@ -77,11 +111,38 @@ class TrellisConfig(PreTrainedConfig):
     compile_decode: bool = False
 
     def __post_init__(self, **kwargs: Any) -> None:
-        self._check_fields()
+        given = kwargs.pop("layer_types", None)
+        self.check_fields()
+        # A saved config carries the layer_types derived when it was saved; an all-Trellis one
+        # stays valid when num_hidden_layers is overridden on loading.
+        stale_uniform = self.mixer_types is None and all(kind == "linear_attention" for kind in given or ())
+        if given is not None and list(given) != self.layer_types and not stale_uniform:
+            raise ValueError(
+                f"TrellisConfig.layer_types is set from mixer_types ({self.layer_types}); got {list(given)}. "
+                "Choose each layer's mixer with mixer_types."
+            )
         super().__post_init__(**kwargs)
 
-    def _check_fields(self) -> None:
-        """Raise a ``ValueError`` naming the first field whose value the model cannot use."""
+    @property
+    def layer_kinds(self) -> list[str]:
+        """Each layer's mixer: ``mixer_types``, or ``"trellis"`` for every layer when it is ``None``."""
+        return ["trellis"] * self.num_hidden_layers if self.mixer_types is None else list(self.mixer_types)
+
+    @property
+    def key_value_heads(self) -> int:
+        """Key/value heads of attention layers (``num_key_value_heads``, or ``num_heads``)."""
+        return self.num_heads if self.num_key_value_heads is None else self.num_key_value_heads
+
+    def layer_signature(self) -> dict[str, Any]:
+        """The fields that define the function of this model's layers: those of the kinds in
+        :attr:`layer_kinds` (see ``MIXER_FIELDS``). A cache remembers them."""
+        names = sorted({name for kind in set(self.layer_kinds) for name in MIXER_FIELDS[kind]})
+        return {"mixer_types": self.layer_kinds, **{name: getattr(self, name) for name in names}}
+
+    def check_fields(self) -> None:
+        """Raise a ``ValueError`` naming the first field whose value the model cannot use, and
+        set ``layer_types`` from the mixers. Runs when the config is made and again when a
+        model is built from it, so fields changed in between are checked too."""
 
         def check(name: str, is_valid: Callable[[Any], bool], expected: str) -> None:
             value = getattr(self, name)
@@ -95,7 +156,22 @@ class TrellisConfig(PreTrainedConfig):
                      "chunk_size", "intermediate_size"):
             check(name, lambda v: _is_int(v) and v >= 1, "an integer >= 1")
         check("conv_size", lambda v: _is_int(v) and v >= 0, "an integer >= 0 (0 disables the conv)")
+        layers = self.num_hidden_layers
+        if self.mixer_types is not None:
+            if not isinstance(self.mixer_types, (list, tuple)) or len(self.mixer_types) != layers:
+                raise ValueError(
+                    f"TrellisConfig.mixer_types must be None or a list of num_hidden_layers = {layers} entries, "
+                    f"got {self.mixer_types!r}"
+                )
+            for index, kind in enumerate(self.mixer_types):
+                if kind not in MIXER_TYPES:
+                    raise ValueError(f"TrellisConfig.mixer_types[{index}] must be one of {MIXER_TYPES}, got {kind!r}")
         check("compress_fn", lambda v: v in COMPRESS_FNS, f"one of {COMPRESS_FNS}")
+        check("lattice_variant", lambda v: v in LATTICE_VARIANTS, f"one of {LATTICE_VARIANTS}")
+        check("num_key_value_heads", lambda v: v is None or (_is_int(v) and v >= 1 and self.num_heads % v == 0),
+              f"None or an integer >= 1 that divides num_heads = {self.num_heads}")
+        check("rope_theta", lambda v: _is_real(v) and v > 0, "a number > 0")
+        check("attention_bias", lambda v: isinstance(v, bool), "True or False")
         check("mix_fn", lambda v: v in MIX_FNS, f"one of {MIX_FNS}")
         check("op_backend", lambda v: v in OP_BACKENDS, f"one of {OP_BACKENDS}")
         for name in ("gate_logit_normalizer", "rms_norm_eps", "initializer_range"):
@@ -107,6 +183,7 @@ class TrellisConfig(PreTrainedConfig):
             check(name, lambda v: v is None or is_token_id(v), token_id)
         check("eos_token_id", lambda v: v is None or is_token_id(v) or (isinstance(v, list) and all(map(is_token_id, v))),
               f"{token_id}, or a list of token ids")
+        self.layer_types = [STANDARD_LAYER_TYPES[kind] for kind in self.layer_kinds]
 
     def save_pretrained(self, save_directory: str | os.PathLike, push_to_hub: bool = False, **kwargs: Any) -> None:
         """Save ``config.json`` together with the model code, so the folder loads with

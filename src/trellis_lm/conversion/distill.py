@@ -30,7 +30,8 @@ from torch import nn
 from torch.utils.data import Dataset
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, Trainer, TrainingArguments
 
-from ..modeling_trellis import TrellisForCausalLM, ValidTokens
+from ..mixers.tokens import ValidTokens
+from ..modeling_trellis import TrellisForCausalLM
 from .llama import NEW_MIXER_PARAMETERS
 
 # The mixer's linear maps: the carried projections and the new ones. LoRA reaches nothing else

@@ -26,7 +26,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedConfig
 
 from ..configuration_trellis import TrellisConfig
-from ..modeling_trellis import TrellisAttention, TrellisForCausalLM, forget_gate_bias
+from ..mixers import TrellisAttention, forget_gate_bias
+from ..modeling_trellis import TrellisForCausalLM
 
 logger = logging.getLogger(__name__)
 

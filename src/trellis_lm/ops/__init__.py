@@ -6,6 +6,7 @@ Helpers the ops share live beside them: :mod:`.checks` (argument checks), :mod:`
 (chunk grids for packed and resumed sequences) and :mod:`.state` (the base of the states).
 """
 
+from .state import OpState
 from .trellis import BACKENDS, COMPRESS_FNS, MIX_FNS, TrellisState, trellis_attention
 
-__all__ = ["BACKENDS", "COMPRESS_FNS", "MIX_FNS", "TrellisState", "trellis_attention"]
+__all__ = ["OpState", "BACKENDS", "COMPRESS_FNS", "MIX_FNS", "TrellisState", "trellis_attention"]

@@ -1,0 +1,195 @@
+"""What every token mixer shares, and the plumbing of the memory mixers.
+
+A mixer is the ``self_attn`` module of a block: ``mixer(x [B, T, D], valid, cache) -> [B, T, D]``,
+reading and updating its own entry ``cache.layers[layer_idx]`` (of the class ``cache_class``).
+
+A *memory mixer* (Trellis, Lattice) projects q and k through causal short convs, calls its op
+on each row's real tokens and reads the op's output through a per-head RMSNorm and a GELU
+gate. :class:`MemoryMixer` holds that plumbing once; a subclass says which op it runs, what
+the op's other inputs are, and what its learned initial state is.
+"""
+
+from __future__ import annotations
+
+from functools import cache, partial
+from typing import Any, Callable, ClassVar, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..cache_trellis import LayerCache, MemoryLayerCache, TrellisCache
+from ..ops import OpState
+from .parts import TrellisRMSNorm, TrellisShortConv
+from .tokens import ValidTokens
+
+
+class Mixer(nn.Module):
+    """Base of the token mixers.
+
+    Args:
+        config: the model's :class:`~trellis_lm.TrellisConfig`.
+        layer_idx: the block's index (its entry in the cache).
+    """
+
+    kind: ClassVar[str]
+    cache_class: ClassVar[type[LayerCache]]
+
+    def __init__(self, config: Any, layer_idx: int) -> None:
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+
+    def forward(self, x: torch.Tensor, valid: Optional[ValidTokens] = None, cache: Optional[TrellisCache] = None) -> torch.Tensor:
+        """``x [B, T, D]`` -> ``[B, T, D]``; ``valid`` marks real tokens and packed documents
+        (``None``: all real, one document per row)."""
+        raise NotImplementedError
+
+    def init_weights(self, init: Any) -> None:
+        """Initialise what the generic ``nn.Linear`` / ``nn.Embedding`` rules do not cover, with
+        transformers' ``initialization`` helpers (they skip tensors a checkpoint loaded)."""
+
+
+class MemoryMixer(Mixer):
+    """Short convs on q and k, the op on real tokens, gated RMSNorm output (see module doc).
+
+    Subclasses set ``state_class`` and ``cache_class``, create ``q_proj``, ``k_proj``,
+    ``g_proj``, ``o_proj`` and call :meth:`_build_output` and :meth:`_build_convs`, and implement
+    :meth:`op_inputs`, :meth:`initial_memories` and :meth:`run_op`.
+    """
+
+    state_class: ClassVar[type[OpState]]
+    cache_class: ClassVar[type[MemoryLayerCache]]
+
+    def _build_convs(self, q_channels: int, k_channels: int) -> None:
+        has_conv = self.config.conv_size > 0
+        self.q_conv = TrellisShortConv(q_channels, self.config.conv_size) if has_conv else None
+        self.k_conv = TrellisShortConv(k_channels, self.config.conv_size) if has_conv else None
+
+    def _build_output(self) -> None:
+        """The read-out: per-head RMSNorm of the op's output, times GELU(g_proj(x)), o_proj."""
+        hidden, heads, dim = self.config.hidden_size, self.config.num_heads, self.config.head_dim
+        self.g_proj = nn.Linear(hidden, heads * dim, bias=False)
+        self.o_proj = nn.Linear(heads * dim, hidden, bias=False)
+        self.o_norm = TrellisRMSNorm(dim, self.config.rms_norm_eps)
+
+    def op_inputs(self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The op's per-token inputs ``[B, T, H, *]``, q first, k second, the value third (its
+        shape is the output's), from ``x [B, T, D]`` and the convolved projections ``q``, ``k``."""
+        raise NotImplementedError
+
+    def initial_memories(self, rows: int) -> tuple[torch.Tensor, ...]:
+        """The learned initial memories expanded to ``rows`` sequences, as
+        ``state_class.at_chunk_start`` takes them."""
+        raise NotImplementedError
+
+    def run_op(self, inputs: tuple[torch.Tensor, ...], initial_state: OpState, keep_state: bool,
+               cu_seqlens: Optional[torch.Tensor]) -> tuple[torch.Tensor, Optional[OpState]]:
+        """Call the op on ``inputs`` with the config's settings."""
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor, valid: Optional[ValidTokens] = None, cache: Optional[TrellisCache] = None) -> torch.Tensor:
+        entry = cache.layers[self.layer_idx] if cache is not None else None
+        if entry is None:
+            return self.mix(x, valid, None, None, None, keep_state=False)[0]
+        mix = self.mix
+        # Compiled: decode steps without padding (packing padded rows depends on the mask's values)
+        # after a prefill, on CPUs (GPUs run fused kernels).
+        if (self.config.compile_decode and x.shape[1] == 1 and x.device.type == "cpu" and valid is None
+                and entry.state is not None):
+            mix = partial(compiled_mix(type(self)), self)
+        out, q_tail, k_tail, state = mix(x, valid, entry.q_tail, entry.k_tail, entry.state, keep_state=True)
+        if self.q_conv is not None:
+            entry.q_tail, entry.k_tail = q_tail, k_tail
+        if state is not None:
+            entry.state = state
+        return out
+
+    def mix(
+        self,
+        x: torch.Tensor,
+        valid: Optional[ValidTokens],
+        q_tail: Optional[torch.Tensor],
+        k_tail: Optional[torch.Tensor],
+        state: Optional[OpState],
+        keep_state: bool,
+    ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor], Optional[OpState]]:
+        """The mixer as a function of what a cache carries: ``x [B, T, D]`` after the short-conv
+        tails (``[B, conv_size - 1, channels]``, ``None`` for zeros) and the op ``state``
+        (``None``: the learned initial memories). Returns ``(y [B, T, D], q_tail, k_tail, final
+        state)``, the state ``None`` when not ``keep_state`` or when no row had a real token."""
+        batch, length, _ = x.shape
+        q, k = self.q_proj(x), self.k_proj(x)
+        if self.q_conv is not None:
+            q, q_tail = self._convolve(self.q_conv, q, valid, q_tail)
+            k, k_tail = self._convolve(self.k_conv, k, valid, k_tail)
+        inputs = self.op_inputs(x, q, k)
+        o, state = self._attend(inputs, self._initial_state(state, valid, batch), valid, keep_state)
+        heads, dim = self.config.num_heads, self.config.head_dim
+        gate = F.gelu(self.g_proj(x)).view(batch, length, heads, dim)
+        y = self.o_proj((self.o_norm(o) * gate).reshape(batch, length, heads * dim).to(x.dtype))
+        return y, q_tail, k_tail, state
+
+    @staticmethod
+    def _convolve(
+        conv: TrellisShortConv, x: torch.Tensor, valid: Optional[ValidTokens], tail: Optional[torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The short conv over each row's real tokens only, so padding never enters it."""
+        if valid is None:
+            return conv(x, tail)
+        y, new_tail = conv(valid.compact(x), tail, valid.lengths, valid.reach)
+        return valid.restore(y), new_tail
+
+    def _initial_state(self, carried: Optional[OpState], valid: Optional[ValidTokens], batch: int) -> OpState:
+        """The op's initial state: one per row, or one per packed document.
+
+        A row continues ``carried`` (its cache entry) or starts from the learned memories;
+        documents after a row's first always start from the learned memories.
+        """
+        if valid is None or not valid.has_documents:
+            return carried if carried is not None else self.state_class.at_chunk_start(*self.initial_memories(batch))
+        fresh = self.state_class.at_chunk_start(*self.initial_memories(valid.seq_rows.numel()))
+        if carried is None:
+            return fresh
+        per_seq = carried.map(lambda t: t.index_select(0, valid.seq_rows.to(t.device)))
+        keep = valid.continues_row.to(per_seq.offset.device)
+        return self.state_class(**{
+            name: torch.where(keep.view(-1, *(1,) * (t.dim() - 1)), t, fresh.tensors()[name])
+            for name, t in per_seq.tensors().items()
+        })
+
+    def _attend(
+        self, inputs: tuple[torch.Tensor, ...], initial_state: OpState, valid: Optional[ValidTokens], keep_state: bool
+    ) -> tuple[torch.Tensor, Optional[OpState]]:
+        """Run the op; with padding, once on the real tokens packed as one sequence per row.
+
+        Returns ``o [B, T, H, d]`` (zeros at padding) and the final state, one per row (a row's
+        last document's), ``None`` when not kept or when no row had a token (the state is then
+        unchanged).
+        """
+        if valid is None:
+            return self.run_op(inputs, initial_state, keep_state, None)
+        value = inputs[2]
+        o = value.new_zeros(value.shape)
+        if not bool(valid.lengths.any()):
+            return o, None
+        packed = tuple(t[valid.mask].unsqueeze(0) for t in inputs)
+        o_packed, final_state = self.run_op(packed, initial_state, keep_state, valid.cu_seqlens)
+        o[valid.mask] = o_packed[0]
+        if final_state is not None and valid.has_documents:
+            final_state = final_state.map(lambda t: t.index_select(0, valid.last_seqs.to(t.device)))
+        return o, final_state
+
+    def init_weights(self, init: Any) -> None:
+        pass
+
+
+@cache
+def compiled_mix(mixer_class: type[MemoryMixer]) -> Callable:
+    """``mixer_class.mix`` compiled for single-token steps (``config.compile_decode``).
+
+    One compiled function per mixer class for every layer of every model in the process: the
+    module is an argument, so layers of one shape share the compiled code instead of
+    recompiling each.
+    """
+    return torch.compile(mixer_class.mix, fullgraph=True, dynamic=False)

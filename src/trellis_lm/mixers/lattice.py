@@ -1,0 +1,76 @@
+"""The Lattice mixer (design page ``lattice.md``, section 5): one memory of unit-norm slots,
+each written only orthogonally to itself."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..cache_trellis import LatticeLayerCache
+from ..ops import LatticeState, lattice_attention
+from ..ops.lattice import BACKENDS as LATTICE_BACKENDS
+from .base import MemoryMixer
+from .parts import at_least_float32, l2_normalize
+
+
+class LatticeAttention(MemoryMixer):
+    """The Lattice mixer: projections, short convs, step size, the op, gated output.
+
+    Parameters: ``q_proj, k_proj: D -> H M`` (slot coefficients), ``v_proj, g_proj: D -> H d``,
+    ``gamma_proj: D -> H`` (bias zero at init), ``o_proj: H d -> D``, ``s0 [H, M, d]`` (the
+    learned initial memory, used as ``rownorm(s0)``), short convs on q and k, ``o_norm``.
+    ``config.op_backend`` ``"triton"`` runs the torch path: Lattice has no Triton kernels.
+    """
+
+    kind = "lattice"
+    state_class = LatticeState
+    cache_class = LatticeLayerCache
+
+    def __init__(self, config: Any, layer_idx: int) -> None:
+        super().__init__(config, layer_idx)
+        hidden, heads, dim, slots = config.hidden_size, config.num_heads, config.head_dim, config.num_slots
+        self.q_proj = nn.Linear(hidden, heads * slots, bias=False)
+        self.k_proj = nn.Linear(hidden, heads * slots, bias=False)
+        self.v_proj = nn.Linear(hidden, heads * dim, bias=False)
+        self.gamma_proj = nn.Linear(hidden, heads, bias=True)
+        self._build_output()
+        self._build_convs(heads * slots, heads * slots)
+        self.s0 = nn.Parameter(torch.empty(heads, slots, dim))
+
+    def op_inputs(self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``(q, k, v, gamma)`` as :func:`~trellis_lm.ops.lattice_attention` takes them."""
+        batch, length, _ = x.shape
+        heads, dim = self.config.num_heads, self.config.head_dim
+        q = l2_normalize(F.silu(at_least_float32(q)).view(batch, length, heads, -1))
+        k = l2_normalize(F.silu(at_least_float32(k)).view(batch, length, heads, -1))
+        v = l2_normalize(at_least_float32(self.v_proj(x)).view(batch, length, heads, dim))
+        gamma = torch.sigmoid(at_least_float32(self.gamma_proj(x)))
+        return q, k, v, gamma
+
+    def initial_memories(self, rows: int) -> tuple[torch.Tensor]:
+        return (self.s0.expand(rows, -1, -1, -1),)
+
+    def run_op(self, inputs: tuple[torch.Tensor, ...], initial_state: LatticeState, keep_state: bool,
+               cu_seqlens: Optional[torch.Tensor]) -> tuple[torch.Tensor, Optional[LatticeState]]:
+        backend = self.config.op_backend if self.config.op_backend in LATTICE_BACKENDS else "auto"
+        return lattice_attention(
+            *inputs,
+            initial_state=initial_state,
+            chunk_size=self.config.chunk_size,
+            variant=self.config.lattice_variant,
+            output_final_state=keep_state,
+            cu_seqlens=cu_seqlens,
+            backend=backend,
+        )
+
+    def init_weights(self, init: Any) -> None:
+        heads, slots, dim = self.s0.shape
+        if slots <= dim:
+            # Orthonormal slots per head, as the paper starts from: rows of Q^T for a random Q.
+            q, _ = torch.linalg.qr(torch.randn(heads, dim, slots, dtype=torch.float64))
+            init.copy_(self.s0, q.transpose(1, 2).to(self.s0))
+        else:  # more slots than directions: random unit-scale rows (the op normalises them)
+            init.normal_(self.s0, mean=0.0, std=1.0)

@@ -1,0 +1,89 @@
+"""Building blocks the mixers share: float32 upcasts, L2 and RMS norms, the causal short conv."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+L2_EPS = 1e-6
+# Reach of the short conv in a row's first document: it may see all of the carried tail.
+UNBOUNDED_REACH = 2**62
+
+
+def at_least_float32(x: torch.Tensor) -> torch.Tensor:
+    """Half-precision activations are upcast for norms and the op; float64 stays float64."""
+    return x if x.dtype in (torch.float32, torch.float64) else x.float()
+
+
+def l2_normalize(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).sum(dim=-1, keepdim=True) + L2_EPS)
+
+
+class TrellisRMSNorm(nn.Module):
+    """RMSNorm over the last axis, computed in at least float32."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # torch's fused kernel, with the weight folded in when the dtypes allow: one operation
+        # instead of five or six matters in token-by-token decoding.
+        if x.dtype == self.weight.dtype and x.dtype in (torch.float32, torch.float64):
+            return F.rms_norm(x, x.shape[-1:], self.weight, eps=self.eps)
+        normed = F.rms_norm(at_least_float32(x), x.shape[-1:], eps=self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+class TrellisShortConv(nn.Conv1d):
+    """Causal depthwise convolution over time that carries its last inputs across calls."""
+
+    def __init__(self, channels: int, width: int) -> None:
+        super().__init__(channels, channels, width, groups=channels, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        tail: Optional[torch.Tensor],
+        lengths: Optional[torch.Tensor] = None,
+        reach: Optional[torch.Tensor] = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Convolve ``x [B, T, C]`` after ``tail [B, width - 1, C]`` (zeros when ``None``).
+
+        With ``lengths [B]``, row b holds its tokens in ``x[b, :lengths[b]]`` (the rest is
+        ignored) and its new tail ends after them. With ``reach [B, T]``, token t sees only the
+        ``reach[b, t]`` inputs before it (the rest count as zeros), so packed documents do not
+        leak into each other. Returns ``(y [B, T, C], new tail)``.
+        """
+        batch, length, channels = x.shape
+        width = self.kernel_size[0]
+        carried = width - 1
+        if tail is None:
+            tail = x.new_zeros(batch, carried, channels)
+        seq = torch.cat([tail.to(x.dtype), x], dim=1)
+        # Windows times taps, summed: three operations whatever T is. For decode-sized inputs
+        # F.conv1d spends far longer setting up its kernel than in the arithmetic; this is the
+        # same cross-correlation as nn.Conv1d.
+        windows = seq.unfold(1, width, 1)  # [B, T, C, width], a view
+        taps = self.weight[:, 0].to(x.dtype)  # [C, width]
+        if reach is not None:
+            # Tap j looks `width - 1 - j` inputs back; what lies before the document counts as zero.
+            lookback = torch.arange(width - 1, -1, -1, device=x.device)
+            taps = taps * (lookback <= reach[..., None])[..., None, :]  # [B, T, C, width]
+        y = (windows * taps).sum(dim=-1)
+        if lengths is None:  # every row's tokens fill x: the tail is the sequence's end
+            # A copy, not a view: a view would keep the whole prefill's inputs alive in the cache.
+            return y, seq[:, length:].contiguous()
+        index = lengths[:, None] + torch.arange(carried, device=x.device)
+        new_tail = seq.gather(1, index[..., None].expand(-1, -1, channels))
+        if reach is not None:
+            # Tail entry i lies `carried - 1 - i` = lookback[i + 1] inputs before the row's last token; what lies
+            # before that token's document is zero for the next call, as for a fresh conv.
+            last_reach = reach.gather(1, (lengths - 1).clamp(min=0)[:, None])
+            last_reach = torch.where(lengths[:, None] > 0, last_reach, UNBOUNDED_REACH)  # no token: tail unchanged
+            new_tail = new_tail * (lookback[1:] <= last_reach)[..., None]
+        return y, new_tail

@@ -1,0 +1,167 @@
+"""Which tokens of a batch are real, and which packed document each belongs to."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, Optional, Union
+
+import torch
+import torch.nn.functional as F
+
+from .parts import UNBOUNDED_REACH
+
+
+@dataclass
+class ValidTokens:
+    """The real tokens of a batch, the documents they form, and how to gather them row by row.
+
+    Padding (zeros of the attention mask) is skipped. A row may also hold several documents
+    packed one after the other (``position_ids`` restarting at 0, as transformers'
+    ``DataCollatorWithFlattening`` makes them): each later document starts from the initial
+    memories, and its short conv sees nothing before it. A row's first document continues
+    whatever the row held before (the cache, or the initial memories).
+
+    The op runs once on ``x[mask]``: N sequences (documents; every row has at least one,
+    possibly empty) packed in row-major order.
+
+    Attributes:
+        mask: ``[B, T]`` bool, True at real tokens.
+        lengths: ``[B]`` real tokens per row.
+        cu_seqlens: ``[N + 1]`` start of each sequence in ``x[mask]`` (the op's packed layout).
+        order: ``[B, T]`` a per-row permutation that puts the row's real tokens first, in order.
+        seq_rows: ``[N]`` the row of each sequence.
+        continues_row: ``[N]`` bool, True for each row's first sequence.
+        last_seqs: ``[B]`` index of each row's last sequence (whose final state the row keeps).
+        reach: ``[B, T]`` in the compacted order of :meth:`compact`, how many earlier inputs each
+            token's short conv may see (its index in its document; unbounded in a row's first
+            document), or ``None`` when no row holds a second document.
+        doc_starts: ``[B, T]`` bool in the input order, True at a real token that starts a
+            document after its row's first, or ``None`` when no row holds a second document.
+    """
+
+    mask: torch.Tensor
+    lengths: torch.Tensor
+    cu_seqlens: torch.Tensor
+    order: torch.Tensor
+    seq_rows: torch.Tensor
+    continues_row: torch.Tensor
+    last_seqs: torch.Tensor
+    reach: Optional[torch.Tensor] = None
+    doc_starts: Optional[torch.Tensor] = None
+
+    @classmethod
+    def from_mask(cls, mask: torch.Tensor, doc_starts: Optional[torch.Tensor] = None) -> "ValidTokens":
+        """From ``mask [B, T]`` and, optionally, ``doc_starts [B, T]`` (True at a real token that
+        starts a new document; never at a row's first real token)."""
+        batch, length = mask.shape
+        lengths = mask.sum(dim=1)
+        order = torch.argsort((~mask).to(torch.int8), dim=1, stable=True)
+        row_offsets = F.pad(lengths.cumsum(0), (1, 0))
+        rows = torch.arange(batch, device=mask.device)
+        if doc_starts is None:
+            return cls(mask, lengths, row_offsets, order, rows, torch.ones_like(mask[:, 0]), rows)
+        starts = doc_starts.gather(1, order)  # real tokens come first after compaction
+        seq_flags = starts.clone()
+        seq_flags[:, 0] = True  # every row opens a sequence, an empty one for an all-padding row
+        seq_rows, seq_cols = seq_flags.nonzero(as_tuple=True)  # row-major: sequences in packed order
+        cu_seqlens = torch.cat([row_offsets[seq_rows] + seq_cols, row_offsets[-1:]])
+        last_seqs = seq_flags.sum(dim=1).cumsum(0) - 1
+        positions = torch.arange(length, device=mask.device).expand(batch, -1)
+        doc_start = torch.where(starts, positions, 0).cummax(dim=1).values
+        in_first_doc = starts.cumsum(dim=1) == 0
+        reach = torch.where(in_first_doc, torch.full_like(positions, UNBOUNDED_REACH), positions - doc_start)
+        return cls(mask, lengths, cu_seqlens, order, seq_rows, seq_cols == 0, last_seqs, reach, doc_starts)
+
+    @classmethod
+    def from_attention_mask(
+        cls, attention_mask: Any, batch: int, length: int, position_ids: Optional[torch.Tensor] = None
+    ) -> Optional["ValidTokens"]:
+        """Read the current ``length`` tokens' validity and documents; ``None`` when all tokens
+        are real and form one document per row.
+
+        ``attention_mask`` is ``None``, a ``[B, past + T]`` tensor (its last T columns are
+        the current tokens), or a dict holding such a tensor (``generate`` passes masks as
+        ``{"<layer type>": mask}`` for some caches). ``position_ids`` (``[B or 1, past + T]``)
+        mark document starts: a real token numbered 0 that is not its row's first real
+        token starts a new document.
+        """
+        if isinstance(attention_mask, dict):
+            attention_mask = next((m for m in attention_mask.values() if isinstance(m, torch.Tensor)), None)
+        if attention_mask is None and position_ids is None:
+            return None
+        if attention_mask is not None and (
+            attention_mask.dim() != 2 or attention_mask.shape[0] != batch or attention_mask.shape[1] < length
+        ):
+            raise ValueError(
+                f"attention_mask must be a 2-D padding mask [B = {batch}, past + T >= {length}] with 0 at "
+                f"padding, got shape {tuple(attention_mask.shape)}"
+            )
+        if position_ids is not None and (
+            position_ids.dim() != 2 or position_ids.shape[0] not in (1, batch) or position_ids.shape[1] < length
+        ):
+            raise ValueError(
+                f"position_ids must be 2-D [B = {batch} or 1, past + T >= {length}], restarting at 0 where a "
+                f"packed document starts, got shape {tuple(position_ids.shape)}"
+            )
+        if attention_mask is None:
+            mask = torch.ones(batch, length, dtype=torch.bool, device=position_ids.device)
+        else:
+            mask = attention_mask[:, -length:].bool()
+        doc_starts = None
+        if position_ids is not None:
+            positions = position_ids[:, -length:].to(mask.device).expand(batch, -1)
+            doc_starts = mask & (positions == 0) & (mask.cumsum(dim=1) > 1)
+            doc_starts = doc_starts if bool(doc_starts.any()) else None
+        if doc_starts is None and bool(mask.all()):
+            return None
+        return cls.from_mask(mask, doc_starts)
+
+    @property
+    def has_documents(self) -> bool:
+        """True when some row holds more than one document."""
+        return self.reach is not None
+
+    def to(self, device: Union[str, torch.device], non_blocking: bool = False) -> "ValidTokens":
+        """A copy on ``device`` (accelerate calls this when blocks sit on several devices)."""
+        moved = {f.name: getattr(self, f.name) for f in fields(self)}
+        return ValidTokens(**{
+            name: None if t is None else t.to(device, non_blocking=non_blocking) for name, t in moved.items()
+        })
+
+    def compact(self, x: torch.Tensor) -> torch.Tensor:
+        """``[B, T, ...]`` -> the same with each row's real tokens moved to its front."""
+        return x.gather(1, self._index_like(x))
+
+    def restore(self, x: torch.Tensor) -> torch.Tensor:
+        """Inverse of :meth:`compact`."""
+        return torch.empty_like(x).scatter_(1, self._index_like(x), x)
+
+    def _index_like(self, x: torch.Tensor) -> torch.Tensor:
+        return self.order.view(self.order.shape + (1,) * (x.dim() - 2)).expand_as(x)
+
+
+def token_positions(valid: Optional[ValidTokens], past: torch.Tensor, length: int) -> torch.Tensor:
+    """``[B, T]`` the position of every current token among its document's real tokens.
+
+    A row's first document continues after the ``past [B]`` real tokens it has already seen;
+    later documents count from 0. Padding tokens get the position of the next real token
+    (they are never read).
+    """
+    if valid is None:
+        return past[:, None] + torch.arange(length, device=past.device)
+    rank = valid.mask.long().cumsum(dim=1) - valid.mask.long()  # real tokens before each token
+    if valid.doc_starts is None:
+        return past[:, None] + rank
+    start_rank = torch.where(valid.doc_starts, rank, -1).cummax(dim=1).values
+    return torch.where(start_rank >= 0, rank - start_rank, past[:, None] + rank)
+
+
+def last_document(valid: Optional[ValidTokens], length: int, device: torch.device) -> torch.Tensor:
+    """``[B, T]`` bool, True at the real tokens of each row's last document: what a later call
+    on the same rows continues."""
+    if valid is None:
+        return torch.ones(1, length, dtype=torch.bool, device=device)
+    if valid.doc_starts is None:
+        return valid.mask
+    later_starts = valid.doc_starts.flip(1).cumsum(dim=1).flip(1) - valid.doc_starts.long()
+    return valid.mask & (later_starts == 0)

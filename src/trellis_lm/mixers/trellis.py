@@ -1,0 +1,107 @@
+"""The Trellis mixer (design page ``trellis.md``, section 5): two memories written by one
+online-gradient step per token, with a forget gate."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..cache_trellis import TrellisLayerCache
+from ..ops import TrellisState, trellis_attention
+from .base import MemoryMixer
+from .parts import at_least_float32, l2_normalize
+
+
+def forget_gate_bias(num_heads: int, normalizer: float) -> torch.Tensor:
+    """``beta_proj`` bias that spreads beta from 0.9 to 0.999 across heads (0.99 for one head).
+
+    ``1 - beta`` is log-spaced over [1e-3, 1e-1], and while the weight term is small
+    ``beta = exp(logsigmoid(b) / normalizer)``, i.e. ``sigmoid(b) = beta ** normalizer``.
+    Returns ``[H]`` float64.
+    """
+    if num_heads == 1:
+        exponents = torch.tensor([-2.0], dtype=torch.float64)
+    else:
+        exponents = torch.linspace(-1.0, -3.0, num_heads, dtype=torch.float64)
+    p = (1.0 - 10.0**exponents) ** normalizer
+    return torch.log(p) - torch.log1p(-p)
+
+
+class TrellisAttention(MemoryMixer):
+    """The Trellis mixer: projections, short convs, gates, the op, gated output.
+
+    Named ``self_attn`` in its block so Llama LoRA targets and conversions carry over.
+    Parameters: ``q_proj, k_proj, v_proj, g_proj: D -> H d``, ``alpha_proj: D -> H M``,
+    ``beta_proj`` (with the forget gate), ``gamma_proj: D -> H``, ``o_proj: H d -> D``,
+    ``mk0, mv0 [H, M, d]`` (the learned initial memories), short convs and ``o_norm``.
+    """
+
+    kind = "trellis"
+    state_class = TrellisState
+    cache_class = TrellisLayerCache
+
+    def __init__(self, config: Any, layer_idx: int) -> None:
+        super().__init__(config, layer_idx)
+        hidden, heads, dim, slots = config.hidden_size, config.num_heads, config.head_dim, config.num_slots
+        self.q_proj = nn.Linear(hidden, heads * dim, bias=False)
+        self.k_proj = nn.Linear(hidden, heads * dim, bias=False)
+        self.v_proj = nn.Linear(hidden, heads * dim, bias=False)
+        self.alpha_proj = nn.Linear(hidden, heads * slots, bias=False)
+        self.beta_proj = nn.Linear(hidden, heads, bias=True) if config.use_forget_gate else None
+        self.gamma_proj = nn.Linear(hidden, heads, bias=True)
+        self._build_output()
+        self._build_convs(heads * dim, heads * dim)
+        self.mk0 = nn.Parameter(torch.empty(heads, slots, dim))
+        self.mv0 = nn.Parameter(torch.empty(heads, slots, dim))
+
+    def op_inputs(self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``(q, k, v, alpha, log_beta, gamma)`` as :func:`~trellis_lm.ops.trellis_attention` takes them."""
+        batch, length, _ = x.shape
+        heads, dim = self.config.num_heads, self.config.head_dim
+        q = l2_normalize(F.silu(at_least_float32(q)).view(batch, length, heads, dim))
+        k = l2_normalize(F.silu(at_least_float32(k)).view(batch, length, heads, dim))
+        v = l2_normalize(at_least_float32(self.v_proj(x)).view(batch, length, heads, dim))
+        alpha = at_least_float32(self.alpha_proj(x)).view(batch, length, heads, -1)
+        if self.beta_proj is not None:
+            log_beta = F.logsigmoid(at_least_float32(self.beta_proj(x))) / self.config.gate_logit_normalizer
+        else:
+            log_beta = alpha.new_zeros(batch, length, heads)
+        gamma = torch.sigmoid(at_least_float32(self.gamma_proj(x)))
+        return q, k, v, alpha, log_beta, gamma
+
+    def initial_memories(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.mk0.expand(rows, -1, -1, -1), self.mv0.expand(rows, -1, -1, -1)
+
+    def run_op(self, inputs: tuple[torch.Tensor, ...], initial_state: TrellisState, keep_state: bool,
+               cu_seqlens: Optional[torch.Tensor]) -> tuple[torch.Tensor, Optional[TrellisState]]:
+        return trellis_attention(
+            *inputs,
+            initial_state=initial_state,
+            chunk_size=self.config.chunk_size,
+            compress_fn=self.config.compress_fn,
+            mix_fn=self.config.mix_fn,
+            output_final_state=keep_state,
+            cu_seqlens=cu_seqlens,
+            backend=self.config.op_backend,
+        )
+
+    def init_weights(self, init: Any) -> None:
+        # Entries of order 1, so `MK0 k` spreads over the slots for a unit-norm k; a tiny
+        # memory would make the l2norm/layernorm compressions divide by about eps.
+        init.normal_(self.mk0, mean=0.0, std=1.0)
+        init.normal_(self.mv0, mean=0.0, std=1.0)
+        # Targets of unit variance per slot, the scale the layernorm compression outputs
+        # (the mixer's input has unit RMS at init). The layernorm compression's Jacobian
+        # removes the radial part of phi(z) - alpha, so a write is about -J^T alpha: with the
+        # generic 0.02 init the targets, hence the writes, would be several times too small
+        # to learn from (MQAR then barely moves, docs/results.md). Replaces the nn.Linear
+        # branch's init, as conversion does (conversion/llama.py).
+        init.normal_(self.alpha_proj.weight, mean=0.0, std=self.config.hidden_size**-0.5)
+        if self.beta_proj is not None:
+            # Modules are initialised children first, so this replaces the zero bias
+            # the nn.Linear branch gave beta_proj.
+            bias = forget_gate_bias(self.config.num_heads, self.config.gate_logit_normalizer)
+            init.copy_(self.beta_proj.bias, bias.to(self.beta_proj.bias))
