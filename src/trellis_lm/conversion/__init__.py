@@ -1,8 +1,9 @@
 """Turn a pretrained Llama-family model into a Trellis model, then distil the teacher into it.
 
 :func:`convert_llama_to_trellis` copies what the two architectures share and initialises the
-rest (:mod:`.llama`); :func:`distill_layerwise` and :func:`distill_logits` are the two training
-stages (:mod:`.distill`); :mod:`.cli` is the ``trellis-lm convert`` command. See
+rest (:mod:`.llama`), from a checkpoint folder or a GGUF file (:mod:`.source`);
+:func:`distill_layerwise` and :func:`distill_logits` are the two training stages
+(:mod:`.distill`); :mod:`.cli` is the ``trellis-lm convert`` command. See
 ``docs/conversion.md``.
 """
 

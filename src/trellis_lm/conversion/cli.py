@@ -1,6 +1,9 @@
 """Convert a Llama, Mistral, Qwen2 or Qwen3 checkpoint on disk to Trellis, and optionally distil
 the original model into it (see docs/conversion.md).
 
+SRC is a Hugging Face checkpoint folder, or a GGUF file (or a folder holding exactly one),
+which transformers dequantizes to float32; GGUF needs `pip install gguf`.
+
 Without --distill, DST is the converted model. With --distill, DST ends up holding the
 distilled model, and each stage's checkpoints go to --work-dir (default DST-distill):
 layerwise/ (stage 1, its result in layerwise/final) and logits/ (stage 2). --resume picks
@@ -16,17 +19,19 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, TrainingArguments
+from transformers import AutoTokenizer, TrainingArguments
 from transformers.trainer_utils import get_last_checkpoint
 
 from ..modeling_trellis import TrellisForCausalLM
 from .distill import TokenBlocks, distill_layerwise, distill_logits, distillation_arguments
 from .llama import convert_llama_to_trellis
+from .source import locate_source
 
 
 def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``convert`` command's arguments to ``parser``."""
-    parser.add_argument("src", help="local folder of a Llama, Mistral, Qwen2 or Qwen3 causal-LM checkpoint")
+    parser.add_argument("src", help="local folder of a Llama, Mistral, Qwen2 or Qwen3 causal-LM checkpoint, or a "
+                                    ".gguf file of one (or a folder holding exactly one .gguf)")
     parser.add_argument("dst", help="output folder for the Trellis model")
     parser.add_argument("--num-slots", type=int, default=64, help="memory slots M per head (default 64)")
     parser.add_argument("--chunk-size", type=int, default=64, help="chunk size C of the op (default 64)")
@@ -79,7 +84,7 @@ def run_convert(args: argparse.Namespace) -> int:
 def _distill(student: TrellisForCausalLM, texts: list[str], args: argparse.Namespace) -> None:
     tokenizer = AutoTokenizer.from_pretrained(args.dst)
     data = TokenBlocks.from_texts(texts, tokenizer, args.block_size)
-    teacher = AutoModelForCausalLM.from_pretrained(args.src, dtype=torch.bfloat16 if args.bf16 else torch.float32)
+    teacher = locate_source(args.src).load_model(dtype=torch.bfloat16 if args.bf16 else torch.float32)
     saved_dtype = student.dtype
     work = Path(args.work_dir or f"{str(args.dst).rstrip('/')}-distill")
 

@@ -6,7 +6,8 @@ Trellis mixer adds (targets, gates, short convs, output gate and norm, initial m
 initialised by :func:`init_new_mixer_parameters`, which states each choice and why.
 
 Supported sources are local folders of ``LlamaForCausalLM``, ``MistralForCausalLM``,
-``Qwen2ForCausalLM`` and ``Qwen3ForCausalLM``. What a Trellis model cannot hold is either
+``Qwen2ForCausalLM`` and ``Qwen3ForCausalLM``, and GGUF files of those architectures (read by
+transformers, dequantized; see :mod:`.source`). What a Trellis model cannot hold is either
 dropped where it only shaped the attention pattern the mixer replaces (rotary embeddings,
 Mistral/Qwen sliding windows, Qwen2's q/k/v biases, Qwen3's q/k norm weights; each logged), or
 refused with a ``ValueError`` where dropping it would change a part that is copied exactly
@@ -18,16 +19,17 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
-import shutil
 from pathlib import Path
 from typing import Any, Union
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedConfig
+from transformers import GenerationConfig, PreTrainedConfig
 
 from ..configuration_trellis import TrellisConfig
 from ..mixers import TrellisAttention, forget_gate_bias
 from ..modeling_trellis import TrellisForCausalLM
+from ..remote_code import flat_sources
+from .source import copy_tokenizer, locate_source
 
 logger = logging.getLogger(__name__)
 
@@ -41,12 +43,6 @@ SUPPORTED_ARCHITECTURES = {
 # The mixer parameters a converted model does not take from the teacher (names under `self_attn`).
 NEW_MIXER_PARAMETERS = (
     "alpha_proj", "beta_proj", "gamma_proj", "g_proj", "q_conv", "k_conv", "o_norm", "mk0", "mv0",
-)
-
-# Files a checkpoint's tokenizer and chat template may live in; copied byte for byte.
-TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-    "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
 )
 
 # Teacher tensors with the same name and shape in Trellis.
@@ -72,7 +68,7 @@ def convert_llama_to_trellis(
     seed: int = 0,
     **overrides: Any,
 ) -> TrellisForCausalLM:
-    """Convert the checkpoint folder ``src`` into a Trellis model, saved to ``dst`` and returned.
+    """Convert the checkpoint folder or GGUF file ``src`` into a Trellis model, saved to ``dst`` and returned.
 
     Embeddings, norms, MLPs and the LM head are copied exactly (``tie_word_embeddings`` kept);
     ``q_proj``/``o_proj`` are copied and ``k_proj``/``v_proj`` ``[H_kv * d, D]`` are expanded to
@@ -83,11 +79,15 @@ def convert_llama_to_trellis(
 
     ``dst`` receives the weights (in the teacher's dtype), the config and the model code (so it
     loads with ``AutoModelForCausalLM``, also with ``trust_remote_code=True`` alone), the
-    tokenizer files and chat template copied byte for byte, and the generation config.
+    tokenizer files and chat template copied byte for byte together with any tokenizer code
+    their ``auto_map`` names, and the generation config. From a GGUF file, the weights are the
+    dequantized ones in float32, and the tokenizer is the one transformers builds from the
+    file's metadata (with its chat template), saved with ``save_pretrained``.
 
     Args:
         src: a local folder of a ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``
-            or ``Qwen3ForCausalLM`` checkpoint.
+            or ``Qwen3ForCausalLM`` checkpoint; or a GGUF file of one of those architectures, or a
+            folder without ``config.json`` holding exactly one (needs the ``gguf`` package).
         dst: the output folder (created; files in it are overwritten).
         num_slots: memory slots M per head.
         chunk_size: the op's chunk size C.
@@ -98,18 +98,18 @@ def convert_llama_to_trellis(
             (sizes, ``rms_norm_eps``, ``tie_word_embeddings``) may only repeat its values.
 
     Raises:
-        ValueError: ``src`` is not a local folder, holds another architecture, or uses an option
-            Trellis cannot carry (named in the message); an override is unknown or conflicts.
+        ValueError: ``src`` is not a local folder or GGUF file (or a folder holds several GGUF
+            files), is a GGUF file while the ``gguf`` package is missing, holds another
+            architecture, or uses an option Trellis cannot carry (named in the message); an
+            override is unknown or conflicts.
     """
-    src, dst = Path(src), Path(dst)
-    if not (src / "config.json").is_file():
-        raise ValueError(f"{src} is not a local checkpoint folder (no config.json): download it first")
-    source_config = AutoConfig.from_pretrained(src)
+    source, dst = locate_source(src), Path(dst)
+    source_config = source.load_config()
     config = trellis_config_from(source_config, num_slots=num_slots, chunk_size=chunk_size, **overrides)
     for note in _dropped_parts(source_config):
-        logger.warning("Converting %s: %s", src, note)
+        logger.warning("Converting %s: %s", source, note)
 
-    teacher = AutoModelForCausalLM.from_pretrained(src, dtype="auto")
+    teacher = source.load_model(dtype="auto")
     dtype = next(teacher.parameters()).dtype
     # Built in float32 and cast at the end: a half-precision teacher's values survive the round
     # trip exactly, and the new parameters are drawn at full precision.
@@ -122,12 +122,11 @@ def convert_llama_to_trellis(
     del teacher
     student.to(dtype).eval()
 
-    if (src / "generation_config.json").is_file():
-        student.generation_config = GenerationConfig.from_pretrained(src)
+    if not source.is_gguf and (source.folder / "generation_config.json").is_file():
+        student.generation_config = GenerationConfig.from_pretrained(source.folder)
     student.save_pretrained(dst)
-    for name in TOKENIZER_FILES:
-        if (src / name).is_file():
-            shutil.copyfile(src / name, dst / name)
+    # The model code save_pretrained just wrote wins over same-named files of the source.
+    copy_tokenizer(source, dst, keep=flat_sources())
     return student
 
 
