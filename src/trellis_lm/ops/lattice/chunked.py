@@ -7,12 +7,18 @@ Rows that resume mid-chunk, rows of different length (``cu_seqlens``) and rows t
 chunk boundary thus share one set of chunk boundaries and are processed together.
 
 Only the chain of states needs a loop over chunks: each chunk's terms are taken at its anchor,
-which is the previous chunk's final ``rownorm(U)``. The loop therefore computes just what the
-next anchor needs (``W``, ``Z = W A^T`` and ``U' = U0 + c_L A - B^T W``); the cumulative sums, the
-norms and the reads are then computed for all chunks at once from the stacked anchors.
+which is the previous chunk's final ``rownorm(U)``. The loop computes just what the next anchor
+needs (``B``, ``W``, ``c`` and ``U' = U0 + c_L A - B^T W``); the norms and the reads are then
+computed for all chunks at once from the stacked anchors, as a few large batched matmuls.
+
+Layout: chunk-major with sequences and heads flattened, ``[chunks, N * H, C, *]``, so that one
+chunk is a contiguous 3-D batch for ``bmm`` and the chunks after the first are one contiguous
+block.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
@@ -21,82 +27,114 @@ from .state import LatticeState
 from .terms import rownorm
 
 
+def _flat(x: torch.Tensor) -> torch.Tensor:
+    """``[chunks, R, ...]`` -> ``[chunks * R, ...]`` (a view: the stacks are contiguous)."""
+    return x.reshape((-1,) + tuple(x.shape[2:]))
+
+
+def _reads(Q, B, W, cs, A, u0: Optional[torch.Tensor]) -> torch.Tensor:
+    """The outputs of a batch of chunks, given their terms and anchors (design page, section 2).
+
+    Args:
+        Q, B, cs: ``[X, C, M]`` reads, step lengths and ``c = cumsum(B * Z)``; W ``[X, C, D]``.
+        A: ``[X, M, D]`` the anchors (unit rows).
+        u0: ``[X, M, D]`` the accumulations the chunks start from, or ``None`` when they start at
+            their anchors. Then ``a . u0 = |u0|^2 = 1`` and ``W U0^T = Z``, and the norm reduces
+            to ``|a|^2 + |P sum b w|^2``: the same formula up to rounding (~1e-16), fewer passes.
+    Returns:
+        ``[X, C, D]``.
+    """
+    chunk = Q.shape[-2]
+    # (2 tril(F, -1) + diag(F)) B in one matmul: the increments of |sum_{j<=p} b_j w_j|^2.
+    ones = torch.ones(chunk, chunk, dtype=Q.dtype, device=Q.device)
+    pair = ones.tril(-1) + ones.tril()
+    quad = (B * ((W @ W.transpose(-1, -2)) * pair @ B)).cumsum(-2)
+    # quad - c^2 is the projected sum's squared norm: it cancels in low precision, hence the clamps.
+    a_sq = (A * A).sum(-1)[:, None, :]
+    if u0 is None:
+        Qt = Q * (torch.addcmul(quad, cs, cs, value=-1).clamp(min=0) + a_sq).rsqrt()
+        x = torch.addcmul(Qt, Qt, cs) @ A  # Qt U0 + (Qt c) A with U0 = A
+    else:
+        # |X - c a|^2 (X = sum_j b_j w_j): quad - c^2 for a unit anchor, and exact off the sphere
+        # too, so the gradient in a carried anchor is exact in every direction, not only along it.
+        proj = (quad - cs * cs * (2 - a_sq)).clamp(min=0)
+        n2 = (
+            (u0 * u0).sum(-1)[:, None, :]
+            + 2 * cs * (A * u0).sum(-1)[:, None, :]
+            - 2 * (B * (W @ u0.transpose(-1, -2))).cumsum(-2)
+            + proj
+        )  # |u_p,i|^2, >= 1
+        Qt = Q * n2.rsqrt()
+        x = Qt @ u0 + (Qt * cs) @ A
+    return torch.baddbmm(x, (Qt @ B.transpose(-1, -2)).tril(), W, alpha=-1)  # - tril(Qt B^T) W
+
+
 def chunked_forward(q, k, v, gamma, state, chunk_size, variant, cu_seqlens):
     """Backend ``"torch"``; arguments as validated by :func:`~.dispatch.lattice_attention`."""
-    batch, length, heads, _ = q.shape
+    batch, length, heads, slots = q.shape
+    dim = v.shape[-1]
     rows, chunk = state.offset.numel(), chunk_size
     flat_index, lengths, grid = grid_positions(state.offset, batch, length, cu_seqlens, chunk)
-    Q, K, V, G = (
-        to_chunks(x.reshape((batch * length,) + tuple(x.shape[2:])), flat_index, rows, grid, chunk)
-        for x in (q, k, v, gamma)
-    )  # Q, K: [N, H, chunks, C, M]; V: [N, H, chunks, C, D]; G: [N, H, chunks, C]
-    G = G[..., None]
+    n_chunks = grid // chunk
+
+    def chunks(x: torch.Tensor) -> torch.Tensor:  # [B, T, H, *] -> [chunks, N * H, C, *]
+        x = to_chunks(x.reshape((batch * length,) + tuple(x.shape[2:])), flat_index, rows, grid, chunk)
+        x = x.movedim(2, 0).contiguous()
+        return x.reshape((n_chunks, rows * heads) + tuple(x.shape[3:]))
+
+    Q, K, V, G = chunks(q), chunks(k), chunks(v), chunks(gamma)[..., None]
     # For dec and sim, b does not depend on the anchor (nor w for enc and sim): once for all chunks.
     B_all = G * K if variant == "dec" else -G * K if variant == "sim" else None
 
     # Rows that resume at a chunk boundary start from rownorm(U) (A = U = S); the others keep both.
     at_start = (state.offset == 0)[:, None, None, None]
     s = rownorm(state.memory)
-    u = torch.where(at_start, s, state.memory)
-    a = torch.where(at_start, s, state.anchor)
+    u = torch.where(at_start, s, state.memory).reshape(rows * heads, slots, dim)
+    a = torch.where(at_start, s, state.anchor).reshape(rows * heads, slots, dim)
     u_first = u
-    last_chunk = ((state.offset + lengths - 1).clamp(min=0) // chunk)[:, None, None, None]
-    final_u, final_a = u, a
-    anchors, ws, zs, bs = [], [], [], []
-    for c in range(grid // chunk):
+    anchors, us, bs, ws, css = [], [], [], [], []
+    for c in range(n_chunks):
         if c > 0:
             a = u = rownorm(u)
-        Kc = K[:, :, c]
         if variant == "dec":
-            Wc = Kc @ a - V[:, :, c]  # A^T k - v per token
-            Bc = B_all[:, :, c]
+            Bc = B_all[c]
+            Wc = torch.baddbmm(V[c], K[c], a, beta=-1)  # A^T k - v per token
+            Zc = Wc @ a.transpose(-1, -2)  # [R, C, M]: a_i . w_j
         else:
-            Wc = V[:, :, c]
-        Zc = Wc @ a.transpose(-1, -2)  # [N, H, C, M]: a_i . w_j
-        if variant == "enc":
-            Bc = G[:, :, c] * (Zc - Kc)  # here Z = V A^T, the reconstruction A v
-        elif variant == "sim":
-            Bc = B_all[:, :, c]
-        c_last = (Bc * Zc).sum(-2)[..., None]  # [N, H, M, 1]
-        u = torch.addcmul(u - Bc.transpose(-1, -2) @ Wc, c_last, a)  # U' = U0 + c_L A - B^T W
-        final_u = torch.where(last_chunk == c, u, final_u)
-        final_a = torch.where(last_chunk == c, a, final_a)
+            Wc = V[c]
+            Zc = Wc @ a.transpose(-1, -2)  # A v, the encoder's reconstruction
+            Bc = G[c] * (Zc - K[c]) if variant == "enc" else B_all[c]
+        csc = (Bc * Zc).cumsum(-2)
+        # U' = U0 + c_L A - B^T W
+        u = torch.baddbmm(torch.addcmul(u, csc[:, -1, :, None], a), Bc.transpose(-1, -2), Wc, alpha=-1)
         anchors.append(a)
-        zs.append(Zc)
+        us.append(u)
+        css.append(csc)
+        if variant != "sim":
+            bs.append(Bc)
         if variant == "dec":
             ws.append(Wc)
-        if variant == "enc":
-            bs.append(Bc)
 
-    A = torch.stack(anchors, dim=2)  # [N, H, chunks, M, D]
-    Z = torch.stack(zs, dim=2)  # [N, H, chunks, C, M]
-    W = torch.stack(ws, dim=2) if variant == "dec" else V
-    B = torch.stack(bs, dim=2) if variant == "enc" else B_all
-    # Every chunk but the first starts at its anchor (U0 = A, so W U0^T = Z); the first starts
-    # from the carried U, which differs from A when resuming mid-chunk.
-    u_first = u_first[:, :, None]
-    U0 = torch.cat([u_first, A[:, :, 1:]], dim=2)
-    WU0 = torch.cat([W[:, :, :1] @ u_first.transpose(-1, -2), Z[:, :, 1:]], dim=2)
-    cs = (B * Z).cumsum(-2)  # [N, H, chunks, C, M]
-    F = W @ W.transpose(-1, -2)  # [N, H, chunks, C, C]
-    R = F.tril(-1) @ B
-    quad = (B * (F.diagonal(dim1=-2, dim2=-1)[..., None] * B + 2 * R)).cumsum(-2)  # |sum_j b_j w_j|^2
-    n2 = (
-        (U0 * U0).sum(-1)[..., None, :]
-        + 2 * cs * (A * U0).sum(-1)[..., None, :]
-        - 2 * (B * WU0).cumsum(-2)
-        + (quad - cs * cs).clamp(min=0)  # the projected sum's squared norm: cancels in low precision
-    )  # |u_p,i|^2, >= 1
-    Qt = Q * n2.rsqrt()
-    # Qt U0 + (Qt c) A = (Qt (1 + c)) A + Qt (U0 - A), and U0 - A is zero past the first chunk.
-    Y = (Qt * (1 + cs)) @ A - (Qt @ B.transpose(-1, -2)).tril() @ W
-    Y = torch.cat([Y[:, :, :1] + Qt[:, :, :1] @ (u_first - A[:, :, :1]), Y[:, :, 1:]], dim=2)
+    A, cs = torch.stack(anchors), torch.stack(css)  # [chunks, R, M, D], [chunks, R, C, M]
+    B = torch.stack(bs) if bs else B_all
+    W = torch.stack(ws) if ws else V
+    # The first chunk starts from the carried U (not its anchor when resuming mid-chunk); every
+    # other chunk starts at its anchor, which the cheaper form of _reads assumes.
+    Y = _reads(Q[0], B[0], W[0], cs[0], A[0], u_first)[None]
+    if n_chunks > 1:
+        rest = _reads(*(_flat(x[1:]) for x in (Q, B, W, cs, A)), None)
+        Y = torch.cat([Y, rest.view((n_chunks - 1,) + tuple(Y.shape[1:]))])
+    o = from_chunks(Y.view(n_chunks, rows, heads, chunk, dim).movedim(0, 2), flat_index, batch, length)
 
-    # A sequence with no tokens hands its initial state back untouched.
+    # Each sequence's state after its last chunk; a sequence with no tokens hands its initial
+    # state back untouched.
+    last_chunk = (state.offset + lengths - 1).clamp(min=0) // chunk
+    pick = (last_chunk[:, None] * rows + torch.arange(rows, device=q.device)[:, None]) * heads
+    pick = (pick + torch.arange(heads, device=q.device)).reshape(-1)
     empty = (lengths == 0)[:, None, None, None]
     final = LatticeState(
-        torch.where(empty, state.memory, final_u),
-        torch.where(empty, state.anchor, final_a),
+        torch.where(empty, state.memory, _flat(torch.stack(us))[pick].view(state.memory.shape)),
+        torch.where(empty, state.anchor, _flat(A)[pick].view(state.anchor.shape)),
         (state.offset + lengths) % chunk,
     )
-    return from_chunks(Y, flat_index, batch, length), final
+    return o, final
