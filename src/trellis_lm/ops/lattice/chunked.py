@@ -22,7 +22,7 @@ from typing import Optional
 
 import torch
 
-from ..varlen import from_chunks, grid_positions, to_chunks
+from ..varlen import chunk_major_cells, from_chunk_major, grid_positions, to_chunk_major
 from .state import LatticeState
 from .terms import rownorm
 
@@ -46,13 +46,15 @@ def _reads(Q, B, W, cs, A, u0: Optional[torch.Tensor]) -> torch.Tensor:
     """
     chunk = Q.shape[-2]
     # (2 tril(F, -1) + diag(F)) B in one matmul: the increments of |sum_{j<=p} b_j w_j|^2.
+    # In-place steps below only where autograd keeps nothing of the overwritten tensor: on CPUs
+    # every fresh [X, C, C] or [X, C, M] buffer costs page faults comparable to a matmul.
     ones = torch.ones(chunk, chunk, dtype=Q.dtype, device=Q.device)
     pair = ones.tril(-1) + ones.tril()
-    quad = (B * ((W @ W.transpose(-1, -2)) * pair @ B)).cumsum(-2)
-    # quad - c^2 is the projected sum's squared norm: it cancels in low precision, hence the clamps.
+    quad = (B * ((W @ W.transpose(-1, -2)).mul_(pair) @ B)).cumsum_(-2)
     a_sq = (A * A).sum(-1)[:, None, :]
     if u0 is None:
-        Qt = Q * (torch.addcmul(quad, cs, cs, value=-1).clamp(min=0) + a_sq).rsqrt()
+        # quad - c^2 is the projected sum's squared norm: it cancels in low precision, hence the clamp.
+        Qt = Q * (quad.addcmul_(cs, cs, value=-1).relu_() + a_sq).rsqrt_()
         x = torch.addcmul(Qt, Qt, cs) @ A  # Qt U0 + (Qt c) A with U0 = A
     else:
         # |X - c a|^2 (X = sum_j b_j w_j): quad - c^2 for a unit anchor, and exact off the sphere
@@ -66,7 +68,7 @@ def _reads(Q, B, W, cs, A, u0: Optional[torch.Tensor]) -> torch.Tensor:
         )  # |u_p,i|^2, >= 1
         Qt = Q * n2.rsqrt()
         x = Qt @ u0 + (Qt * cs) @ A
-    return torch.baddbmm(x, (Qt @ B.transpose(-1, -2)).tril(), W, alpha=-1)  # - tril(Qt B^T) W
+    return x.baddbmm_((Qt @ B.transpose(-1, -2)).tril_(), W, alpha=-1)  # - tril(Qt B^T) W
 
 
 def chunked_forward(q, k, v, gamma, state, chunk_size, variant, cu_seqlens):
@@ -77,10 +79,10 @@ def chunked_forward(q, k, v, gamma, state, chunk_size, variant, cu_seqlens):
     flat_index, lengths, grid = grid_positions(state.offset, batch, length, cu_seqlens, chunk)
     n_chunks = grid // chunk
 
+    cells = chunk_major_cells(flat_index, rows, heads, grid, chunk)
+
     def chunks(x: torch.Tensor) -> torch.Tensor:  # [B, T, H, *] -> [chunks, N * H, C, *]
-        x = to_chunks(x.reshape((batch * length,) + tuple(x.shape[2:])), flat_index, rows, grid, chunk)
-        x = x.movedim(2, 0).contiguous()
-        return x.reshape((n_chunks, rows * heads) + tuple(x.shape[3:]))
+        return to_chunk_major(x.reshape((batch * length,) + tuple(x.shape[2:])), cells, rows, grid, chunk)
 
     Q, K, V, G = chunks(q), chunks(k), chunks(v), chunks(gamma)[..., None]
     # For dec and sim, b does not depend on the anchor (nor w for enc and sim): once for all chunks.
@@ -92,7 +94,12 @@ def chunked_forward(q, k, v, gamma, state, chunk_size, variant, cu_seqlens):
     u = torch.where(at_start, s, state.memory).reshape(rows * heads, slots, dim)
     a = torch.where(at_start, s, state.anchor).reshape(rows * heads, slots, dim)
     u_first = u
-    anchors, us, bs, ws, css = [], [], [], [], []
+    # Each sequence's state after its last chunk (later chunks only renormalise a finished row).
+    last_chunk = (state.offset + lengths - 1).clamp(min=0) // chunk
+    ragged = bool((last_chunk != n_chunks - 1).any())
+    last = last_chunk.repeat_interleave(heads)[:, None, None]
+    final_u = u
+    anchors, bs, ws, css = [], [], [], []
     for c in range(n_chunks):
         if c > 0:
             a = u = rownorm(u)
@@ -107,33 +114,31 @@ def chunked_forward(q, k, v, gamma, state, chunk_size, variant, cu_seqlens):
         csc = (Bc * Zc).cumsum(-2)
         # U' = U0 + c_L A - B^T W
         u = torch.baddbmm(torch.addcmul(u, csc[:, -1, :, None], a), Bc.transpose(-1, -2), Wc, alpha=-1)
+        final_u = torch.where(last == c, u, final_u) if ragged else u
         anchors.append(a)
-        us.append(u)
         css.append(csc)
-        if variant != "sim":
+        if variant == "enc":
             bs.append(Bc)
         if variant == "dec":
             ws.append(Wc)
 
     A, cs = torch.stack(anchors), torch.stack(css)  # [chunks, R, M, D], [chunks, R, C, M]
-    B = torch.stack(bs) if bs else B_all
-    W = torch.stack(ws) if ws else V
+    B = torch.stack(bs) if variant == "enc" else B_all
+    W = torch.stack(ws) if variant == "dec" else V
     # The first chunk starts from the carried U (not its anchor when resuming mid-chunk); every
     # other chunk starts at its anchor, which the cheaper form of _reads assumes.
     Y = _reads(Q[0], B[0], W[0], cs[0], A[0], u_first)[None]
     if n_chunks > 1:
         rest = _reads(*(_flat(x[1:]) for x in (Q, B, W, cs, A)), None)
         Y = torch.cat([Y, rest.view((n_chunks - 1,) + tuple(Y.shape[1:]))])
-    o = from_chunks(Y.view(n_chunks, rows, heads, chunk, dim).movedim(0, 2), flat_index, batch, length)
+    o = from_chunk_major(Y, cells, batch, length)
 
-    # Each sequence's state after its last chunk; a sequence with no tokens hands its initial
-    # state back untouched.
-    last_chunk = (state.offset + lengths - 1).clamp(min=0) // chunk
+    # A sequence with no tokens hands its initial state back untouched.
     pick = (last_chunk[:, None] * rows + torch.arange(rows, device=q.device)[:, None]) * heads
     pick = (pick + torch.arange(heads, device=q.device)).reshape(-1)
     empty = (lengths == 0)[:, None, None, None]
     final = LatticeState(
-        torch.where(empty, state.memory, _flat(torch.stack(us))[pick].view(state.memory.shape)),
+        torch.where(empty, state.memory, final_u.view(state.memory.shape)),
         torch.where(empty, state.anchor, _flat(A)[pick].view(state.anchor.shape)),
         (state.offset + lengths) % chunk,
     )
