@@ -152,7 +152,7 @@ def to_chunk_major(x: torch.Tensor, cells: torch.Tensor, rows: int, grid: int, c
     free cells holding zeros."""
     heads, rest = x.shape[1], tuple(x.shape[2:])
     flat = x.reshape((-1,) + rest)
-    out = flat.new_zeros((rows * heads * grid,) + rest).index_copy(0, cells, flat)
+    out = flat.new_zeros((rows * heads * grid,) + rest).index_copy_(0, cells, flat)  # in place: no clone
     return out.view((grid // chunk_size, rows * heads, chunk_size) + rest)
 
 

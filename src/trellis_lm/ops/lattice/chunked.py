@@ -8,12 +8,12 @@ chunk boundary thus share one set of chunk boundaries and are processed together
 
 Only the chain of states needs a loop over chunks: each chunk's terms are taken at its anchor,
 which is the previous chunk's final ``rownorm(U)``. The loop computes just what the next anchor
-needs (``B``, ``W``, ``c`` and ``U' = U0 + c_L A - B^T W``); the norms and the reads are then
-computed for all chunks at once from the stacked anchors, as a few large batched matmuls.
+needs, ``U' = U0 + c_L A - B^T W`` with ``c_L,i = a_i . (B^T W)_i`` (two small matmuls for dec,
+one for sim); the cumulative sums, the norms and the reads are computed afterwards for blocks
+of chunks at once, as a few large batched matmuls.
 
 Layout: chunk-major with sequences and heads flattened, ``[chunks, N * H, C, *]``, so that one
-chunk is a contiguous 3-D batch for ``bmm`` and the chunks after the first are one contiguous
-block.
+chunk is a contiguous 3-D batch for ``bmm`` and a block of chunks is one contiguous slice.
 """
 
 from __future__ import annotations
@@ -26,28 +26,37 @@ from ..varlen import chunk_major_cells, from_chunk_major, grid_positions, to_chu
 from .state import LatticeState
 from .terms import rownorm
 
+# Chunks whose reads are computed together: enough for efficient batched matmuls, few enough
+# that the temporaries stay small (measured on CPU: fresh multi-megabyte buffers cost page faults
+# comparable to the arithmetic; 4-8 chunks was fastest at H = 4, M = D = C = 64).
+READ_BLOCK = 8
+
 
 def _flat(x: torch.Tensor) -> torch.Tensor:
     """``[chunks, R, ...]`` -> ``[chunks * R, ...]`` (a view: the stacks are contiguous)."""
     return x.reshape((-1,) + tuple(x.shape[2:]))
 
 
-def _reads(Q, B, W, cs, A, u0: Optional[torch.Tensor]) -> torch.Tensor:
+def _reads(Q, B, W, A, u0: Optional[torch.Tensor], Z: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The outputs of a batch of chunks, given their terms and anchors (design page, section 2).
 
     Args:
-        Q, B, cs: ``[X, C, M]`` reads, step lengths and ``c = cumsum(B * Z)``; W ``[X, C, D]``.
+        Q, B: ``[X, C, M]`` reads and step lengths; W ``[X, C, D]`` step directions.
         A: ``[X, M, D]`` the anchors (unit rows).
         u0: ``[X, M, D]`` the accumulations the chunks start from, or ``None`` when they start at
             their anchors. Then ``a . u0 = |u0|^2 = 1`` and ``W U0^T = Z``, and the norm reduces
             to ``|a|^2 + |P sum b w|^2``: the same formula up to rounding (~1e-16), fewer passes.
+        Z: ``[X, C, M]`` ``W A^T`` when the caller has it (enc), else computed here.
     Returns:
         ``[X, C, D]``.
     """
     chunk = Q.shape[-2]
+    if Z is None:
+        Z = W @ A.transpose(-1, -2)
+    cs = (B * Z).cumsum_(-2)  # c: [X, C, M]
     # (2 tril(F, -1) + diag(F)) B in one matmul: the increments of |sum_{j<=p} b_j w_j|^2.
-    # In-place steps below only where autograd keeps nothing of the overwritten tensor: on CPUs
-    # every fresh [X, C, C] or [X, C, M] buffer costs page faults comparable to a matmul.
+    # In-place steps below only where autograd keeps nothing of the overwritten tensor: every
+    # fresh buffer costs page faults on CPUs.
     ones = torch.ones(chunk, chunk, dtype=Q.dtype, device=Q.device)
     pair = ones.tril(-1) + ones.tril()
     quad = (B * ((W @ W.transpose(-1, -2)).mul_(pair) @ B)).cumsum_(-2)
@@ -78,7 +87,6 @@ def chunked_forward(q, k, v, gamma, state, chunk_size, variant, cu_seqlens):
     rows, chunk = state.offset.numel(), chunk_size
     flat_index, lengths, grid = grid_positions(state.offset, batch, length, cu_seqlens, chunk)
     n_chunks = grid // chunk
-
     cells = chunk_major_cells(flat_index, rows, heads, grid, chunk)
 
     def chunks(x: torch.Tensor) -> torch.Tensor:  # [B, T, H, *] -> [chunks, N * H, C, *]
@@ -98,48 +106,50 @@ def chunked_forward(q, k, v, gamma, state, chunk_size, variant, cu_seqlens):
     last_chunk = (state.offset + lengths - 1).clamp(min=0) // chunk
     ragged = bool((last_chunk != n_chunks - 1).any())
     last = last_chunk.repeat_interleave(heads)[:, None, None]
-    final_u = u
-    anchors, bs, ws, css = [], [], [], []
+    final_u, final_a = u, a
+    outputs, pending = [], []
     for c in range(n_chunks):
         if c > 0:
             a = u = rownorm(u)
+        Zc = None
         if variant == "dec":
             Bc = B_all[c]
             Wc = torch.baddbmm(V[c], K[c], a, beta=-1)  # A^T k - v per token
-            Zc = Wc @ a.transpose(-1, -2)  # [R, C, M]: a_i . w_j
-        else:
+        elif variant == "enc":
             Wc = V[c]
             Zc = Wc @ a.transpose(-1, -2)  # A v, the encoder's reconstruction
-            Bc = G[c] * (Zc - K[c]) if variant == "enc" else B_all[c]
-        csc = (Bc * Zc).cumsum(-2)
-        # U' = U0 + c_L A - B^T W
-        u = torch.baddbmm(torch.addcmul(u, csc[:, -1, :, None], a), Bc.transpose(-1, -2), Wc, alpha=-1)
-        final_u = torch.where(last == c, u, final_u) if ragged else u
-        anchors.append(a)
-        css.append(csc)
-        if variant == "enc":
-            bs.append(Bc)
-        if variant == "dec":
-            ws.append(Wc)
-
-    A, cs = torch.stack(anchors), torch.stack(css)  # [chunks, R, M, D], [chunks, R, C, M]
-    B = torch.stack(bs) if variant == "enc" else B_all
-    W = torch.stack(ws) if variant == "dec" else V
-    # The first chunk starts from the carried U (not its anchor when resuming mid-chunk); every
-    # other chunk starts at its anchor, which the cheaper form of _reads assumes.
-    Y = _reads(Q[0], B[0], W[0], cs[0], A[0], u_first)[None]
-    if n_chunks > 1:
-        rest = _reads(*(_flat(x[1:]) for x in (Q, B, W, cs, A)), None)
-        Y = torch.cat([Y, rest.view((n_chunks - 1,) + tuple(Y.shape[1:]))])
-    o = from_chunk_major(Y, cells, batch, length)
+            Bc = G[c] * (Zc - K[c])
+        else:
+            Bc, Wc = B_all[c], V[c]
+        if c == 0:
+            # The first chunk starts from the carried U, not at its anchor when resuming mid-chunk.
+            outputs.append(_reads(Q[0], Bc, Wc, a, u_first, Zc))
+        # U' = U0 + c_L A - B^T W, where c_L,i = sum_p b_pi (a_i . w_p) = a_i . (B^T W)_i.
+        step = Bc.transpose(-1, -2) @ Wc  # [R, M, D]
+        u = torch.addcmul(u - step, (step * a).sum(-1, keepdim=True), a)
+        if ragged:
+            final_u, final_a = torch.where(last == c, u, final_u), torch.where(last == c, a, final_a)
+        else:
+            final_u, final_a = u, a
+        if c == 0:
+            continue
+        # Later chunks start at their anchors: their reads wait for a block of READ_BLOCK chunks.
+        pending.append((a, Zc, Bc if variant == "enc" else None, Wc if variant == "dec" else None))
+        if len(pending) == READ_BLOCK or c == n_chunks - 1:
+            span = slice(c + 1 - len(pending), c + 1)
+            anchors, zs, bs, ws = zip(*pending)
+            B = torch.stack(bs) if variant == "enc" else B_all[span]
+            W = torch.stack(ws) if variant == "dec" else V[span]
+            Z = _flat(torch.stack(zs)) if variant == "enc" else None
+            outputs.append(_reads(_flat(Q[span]), _flat(B), _flat(W), _flat(torch.stack(anchors)), None, Z))
+            pending = []
+    o = from_chunk_major(torch.cat(outputs), cells, batch, length)
 
     # A sequence with no tokens hands its initial state back untouched.
-    pick = (last_chunk[:, None] * rows + torch.arange(rows, device=q.device)[:, None]) * heads
-    pick = (pick + torch.arange(heads, device=q.device)).reshape(-1)
     empty = (lengths == 0)[:, None, None, None]
     final = LatticeState(
         torch.where(empty, state.memory, final_u.view(state.memory.shape)),
-        torch.where(empty, state.anchor, _flat(A)[pick].view(state.anchor.shape)),
+        torch.where(empty, state.anchor, final_a.view(state.anchor.shape)),
         (state.offset + lengths) % chunk,
     )
     return o, final
