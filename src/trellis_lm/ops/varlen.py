@@ -4,7 +4,9 @@ Two layouts, shared by the ops' backends:
 
 * the *grid* of the PyTorch chunk forms: every sequence on its own row, its token j at
   position ``offset + j``, chunks starting at multiples of C, free cells filled with neutral
-  inputs; rows that resume mid-chunk or have different lengths then share chunk boundaries;
+  inputs; rows that resume mid-chunk or have different lengths then share chunk boundaries.
+  :func:`to_chunks` lays it out ``[N, H, chunks, C]``; :func:`to_chunk_major` ``[chunks, N * H, C]``
+  for backends that loop over chunks;
 * the *chunk plan* of the Triton kernels: a table of every (sequence, chunk) pair, so a grid of
   programs can take one chunk each without padding sequences to a common length.
 """
@@ -125,3 +127,35 @@ def per_sequence(run, inputs: tuple, state, cu_seqlens: Optional[torch.Tensor]):
         outputs.append(o)
         finals.append(final)
     return torch.cat(outputs, dim=1), type(state).cat(finals)
+
+
+def chunk_major_cells(flat_index: torch.Tensor, rows: int, heads: int, grid: int, chunk_size: int) -> torch.Tensor:
+    """Where every (token, head) goes in the chunk-major layout ``[chunks, N, H, C]``.
+
+    The layout of backends that loop over chunks: one chunk of every sequence and head is one
+    contiguous block, so the loop's slices and the batch of all later chunks need no copies.
+
+    Args:
+        flat_index: ``[tokens]`` cells of the ``[N * G]`` grid, from :func:`grid_positions`.
+    Returns:
+        ``[tokens * H]`` cells of the flattened ``[chunks * N * H * C]`` layout, token-major
+        (the order of ``x.reshape(tokens * H, ...)`` for ``x [tokens, H, ...]``).
+    """
+    row, pos = flat_index // grid, flat_index % grid
+    first = ((pos // chunk_size * rows + row) * heads) * chunk_size + pos % chunk_size  # head 0
+    head_step = torch.arange(heads, device=flat_index.device) * chunk_size
+    return (first[:, None] + head_step).reshape(-1)
+
+
+def to_chunk_major(x: torch.Tensor, cells: torch.Tensor, rows: int, grid: int, chunk_size: int) -> torch.Tensor:
+    """``[tokens, H, *rest]`` -> ``[chunks, N * H, C, *rest]`` (cells from :func:`chunk_major_cells`),
+    free cells holding zeros."""
+    heads, rest = x.shape[1], tuple(x.shape[2:])
+    flat = x.reshape((-1,) + rest)
+    out = flat.new_zeros((rows * heads * grid,) + rest).index_copy_(0, cells, flat)  # in place: no clone
+    return out.view((grid // chunk_size, rows * heads, chunk_size) + rest)
+
+
+def from_chunk_major(o: torch.Tensor, cells: torch.Tensor, batch: int, length: int) -> torch.Tensor:
+    """Inverse of :func:`to_chunk_major` for outputs: ``[chunks, N * H, C, D]`` -> ``[B, T, H, D]``."""
+    return o.reshape(-1, o.shape[-1])[cells].view(batch, length, -1, o.shape[-1])

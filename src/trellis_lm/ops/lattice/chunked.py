@@ -1,0 +1,155 @@
+"""The chunk-parallel form of the design page, section 2, in batched PyTorch.
+
+Every sequence is laid on a grid whose chunks start at multiples of C: sequence n's token j
+sits at grid position ``offset_n + j``. Free grid cells hold zero inputs, so gamma = 0 and
+``b = 0`` for every variant: they leave ``U`` untouched, and their reads (q = 0) are discarded.
+Rows that resume mid-chunk, rows of different length (``cu_seqlens``) and rows that resume at a
+chunk boundary thus share one set of chunk boundaries and are processed together.
+
+Only the chain of states needs a loop over chunks: each chunk's terms are taken at its anchor,
+which is the previous chunk's final ``rownorm(U)``. The loop computes just what the next anchor
+needs, ``U' = U0 + c_L A - B^T W`` with ``c_L,i = a_i . (B^T W)_i`` (two small matmuls for dec,
+one for sim); the cumulative sums, the norms and the reads are computed afterwards for blocks
+of chunks at once, as a few large batched matmuls.
+
+Layout: chunk-major with sequences and heads flattened, ``[chunks, N * H, C, *]``, so that one
+chunk is a contiguous 3-D batch for ``bmm`` and a block of chunks is one contiguous slice.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..varlen import chunk_major_cells, from_chunk_major, grid_positions, to_chunk_major
+from .state import LatticeState
+from .terms import rownorm
+
+# Chunks whose reads are computed together: enough for efficient batched matmuls, few enough
+# that the temporaries stay small (measured on CPU: fresh multi-megabyte buffers cost page faults
+# comparable to the arithmetic; 4-8 chunks was fastest at H = 4, M = D = C = 64).
+READ_BLOCK = 8
+
+
+def _flat(x: torch.Tensor) -> torch.Tensor:
+    """``[chunks, R, ...]`` -> ``[chunks * R, ...]`` (a view: the stacks are contiguous)."""
+    return x.reshape((-1,) + tuple(x.shape[2:]))
+
+
+def _reads(Q, B, W, A, u0: Optional[torch.Tensor], Z: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The outputs of a batch of chunks, given their terms and anchors (design page, section 2).
+
+    Args:
+        Q, B: ``[X, C, M]`` reads and step lengths; W ``[X, C, D]`` step directions.
+        A: ``[X, M, D]`` the anchors (unit rows).
+        u0: ``[X, M, D]`` the accumulations the chunks start from, or ``None`` when they start at
+            their anchors. Then ``a . u0 = |u0|^2 = 1`` and ``W U0^T = Z``, and the norm reduces
+            to ``|a|^2 + |P sum b w|^2``: the same formula up to rounding (~1e-16), fewer passes.
+        Z: ``[X, C, M]`` ``W A^T`` when the caller has it (enc), else computed here.
+    Returns:
+        ``[X, C, D]``.
+    """
+    chunk = Q.shape[-2]
+    if Z is None:
+        Z = W @ A.transpose(-1, -2)
+    cs = (B * Z).cumsum_(-2)  # c: [X, C, M]
+    # (2 tril(F, -1) + diag(F)) B in one matmul: the increments of |sum_{j<=p} b_j w_j|^2.
+    # In-place steps below only where autograd keeps nothing of the overwritten tensor: every
+    # fresh buffer costs page faults on CPUs.
+    ones = torch.ones(chunk, chunk, dtype=Q.dtype, device=Q.device)
+    pair = ones.tril(-1) + ones.tril()
+    quad = (B * ((W @ W.transpose(-1, -2)).mul_(pair) @ B)).cumsum_(-2)
+    a_sq = (A * A).sum(-1)[:, None, :]
+    if u0 is None:
+        # quad - c^2 is the projected sum's squared norm: it cancels in low precision, hence the clamp.
+        Qt = Q * (quad.addcmul_(cs, cs, value=-1).relu_() + a_sq).rsqrt_()
+        x = torch.addcmul(Qt, Qt, cs) @ A  # Qt U0 + (Qt c) A with U0 = A
+    else:
+        # |X - c a|^2 (X = sum_j b_j w_j): quad - c^2 for a unit anchor, and exact off the sphere
+        # too, so the gradient in a carried anchor is exact in every direction, not only along it.
+        proj = (quad - cs * cs * (2 - a_sq)).clamp(min=0)
+        n2 = (
+            (u0 * u0).sum(-1)[:, None, :]
+            + 2 * cs * (A * u0).sum(-1)[:, None, :]
+            - 2 * (B * (W @ u0.transpose(-1, -2))).cumsum(-2)
+            + proj
+        )  # |u_p,i|^2, >= 1
+        Qt = Q * n2.rsqrt()
+        x = Qt @ u0 + (Qt * cs) @ A
+    return x.baddbmm_((Qt @ B.transpose(-1, -2)).tril_(), W, alpha=-1)  # - tril(Qt B^T) W
+
+
+def chunked_forward(q, k, v, gamma, state, chunk_size, variant, cu_seqlens):
+    """Backend ``"torch"``; arguments as validated by :func:`~.dispatch.lattice_attention`."""
+    batch, length, heads, slots = q.shape
+    dim = v.shape[-1]
+    rows, chunk = state.offset.numel(), chunk_size
+    flat_index, lengths, grid = grid_positions(state.offset, batch, length, cu_seqlens, chunk)
+    n_chunks = grid // chunk
+    cells = chunk_major_cells(flat_index, rows, heads, grid, chunk)
+
+    def chunks(x: torch.Tensor) -> torch.Tensor:  # [B, T, H, *] -> [chunks, N * H, C, *]
+        return to_chunk_major(x.reshape((batch * length,) + tuple(x.shape[2:])), cells, rows, grid, chunk)
+
+    Q, K, V, G = chunks(q), chunks(k), chunks(v), chunks(gamma)[..., None]
+    # For dec and sim, b does not depend on the anchor (nor w for enc and sim): once for all chunks.
+    B_all = G * K if variant == "dec" else -G * K if variant == "sim" else None
+
+    # Rows that resume at a chunk boundary start from rownorm(U) (A = U = S); the others keep both.
+    at_start = (state.offset == 0)[:, None, None, None]
+    s = rownorm(state.memory)
+    u = torch.where(at_start, s, state.memory).reshape(rows * heads, slots, dim)
+    a = torch.where(at_start, s, state.anchor).reshape(rows * heads, slots, dim)
+    u_first = u
+    # Each sequence's state after its last chunk (later chunks only renormalise a finished row).
+    last_chunk = (state.offset + lengths - 1).clamp(min=0) // chunk
+    ragged = bool((last_chunk != n_chunks - 1).any())
+    last = last_chunk.repeat_interleave(heads)[:, None, None]
+    final_u, final_a = u, a
+    outputs, pending = [], []
+    for c in range(n_chunks):
+        if c > 0:
+            a = u = rownorm(u)
+        Zc = None
+        if variant == "dec":
+            Bc = B_all[c]
+            Wc = torch.baddbmm(V[c], K[c], a, beta=-1)  # A^T k - v per token
+        elif variant == "enc":
+            Wc = V[c]
+            Zc = Wc @ a.transpose(-1, -2)  # A v, the encoder's reconstruction
+            Bc = G[c] * (Zc - K[c])
+        else:
+            Bc, Wc = B_all[c], V[c]
+        if c == 0:
+            # The first chunk starts from the carried U, not at its anchor when resuming mid-chunk.
+            outputs.append(_reads(Q[0], Bc, Wc, a, u_first, Zc))
+        # U' = U0 + c_L A - B^T W, where c_L,i = sum_p b_pi (a_i . w_p) = a_i . (B^T W)_i.
+        step = Bc.transpose(-1, -2) @ Wc  # [R, M, D]
+        u = torch.addcmul(u - step, (step * a).sum(-1, keepdim=True), a)
+        if ragged:
+            final_u, final_a = torch.where(last == c, u, final_u), torch.where(last == c, a, final_a)
+        else:
+            final_u, final_a = u, a
+        if c == 0:
+            continue
+        # Later chunks start at their anchors: their reads wait for a block of READ_BLOCK chunks.
+        pending.append((a, Zc, Bc if variant == "enc" else None, Wc if variant == "dec" else None))
+        if len(pending) == READ_BLOCK or c == n_chunks - 1:
+            span = slice(c + 1 - len(pending), c + 1)
+            anchors, zs, bs, ws = zip(*pending)
+            B = torch.stack(bs) if variant == "enc" else B_all[span]
+            W = torch.stack(ws) if variant == "dec" else V[span]
+            Z = _flat(torch.stack(zs)) if variant == "enc" else None
+            outputs.append(_reads(_flat(Q[span]), _flat(B), _flat(W), _flat(torch.stack(anchors)), None, Z))
+            pending = []
+    o = from_chunk_major(torch.cat(outputs), cells, batch, length)
+
+    # A sequence with no tokens hands its initial state back untouched.
+    empty = (lengths == 0)[:, None, None, None]
+    final = LatticeState(
+        torch.where(empty, state.memory, final_u.view(state.memory.shape)),
+        torch.where(empty, state.anchor, final_a.view(state.anchor.shape)),
+        (state.offset + lengths) % chunk,
+    )
+    return o, final

@@ -1,0 +1,126 @@
+"""The one public entry point of the op: argument checks, state set-up and backend choice."""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+
+from ..checks import (
+    as_dtype, check_chunk_size, check_cu_seqlens, check_offsets, compute_dtype, expect_dims, expect_float_inputs,
+    expect_shape,
+)
+from .chunked import chunked_forward
+from .reference import reference_forward
+from .state import LatticeState
+from .step import step_forward
+from .terms import check_variant
+
+# No Triton kernels exist for Lattice: the chunk form's few large matmuls per chunk already run
+# well through PyTorch on GPUs, so "torch" serves CUDA tensors too.
+BACKENDS = {"reference": reference_forward, "torch": chunked_forward}
+
+InitialState = Union[torch.Tensor, LatticeState]
+
+
+def _initial_state(
+    initial_state: Optional[InitialState], rows: int, heads: int, slots: int, dim: int,
+    chunk_size: int, dtype: torch.dtype, device: torch.device,
+) -> LatticeState:
+    """Turn a memory tensor or a :class:`LatticeState` into a checked state in ``dtype``."""
+    shape, meaning = (rows, heads, slots, dim), f"[N, H, M, D] with N = {rows} sequences"
+    if initial_state is None:
+        raise ValueError(
+            "initial_state is required: a memory tensor [N, H, M, D] (e.g. the layer's learned S0) "
+            "or a LatticeState. The slots live on the unit sphere and a zero memory has no "
+            "direction to normalise, so there is no default"
+        )
+    if isinstance(initial_state, torch.Tensor):
+        expect_shape("initial_state", initial_state, shape, meaning)
+        # Normalised in the compute dtype, so a low-precision S0 is not rounded twice.
+        return LatticeState.at_chunk_start(as_dtype(initial_state, dtype, device))
+    if not isinstance(initial_state, LatticeState):
+        raise ValueError(
+            f"initial_state must be a memory tensor [N, H, M, D] or a LatticeState, got {type(initial_state).__name__}"
+        )
+    state = initial_state
+    expect_shape("initial_state.memory", state.memory, shape, meaning)
+    expect_shape("initial_state.anchor", state.anchor, shape, meaning)
+    check_offsets("initial_state.offset", state.offset, rows, chunk_size)
+    return state.map(lambda t: as_dtype(t, torch.long if t is state.offset else dtype, device))
+
+
+def _pick_backend(backend: str, length: int, packed: bool):
+    if backend != "auto" and backend not in BACKENDS:
+        raise ValueError(f"backend must be 'auto' or one of {sorted(BACKENDS)}, got {backend!r}")
+    if backend in ("auto", "torch") and length == 1 and not packed:
+        # Decoding: one token per row is one step of the per-token form (see step.py), while
+        # the chunk form would pad the token to a full chunk and do C times the work.
+        return step_forward
+    return BACKENDS["torch" if backend == "auto" else backend]
+
+
+def lattice_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    gamma: torch.Tensor,
+    *,
+    initial_state: Optional[InitialState],
+    chunk_size: int = 64,
+    variant: str = "dec",
+    output_final_state: bool = False,
+    cu_seqlens: Optional[torch.Tensor] = None,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, Optional[LatticeState]]:
+    """The Lattice memory op (design page ``lattice.md``, sections 1-3).
+
+    M slots on the unit sphere; every token moves each slot orthogonally to itself by a step
+    from the chunk's anchor, then retracts onto the sphere and reads ``y = S^T q``.
+
+    Args:
+        q: ``[B, T, H, M]`` read coefficients over the slots (the layer L2-normalises them).
+        k: ``[B, T, H, M]`` write coefficients (the layer L2-normalises them).
+        v: ``[B, T, H, D]`` values.
+        gamma: ``[B, T, H]`` step sizes, > 0 (not checked: reading values would wait on the device).
+        initial_state: required. A memory tensor ``[N, H, M, D]`` (its rows are normalised here;
+            it means "at a chunk boundary") or a :class:`LatticeState` returned by an earlier
+            call (resumes exactly, also mid-chunk). ``N = B``, or the number of sequences in
+            ``cu_seqlens``. ``None`` raises: a zero memory has no direction.
+        chunk_size: C >= 1; the model is defined by it (1 is the paper's exact recurrence).
+        variant: the inner loss, one of ``LATTICE_VARIANTS``: ``"dec"`` ``|S^T k - v|^2``
+            (default), ``"enc"`` ``|S v - k|^2`` or ``"sim"`` ``-(S v) . k``.
+        output_final_state: also return the state after the last token.
+        cu_seqlens: ``[N + 1]`` int, with B = 1: N sequences packed along T, each starting
+            from its own initial state (zero length allowed: its state passes through).
+        backend: ``"reference"`` (per-token loop), ``"torch"`` (chunk-parallel) or ``"auto"``
+            (``"torch"``, on CUDA too: there are no Lattice Triton kernels). With T == 1 and no
+            ``cu_seqlens``, ``"auto"`` and ``"torch"`` run the single-token step of :mod:`.step`.
+
+    Returns:
+        ``o [B, T, H, D]`` in q's dtype, and the final :class:`LatticeState` (float32, or
+        float64 for float64 inputs) when ``output_final_state`` else ``None``.
+    """
+    expect_dims("q", q, 4, "[B, T, H, M]")
+    batch, length, heads, slots = q.shape
+    expect_dims("v", v, 4, "[B, T, H, D]")
+    dim = v.shape[-1]
+    expect_shape("k", k, (batch, length, heads, slots), "[B, T, H, M] like q")
+    expect_shape("v", v, (batch, length, heads, dim), "[B, T, H, D]")
+    expect_shape("gamma", gamma, (batch, length, heads), "[B, T, H]")
+    expect_float_inputs({"q": q, "k": k, "v": v, "gamma": gamma}, q.device)
+    if length == 0:
+        raise ValueError("the inputs must hold at least one token (T >= 1)")
+    check_chunk_size(chunk_size)
+    check_variant(variant)
+    forward = _pick_backend(backend, length, cu_seqlens is not None)
+
+    rows = batch
+    if cu_seqlens is not None:
+        cu_seqlens = check_cu_seqlens(cu_seqlens, batch, length)
+        rows = cu_seqlens.numel() - 1
+    dtype = compute_dtype(q)
+    state = _initial_state(initial_state, rows, heads, slots, dim, chunk_size, dtype, q.device)
+    inputs = [as_dtype(t, dtype, q.device) for t in (q, k, v, gamma)]
+    o, final = forward(*inputs, state, chunk_size, variant, cu_seqlens)
+    return as_dtype(o, q.dtype, q.device), (final if output_final_state else None)

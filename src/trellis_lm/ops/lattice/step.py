@@ -1,0 +1,33 @@
+"""The single-token step of the torch backend: what decoding runs once per layer and token.
+
+The loop body of the design page (section 1) for one token, arranged to launch few tensor
+operations: on CPUs a decode step's cost is mostly per-operation overhead, not arithmetic on
+the [H, M, D] memories. Same arithmetic as :mod:`.reference` (``tests/test_lattice_ops.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .state import LatticeState
+from .terms import rownorm, token_terms
+
+
+def step_forward(q, k, v, gamma, state, chunk_size, variant, cu_seqlens):
+    """One token per row (``T == 1``, no ``cu_seqlens``); arguments as validated by
+    :func:`~.dispatch.lattice_attention`: q, k ``[N, 1, H, M]``, v ``[N, 1, H, D]``, gamma
+    ``[N, 1, H]``. Returns ``o [N, 1, H, D]`` and the state."""
+    u, a, offset = state.memory, state.anchor, state.offset
+    starts_chunk = (offset == 0)[:, None, None, None]
+    # Eagerly, renormalising only when some row starts a chunk saves two memory-sized passes per
+    # step; a compiled step fuses the select instead of branching on data.
+    if torch.compiler.is_compiling() or bool(starts_chunk.any()):
+        s = rownorm(u)
+        u = torch.where(starts_chunk, s, u)
+        a = torch.where(starts_chunk, s, a)
+    b, w = token_terms(variant, a, k[:, 0], v[:, 0], gamma[:, 0])  # [N, H, M], [N, H, D]
+    b = b[..., None]
+    # u - b (w - (a . w) a) = (u - outer(b, w)) + (b (a . w)) a
+    u = torch.addcmul(torch.addcmul(u, b, w[..., None, :], value=-1), b * (a @ w[..., None]), a)
+    o = (q[:, 0, :, None, :] @ rownorm(u)).transpose(1, 2)  # [N, 1, H, D]
+    return o, LatticeState(u, a, (offset + 1) % chunk_size)
