@@ -23,7 +23,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers.cache_utils import Cache
 
-from .ops import OpState, TrellisState
+from .ops import LatticeState, OpState, TrellisState
 
 FORMAT = "trellis-cache"
 # Version 1 (one kind of layer, no record of the model) is not read: its layer count could not
@@ -125,6 +125,12 @@ class TrellisLayerCache(MemoryLayerCache):
 
 
 @dataclass
+class LatticeLayerCache(MemoryLayerCache):
+    kind: ClassVar[str] = "lattice"
+    state_class: ClassVar[type[OpState]] = LatticeState
+
+
+@dataclass
 class AttentionLayerCache(LayerCache):
     """A softmax-attention layer's entry; it grows with the columns seen.
 
@@ -153,7 +159,7 @@ class AttentionLayerCache(LayerCache):
         return cls(**{n: tensors[n] for n in present})
 
 
-LAYER_CACHES: dict[str, type[LayerCache]] = {c.kind: c for c in (TrellisLayerCache, AttentionLayerCache)}
+LAYER_CACHES: dict[str, type[LayerCache]] = {c.kind: c for c in (TrellisLayerCache, LatticeLayerCache, AttentionLayerCache)}
 
 
 class TrellisCache(Cache):
@@ -326,4 +332,6 @@ def _read_header(metadata: Mapping[str, str], path: Any) -> tuple[list[str], int
     return kinds, seen, field("signature", signature, "a JSON object or null")
 
 
-__all__ = ["AttentionLayerCache", "LayerCache", "MemoryLayerCache", "TrellisCache", "TrellisLayerCache"]
+__all__ = [
+    "AttentionLayerCache", "LatticeLayerCache", "LayerCache", "MemoryLayerCache", "TrellisCache", "TrellisLayerCache",
+]

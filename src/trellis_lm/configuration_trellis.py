@@ -11,9 +11,7 @@ from typing import Any, Callable, ClassVar
 
 from transformers import PreTrainedConfig
 
-from .ops import BACKENDS, COMPRESS_FNS, MIX_FNS
-
-LATTICE_VARIANTS = ("dec", "enc", "sim")  # MERGE: from .ops once the Lattice op lands
+from .ops import BACKENDS, COMPRESS_FNS, LATTICE_VARIANTS, MIX_FNS
 from .remote_code import AUTO_MAP, code_is_packaged, export_code
 
 OP_BACKENDS = ("auto",) + tuple(sorted(BACKENDS))
