@@ -2,12 +2,14 @@
 
     ACCELERATE_USE_CPU=1 torchrun --standalone --nproc_per_node 2 tests/distributed_check.py OUT_DIR
 
+For every layer schedule of ``tiny_models.SCHEDULES`` (one launch for all of them):
+
 1. DDP through the stock Trainer: 2 steps, 2 rows per process (a global batch of 4); every
-   rank writes its parameters to ``OUT_DIR/ddp_rank{R}.pt``.
+   rank writes its parameters to ``OUT_DIR/<schedule>/ddp_rank{R}.pt``.
 2. FSDP: accelerate's transformer auto-wrap policy (from ``_no_split_modules``) picks the blocks,
    torch's ``fully_shard`` shards them and the root, and one SGD step on rank-specific rows
-   runs sharded; rank 0 writes ``OUT_DIR/fsdp.pt`` with the wrapped module names and the
-   gathered parameters after the step.
+   runs sharded; rank 0 writes ``OUT_DIR/<schedule>/fsdp.pt`` with the wrapped module names and
+   the gathered parameters after the step.
 """
 
 from __future__ import annotations
@@ -18,28 +20,29 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from tiny_models import tiny_model
+from tiny_models import SCHEDULES, tiny_model
 from trainer_helpers import ROWS, right_padded, sgd_trainer, trained_parameters
 
 FSDP_STEP_ROWS = (ROWS[:2], ROWS[2:5])  # rank r trains on FSDP_STEP_ROWS[r]: unequal token counts
 
 
-def run_ddp(out: Path) -> None:
+def run_ddp(out: Path, schedule: str) -> None:
     # float64: the two ranks' half batches round differently from one full batch; in float64 that
     # stays far below the tolerance, so the comparison can be tight.
-    trainer = sgd_trainer(str(out / "ddp"), dtype=torch.float64, max_steps=2, per_device_train_batch_size=2)
+    trainer = sgd_trainer(
+        str(out / "ddp"), dtype=torch.float64, max_steps=2, per_device_train_batch_size=2, schedule=schedule)
     parameters = trained_parameters(trainer)
     assert trainer.args.world_size == 2 and dist.get_backend() == "gloo"
     assert isinstance(trainer.model_wrapped, torch.nn.parallel.DistributedDataParallel)
     torch.save(parameters, out / f"ddp_rank{dist.get_rank()}.pt")
 
 
-def run_fsdp(out: Path) -> None:
+def run_fsdp(out: Path, schedule: str) -> None:
     from accelerate.utils import FullyShardedDataParallelPlugin
     from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
     from torch.distributed.fsdp import fully_shard
 
-    model = tiny_model(seed=1).train()
+    model = tiny_model(seed=1, schedule=schedule).train()
     plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap")
     policy = fsdp2_prepare_auto_wrap_policy(plugin, model)
     wrapped = [name for name, module in model.named_modules() if name and policy(module)]
@@ -60,10 +63,12 @@ def run_fsdp(out: Path) -> None:
 
 
 def main() -> None:
-    out = Path(sys.argv[1])
-    run_ddp(out)  # the Trainer sets up the gloo process group
-    run_fsdp(out)
-    dist.barrier()
+    for schedule in SCHEDULES:
+        out = Path(sys.argv[1]) / schedule
+        out.mkdir(parents=True, exist_ok=True)
+        run_ddp(out, schedule)  # the first Trainer sets up the gloo process group
+        run_fsdp(out, schedule)
+        dist.barrier()
     dist.destroy_process_group()
 
 

@@ -7,29 +7,39 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from distributed_check import FSDP_STEP_ROWS
-from tiny_models import tiny_model
+from tiny_models import SCHEDULES, tiny_model
 from trainer_helpers import right_padded, sgd_trainer, trained_parameters
 
 SCRIPT = Path(__file__).with_name("distributed_check.py")
 
 
-def test_ddp_and_fsdp_on_two_cpu_processes(tmp_path):
+@pytest.fixture(scope="module")
+def two_process_runs(tmp_path_factory) -> Path:
+    """One torchrun launch that trains every schedule (starting processes is the slow part)."""
+    out = tmp_path_factory.mktemp("distributed")
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
     run = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(SCRIPT),
-         str(tmp_path)],
-        env=env, capture_output=True, text=True, timeout=300,
+         str(out)],
+        env=env, capture_output=True, text=True, timeout=600,
     )
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    return out
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_ddp_and_fsdp_on_two_cpu_processes(two_process_runs, tmp_path, schedule):
+    runs = two_process_runs / schedule
 
     # DDP: the ranks stay in sync and match one process taking the same global batch of 4.
-    ranks = [torch.load(tmp_path / f"ddp_rank{r}.pt") for r in range(2)]
-    single = trained_parameters(
-        sgd_trainer(str(tmp_path / "single"), dtype=torch.float64, max_steps=2, per_device_train_batch_size=4))
-    initial = dict(tiny_model(seed=1).double().named_parameters())
+    ranks = [torch.load(runs / f"ddp_rank{r}.pt") for r in range(2)]
+    single = trained_parameters(sgd_trainer(
+        str(tmp_path / "single"), dtype=torch.float64, max_steps=2, per_device_train_batch_size=4, schedule=schedule))
+    initial = dict(tiny_model(seed=1, schedule=schedule).double().named_parameters())
     assert ranks[0].keys() == single.keys()
     for name, expected in single.items():
         assert torch.equal(ranks[0][name], ranks[1][name]), name
@@ -37,9 +47,9 @@ def test_ddp_and_fsdp_on_two_cpu_processes(tmp_path):
     assert any(not torch.equal(single[name], initial[name]) for name in single)
 
     # FSDP: the policy wraps exactly the blocks, and a sharded step is the unsharded one.
-    fsdp = torch.load(tmp_path / "fsdp.pt")
-    assert fsdp["wrapped"] == ["model.layers.0", "model.layers.1"]
-    model = tiny_model(seed=1).train()
+    fsdp = torch.load(runs / "fsdp.pt")
+    assert fsdp["wrapped"] == [f"model.layers.{i}" for i in range(len(SCHEDULES[schedule]))]
+    model = tiny_model(seed=1, schedule=schedule).train()
     model(**right_padded(FSDP_STEP_ROWS[0] + FSDP_STEP_ROWS[1])).loss.backward()
     torch.optim.SGD(model.parameters(), lr=1.0).step()
     for name, expected in model.named_parameters():

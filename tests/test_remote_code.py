@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers.dynamic_module_utils import get_imports, get_relative_imports
 
-from tiny_models import left_pad, random_tokens, tiny_model
+from tiny_models import SCHEDULES, left_pad, random_tokens, tiny_model
 from trellis_lm import TrellisForCausalLM, train_tokenizer
 from trellis_lm.model_card_trellis import MARKER
 from trellis_lm.remote_code import AUTO_MAP, export_code, flat_name, flat_sources, flatten_imports
@@ -121,8 +121,9 @@ assert not any(name.startswith("trellis_lm") for name in sys.modules)
 """
 
 
-def test_checkpoint_loads_as_remote_code_without_the_package(tmp_path):
-    model = tiny_model(seed=3, vocab_size=300)  # a byte-level tokenizer needs 259 ids at least
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_checkpoint_loads_as_remote_code_without_the_package(tmp_path, schedule):
+    model = tiny_model(seed=3, vocab_size=300, schedule=schedule)  # a byte-level tokenizer needs 259 ids at least
     model.generation_config.max_new_tokens = 7  # a saved generation default travels with the checkpoint
     checkpoint, resaved = tmp_path / "checkpoint", tmp_path / "resaved"
     model.save_pretrained(checkpoint)

@@ -9,6 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, TrainingArguments
 from transformers.utils import is_torch_bf16_available_on_device
 
+from tiny_models import SCHEDULES
 from trainer_helpers import ROWS, sgd_trainer, trained_parameters
 from trellis_lm import TrellisForCausalLM, train_tokenizer
 from trellis_lm.training import (
@@ -36,16 +37,19 @@ def assert_same_updates(actual: dict, expected: dict, **tolerance) -> None:
     assert any(bool(update.abs().max() > 0) for update in expected.values())
 
 
-def test_gradient_accumulation_equals_one_big_batch(tmp_path):
-    whole = one_sgd_step(tmp_path, per_device_train_batch_size=4)
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_gradient_accumulation_equals_one_big_batch(tmp_path, schedule):
+    whole = one_sgd_step(tmp_path, per_device_train_batch_size=4, schedule=schedule)
     for batch, steps in ((2, 2), (1, 4)):
-        accumulated = one_sgd_step(tmp_path, per_device_train_batch_size=batch, gradient_accumulation_steps=steps)
+        accumulated = one_sgd_step(
+            tmp_path, per_device_train_batch_size=batch, gradient_accumulation_steps=steps, schedule=schedule)
         assert_same_updates(accumulated, whole, rtol=1e-5, atol=1e-6)
 
 
-def test_trainer_activation_checkpointing_gives_the_same_update(tmp_path):
-    plain = one_sgd_step(tmp_path, per_device_train_batch_size=4)
-    checkpointed = one_sgd_step(tmp_path, per_device_train_batch_size=4, activation_checkpointing=True)
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_trainer_activation_checkpointing_gives_the_same_update(tmp_path, schedule):
+    plain = one_sgd_step(tmp_path, per_device_train_batch_size=4, schedule=schedule)
+    checkpointed = one_sgd_step(tmp_path, per_device_train_batch_size=4, activation_checkpointing=True, schedule=schedule)
     assert_same_updates(checkpointed, plain, rtol=1e-5, atol=1e-6)
 
 

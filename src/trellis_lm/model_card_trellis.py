@@ -32,6 +32,29 @@ def config_fields(config: Any) -> dict[str, Any]:
     return {name: getattr(config, name) for name, kind in declared.items() if "ClassVar" not in str(kind)}
 
 
+def describe_layers(config: Any) -> str:
+    """One paragraph on what the layers keep: fixed-size memories, and attention where there is."""
+    kinds = config.layer_kinds
+    memory = [kind for kind in kinds if kind != "attention"]
+    if not memory:
+        return f"All {len(kinds)} of its layers are softmax attention layers, whose key/value cache grows with the context."
+    names = {"trellis": "Trellis", "lattice": "Lattice"}
+    mixers = " and ".join(f"{kinds.count(kind)} {names[kind]}" for kind in names if kind in memory)
+    text = (
+        f"{len(memory)} of its {len(kinds)} layers ({mixers}) keep a fixed-size memory per head "
+        f"({config.num_heads} heads x {config.num_slots} slots) instead of a key/value cache that grows with "
+        "every token"
+    )
+    attention = kinds.count("attention")
+    if not attention:
+        return text + ", so generating costs the same time and memory per token at any context length."
+    return text + (
+        f"; {attention} {'is a softmax attention layer' if attention == 1 else 'are softmax attention layers'} "
+        f"(layers {[i for i, kind in enumerate(kinds) if kind == 'attention']}), whose key/value cache grows with "
+        "the context."
+    )
+
+
 def render_model_card(
     config: Any, name: str, num_parameters: int, generation_defaults: Optional[dict[str, Any]] = None,
     tags: tuple[str, ...] = (),
@@ -47,11 +70,8 @@ def render_model_card(
 
 # {name}
 
-A **Trellis** language model ({num_parameters / 1e6:.1f}M parameters). Its mixing layers keep a
-fixed-size memory per head ({config.num_heads} heads x {config.num_slots} slots, in
-{config.num_hidden_layers} layers) instead of a key/value cache that grows with every token, so
-generating costs the same time and memory per token at any context length. There is no
-positional embedding and no architectural context limit.
+A **Trellis** language model ({num_parameters / 1e6:.1f}M parameters). {describe_layers(config)}
+There is no positional embedding in the memory layers and no architectural context limit.
 
 ## Usage
 
