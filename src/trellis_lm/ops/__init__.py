@@ -1,11 +1,13 @@
 """The memory ops of the model family, one folder each, every one with one public function.
 
 * :mod:`.trellis`: :func:`trellis_attention`, the two-pass Trellis memory (``trellis.md``).
+* :mod:`.kvm`: :func:`kvm_attention`, Key-Value Means attention (``kvm.md``).
 
 Helpers the ops share live beside them: :mod:`.checks` (argument checks), :mod:`.varlen`
 (chunk grids for packed and resumed sequences) and :mod:`.state` (the base of the states).
 """
 
+from .kvm import KVMState, kvm_attention
 from .trellis import BACKENDS, COMPRESS_FNS, MIX_FNS, TrellisState, trellis_attention
 
-__all__ = ["BACKENDS", "COMPRESS_FNS", "MIX_FNS", "TrellisState", "trellis_attention"]
+__all__ = ["BACKENDS", "COMPRESS_FNS", "KVMState", "MIX_FNS", "TrellisState", "kvm_attention", "trellis_attention"]
