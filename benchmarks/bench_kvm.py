@@ -4,7 +4,10 @@
     PYTHONPATH=src .venv/bin/python benchmarks/bench_kvm.py --quick   # a smoke run (seconds)
 
 Both sides run in alternating rounds in one process, so a noisy machine slows both alike; the
-figure printed is the ratio of their medians.
+figure printed is the ratio of their medians. One torch thread by default: on a shared machine
+a second thread waits for a busy core at every parallel region, which costs KVM's fold loop (many
+small ops) far more than one large attention call and makes the ratio meaningless; pass
+``--threads N`` on an idle machine.
 """
 
 from __future__ import annotations
@@ -24,10 +27,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="small sizes, one round")
     parser.add_argument("--length", type=int, default=None, help="T (default 16384, 2048 with --quick)")
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds per side (default 5, 2 with --quick)")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1, see above)")
     args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads)
     T = args.length or (2048 if args.quick else 16384)
     rounds = args.rounds or (2 if args.quick else 5)
     H, D, C, blocks, S = 4, 64, 256, 2, 256
