@@ -142,10 +142,18 @@ def chunked_forward(q, k, v, gate, norm_weight, norm_bias, temperature, state: K
     steady = state_live.all(-1).all(0) & (cs[:, 0, 0] >= blocks - 1)
     split = int((~steady).sum())
 
+    # A call whose new tokens all sit in one chunk (decoding) needs only their query rows.
+    q_lo, q_hi = 0, chunk
+    if n_q == 1 and rows:
+        q_lo = int(n_win.min()) - first_chunk * chunk
+        q_hi = max(int((n_win + lengths).max()) - first_chunk * chunk, q_lo + 1)
+
     def attend(part: slice, mask: torch.Tensor) -> torch.Tensor:
         count = len(range(n_q)[part])
         flat = [x[:, part].reshape((rows * count, heads) + tuple(x.shape[3:])) for x in (queries, keys, values)]
-        return F.scaled_dot_product_attention(*flat, attn_mask=mask).view(rows, count, heads, chunk, dv)
+        flat[0] = flat[0][:, :, q_lo:q_hi]
+        o = F.scaled_dot_product_attention(*flat, attn_mask=mask[..., q_lo:q_hi, :])
+        return F.pad(o, (0, 0, q_lo, chunk - q_hi)).view(rows, count, heads, chunk, dv)
 
     outputs = []
     if split:
