@@ -63,15 +63,20 @@ def _initial_state(initial_state: Optional[KVMState], rows: int, heads: int, dk:
     if rows and not torch.compiler.is_compiling():
         seen, covered, used = state.seen, state.covered, state.used
         # The window starts at `covered`: nothing has left it before chunk B started.
-        expected = ((seen - 1).clamp(min=0) // config.chunk_size + 1 - config.window_chunks).clamp(min=0) * config.chunk_size
+        last_chunk = (seen - 1).clamp(min=0) // config.chunk_size
+        expected = (last_chunk + 1 - config.window_chunks).clamp(min=0) * config.chunk_size
         if bool((seen < 0).any()) or not torch.equal(covered, torch.where(seen > 0, expected, 0)):
             raise ValueError(
                 "initial_state.seen and initial_state.covered disagree with chunk_size and window_chunks: "
                 f"seen {seen.tolist()}, covered {covered.tolist()}"
             )
-        bad_used = (used > size) | (used < 0) | ((covered > 0) & (used < config.chunk_size)) | ((covered == 0) & (used != 0))
+        folded = covered > 0
+        bad_used = (used > size) | (folded & (used < config.chunk_size)) | (~folded & (used != 0))
         if bool(bad_used.any()):
-            raise ValueError(f"initial_state.used must lie in [chunk_size, state_size] once a chunk is folded, got {used.tolist()}")
+            raise ValueError(
+                "initial_state.used must be 0 before the first fold and in [chunk_size, state_size] after it, "
+                f"got {used.tolist()}"
+            )
     return state
 
 
