@@ -19,13 +19,18 @@ from typing import Optional
 import torch
 
 
-def grid_positions(offset: torch.Tensor, batch: int, length: int, cu_seqlens: Optional[torch.Tensor], chunk_size: int):
+def grid_positions(
+    offset: torch.Tensor, batch: int, length: int, cu_seqlens: Optional[torch.Tensor], chunk_size: int,
+    min_cells: int = 0,
+):
     """Where every input token goes on the ``[N, G]`` grid, and each sequence's length.
 
     Args:
-        offset: ``[N]`` each sequence's position within its first chunk.
+        offset: ``[N]`` each sequence's first grid cell: its position within its first chunk,
+            or further on when the grid also holds carried tokens before the new ones.
         batch, length: the inputs' B and T (tokens in row-major order over ``[B, T]``, or
             packed along T with ``cu_seqlens`` and B = 1).
+        min_cells: the grid holds at least this many cells per sequence.
     Returns:
         ``(flat_index [B * T], lengths [N], G)``: token i goes to cell ``flat_index[i]`` of the
         flattened ``[N * G]`` grid; ``G`` is a multiple of C.
@@ -39,7 +44,7 @@ def grid_positions(offset: torch.Tensor, batch: int, length: int, cu_seqlens: Op
         lengths = cu_seqlens[1:] - cu_seqlens[:-1]
         seq_id = torch.repeat_interleave(torch.arange(lengths.numel(), device=device), lengths)
         pos = torch.arange(length, device=device) - cu_seqlens[seq_id]
-    span = int((offset + lengths).max())
+    span = max(int((offset + lengths).max()), min_cells)
     grid = max(-(-span // chunk_size), 1) * chunk_size
     return seq_id * grid + offset[seq_id] + pos, lengths, grid
 

@@ -1,0 +1,13 @@
+"""The Key-Value Means op (design page ``kvm.md``): one signature, two backends, one function.
+
+:func:`kvm_attention` (:mod:`.dispatch`) is the entry point. Beside it: :mod:`.reference` (the
+per-token loop of the page), :mod:`.chunked` (the chunked form through
+``scaled_dot_product_attention``), :mod:`.functions` (the budget and the call's options) and
+:mod:`.state` (the carried, preallocated state).
+"""
+
+from .dispatch import BACKENDS, kvm_attention
+from .functions import BUDGETS
+from .state import KVMState
+
+__all__ = ["BACKENDS", "BUDGETS", "KVMState", "kvm_attention"]

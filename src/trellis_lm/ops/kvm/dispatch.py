@@ -1,0 +1,187 @@
+"""The one public entry point of the op: argument checks, state set-up and backend choice."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..checks import (
+    as_dtype, check_chunk_size, check_cu_seqlens, compute_dtype, expect_dims, expect_float_inputs, expect_shape,
+)
+from .chunked import chunked_forward
+from .functions import BUDGETS, KVMConfig
+from .reference import reference_forward
+from .state import KVMState
+
+BACKENDS = {"reference": reference_forward, "torch": chunked_forward}
+
+
+def _expect_int(name: str, value: object, low: int, high: Optional[int] = None, why: str = "") -> int:
+    """An int (not a bool) in ``[low, high]``, or a ``ValueError`` naming ``name``."""
+    ok = isinstance(value, int) and not isinstance(value, bool) and value >= low and (high is None or value <= high)
+    if not ok:
+        bound = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise ValueError(f"{name} must be an integer {bound}{why}, got {value!r}")
+    return value
+
+
+def _expect_positive(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{name} must be a number > 0, got {value!r}")
+    return float(value)
+
+
+def _initial_state(initial_state: Optional[KVMState], rows: int, heads: int, dk: int, dv: int,
+                   config: KVMConfig, dtype: torch.dtype, device: torch.device) -> KVMState:
+    """``None`` or a :class:`KVMState`, checked against the call and converted to ``dtype``."""
+    if initial_state is None:
+        return KVMState.empty(rows, heads, config.state_size, config.window, dk, dv, dtype=dtype, device=device)
+    if not isinstance(initial_state, KVMState):
+        raise ValueError(f"initial_state must be None or a KVMState, got {type(initial_state).__name__}")
+    size, window = config.state_size, config.window
+    n = f"N = {rows} sequences"
+    for name, shape, meaning in (
+        ("keys", (rows, heads, size, dk), f"[N, H, S, Dk] with {n}, S = state_size"),
+        ("values", (rows, heads, size, dv), f"[N, H, S, Dv] with {n}, S = state_size"),
+        ("radii", (rows, heads, size), f"[N, H, S] with {n}, S = state_size"),
+        ("window_k", (rows, heads, window, dk), f"[N, H, W, Dk] with {n}, W = window_chunks * chunk_size"),
+        ("window_v", (rows, heads, window, dv), f"[N, H, W, Dv] with {n}, W = window_chunks * chunk_size"),
+        ("window_g", (rows, heads, window), f"[N, H, W] with {n}, W = window_chunks * chunk_size"),
+        ("used", (rows,), f"[N] with {n}"), ("seen", (rows,), f"[N] with {n}"), ("covered", (rows,), f"[N] with {n}"),
+    ):
+        expect_shape(f"initial_state.{name}", getattr(initial_state, name), shape, meaning)
+    for name in ("used", "seen", "covered"):
+        if getattr(initial_state, name).is_floating_point():
+            raise ValueError(f"initial_state.{name} must hold integers, got {getattr(initial_state, name).dtype}")
+    counters = ("used", "seen", "covered")
+    state = KVMState(**{
+        name: as_dtype(tensor, torch.long if name in counters else dtype, device)
+        for name, tensor in initial_state.tensors().items()
+    })
+    # Reading values back cannot be compiled; a compiled call is fed states this op made.
+    if rows and not torch.compiler.is_compiling():
+        seen, covered, used = state.seen, state.covered, state.used
+        # The window starts at `covered`: nothing has left it before chunk B started.
+        last_chunk = (seen - 1).clamp(min=0) // config.chunk_size
+        expected = (last_chunk + 1 - config.window_chunks).clamp(min=0) * config.chunk_size
+        if bool((seen < 0).any()) or not torch.equal(covered, torch.where(seen > 0, expected, 0)):
+            raise ValueError(
+                "initial_state.seen and initial_state.covered disagree with chunk_size and window_chunks: "
+                f"seen {seen.tolist()}, covered {covered.tolist()}"
+            )
+        folded = covered > 0
+        bad_used = (used > size) | (folded & (used < config.chunk_size)) | (~folded & (used != 0))
+        if bool(bad_used.any()):
+            raise ValueError(
+                "initial_state.used must be 0 before the first fold and in [chunk_size, state_size] after it, "
+                f"got {used.tolist()}"
+            )
+    return state
+
+
+def kvm_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    gate: torch.Tensor,
+    *,
+    norm_weight: torch.Tensor,
+    norm_bias: torch.Tensor,
+    temperature: torch.Tensor,
+    initial_state: Optional[KVMState] = None,
+    chunk_size: int = 256,
+    window_chunks: int = 2,
+    rope_dims: int = 64,
+    sinks: int = 1,
+    state_size: int = 256,
+    budget: str = "fixed",
+    budget_scale: float = 16.0,
+    budget_exponent: float = 0.5,
+    budget_saturation: float = 1024.0,
+    budget_round: int = 1,
+    budget_min: int = 256,
+    output_final_state: bool = False,
+    cu_seqlens: Optional[torch.Tensor] = None,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, Optional[KVMState]]:
+    """Key-Value Means attention (design page ``kvm.md``, sections 1-3).
+
+    Each query attends, in one softmax, to a compressed state (temperature ``t_s``) and a block
+    sliding window of the last ``window_chunks`` chunks, its own causally (temperature ``t_w``).
+    When a chunk leaves the window it is folded into the state: the least familiar tokens are
+    appended as new rows, as the budget allows, and the others are merged, winner take all,
+    into their most similar non-sink row.
+
+    Args:
+        q, k: ``[B, T, H, Dk]`` as the layer prepared them: LayerNormed, RoPE on the first
+            ``rope_dims`` channels.
+        v: ``[B, T, H, Dv]``.
+        gate: ``[B, T, H]`` merge gates; must be > 0 (not checked: a precondition).
+        norm_weight, norm_bias: ``[H, Dk]`` the affine of ``LN_s``, the state's LayerNorm.
+        temperature: ``[H, 2]`` per-head ``(t_s, t_w)``, multiplying state and window keys.
+        initial_state: ``None`` (no tokens seen) or the :class:`KVMState` of an earlier call,
+            with ``N = B`` rows, or one per sequence of ``cu_seqlens``.
+        chunk_size: C >= 1. window_chunks: B >= 1, the window holds W = B C tokens at most.
+        rope_dims: R in ``[0, Dk]``, the rotated channels, zeroed in state keys.
+        sinks: the first ``sinks`` state rows never take merges; ``0 <= sinks < chunk_size``.
+        state_size: rows preallocated in the state, ``>= chunk_size``: the budget M of
+            ``"fixed"``, the cap of the growable budgets.
+        budget: ``"fixed"``; or ``"power_law"`` (``floor(budget_scale * t ** budget_exponent)``
+            rows at position t) or ``"saturation"`` (``floor(budget_saturation * t /
+            (budget_saturation + t))``), rounded down to a multiple of ``budget_round``, at least
+            ``budget_min``; every budget is capped by the tokens covered and by ``state_size``.
+        output_final_state: also return the state after the last token.
+        cu_seqlens: ``[N + 1]`` int, with B = 1: N sequences packed along T, each from its own
+            initial state (a zero-length sequence hands its state back).
+        backend: ``"reference"`` (per-token loop), ``"torch"`` (chunked) or ``"auto"`` (torch).
+
+    Returns:
+        ``o [B, T, H, Dv]`` in q's dtype, and the final :class:`KVMState` (float32, or float64
+        for float64 inputs) when ``output_final_state`` else ``None``.
+    """
+    expect_dims("q", q, 4, "[B, T, H, Dk]")
+    batch, length, heads, dk = q.shape
+    expect_dims("v", v, 4, "[B, T, H, Dv]")
+    dv = v.shape[-1]
+    expect_shape("k", k, (batch, length, heads, dk), "[B, T, H, Dk] like q")
+    expect_shape("v", v, (batch, length, heads, dv), "[B, T, H, Dv]")
+    expect_shape("gate", gate, (batch, length, heads), "[B, T, H]")
+    expect_shape("norm_weight", norm_weight, (heads, dk), "[H, Dk]")
+    expect_shape("norm_bias", norm_bias, (heads, dk), "[H, Dk]")
+    expect_shape("temperature", temperature, (heads, 2), "[H, 2] (t_s, t_w)")
+    expect_float_inputs(
+        {"q": q, "k": k, "v": v, "gate": gate, "norm_weight": norm_weight, "norm_bias": norm_bias,
+         "temperature": temperature}, q.device,
+    )
+    if length == 0:
+        raise ValueError("the inputs must hold at least one token (T >= 1)")
+    check_chunk_size(chunk_size)
+    _expect_int("window_chunks", window_chunks, 1)
+    _expect_int("rope_dims", rope_dims, 0, dk, " (at most Dk)")
+    _expect_int("sinks", sinks, 0, chunk_size - 1, " (fewer than chunk_size)")
+    _expect_int("state_size", state_size, chunk_size, why=" (at least chunk_size)")
+    if budget not in BUDGETS:
+        raise ValueError(f"budget must be one of {BUDGETS}, got {budget!r}")
+    _expect_positive("budget_scale", budget_scale)
+    _expect_positive("budget_exponent", budget_exponent)
+    _expect_positive("budget_saturation", budget_saturation)
+    _expect_int("budget_round", budget_round, 1)
+    _expect_int("budget_min", budget_min, 0)
+    if backend != "auto" and backend not in BACKENDS:
+        raise ValueError(f"backend must be 'auto' or one of {sorted(BACKENDS)}, got {backend!r}")
+    forward = BACKENDS["torch" if backend == "auto" else backend]
+    config = KVMConfig(
+        chunk_size, window_chunks, rope_dims, sinks, state_size, budget, float(budget_scale), float(budget_exponent),
+        float(budget_saturation), budget_round, budget_min,
+    )
+
+    rows = batch
+    if cu_seqlens is not None:
+        cu_seqlens = check_cu_seqlens(cu_seqlens, batch, length)
+        rows = cu_seqlens.numel() - 1
+    dtype = compute_dtype(q)
+    state = _initial_state(initial_state, rows, heads, dk, dv, config, dtype, q.device)
+    inputs = [as_dtype(t, dtype, q.device) for t in (q, k, v, gate, norm_weight, norm_bias, temperature)]
+    o, final = forward(*inputs, state, config, cu_seqlens)
+    return as_dtype(o, q.dtype, q.device), (final if output_final_state else None)
