@@ -51,6 +51,10 @@ def test_mixer_types_default_to_trellis_and_set_layer_types():
         (dict(num_key_value_heads=3), r"num_key_value_heads must be None or an integer >= 1 that divides num_heads = 2"),
         (dict(rope_theta=0.0), r"rope_theta must be a number > 0"),
         (dict(attention_bias=1), r"attention_bias must be True or False"),
+        (dict(kvm_rope_dims=3), r"kvm_rope_dims must be an even integer in \[0, head_dim = 8\]"),
+        (dict(kvm_state_size=2), r"kvm_state_size must be an integer >= kvm_chunk_size = 3"),
+        (dict(kvm_sinks=3), r"kvm_sinks must be an integer in \[0, kvm_chunk_size = 3\)"),
+        (dict(kvm_budget="grow"), r"kvm_budget must be one of"),
         (dict(layer_types=["full_attention", "linear_attention"]), r"layer_types is set from mixer_types"),
     ],
 )
@@ -77,7 +81,10 @@ def test_the_schedule_round_trips_through_a_saved_config(tmp_path):
 @pytest.mark.parametrize(
     "schedule, unused",
     [
-        ("trellis", dict(lattice_variant="enc", num_key_value_heads=1, rope_theta=7.0, attention_bias=True)),
+        ("trellis", dict(lattice_variant="enc", num_key_value_heads=1, rope_theta=7.0, attention_bias=True,
+                         kvm_chunk_size=5, kvm_window_chunks=3, kvm_state_size=9, kvm_budget="power_law")),
+        ("kvm", dict(num_slots=9, chunk_size=5, compress_fn="l2norm", lattice_variant="sim", conv_size=2,
+                     num_key_value_heads=1, attention_bias=True)),
         ("lattice", dict(compress_fn="l2norm", mix_fn="softmax", use_forget_gate=False, gate_logit_normalizer=3.0,
                          num_key_value_heads=1, rope_theta=7.0)),
         ("hybrid", dict()),  # every field is used somewhere
@@ -95,7 +102,8 @@ def test_a_field_no_layer_uses_does_not_change_the_model(schedule, unused):
     "schedule, field, value",
     [("lattice", "lattice_variant", "enc"), ("lattice", "lattice_variant", "sim"), ("hybrid", "rope_theta", 7.0),
      ("hybrid", "num_key_value_heads", 1), ("hybrid", "lattice_variant", "sim"), ("lattice", "chunk_size", 3),
-     ("lattice", "num_slots", 9)],
+     ("lattice", "num_slots", 9), ("kvm", "kvm_window_chunks", 2), ("kvm", "kvm_chunk_size", 2),
+     ("kvm", "kvm_state_size", 6), ("kvm", "kvm_sinks", 0), ("kvm", "kvm_rope_dims", 0), ("kvm", "rope_theta", 7.0)],
 )
 def test_fields_a_layer_uses_change_the_model(schedule, field, value):
     ids = random_tokens(1, 11)
@@ -189,8 +197,17 @@ def test_cache_size_grows_only_by_the_attention_keys_and_values(schedule):
     for _ in range(3):
         model(ids[:, :1], past_key_values=long)
     assert long.nbytes() - short.nbytes() == 2 * 34 * attention_bytes_per_token(model.config)
-    if schedule != "hybrid":
+    if "attention" not in SCHEDULES[schedule]:
         assert long.nbytes() == short.nbytes()
+
+
+def test_a_kvm_cache_is_bounded_by_its_window_and_state():
+    # What the cache holds after the window first fills (W + 1 tokens) is all it ever holds.
+    model = tiny_model(schedule="kvm")
+    config = model.config
+    window = config.kvm_window_chunks * config.kvm_chunk_size
+    ids = random_tokens(1, 300, seed=3)
+    assert model(ids).past_key_values.nbytes() == model(ids[:, : window + 1]).past_key_values.nbytes()
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
@@ -219,7 +236,7 @@ def test_a_cache_refuses_a_model_of_another_schedule(tmp_path):
         TrellisCache.load(tmp_path / "cache.safetensors", config=other.config)
 
 
-@pytest.mark.parametrize("schedule", ["lattice", "hybrid"])
+@pytest.mark.parametrize("schedule", ["lattice", "hybrid", "kvm", "kvm-hybrid"])
 def test_generate_modes_for_every_schedule(schedule):
     model = tiny_model(seed=8, schedule=schedule)
     ids, mask = left_pad([random_tokens(1, 6)[0], random_tokens(1, 3, seed=2)[0]])

@@ -18,16 +18,20 @@ SCHEDULES = {
     "trellis": ["trellis", "trellis"],
     "lattice": ["lattice", "lattice"],
     "hybrid": ["trellis", "trellis", "attention", "lattice"],
+    "kvm": ["kvm", "kvm"],
+    "kvm-hybrid": ["kvm", "lattice", "attention", "trellis"],
 }
 
 
 def tiny_config(schedule: str = "trellis", **overrides: Any) -> TrellisConfig:
-    """2 layers (4 for the hybrid), 2 heads of 8, 6 slots (not a power of two), chunks of 4;
-    ``schedule`` names the layers' mixers (see ``SCHEDULES``)."""
+    """2 layers (4 for the hybrids), 2 heads of 8, 6 slots (not a power of two), chunks of 4;
+    KVM layers fold chunks of 3 into 4 state rows and attend to a window of one chunk, so a
+    few tokens cross several folds. ``schedule`` names the layers' mixers (see ``SCHEDULES``)."""
     kinds = SCHEDULES[schedule]
     fields = dict(
         vocab_size=VOCAB, hidden_size=32, num_hidden_layers=len(kinds), num_heads=2, head_dim=8, num_slots=6,
         chunk_size=4, intermediate_size=48, mixer_types=None if schedule == "trellis" else kinds,
+        kvm_chunk_size=3, kvm_window_chunks=1, kvm_state_size=4, kvm_rope_dims=4, kvm_sinks=1,
     )
     fields.update(overrides)
     return TrellisConfig(**fields)

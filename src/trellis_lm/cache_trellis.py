@@ -1,8 +1,9 @@
 """The generation cache of Trellis models: one entry per layer, of the layer's kind.
 
-* A memory layer (``"trellis"``, ``"lattice"``) carries the short-conv tails of q and k (the
-  last ``conv_size - 1`` projected inputs of every row) and its op's state: a fixed size,
-  whatever the number of tokens seen (design pages, section 6).
+* A memory layer (``"trellis"``, ``"lattice"``, ``"kvm"``) carries the short-conv tails of q
+  and k (the last ``conv_size - 1`` projected inputs of every row; KVM has none) and its op's
+  state: a fixed size, whatever the number of tokens seen (design pages, section 6; KVM with a
+  growable budget grows up to its cap).
 * An attention layer (``"attention"``) carries every key and value it has seen, as attention
   must, with which columns later tokens may see and how many real tokens each row holds.
 
@@ -23,7 +24,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers.cache_utils import Cache
 
-from .ops import LatticeState, OpState, TrellisState
+from .ops import KVMState, LatticeState, OpState, TrellisState
 
 FORMAT = "trellis-cache"
 # Version 1 (one kind of layer, no record of the model) is not read: its layer count could not
@@ -131,6 +132,14 @@ class LatticeLayerCache(MemoryLayerCache):
 
 
 @dataclass
+class KVMLayerCache(MemoryLayerCache):
+    """A KVM layer's entry: its state holds the window and the merged means (no conv tails)."""
+
+    kind: ClassVar[str] = "kvm"
+    state_class: ClassVar[type[OpState]] = KVMState
+
+
+@dataclass
 class AttentionLayerCache(LayerCache):
     """A softmax-attention layer's entry; it grows with the columns seen.
 
@@ -159,7 +168,9 @@ class AttentionLayerCache(LayerCache):
         return cls(**{n: tensors[n] for n in present})
 
 
-LAYER_CACHES: dict[str, type[LayerCache]] = {c.kind: c for c in (TrellisLayerCache, LatticeLayerCache, AttentionLayerCache)}
+LAYER_CACHES: dict[str, type[LayerCache]] = {
+    c.kind: c for c in (TrellisLayerCache, LatticeLayerCache, KVMLayerCache, AttentionLayerCache)
+}
 
 
 class TrellisCache(Cache):
@@ -333,5 +344,5 @@ def _read_header(metadata: Mapping[str, str], path: Any) -> tuple[list[str], int
 
 
 __all__ = [
-    "AttentionLayerCache", "LatticeLayerCache", "LayerCache", "MemoryLayerCache", "TrellisCache", "TrellisLayerCache",
+    "AttentionLayerCache", "KVMLayerCache", "LatticeLayerCache", "LayerCache", "MemoryLayerCache", "TrellisCache", "TrellisLayerCache",
 ]

@@ -12,6 +12,7 @@ from typing import Any, Callable, ClassVar
 from transformers import PreTrainedConfig
 
 from .ops import BACKENDS, COMPRESS_FNS, LATTICE_VARIANTS, MIX_FNS
+from .ops.kvm import BUDGETS as KVM_BUDGETS
 from .remote_code import AUTO_MAP, code_is_packaged, export_code
 
 OP_BACKENDS = ("auto",) + tuple(sorted(BACKENDS))
@@ -22,10 +23,14 @@ MIXER_FIELDS = {
                 "conv_size", "use_forget_gate", "gate_logit_normalizer"),
     "lattice": ("hidden_size", "num_heads", "head_dim", "num_slots", "chunk_size", "lattice_variant", "conv_size"),
     "attention": ("hidden_size", "num_heads", "head_dim", "num_key_value_heads", "rope_theta", "attention_bias"),
+    "kvm": ("hidden_size", "num_heads", "head_dim", "rope_theta", "kvm_chunk_size", "kvm_window_chunks", "kvm_rope_dims",
+            "kvm_sinks", "kvm_state_size", "kvm_budget"),
 }
 MIXER_TYPES = tuple(MIXER_FIELDS)
 # transformers' own names for the schedule, in the standard `layer_types` field.
-STANDARD_LAYER_TYPES = {"trellis": "linear_attention", "lattice": "linear_attention", "attention": "full_attention"}
+STANDARD_LAYER_TYPES = {
+    "trellis": "linear_attention", "lattice": "linear_attention", "kvm": "linear_attention", "attention": "full_attention",
+}
 
 
 class TrellisConfig(PreTrainedConfig):
@@ -39,8 +44,8 @@ class TrellisConfig(PreTrainedConfig):
         hidden_size: width D of the residual stream.
         num_hidden_layers: number of blocks.
         mixer_types: one entry per layer, each ``"trellis"`` (design page ``trellis.md``),
-            ``"lattice"`` (``lattice.md``) or ``"attention"`` (causal softmax attention with
-            RoPE); ``None`` (the default) means every layer is ``"trellis"`` (:attr:`layer_kinds`
+            ``"lattice"`` (``lattice.md``), ``"kvm"`` (Key-Value Means, ``kvm.md``) or
+            ``"attention"`` (causal softmax attention with RoPE); ``None`` (the default) means every layer is ``"trellis"`` (:attr:`layer_kinds`
             resolves it). The standard ``layer_types`` field is set from it (memory mixers as
             ``"linear_attention"``, attention as ``"full_attention"``).
         num_heads: heads H of every mixer (query heads of attention layers).
@@ -60,6 +65,17 @@ class TrellisConfig(PreTrainedConfig):
         rope_theta: base of the rotary position embedding of attention layers (plain RoPE on
             all of ``head_dim``; positions count each row's real tokens).
         attention_bias: attention layers' q/k/v projections have biases (as Qwen2's).
+        kvm_chunk_size: C of KVM layers (a chunk is folded into the state as a whole).
+        kvm_window_chunks: KVM's window, in chunks: the most recent ``kvm_window_chunks * C``
+            tokens are attended to exactly.
+        kvm_rope_dims: channels of q and k (even, at most ``head_dim``) that KVM rotates; its
+            RoPE pairs channels (2i, 2i + 1) as the official code does, with ``rope_theta``.
+        kvm_sinks: KVM state rows that never take merges (attention sinks), < ``kvm_chunk_size``.
+        kvm_state_size: KVM state rows: the budget for ``kvm_budget="fixed"``, the cap for the
+            growable budgets; at least ``kvm_chunk_size``.
+        kvm_budget: ``"fixed"`` (a constant-size cache), ``"power_law"`` or ``"saturation"``
+            (growing with the tokens seen up to ``kvm_state_size``, with the op's default
+            parameters).
         intermediate_size: hidden width of the SwiGLU MLP.
         rms_norm_eps: epsilon of every RMSNorm.
         initializer_range: standard deviation of the linear and embedding weights at init.
@@ -68,7 +84,7 @@ class TrellisConfig(PreTrainedConfig):
         use_cache: return a :class:`TrellisCache` from ``forward`` by default.
         op_backend: ``"auto"`` or a backend of ``trellis_lm.ops.BACKENDS`` (e.g. ``"reference"``
             to run the per-token loop); passed as ``backend=`` to the op.
-        compile_decode: on CPUs, run each layer's single-token decode step through
+        compile_decode: on CPUs, run each Trellis layer's single-token decode step through
             ``torch.compile`` (compiled once per process and batch size, about 10 s for a small
             model on 2 cores; needs a C++ compiler). Same function, fewer and fused operations:
             decoding on CPUs is bound by per-operation overhead. Prefill, training and GPUs
@@ -97,6 +113,12 @@ class TrellisConfig(PreTrainedConfig):
     num_key_value_heads: int | None = None
     rope_theta: float = 10000.0
     attention_bias: bool = False
+    kvm_chunk_size: int = 256
+    kvm_window_chunks: int = 2
+    kvm_rope_dims: int = 64
+    kvm_sinks: int = 1
+    kvm_state_size: int = 256
+    kvm_budget: str = "fixed"
     intermediate_size: int = 2048
     rms_norm_eps: float = 1e-6
     initializer_range: float = 0.02
@@ -170,6 +192,15 @@ class TrellisConfig(PreTrainedConfig):
               f"None or an integer >= 1 that divides num_heads = {self.num_heads}")
         check("rope_theta", lambda v: _is_real(v) and v > 0, "a number > 0")
         check("attention_bias", lambda v: isinstance(v, bool), "True or False")
+        for name in ("kvm_chunk_size", "kvm_window_chunks"):
+            check(name, lambda v: _is_int(v) and v >= 1, "an integer >= 1")
+        check("kvm_rope_dims", lambda v: _is_int(v) and 0 <= v <= self.head_dim and v % 2 == 0,
+              f"an even integer in [0, head_dim = {self.head_dim}]")
+        check("kvm_sinks", lambda v: _is_int(v) and 0 <= v < self.kvm_chunk_size,
+              f"an integer in [0, kvm_chunk_size = {self.kvm_chunk_size})")
+        check("kvm_state_size", lambda v: _is_int(v) and v >= self.kvm_chunk_size,
+              f"an integer >= kvm_chunk_size = {self.kvm_chunk_size}")
+        check("kvm_budget", lambda v: v in KVM_BUDGETS, f"one of {KVM_BUDGETS}")
         check("mix_fn", lambda v: v in MIX_FNS, f"one of {MIX_FNS}")
         check("op_backend", lambda v: v in OP_BACKENDS, f"one of {OP_BACKENDS}")
         for name in ("gate_logit_normalizer", "rms_norm_eps", "initializer_range"):

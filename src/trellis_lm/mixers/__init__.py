@@ -10,10 +10,11 @@ from typing import Any
 
 from .attention import AttentionMixer
 from .base import MemoryMixer, Mixer
+from .kvm import KVMAttention
 from .lattice import LatticeAttention
 from .trellis import TrellisAttention, forget_gate_bias
 
-MIXERS: dict[str, type[Mixer]] = {cls.kind: cls for cls in (TrellisAttention, LatticeAttention, AttentionMixer)}
+MIXERS: dict[str, type[Mixer]] = {cls.kind: cls for cls in (TrellisAttention, LatticeAttention, KVMAttention, AttentionMixer)}
 
 
 def build_mixer(config: Any, layer_idx: int) -> Mixer:
@@ -21,4 +22,4 @@ def build_mixer(config: Any, layer_idx: int) -> Mixer:
     return MIXERS[config.layer_kinds[layer_idx]](config, layer_idx)
 
 
-__all__ = ["AttentionMixer", "LatticeAttention", "MIXERS", "MemoryMixer", "Mixer", "TrellisAttention", "build_mixer", "forget_gate_bias"]
+__all__ = ["AttentionMixer", "KVMAttention", "LatticeAttention", "MIXERS", "MemoryMixer", "Mixer", "TrellisAttention", "build_mixer", "forget_gate_bias"]

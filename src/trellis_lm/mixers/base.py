@@ -3,10 +3,11 @@
 A mixer is the ``self_attn`` module of a block: ``mixer(x [B, T, D], valid, cache) -> [B, T, D]``,
 reading and updating its own entry ``cache.layers[layer_idx]`` (of the class ``cache_class``).
 
-A *memory mixer* (Trellis, Lattice) projects q and k through causal short convs, calls its op
-on each row's real tokens and reads the op's output through a per-head RMSNorm and a GELU
-gate. :class:`MemoryMixer` holds that plumbing once; a subclass says which op it runs, what
-the op's other inputs are, and what its learned initial state is.
+A *memory mixer* (Trellis, Lattice, KVM) projects q and k (through causal short convs where
+the layer has them), calls its op on each row's real tokens and reads the op's output out
+(Trellis and Lattice through a per-head RMSNorm and a GELU gate). :class:`MemoryMixer` holds that
+plumbing once; a subclass says which op it runs, what the op's other inputs are, and what its
+state is before the first token.
 """
 
 from __future__ import annotations
@@ -53,18 +54,23 @@ class Mixer(nn.Module):
 class MemoryMixer(Mixer):
     """Short convs on q and k, the op on real tokens, gated RMSNorm output (see module doc).
 
-    Subclasses set ``state_class`` and ``cache_class``, create ``q_proj``, ``k_proj``,
-    ``g_proj``, ``o_proj`` and call :meth:`_build_output` and :meth:`_build_convs`, and implement
-    :meth:`op_inputs`, :meth:`initial_memories` and :meth:`run_op`.
+    Subclasses set ``state_class`` and ``cache_class``, create ``q_proj``, ``k_proj`` and
+    ``o_proj``, call :meth:`_build_convs` (and :meth:`_build_output` for the gated read-out),
+    and implement :meth:`op_inputs`, :meth:`fresh_state` and :meth:`run_op`.
     """
 
     state_class: ClassVar[type[OpState]]
     cache_class: ClassVar[type[MemoryLayerCache]]
+    # Whether `config.compile_decode` may compile this mixer's single-token step (it must then
+    # be free of data-dependent Python control flow).
+    compilable: ClassVar[bool] = False
 
-    def _build_convs(self, q_channels: int, k_channels: int) -> None:
-        has_conv = self.config.conv_size > 0
-        self.q_conv = TrellisShortConv(q_channels, self.config.conv_size) if has_conv else None
-        self.k_conv = TrellisShortConv(k_channels, self.config.conv_size) if has_conv else None
+    def _build_convs(self, q_channels: int, k_channels: int, width: Optional[int] = None) -> None:
+        """Short convs of ``width`` (default ``config.conv_size``; 0: none) on q and k."""
+        width = self.config.conv_size if width is None else width
+        has_conv = width > 0
+        self.q_conv = TrellisShortConv(q_channels, width) if has_conv else None
+        self.k_conv = TrellisShortConv(k_channels, width) if has_conv else None
 
     def _build_output(self) -> None:
         """The read-out: per-head RMSNorm of the op's output, times GELU(g_proj(x)), o_proj."""
@@ -73,15 +79,25 @@ class MemoryMixer(Mixer):
         self.o_proj = nn.Linear(heads * dim, hidden, bias=False)
         self.o_norm = TrellisRMSNorm(dim, self.config.rms_norm_eps)
 
-    def op_inputs(self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def op_inputs(self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, valid: Optional[ValidTokens],
+                  state: Optional[OpState]) -> tuple[torch.Tensor, ...]:
         """The op's per-token inputs ``[B, T, H, *]``, q first, k second, the value third (its
-        shape is the output's), from ``x [B, T, D]`` and the convolved projections ``q``, ``k``."""
+        shape is the output's), from ``x [B, T, D]`` and the convolved projections ``q``, ``k``
+        (``valid`` and the carried ``state`` for mixers whose inputs depend on positions)."""
         raise NotImplementedError
 
-    def initial_memories(self, rows: int) -> tuple[torch.Tensor, ...]:
-        """The learned initial memories expanded to ``rows`` sequences, as
-        ``state_class.at_chunk_start`` takes them."""
+    def fresh_state(self, rows: int) -> OpState:
+        """The op state of ``rows`` sequences before their first token (learned initial
+        memories, expanded)."""
         raise NotImplementedError
+
+    def read_out(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """``[B, T, D]`` from the op's output ``o [B, T, H, d]``: per-head RMSNorm, times
+        GELU(g_proj(x)), then ``o_proj``."""
+        batch, length, _ = x.shape
+        heads, dim = self.config.num_heads, self.config.head_dim
+        gate = F.gelu(self.g_proj(x)).view(batch, length, heads, dim)
+        return self.o_proj((self.o_norm(o) * gate).reshape(batch, length, heads * dim).to(x.dtype))
 
     def run_op(self, inputs: tuple[torch.Tensor, ...], initial_state: OpState, keep_state: bool,
                cu_seqlens: Optional[torch.Tensor]) -> tuple[torch.Tensor, Optional[OpState]]:
@@ -95,8 +111,8 @@ class MemoryMixer(Mixer):
         mix = self.mix
         # Compiled: decode steps without padding (packing padded rows depends on the mask's values)
         # after a prefill, on CPUs (GPUs run fused kernels).
-        if (self.config.compile_decode and x.shape[1] == 1 and x.device.type == "cpu" and valid is None
-                and entry.state is not None):
+        if (self.compilable and self.config.compile_decode and x.shape[1] == 1 and x.device.type == "cpu"
+                and valid is None and entry.state is not None):
             mix = partial(compiled_mix(type(self)), self)
         out, q_tail, k_tail, state = mix(x, valid, entry.q_tail, entry.k_tail, entry.state, keep_state=True)
         if self.q_conv is not None:
@@ -118,17 +134,14 @@ class MemoryMixer(Mixer):
         tails (``[B, conv_size - 1, channels]``, ``None`` for zeros) and the op ``state``
         (``None``: the learned initial memories). Returns ``(y [B, T, D], q_tail, k_tail, final
         state)``, the state ``None`` when not ``keep_state`` or when no row had a real token."""
-        batch, length, _ = x.shape
+        batch = x.shape[0]
         q, k = self.q_proj(x), self.k_proj(x)
         if self.q_conv is not None:
             q, q_tail = self._convolve(self.q_conv, q, valid, q_tail)
             k, k_tail = self._convolve(self.k_conv, k, valid, k_tail)
-        inputs = self.op_inputs(x, q, k)
+        inputs = self.op_inputs(x, q, k, valid, state)
         o, state = self._attend(inputs, self._initial_state(state, valid, batch), valid, keep_state)
-        heads, dim = self.config.num_heads, self.config.head_dim
-        gate = F.gelu(self.g_proj(x)).view(batch, length, heads, dim)
-        y = self.o_proj((self.o_norm(o) * gate).reshape(batch, length, heads * dim).to(x.dtype))
-        return y, q_tail, k_tail, state
+        return self.read_out(x, o), q_tail, k_tail, state
 
     @staticmethod
     def _convolve(
@@ -147,12 +160,12 @@ class MemoryMixer(Mixer):
         documents after a row's first always start from the learned memories.
         """
         if valid is None or not valid.has_documents:
-            return carried if carried is not None else self.state_class.at_chunk_start(*self.initial_memories(batch))
-        fresh = self.state_class.at_chunk_start(*self.initial_memories(valid.seq_rows.numel()))
+            return carried if carried is not None else self.fresh_state(batch)
+        fresh = self.fresh_state(valid.seq_rows.numel())
         if carried is None:
             return fresh
         per_seq = carried.map(lambda t: t.index_select(0, valid.seq_rows.to(t.device)))
-        keep = valid.continues_row.to(per_seq.offset.device)
+        keep = valid.continues_row.to(carried.tensors()[carried.field_names()[0]].device)
         return self.state_class(**{
             name: torch.where(keep.view(-1, *(1,) * (t.dim() - 1)), t, fresh.tensors()[name])
             for name, t in per_seq.tensors().items()

@@ -40,7 +40,8 @@ class LatticeAttention(MemoryMixer):
         self._build_convs(heads * slots, heads * slots)
         self.s0 = nn.Parameter(torch.empty(heads, slots, dim))
 
-    def op_inputs(self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def op_inputs(self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, valid: Any = None,
+                  state: Any = None) -> tuple[torch.Tensor, ...]:
         """``(q, k, v, gamma)`` as :func:`~trellis_lm.ops.lattice_attention` takes them."""
         batch, length, _ = x.shape
         heads, dim = self.config.num_heads, self.config.head_dim
@@ -50,8 +51,8 @@ class LatticeAttention(MemoryMixer):
         gamma = torch.sigmoid(at_least_float32(self.gamma_proj(x)))
         return q, k, v, gamma
 
-    def initial_memories(self, rows: int) -> tuple[torch.Tensor]:
-        return (self.s0.expand(rows, -1, -1, -1),)
+    def fresh_state(self, rows: int) -> LatticeState:
+        return LatticeState.at_chunk_start(self.s0.expand(rows, -1, -1, -1))
 
     def run_op(self, inputs: tuple[torch.Tensor, ...], initial_state: LatticeState, keep_state: bool,
                cu_seqlens: Optional[torch.Tensor]) -> tuple[torch.Tensor, Optional[LatticeState]]:

@@ -42,6 +42,7 @@ class TrellisAttention(MemoryMixer):
     kind = "trellis"
     state_class = TrellisState
     cache_class = TrellisLayerCache
+    compilable = True
 
     def __init__(self, config: Any, layer_idx: int) -> None:
         super().__init__(config, layer_idx)
@@ -57,7 +58,8 @@ class TrellisAttention(MemoryMixer):
         self.mk0 = nn.Parameter(torch.empty(heads, slots, dim))
         self.mv0 = nn.Parameter(torch.empty(heads, slots, dim))
 
-    def op_inputs(self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def op_inputs(self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, valid: Any = None,
+                  state: Any = None) -> tuple[torch.Tensor, ...]:
         """``(q, k, v, alpha, log_beta, gamma)`` as :func:`~trellis_lm.ops.trellis_attention` takes them."""
         batch, length, _ = x.shape
         heads, dim = self.config.num_heads, self.config.head_dim
@@ -72,8 +74,8 @@ class TrellisAttention(MemoryMixer):
         gamma = torch.sigmoid(at_least_float32(self.gamma_proj(x)))
         return q, k, v, alpha, log_beta, gamma
 
-    def initial_memories(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.mk0.expand(rows, -1, -1, -1), self.mv0.expand(rows, -1, -1, -1)
+    def fresh_state(self, rows: int) -> TrellisState:
+        return TrellisState.at_chunk_start(self.mk0.expand(rows, -1, -1, -1), self.mv0.expand(rows, -1, -1, -1))
 
     def run_op(self, inputs: tuple[torch.Tensor, ...], initial_state: TrellisState, keep_state: bool,
                cu_seqlens: Optional[torch.Tensor]) -> tuple[torch.Tensor, Optional[TrellisState]]:

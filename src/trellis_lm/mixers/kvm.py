@@ -1,0 +1,124 @@
+"""The Key-Value Means mixer (design page ``kvm.md``, section 5): attention over a window of
+recent chunks plus a bounded state of merged key/value means."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..cache_trellis import KVMLayerCache
+from ..ops import KVMState, kvm_attention
+from ..ops.kvm import BACKENDS as KVM_BACKENDS
+from .base import MemoryMixer
+from .tokens import ValidTokens, token_positions
+
+LN_EPS = 1e-5  # every LayerNorm of the design page
+
+
+def kvm_rotary(x: torch.Tensor, positions: torch.Tensor, rope_dims: int, theta: float) -> torch.Tensor:
+    """The page's partial RoPE on ``x [B, T, H, Dk]`` at ``positions [B, T]``.
+
+    Channel pairs ``(2i, 2i + 1)`` for ``i < R / 2`` turn by ``p theta^(-i / (R/2 - 1))``:
+    ``out[2i] = x[2i] cos + x[2i+1] sin``, ``out[2i+1] = x[2i+1] cos - x[2i] sin`` (the official
+    code's convention, not Llama's); the other channels pass through. Angles in float64.
+    """
+    if rope_dims == 0:
+        return x
+    half = rope_dims // 2
+    exponent = torch.arange(half, dtype=torch.float64, device=x.device) / max(half - 1, 1)
+    angles = positions.to(torch.float64)[..., None, None] * theta ** (-exponent)  # [B, T, 1, R/2]
+    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    even, odd = x[..., :rope_dims:2], x[..., 1:rope_dims:2]
+    turned = torch.stack((even * cos + odd * sin, odd * cos - even * sin), dim=-1).flatten(-2)
+    return torch.cat((turned, x[..., rope_dims:]), dim=-1)
+
+
+class KVMAttention(MemoryMixer):
+    """The KVM mixer: projections, per-head q/k LayerNorm (affine shared by the heads), partial
+    RoPE, merge gate ``1 + elu(gate_proj(x))``, the op, ``o_proj`` (no output norm or gate: it
+    is attention).
+
+    Parameters: ``q_proj, k_proj, v_proj: D -> H d``, ``q_norm, k_norm`` (LayerNorm over d),
+    ``gate_proj: D -> H`` (no bias, zero at init: plain sums at the start), the state LayerNorm
+    ``state_norm_weight, state_norm_bias [H, d]``, ``temperature [H, 2]`` (t_s, t_w; 1 at init),
+    ``o_proj: H d -> D``. Settings: ``config.kvm_*`` and ``rope_theta``. ``config.op_backend``
+    ``"triton"`` runs the torch path (KVM has no custom kernels).
+    """
+
+    kind = "kvm"
+    state_class = KVMState
+    cache_class = KVMLayerCache
+
+    def __init__(self, config: Any, layer_idx: int) -> None:
+        super().__init__(config, layer_idx)
+        hidden, heads, dim = config.hidden_size, config.num_heads, config.head_dim
+        self.q_proj = nn.Linear(hidden, heads * dim, bias=False)
+        self.k_proj = nn.Linear(hidden, heads * dim, bias=False)
+        self.v_proj = nn.Linear(hidden, heads * dim, bias=False)
+        self.gate_proj = nn.Linear(hidden, heads, bias=False)
+        self.o_proj = nn.Linear(heads * dim, hidden, bias=False)
+        self.q_norm = nn.LayerNorm(dim, eps=LN_EPS)
+        self.k_norm = nn.LayerNorm(dim, eps=LN_EPS)
+        self.state_norm_weight = nn.Parameter(torch.ones(heads, dim))
+        self.state_norm_bias = nn.Parameter(torch.zeros(heads, dim))
+        self.temperature = nn.Parameter(torch.ones(heads, 2))
+        self._build_convs(0, 0, width=0)
+
+    def op_inputs(self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, valid: Optional[ValidTokens] = None,
+                  state: Optional[KVMState] = None) -> tuple[torch.Tensor, ...]:
+        """``(q, k, v, gate)`` as :func:`~trellis_lm.ops.kvm_attention` takes them; RoPE positions
+        count each row's real tokens, continuing the carried state's."""
+        batch, length, _ = x.shape
+        heads, dim = self.config.num_heads, self.config.head_dim
+        past = state.seen.to(x.device) if state is not None else torch.zeros(batch, dtype=torch.long, device=x.device)
+        positions = token_positions(valid, past, length)
+        rope = self.config.kvm_rope_dims
+        q = kvm_rotary(self.q_norm(q.view(batch, length, heads, dim)), positions, rope, self.config.rope_theta)
+        k = kvm_rotary(self.k_norm(k.view(batch, length, heads, dim)), positions, rope, self.config.rope_theta)
+        v = self.v_proj(x).view(batch, length, heads, dim)
+        gate = 1.0 + F.elu(self.gate_proj(x))
+        return q, k, v, gate
+
+    def fresh_state(self, rows: int) -> KVMState:
+        config = self.config
+        dtype = torch.float64 if self.o_proj.weight.dtype == torch.float64 else torch.float32
+        return KVMState.empty(
+            rows, config.num_heads, config.kvm_state_size, config.kvm_window_chunks * config.kvm_chunk_size,
+            config.head_dim, config.head_dim, dtype=dtype, device=self.o_proj.weight.device,
+        )
+
+    def run_op(self, inputs: tuple[torch.Tensor, ...], initial_state: KVMState, keep_state: bool,
+               cu_seqlens: Optional[torch.Tensor]) -> tuple[torch.Tensor, Optional[KVMState]]:
+        config = self.config
+        return kvm_attention(
+            *inputs,
+            norm_weight=self.state_norm_weight,
+            norm_bias=self.state_norm_bias,
+            temperature=self.temperature,
+            initial_state=initial_state,
+            chunk_size=config.kvm_chunk_size,
+            window_chunks=config.kvm_window_chunks,
+            rope_dims=config.kvm_rope_dims,
+            sinks=config.kvm_sinks,
+            state_size=config.kvm_state_size,
+            budget=config.kvm_budget,
+            output_final_state=keep_state,
+            cu_seqlens=cu_seqlens,
+            backend=config.op_backend if config.op_backend in KVM_BACKENDS else "auto",
+        )
+
+    def read_out(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        batch, length, _ = x.shape
+        return self.o_proj(o.reshape(batch, length, -1).to(x.dtype))
+
+    def init_weights(self, init: Any) -> None:
+        init.zeros_(self.gate_proj.weight)  # plain sums at the start (the page; upstream: Kaiming)
+        init.ones_(self.state_norm_weight)
+        init.zeros_(self.state_norm_bias)
+        init.ones_(self.temperature)
+        for norm in (self.q_norm, self.k_norm):
+            init.ones_(norm.weight)
+            init.zeros_(norm.bias)
