@@ -53,6 +53,8 @@ def naive(q, k, v, alpha, log_beta, gamma, m_k, m_v, C, cf, mf):
         for p in range(T):
             if p % C == 0:
                 AK, AV = MK.clone(), MV.clone()
+            if cf == "identity":  # residuals at the current state, whatever C (section 1)
+                AK, AV = MK, MV
             beta, g, a = log_beta[b, p, h].exp(), gamma[b, p, h], alpha[b, p, h]
             zk = AK @ k[b, p, h]
             uk = torch.func.vjp(lambda z: _phi(cf, z), zk)[1](_phi(cf, zk) - a)[0]
