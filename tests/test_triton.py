@@ -101,6 +101,27 @@ def test_mirror_varlen_gradients_float64():
         torch.testing.assert_close(g, e, rtol=1e-8, atol=1e-9, msg=lambda m: f"d/d{name}: {m}")
 
 
+def test_mirror_full_forget_float64():
+    """log_beta = -inf inside a chunk, at a chunk start and at the first token: the hand-derived
+    backward stays exact (its decays are direct sums, as in the kernels)."""
+    x = list(make_inputs(2, 11, 2, 3, 4, 5, seed=5))
+    x[4] = x[4].clone()
+    x[4][0, 0], x[4][0, 4], x[4][1, 6, 1] = float("-inf"), float("-inf"), float("-inf")
+    x = [t.requires_grad_() for t in x]
+    state = make_state(2, 2, 3, 4, 5, chunk_size=4, requires_grad=True)
+    BACKENDS["mirror"] = mirror_op
+    try:
+        o, _ = run("mirror", x, initial_state=state, chunk_size=4)
+        o_ref, _ = run("reference", x, initial_state=state, chunk_size=4)
+        torch.testing.assert_close(o, o_ref, rtol=1e-9, atol=1e-9)
+        got = _grads("mirror", x, state, chunk_size=4)
+        expected = _grads("reference", x, state, chunk_size=4)
+    finally:
+        del BACKENDS["mirror"]
+    for name, g, e in zip(NAMES, got, expected):
+        torch.testing.assert_close(g, e, rtol=1e-8, atol=1e-9, msg=lambda m: f"d/d{name}: {m}")
+
+
 def test_auto_picks_triton_for_cuda_tensors():
     if not HAVE_TRITON:
         pytest.skip("triton is not installed")

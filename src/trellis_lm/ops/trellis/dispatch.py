@@ -118,7 +118,8 @@ def trellis_attention(
         backend: ``"reference"`` (per-token loop), ``"torch"`` (chunk-parallel), ``"triton"``
             (GPU kernels; registered when triton is installed) or ``"auto"`` (``"triton"`` for
             CUDA tensors when available, else ``"torch"``). With T == 1 (and no ``cu_seqlens``),
-            ``"torch"`` runs the single-token step of :mod:`.step`.
+            ``"torch"`` runs the single-token step of :mod:`.step`. ``"triton"`` hands
+            ``compress_fn="identity"`` (and float64) to the PyTorch path (see :mod:`.triton_chunk`).
 
     Returns:
         ``o [B, T, H, Dv]`` in q's dtype, and the final :class:`TrellisState` (float32, or
@@ -137,7 +138,9 @@ def trellis_attention(
     expect_float_inputs({"q": q, "k": k, "v": v, "alpha": alpha, "log_beta": log_beta, "gamma": gamma}, q.device)
     if length == 0:
         raise ValueError("the inputs must hold at least one token (T >= 1)")
-    expect_nonzero_sizes({"H": heads, "Dk": dk, "Dv": dv, "M": slots}, "q, k [B, T, H, Dk], v [B, T, H, Dv], alpha [B, T, H, M]")
+    expect_nonzero_sizes(
+        {"H": heads, "Dk": dk, "Dv": dv, "M": slots}, "q, k [B, T, H, Dk], v [B, T, H, Dv], alpha [B, T, H, M]"
+    )
     # A gate out of range makes the memory grow without bound (NaN within a few hundred tokens).
     expect_in_range({
         "log_beta": (log_beta, -math.inf, 0.0, "<= 0 (-inf, a full forget, is allowed) and not NaN"),
