@@ -101,6 +101,27 @@ def test_mirror_varlen_gradients_float64():
         torch.testing.assert_close(g, e, rtol=1e-8, atol=1e-9, msg=lambda m: f"d/d{name}: {m}")
 
 
+def test_mirror_full_forget_float64():
+    """log_beta = -inf inside a chunk, at a chunk start and at the first token: the hand-derived
+    backward stays exact (its decays are direct sums, as in the kernels)."""
+    x = list(make_inputs(2, 11, 2, 3, 4, 5, seed=5))
+    x[4] = x[4].clone()
+    x[4][0, 0], x[4][0, 4], x[4][1, 6, 1] = float("-inf"), float("-inf"), float("-inf")
+    x = [t.requires_grad_() for t in x]
+    state = make_state(2, 2, 3, 4, 5, chunk_size=4, requires_grad=True)
+    BACKENDS["mirror"] = mirror_op
+    try:
+        o, _ = run("mirror", x, initial_state=state, chunk_size=4)
+        o_ref, _ = run("reference", x, initial_state=state, chunk_size=4)
+        torch.testing.assert_close(o, o_ref, rtol=1e-9, atol=1e-9)
+        got = _grads("mirror", x, state, chunk_size=4)
+        expected = _grads("reference", x, state, chunk_size=4)
+    finally:
+        del BACKENDS["mirror"]
+    for name, g, e in zip(NAMES, got, expected):
+        torch.testing.assert_close(g, e, rtol=1e-8, atol=1e-9, msg=lambda m: f"d/d{name}: {m}")
+
+
 def test_auto_picks_triton_for_cuda_tensors():
     if not HAVE_TRITON:
         pytest.skip("triton is not installed")
@@ -389,3 +410,60 @@ def test_real_sizes_on_gpu(dtype, tol, C):
     expected = torch.autograd.grad(o_ref, x_ref, grad_out)
     for name, g, e in zip(NAMES, got, expected):
         assert rel(g, e) < tol, f"d/d{name}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Robustness: a full forget, a huge chunk size, identity at the current state.
+
+
+@needs_triton
+@pytest.mark.parametrize("C,where", [(4, 5), (4, 4), (4, 0), (1, 2)])  # in a chunk, at its start, first token
+def test_full_forget_is_finite(C, where):
+    """log_beta = -inf (allowed): the kernels' in-chunk decays are direct sums, never inf - inf."""
+    x, state = _inputs(2, 11, 2, 5, 7, 6, C, seed=where, grad=True)
+    with torch.no_grad():
+        x[4][0, where, :] = float("-inf")
+        x[4][1, where + 1, 1] = float("-inf")
+    o, s = run("triton", x, initial_state=state, chunk_size=C)
+    o_ref, s_ref = run("reference", x, initial_state=state, chunk_size=C)
+    assert_close_f32(o, o_ref, "o")
+    assert_states_close(s, s_ref)
+    got = _grads("triton", x, state, chunk_size=C)
+    expected = _grads("reference", x, state, chunk_size=C)
+    for name, g, e in zip(NAMES, got, expected):
+        assert g.isfinite().all(), name
+        assert_close_f32(g, e, f"d/d{name}")
+
+
+@needs_triton
+def test_huge_chunk_size_uses_tiles_the_size_of_the_input():
+    """C = 10**9 on 6 tokens: row tiles of min(C, T) rows, a row resuming 2 tokens before a boundary."""
+    C = 10**9
+    x, state = _inputs(2, 6, 1, 3, 4, 5, 4, seed=3, grad=True)
+    state.offset.copy_(torch.tensor([0, C - 2], device=DEVICE))
+    o, s = run("triton", x, initial_state=state, chunk_size=C)
+    o_ref, s_ref = run("reference", x, initial_state=state, chunk_size=C)
+    assert_close_f32(o, o_ref, "o")
+    assert_states_close(s, s_ref)
+    for name, g, e in zip(NAMES, _grads("triton", x, state, chunk_size=C), _grads("reference", x, state, chunk_size=C)):
+        assert_close_f32(g, e, f"d/d{name}")
+
+
+@needs_triton
+def test_identity_is_the_same_function_at_every_chunk_size():
+    """identity runs the PyTorch path (documented) and the decode kernel reads the current
+    memory: both equal the per-token loop at C = 1."""
+    from trellis_lm.ops.trellis.triton_decode import trellis_decode_step_
+
+    x, state = _inputs(2, 9, 2, 5, 7, 6, 4, seed=21)
+    kw = dict(compress_fn="identity", mix_fn="ln_silu")
+    start = TrellisState(state.m_k, state.m_v, state.anchor_k, state.anchor_v, torch.zeros_like(state.offset))
+    o_1, s_1 = run("reference", x, initial_state=start, chunk_size=1, **kw)
+    o, s = run("triton", x, initial_state=state, chunk_size=4, **kw)
+    assert_close_f32(o, o_1, "o")
+    assert_states_close(s, run("reference", x, initial_state=state, chunk_size=4, **kw)[1])
+    live = state.map(lambda t: t.detach().clone())
+    with torch.no_grad():
+        outs = [trellis_decode_step_(*[t[:, p : p + 1] for t in x], live, chunk_size=4, **kw) for p in range(9)]
+    assert_close_f32(torch.cat(outs, dim=1), o_1, "decoded o")
+    assert_states_close(live, s)

@@ -35,6 +35,7 @@ from typing import Optional
 
 import torch
 
+from trellis_lm.ops.trellis.chunked import chunked_forward, log_decays
 from trellis_lm.ops.trellis.functions import EPS, compress_residual_vjp, mix
 from trellis_lm.ops.trellis.state import TrellisState
 from trellis_lm.ops.varlen import ChunkPlan, make_plan
@@ -108,11 +109,10 @@ def mix_backward(name: str, y: torch.Tensor, gh: torch.Tensor) -> torch.Tensor:
 
 def _gates(lb: torch.Tensor, g: torch.Tensor):
     """``(c, mu, E, D, wexp, w, mu_L)`` of one chunk from ``log_beta``, ``gamma`` ``[H, L]``."""
-    c = lb.cumsum(-1)
-    L = c.shape[-1]
-    causal = torch.ones(L, L, dtype=torch.bool, device=c.device).tril()
-    E = (c[..., :, None] - c[..., None, :]).masked_fill(~causal, float("-inf")).exp()
-    wexp = (c[..., -1:] - c).exp()
+    # Each exponent summed directly over its tokens, as the kernels do (no inf - inf after a full forget).
+    c, _, after, gap = log_decays(lb)
+    E = gap.exp()
+    wexp = after.exp()
     return c, c.exp(), E, E * g[..., None, :], wexp, g * wexp, c[..., -1].exp()
 
 
@@ -328,7 +328,12 @@ class _MirrorFunction(torch.autograd.Function):
 
 
 def mirror_op(q, k, v, alpha, log_beta, gamma, state, chunk_size, compress_fn, mix_fn, cu_seqlens):
-    """The mirror as a backend (same arguments and results as ``chunked_forward``), with the manual backward."""
+    """The mirror as a backend (same arguments and results as ``chunked_forward``), with the manual backward.
+
+    ``identity`` runs ``chunked_forward``, as the Triton backend does (its kernels do not do
+    identity's triangular solve)."""
+    if compress_fn == "identity":
+        return chunked_forward(q, k, v, alpha, log_beta, gamma, state, chunk_size, compress_fn, mix_fn, cu_seqlens)
     o, m_k, m_v, a_k, a_v, off = _MirrorFunction.apply(
         q, k, v, alpha, log_beta, gamma, state.m_k, state.m_v, state.anchor_k, state.anchor_v, state.offset,
         chunk_size, compress_fn, mix_fn, cu_seqlens)

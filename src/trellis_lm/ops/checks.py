@@ -64,6 +64,30 @@ def check_offsets(name: str, offset: torch.Tensor, rows: int, chunk_size: int) -
             raise ValueError(f"{name} must lie in [0, chunk_size = {chunk_size}), got {offset.tolist()}")
 
 
+def expect_nonzero_sizes(sizes: dict[str, int], meaning: str) -> None:
+    """Raise a ``ValueError`` naming the first of ``sizes`` (dim name -> size) that is 0."""
+    for name, size in sizes.items():
+        if size == 0:
+            raise ValueError(f"{name} must be at least 1 ({meaning}), got 0")
+
+
+def expect_in_range(bounds: dict[str, tuple[torch.Tensor, float, float, str]]) -> None:
+    """Every element of each tensor within ``[low, high]`` (NaN is outside), else a ``ValueError``
+    naming it. ``bounds``: name -> (tensor, low, high, what the range means in words).
+
+    One min/max reduction per tensor and a single read-back for all of them. Reading values
+    back cannot be compiled, so a compiled graph skips the check (like :func:`check_offsets`).
+    """
+    bounds = {name: b for name, b in bounds.items() if b[0].numel()}
+    if not bounds or torch.compiler.is_compiling():
+        return
+    with torch.no_grad():
+        extremes = torch.stack([x for t, *_ in bounds.values() for x in torch.aminmax(t)]).tolist()
+    for (name, (_, low, high, meaning)), lowest, highest in zip(bounds.items(), extremes[0::2], extremes[1::2]):
+        if not (low <= lowest and highest <= high):  # also true for NaN
+            raise ValueError(f"{name} must be {meaning}, got values in [{lowest}, {highest}]")
+
+
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
     """States and op arithmetic: float64 for float64 inputs, else float32."""
     return torch.float64 if x.dtype == torch.float64 else torch.float32

@@ -3,10 +3,11 @@
 Two layouts, shared by the ops' backends:
 
 * the *grid* of the PyTorch chunk forms: every sequence on its own row, its token j at
-  position ``offset + j``, chunks starting at multiples of C, free cells filled with neutral
-  inputs; rows that resume mid-chunk or have different lengths then share chunk boundaries.
-  :func:`to_chunks` lays it out ``[N, H, chunks, C]``; :func:`to_chunk_major` ``[chunks, N * H, C]``
-  for backends that loop over chunks;
+  stream position ``offset + j``, chunks starting at multiples of C, each chunk a block of
+  cells as wide as the fullest (row, chunk) pair, free cells filled with neutral inputs; rows
+  that resume mid-chunk or have different lengths then share chunk boundaries;
+* the *stream grid* (:func:`stream_grid_positions`): the same with every token at its stream
+  position, for backends that lay carried tokens out before the new ones (KVM's window);
 * the *chunk plan* of the Triton kernels: a table of every (sequence, chunk) pair, so a grid of
   programs can take one chunk each without padding sequences to a common length.
 """
@@ -19,11 +20,53 @@ from typing import Optional
 import torch
 
 
-def grid_positions(
+def grid_positions(offset: torch.Tensor, batch: int, length: int, cu_seqlens: Optional[torch.Tensor], chunk_size: int):
+    """Where every input token goes on the ``[N, chunks, L]`` grid, and each sequence's length.
+
+    Sequence n's token j sits at position ``offset_n + j`` of its stream, in chunk
+    ``(offset_n + j) // C``; every row shares these chunk boundaries. Inside its block of ``L``
+    cells a chunk's tokens are packed from cell 0 (a resumed first chunk starts at its first
+    real token), and the free cells after them are fillers. ``L`` is the most real tokens any
+    row has in one chunk, so ``L <= min(C, T)``: the work and memory follow the tokens present,
+    not ``C`` (a 5-token call at C = 10**9 uses 5-cell blocks).
+
+    Args:
+        offset: ``[N]`` each sequence's position within its first chunk.
+        batch, length: the inputs' B and T (tokens in row-major order over ``[B, T]``, or
+            packed along T with ``cu_seqlens`` and B = 1).
+    Returns:
+        ``(flat_index [B * T], lengths [N], chunks, L)``: token i goes to cell ``flat_index[i]``
+        of the flattened ``[N * chunks * L]`` grid; ``chunks >= 1``.
+    """
+    device = offset.device
+    if cu_seqlens is None:
+        lengths = torch.full((batch,), length, dtype=torch.long, device=device)
+        seq_id = torch.arange(batch, device=device).repeat_interleave(length)
+        pos = torch.arange(length, device=device).repeat(batch)
+    else:
+        lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+        seq_id = torch.repeat_interleave(torch.arange(lengths.numel(), device=device), lengths)
+        pos = torch.arange(length, device=device) - cu_seqlens[seq_id]
+    # Tokens in a row's first chunk, then in its fullest later chunk (at most C).
+    first = torch.minimum(chunk_size - offset, lengths)
+    later = (lengths - first).clamp(max=chunk_size)
+    span, width = (int(x) for x in torch.stack([(offset + lengths).max(), torch.maximum(first, later).max()]).tolist())
+    chunks, width = max(-(-span // chunk_size), 1), max(width, 1)
+    stream = offset[seq_id] + pos
+    chunk = torch.div(stream, chunk_size, rounding_mode="floor")
+    cell = torch.where(chunk == 0, pos, stream - chunk * chunk_size)
+    return (seq_id * chunks + chunk) * width + cell, lengths, chunks, width
+
+
+def stream_grid_positions(
     offset: torch.Tensor, batch: int, length: int, cu_seqlens: Optional[torch.Tensor], chunk_size: int,
     min_cells: int = 0,
 ):
-    """Where every input token goes on the ``[N, G]`` grid, and each sequence's length.
+    """Where every input token goes on the *stream* grid ``[N, G]``, and each sequence's length.
+
+    Unlike :func:`grid_positions`, a token sits at its stream position (``offset + j``), so a
+    backend may place carried tokens in the cells before ``offset``; ``G`` is a multiple of C,
+    so its cost follows C, and callers must bound C themselves.
 
     Args:
         offset: ``[N]`` each sequence's first grid cell: its position within its first chunk,
@@ -49,15 +92,15 @@ def grid_positions(
     return seq_id * grid + offset[seq_id] + pos, lengths, grid
 
 
-def to_chunks(x: torch.Tensor, flat_index: torch.Tensor, rows: int, grid: int, chunk_size: int, fill: float = 0.0):
-    """``[tokens, H, *rest]`` -> ``[N, H, chunks, C, *rest]``, free cells holding ``fill``."""
-    cells = x.new_full((rows * grid,) + tuple(x.shape[1:]), fill).index_copy(0, flat_index, x)
-    cells = cells.view((rows, grid // chunk_size, chunk_size) + tuple(x.shape[1:]))
+def to_chunks(x: torch.Tensor, flat_index: torch.Tensor, rows: int, chunks: int, width: int, fill: float = 0.0):
+    """``[tokens, H, *rest]`` -> ``[N, H, chunks, L, *rest]``, free cells holding ``fill``."""
+    cells = x.new_full((rows * chunks * width,) + tuple(x.shape[1:]), fill).index_copy(0, flat_index, x)
+    cells = cells.view((rows, chunks, width) + tuple(x.shape[1:]))
     return cells.movedim(3, 1)
 
 
 def from_chunks(o: torch.Tensor, flat_index: torch.Tensor, batch: int, length: int) -> torch.Tensor:
-    """Inverse of :func:`to_chunks` for outputs: ``[N, H, chunks, C, D]`` -> ``[B, T, H, D]``."""
+    """Inverse of :func:`to_chunks` for outputs: ``[N, H, chunks, L, D]`` -> ``[B, T, H, D]``."""
     rows, heads = o.shape[:2]
     o = o.movedim(1, 3).reshape((-1, heads, o.shape[-1]))[flat_index]
     return o.reshape(batch, length, heads, -1)

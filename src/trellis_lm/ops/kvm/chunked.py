@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..varlen import from_chunks, grid_positions, to_chunks
+from ..varlen import from_chunks, stream_grid_positions, to_chunks
 from .functions import LN_EPS, VALUE_EPS, KVMConfig, appended_rows
 from .state import KVMState
 
@@ -32,7 +32,7 @@ def _lay_out(x: torch.Tensor, carried: torch.Tensor, n_win: torch.Tensor, flat_i
     """New tokens ``x [B, T, H, *]`` after the carried window ``[N, H, W, *]``: ``[N, H, grid, *]``."""
     batch, length, heads = x.shape[:3]
     rest = tuple(x.shape[3:])
-    cells = to_chunks(x.reshape((batch * length, heads) + rest), flat_index, rows, grid, chunk).flatten(2, 3)
+    cells = to_chunks(x.reshape((batch * length, heads) + rest), flat_index, rows, grid // chunk, chunk).flatten(2, 3)
     window = carried.shape[2]
     live = torch.arange(window, device=x.device) < n_win[:, None]  # [N, W]
     carried = carried * live.view((rows, 1, window) + (1,) * len(rest)).to(carried.dtype)
@@ -81,7 +81,7 @@ def chunked_forward(q, k, v, gate, norm_weight, norm_bias, temperature, state: K
     chunk, blocks, window = config.chunk_size, config.window_chunks, config.window
     rows = state.seen.numel()
     n_win = state.seen - state.covered
-    flat_index, lengths, grid = grid_positions(n_win, batch, length, cu_seqlens, chunk, min_cells=window)
+    flat_index, lengths, grid = stream_grid_positions(n_win, batch, length, cu_seqlens, chunk, min_cells=window)
     chunks = grid // chunk
 
     def lay_out(x, carried):
@@ -90,7 +90,7 @@ def chunked_forward(q, k, v, gate, norm_weight, norm_bias, temperature, state: K
     kg = lay_out(k, state.window_k)  # [N, H, grid, Dk]
     vg = lay_out(v, state.window_v)
     gg = lay_out(gate, state.window_g)  # [N, H, grid]
-    qg = to_chunks(q.reshape(batch * length, heads, dk), flat_index, rows, grid, chunk)  # [N, H, chunks, C, Dk]
+    qg = to_chunks(q.reshape(batch * length, heads, dk), flat_index, rows, grid // chunk, chunk)  # [N, H, chunks, C, Dk]
     zeroed = torch.cat([torch.zeros_like(kg[..., : config.rope_dims]), kg[..., config.rope_dims :]], dim=-1)
     kp_all = _ln_s(zeroed, norm_weight, norm_bias)
 

@@ -85,12 +85,13 @@ def chunked_forward(q, k, v, gamma, state, chunk_size, variant, cu_seqlens):
     batch, length, heads, slots = q.shape
     dim = v.shape[-1]
     rows, chunk = state.offset.numel(), chunk_size
-    flat_index, lengths, grid = grid_positions(state.offset, batch, length, cu_seqlens, chunk)
-    n_chunks = grid // chunk
-    cells = chunk_major_cells(flat_index, rows, heads, grid, chunk)
+    # Blocks of `width` <= min(C, T) cells per chunk: the work follows the tokens present, not C.
+    flat_index, lengths, n_chunks, width = grid_positions(state.offset, batch, length, cu_seqlens, chunk)
+    grid = n_chunks * width
+    cells = chunk_major_cells(flat_index, rows, heads, grid, width)
 
-    def chunks(x: torch.Tensor) -> torch.Tensor:  # [B, T, H, *] -> [chunks, N * H, C, *]
-        return to_chunk_major(x.reshape((batch * length,) + tuple(x.shape[2:])), cells, rows, grid, chunk)
+    def chunks(x: torch.Tensor) -> torch.Tensor:  # [B, T, H, *] -> [chunks, N * H, L, *]
+        return to_chunk_major(x.reshape((batch * length,) + tuple(x.shape[2:])), cells, rows, grid, width)
 
     Q, K, V, G = chunks(q), chunks(k), chunks(v), chunks(gamma)[..., None]
     # For dec and sim, b does not depend on the anchor (nor w for enc and sim): once for all chunks.

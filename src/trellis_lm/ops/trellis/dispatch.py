@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import importlib.util
+import math
+import sys
 from typing import Optional, Sequence, Union
 
 import torch
 
 from ..checks import (
     as_dtype, check_chunk_size, check_cu_seqlens, check_offsets, compute_dtype, expect_dims, expect_float_inputs,
-    expect_shape,
+    expect_in_range, expect_nonzero_sizes, expect_shape,
 )
 from .chunked import chunked_forward
 from .functions import check_names
@@ -98,8 +100,12 @@ def trellis_attention(
         q, k: ``[B, T, H, Dk]`` queries and keys (the layer L2-normalises them).
         v: ``[B, T, H, Dv]`` values.
         alpha: ``[B, T, H, M]`` compression targets over the M slots.
-        log_beta: ``[B, T, H]`` log forget gates, <= 0.
-        gamma: ``[B, T, H]`` inner learning rates, >= 0.
+        log_beta: ``[B, T, H]`` log forget gates in ``[-inf, 0]`` (-inf: a full forget).
+        gamma: ``[B, T, H]`` inner learning rates, finite and >= 0.
+            Gates out of range (or NaN) raise a ``ValueError``; the check reads two numbers
+            back from the device, and is skipped inside ``torch.compile``.
+        B = 0 (an empty batch) is allowed and gives an empty ``o`` and the empty state; T, H,
+        M, Dk and Dv must be at least 1 (a ``ValueError`` names the one that is 0).
         initial_state: ``None`` (zero memories), a pair ``(m_k [N,H,M,Dk], m_v [N,H,M,Dv])`` at a
             chunk boundary, or a :class:`TrellisState` returned by an earlier call.
             ``N = B``, or the number of sequences in ``cu_seqlens``.
@@ -112,7 +118,8 @@ def trellis_attention(
         backend: ``"reference"`` (per-token loop), ``"torch"`` (chunk-parallel), ``"triton"``
             (GPU kernels; registered when triton is installed) or ``"auto"`` (``"triton"`` for
             CUDA tensors when available, else ``"torch"``). With T == 1 (and no ``cu_seqlens``),
-            ``"torch"`` runs the single-token step of :mod:`.step`.
+            ``"torch"`` runs the single-token step of :mod:`.step`. ``"triton"`` hands
+            ``compress_fn="identity"`` (and float64) to the PyTorch path (see :mod:`.triton_chunk`).
 
     Returns:
         ``o [B, T, H, Dv]`` in q's dtype, and the final :class:`TrellisState` (float32, or
@@ -131,6 +138,14 @@ def trellis_attention(
     expect_float_inputs({"q": q, "k": k, "v": v, "alpha": alpha, "log_beta": log_beta, "gamma": gamma}, q.device)
     if length == 0:
         raise ValueError("the inputs must hold at least one token (T >= 1)")
+    expect_nonzero_sizes(
+        {"H": heads, "Dk": dk, "Dv": dv, "M": slots}, "q, k [B, T, H, Dk], v [B, T, H, Dv], alpha [B, T, H, M]"
+    )
+    # A gate out of range makes the memory grow without bound (NaN within a few hundred tokens).
+    expect_in_range({
+        "log_beta": (log_beta, -math.inf, 0.0, "<= 0 (-inf, a full forget, is allowed) and not NaN"),
+        "gamma": (gamma, 0.0, sys.float_info.max, "finite and >= 0"),
+    })
     check_chunk_size(chunk_size)
     check_names(compress_fn, mix_fn)
     forward = _pick_backend(backend, length, cu_seqlens is not None, q.device)
@@ -141,6 +156,8 @@ def trellis_attention(
         rows = cu_seqlens.numel() - 1
     dtype = compute_dtype(q)
     state = _initial_state(initial_state, rows, heads, slots, dk, dv, chunk_size, dtype, q.device)
+    if rows == 0:  # an empty batch: nothing to compute, and the (empty) state passes through
+        return q.new_zeros(v.shape), (state if output_final_state else None)
     inputs = [as_dtype(t, dtype, q.device) for t in (q, k, v, alpha, log_beta, gamma)]
     o, final = forward(*inputs, state, chunk_size, compress_fn, mix_fn, cu_seqlens)
     return as_dtype(o, q.dtype, q.device), (final if output_final_state else None)

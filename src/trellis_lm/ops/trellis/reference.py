@@ -16,10 +16,14 @@ from .state import TrellisState
 def _write(memory, anchor, key, alpha, beta, gamma, compress_fn):
     """One online-gradient step: ``beta * M - gamma * outer(vjp_phi(A key, phi(A key) - alpha), key)``.
 
+    ``A`` is the anchor, except for ``identity``, whose residual is taken at the current memory
+    (``A = M``: the gated delta rule whatever C; design page, section 1).
+
     Shapes: memory, anchor ``[N, H, M, D]``, key ``[N, H, D]``, alpha ``[N, H, M]``,
     beta ``[N, H, 1, 1]``, gamma ``[N, H, 1]``.
     """
-    u = compress_residual_vjp(compress_fn, (anchor @ key[..., None])[..., 0], alpha)
+    at = memory if compress_fn == "identity" else anchor
+    u = compress_residual_vjp(compress_fn, (at @ key[..., None])[..., 0], alpha)
     # gamma is folded into the small vector u, so the [M, D] memory is written in two passes.
     return torch.addcmul(beta * memory, (gamma * u)[..., :, None], key[..., None, :], value=-1)
 

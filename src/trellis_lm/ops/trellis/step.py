@@ -2,9 +2,10 @@
 
 The loop body of the design page (section 1) for one token, arranged to launch few tensor
 operations: on CPUs a decode step's cost is mostly per-operation overhead, not arithmetic on
-the [H, M, D] memories. Both passes' compressions read their anchors, which no write of this
-token changes, so one VJP call serves the key and the value pass. Same operations, hence the
-same numbers, as :mod:`.reference` (``tests/test_ops.py``).
+the [H, M, D] memories. Both passes' compressions read their anchors (for ``identity``, the
+current memories), which no write of this token changes before they are read, so one VJP call
+serves the key and the value pass. Same operations, hence the same numbers, as
+:mod:`.reference` (``tests/test_ops.py``).
 """
 
 from __future__ import annotations
@@ -28,8 +29,10 @@ def step_forward(q, k, v, alpha, log_beta, gamma, state, chunk_size, compress_fn
         a_v = torch.where(starts_chunk[:, None, None, None], m_v, a_v)
     q, k, v = q[:, 0, ..., None], k[:, 0, ..., None], v[:, 0, ..., None]  # column vectors [N, H, D, 1]
     beta = log_beta[:, 0, :, None, None].exp()  # [N, H, 1, 1]
-    anchor_reads = torch.stack([a_k @ k, a_v @ v])[..., 0]  # [2, N, H, M]
-    u = (compress_residual_vjp(compress_fn, anchor_reads, alpha[:, 0]) * gamma[:, 0, :, None])[..., None]
+    # identity takes its residual at the current memory, before this token's write (section 1).
+    r_k, r_v = (m_k, m_v) if compress_fn == "identity" else (a_k, a_v)
+    reads = torch.stack([r_k @ k, r_v @ v])[..., 0]  # [2, N, H, M]
+    u = (compress_residual_vjp(compress_fn, reads, alpha[:, 0]) * gamma[:, 0, :, None])[..., None]
     m_k = torch.addcmul(beta * m_k, u[0], k.transpose(-1, -2), value=-1)
     h = mix(mix_fn, (m_k @ q)[..., 0])  # [N, H, M]
     m_v = torch.addcmul(beta * m_v, u[1], v.transpose(-1, -2), value=-1)

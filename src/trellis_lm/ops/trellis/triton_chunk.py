@@ -33,8 +33,9 @@ Shared memory, from ahead-of-time compiles for sm_90 with tf32x3 at C = M = 64 (
 available to run them): every kernel fits the H100's 227 KB at D = 64 and D = 128 with the
 ``num_stages`` chosen in ``_stages``; the chain kernels do not fit with 3 stages.
 
-Float64 inputs are not run by these kernels: the backend hands them to the chunk-parallel
-PyTorch backend (same function, autograd backward). CPU tensors need ``TRITON_INTERPRET=1``.
+Float64 inputs and ``compress_fn="identity"`` are not run by these kernels: the backend hands
+them to the PyTorch backend (same function, autograd backward; identity's chunk form needs a
+triangular solve the kernels lack). CPU tensors need ``TRITON_INTERPRET=1``.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ import triton.language as tl
 from .chunked import chunked_forward
 from .functions import COMPRESS_FNS, EPS, MIX_FNS
 from .state import TrellisState
+from .step import step_forward
 from ..varlen import chunk_slots, make_plan
 
 DOT_PRECISION = os.environ.get("TRELLIS_TRITON_DOT_PRECISION", "tf32x3")
@@ -254,11 +256,24 @@ def _log_decays(lb, nrows, BT: tl.constexpr):
 
 
 @triton.jit
-def _decay_matrix(c, nrows, BT: tl.constexpr):
-    """E[r, i] = exp(c_r - c_i) for i <= r < nrows, else 0 (so D = E * gamma[None, :])."""
+def _log_after(lb, BT: tl.constexpr):
+    """``sum_{j > i} lb_j`` (= c_last - c_i) summed directly: the difference is inf - inf = NaN
+    after a full forget (log_beta = -inf), the direct sum is -inf and its exp the exact 0.
+    Padded rows hold lb = 0, so they add nothing."""
     r = tl.arange(0, BT)
+    return tl.sum(tl.where(r[None, :] > r[:, None], lb[None, :], 0.0), axis=1)
+
+
+@triton.jit
+def _decay_matrix(lb, nrows, BT: tl.constexpr):
+    """E[r, i] = exp(c_r - c_i) for i <= r < nrows, else 0 (so D = E * gamma[None, :]).
+
+    The exponent is the direct sum ``sum_{i < j <= r} lb_j`` (a cumulative sum down the rows of
+    the strictly lower lb tile), never a difference, so a full forget gives 0, not NaN."""
+    r = tl.arange(0, BT)
+    gap = tl.cumsum(tl.where(r[:, None] > r[None, :], lb[:, None], 0.0), axis=0)
     keep = (r[:, None] >= r[None, :]) & (r < nrows)[:, None]
-    return tl.exp(tl.where(keep, c[:, None] - c[None, :], float("-inf")))  # no overflow above the diagonal
+    return tl.exp(tl.where(keep, gap, float("-inf")))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -293,8 +308,8 @@ def _state_fwd_kernel(
         Al = _load_tok(al_ptr, start + lo, nrows, h, H, M, BT, BM)
         lb = _load_scal(lb_ptr, start + lo, nrows, h, H, BT)
         g = _load_scal(g_ptr, start + lo, nrows, h, H, BT)
-        c, c_last = _log_decays(lb, nrows, BT)
-        w = g * tl.exp(c_last - c)
+        _, c_last = _log_decays(lb, nrows, BT)
+        w = g * tl.exp(_log_after(lb, BT))
         U = _residual_vjp(tl.dot(X, tl.trans(A), input_precision=PREC), Al, cm, M, CF)
         S = tl.exp(c_last) * S - tl.dot(tl.trans(U * w[:, None]), X, input_precision=PREC)
     _store_mat(m_out_ptr, S, n * H + h, M, D, BM, BD)
@@ -330,7 +345,7 @@ def _chunk_operands(
     lb = _load_scal(lb_ptr, tok0, nrows, h, H, BT)
     g = _load_scal(g_ptr, tok0, nrows, h, H, BT)
     c, _ = _log_decays(lb, nrows, BT)
-    E = _decay_matrix(c, nrows, BT)
+    E = _decay_matrix(lb, nrows, BT)
     return tok0, nrows, cm, SK, SV, AK, AV, Q, K, V, Al, E, tl.exp(c), E * g[None, :]
 
 
@@ -404,10 +419,17 @@ def _recurrent_kernel(
         al = tl.load(al_ptr + (tok * H + h) * M + m, mask=m < M, other=0.0).to(tl.float32)[None, :]
         beta = tl.exp(tl.load(lb_ptr + tok * H + h).to(tl.float32))
         gam = tl.load(g_ptr + tok * H + h).to(tl.float32)
-        uk = _residual_vjp(tl.sum(AK * kk[None, :], axis=1)[None, :], al, cm, M, CF)
+        # identity (CF == 0) takes its residuals at the current memories (design page, section 1).
+        if CF == 0:
+            zk = tl.sum(SK * kk[None, :], axis=1)[None, :]
+            zv = tl.sum(SV * vv[None, :], axis=1)[None, :]
+        else:
+            zk = tl.sum(AK * kk[None, :], axis=1)[None, :]
+            zv = tl.sum(AV * vv[None, :], axis=1)[None, :]
+        uk = _residual_vjp(zk, al, cm, M, CF)
         SK = beta * SK - gam * tl.reshape(uk, [BM])[:, None] * kk[None, :]
         hh = _mix(tl.sum(SK * qq[None, :], axis=1)[None, :], cm, M, MF)
-        uv = _residual_vjp(tl.sum(AV * vv[None, :], axis=1)[None, :], al, cm, M, CF)
+        uv = _residual_vjp(zv, al, cm, M, CF)
         SV = beta * SV - gam * tl.reshape(uv, [BM])[:, None] * vv[None, :]
         o = tl.sum(SV * tl.reshape(hh, [BM])[:, None], axis=0)
         tl.store(o_ptr + (tok * H + h) * DV + dv, o.to(o_ptr.dtype.element_ty), mask=dv < DV)
@@ -521,8 +543,8 @@ def _chain_bwd_kernel(
         R = _load_tok(r_ptr, tok0, nrows, h, H, DR, BT, BDR)
         lb = _load_scal(lb_ptr, tok0, nrows, h, H, BT)
         g = _load_scal(g_ptr, tok0, nrows, h, H, BT)
-        c, c_last = _log_decays(lb, nrows, BT)
-        wexp = tl.where(r < nrows, tl.exp(c_last - c), 0.0)
+        _, c_last = _log_decays(lb, nrows, BT)
+        wexp = tl.where(r < nrows, tl.exp(_log_after(lb, BT)), 0.0)
         w = g * wexp
         mu_last = tl.exp(c_last)
         Z = tl.dot(X, tl.trans(A), input_precision=PREC)
@@ -565,6 +587,12 @@ def _pow2(n: int) -> int:
     return max(16, triton.next_power_of_2(n))
 
 
+def _row_tile(chunk_size: int, length: int) -> int:
+    """Rows of a chunk tile: no chunk holds more than min(C, T) tokens of one sequence, so a
+    short call at a large C compiles and runs small tiles (the cost follows the tokens)."""
+    return _pow2(min(chunk_size, length))
+
+
 def _warps(*dims: int) -> int:
     """Warps per program. The chunk kernels hold many [64, 64] float32 tiles at once; the
     sm_90 compiles spill fewer registers with 8 warps at D <= 64 and 16 above (untimed)."""
@@ -601,7 +629,7 @@ def _state_pass(x, alpha, log_beta, gamma, m0, a0, plan, chunk_size, cf):
             plan.seq_start, plan.seq_len, plan.offset, plan.chunk_base,
             hs, m_out, a_out,
             heads, slots_m, dim, chunk_size,
-            BT=_pow2(chunk_size), BM=_pow2(slots_m), BD=_pow2(dim), CF=cf, PREC=DOT_PRECISION,
+            BT=_row_tile(chunk_size, x.shape[1]), BM=_pow2(slots_m), BD=_pow2(dim), CF=cf, PREC=DOT_PRECISION,
             num_warps=_warps(dim, slots_m), num_stages=_stages("state"),
         )
     return hs, m_out, a_out
@@ -650,7 +678,8 @@ def _forward_impl(q, k, v, alpha, log_beta, gamma, m_k, m_v, anchor_k, anchor_v,
         plan.seq_start, plan.seq_len, plan.offset, plan.chunk_seq, plan.chunk_idx,
         o,
         heads, slots_m, dk, dv, chunk_size,
-        BT=_pow2(chunk_size), BM=_pow2(slots_m), BDK=_pow2(dk), BDV=_pow2(dv), CF=cf, MF=mf, PREC=DOT_PRECISION,
+        BT=_row_tile(chunk_size, length), BM=_pow2(slots_m), BDK=_pow2(dk), BDV=_pow2(dv), CF=cf, MF=mf,
+        PREC=DOT_PRECISION,
         num_warps=_warps(dk, dv, slots_m), num_stages=_stages("output"),
     )
     return o, mk_out, mv_out, ak_out, av_out, h_k, h_v
@@ -667,7 +696,7 @@ def _backward_impl(q, k, v, alpha, log_beta, gamma, m_k, m_v, anchor_k, anchor_v
     if h_k.numel() == 0 and plan.slots > 0:  # the forward ran token by token: rebuild the chunk starts
         h_k = _state_pass(k, alpha, log_beta, gamma, m_k, anchor_k, plan, chunk_size, cf)[0]
         h_v = _state_pass(v, alpha, log_beta, gamma, m_v, anchor_v, plan, chunk_size, cf)[0]
-    BT, BM, BDK, BDV = _pow2(chunk_size), _pow2(slots_m), _pow2(dk), _pow2(dv)
+    BT, BM, BDK, BDV = _row_tile(chunk_size, length), _pow2(slots_m), _pow2(dk), _pow2(dv)
     dq, dk_, dv_ = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     du_k, du_v, p_k, p_v, d_alpha = (torch.empty_like(alpha) for _ in range(5))
     d_gamma, dc, d_lb = torch.empty_like(gamma), torch.empty_like(gamma), torch.empty_like(log_beta)
@@ -777,9 +806,17 @@ def _check_device(q: torch.Tensor) -> None:
 
 
 def triton_forward(q, k, v, alpha, log_beta, gamma, state: TrellisState, chunk_size, compress_fn, mix_fn, cu_seqlens):
-    """Backend ``"triton"``; arguments as validated by :func:`trellis_lm.ops.trellis_attention`."""
-    if q.dtype == torch.float64:
-        return chunked_forward(q, k, v, alpha, log_beta, gamma, state, chunk_size, compress_fn, mix_fn, cu_seqlens)
+    """Backend ``"triton"``; arguments as validated by :func:`trellis_lm.ops.trellis_attention`.
+
+    ``compress_fn="identity"`` runs the PyTorch backend (:mod:`.chunked`, or :mod:`.step` for
+    one token per row): its residuals are taken at the current state, whose chunk form needs a
+    triangular solve per chunk (design page, section 2) that these kernels and their
+    hand-derived backward do not implement. The in-place decode step of :mod:`.triton_decode`
+    does run identity on the GPU (its per-token kernel reads the current memory).
+    """
+    if compress_fn == "identity" or q.dtype == torch.float64:
+        forward = step_forward if q.shape[1] == 1 and cu_seqlens is None else chunked_forward
+        return forward(q, k, v, alpha, log_beta, gamma, state, chunk_size, compress_fn, mix_fn, cu_seqlens)
     _check_device(q)
     f32 = lambda t: t.to(torch.float32).contiguous()  # noqa: E731
     offset = state.offset.to(torch.long).contiguous()
