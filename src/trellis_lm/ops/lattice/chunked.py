@@ -22,7 +22,7 @@ from typing import Optional
 
 import torch
 
-from ..varlen import chunk_major_cells, from_chunk_major, grid_positions, to_chunk_major
+from ..varlen import chunk_major_cells, chunk_major_sources, from_chunk_major, gather_cells, grid_positions
 from .state import LatticeState
 from .terms import rownorm
 
@@ -86,63 +86,69 @@ def chunked_forward(q, k, v, gamma, state, chunk_size, variant, cu_seqlens):
     dim = v.shape[-1]
     rows, chunk = state.offset.numel(), chunk_size
     flat_index, lengths, grid = grid_positions(state.offset, batch, length, cu_seqlens, chunk)
-    n_chunks = grid // chunk
+    n_chunks, width = grid // chunk, rows * heads  # width: R, the (sequence, head) pairs
     cells = chunk_major_cells(flat_index, rows, heads, grid, chunk)
-
-    def chunks(x: torch.Tensor) -> torch.Tensor:  # [B, T, H, *] -> [chunks, N * H, C, *]
-        return to_chunk_major(x.reshape((batch * length,) + tuple(x.shape[2:])), cells, rows, grid, chunk)
-
-    Q, K, V, G = chunks(q), chunks(k), chunks(v), chunks(gamma)[..., None]
-    # For dec and sim, b does not depend on the anchor (nor w for enc and sim): once for all chunks.
-    B_all = G * K if variant == "dec" else -G * K if variant == "sim" else None
+    source, free = chunk_major_sources(cells, n_chunks * width * chunk)
+    flats = [x.reshape((batch * length * heads,) + tuple(x.shape[3:])) for x in (q, k, v, gamma)]
 
     # Rows that resume at a chunk boundary start from rownorm(U) (A = U = S); the others keep both.
     at_start = (state.offset == 0)[:, None, None, None]
     s = rownorm(state.memory)
-    u = torch.where(at_start, s, state.memory).reshape(rows * heads, slots, dim)
-    a = torch.where(at_start, s, state.anchor).reshape(rows * heads, slots, dim)
+    u = torch.where(at_start, s, state.memory).reshape(width, slots, dim)
+    a = torch.where(at_start, s, state.anchor).reshape(width, slots, dim)
     u_first = u
     # Each sequence's state after its last chunk (later chunks only renormalise a finished row).
     last_chunk = (state.offset + lengths - 1).clamp(min=0) // chunk
     ragged = bool((last_chunk != n_chunks - 1).any())
     last = last_chunk.repeat_interleave(heads)[:, None, None]
     final_u, final_a = u, a
-    outputs, pending = [], []
-    for c in range(n_chunks):
-        if c > 0:
-            a = u = rownorm(u)
-        Zc = None
-        if variant == "dec":
-            Bc = B_all[c]
-            Wc = torch.baddbmm(V[c], K[c], a, beta=-1)  # A^T k - v per token
-        elif variant == "enc":
-            Wc = V[c]
-            Zc = Wc @ a.transpose(-1, -2)  # A v, the encoder's reconstruction
-            Bc = G[c] * (Zc - K[c])
-        else:
-            Bc, Wc = B_all[c], V[c]
-        if c == 0:
-            # The first chunk starts from the carried U, not at its anchor when resuming mid-chunk.
-            outputs.append(_reads(Q[0], Bc, Wc, a, u_first, Zc))
-        # U' = U0 + c_L A - B^T W, where c_L,i = sum_p b_pi (a_i . w_p) = a_i . (B^T W)_i.
-        step = Bc.transpose(-1, -2) @ Wc  # [R, M, D]
-        u = torch.addcmul(u - step, (step * a).sum(-1, keepdim=True), a)
-        if ragged:
-            final_u, final_a = torch.where(last == c, u, final_u), torch.where(last == c, a, final_a)
-        else:
-            final_u, final_a = u, a
-        if c == 0:
+    outputs = []
+    # The first chunk alone (it starts from the carried U, which differs from its anchor when
+    # resuming mid-chunk), then blocks of READ_BLOCK chunks that start at their anchors. Inputs
+    # are gathered one block at a time, so no input is laid out whole.
+    for first in [0] + list(range(1, n_chunks, READ_BLOCK)):
+        end = 1 if first == 0 else min(first + READ_BLOCK, n_chunks)
+        Q, K, V, G = (
+            gather_cells(x, source, free, first * width * chunk, end * width * chunk).view(
+                (end - first, width, chunk) + tuple(x.shape[1:])
+            )
+            for x in flats
+        )  # Q, K: [chunks, R, C, M]; V: [chunks, R, C, D]; G: [chunks, R, C]
+        G = G[..., None]
+        # For dec and sim, b does not depend on the anchor (nor w for enc and sim).
+        B = G * K if variant == "dec" else -G * K if variant == "sim" else None
+        anchors, zs, bs, ws = [], [], [], []
+        for i in range(end - first):
+            if first + i > 0:
+                a = u = rownorm(u)
+            Zc = None
+            if variant == "dec":
+                Bc = B[i]
+                Wc = torch.baddbmm(V[i], K[i], a, beta=-1)  # A^T k - v per token
+            elif variant == "enc":
+                Wc = V[i]
+                Zc = Wc @ a.transpose(-1, -2)  # A v, the encoder's reconstruction
+                Bc = G[i] * (Zc - K[i])
+            else:
+                Bc, Wc = B[i], V[i]
+            anchors.append(a)
+            zs.append(Zc)
+            bs.append(Bc)
+            ws.append(Wc)
+            # U' = U0 + c_L A - B^T W, where c_L,i = sum_p b_pi (a_i . w_p) = a_i . (B^T W)_i.
+            step = Bc.transpose(-1, -2) @ Wc  # [R, M, D]
+            u = torch.addcmul(u - step, (step * a).sum(-1, keepdim=True), a)
+            if ragged:
+                final_u, final_a = torch.where(last == first + i, u, final_u), torch.where(last == first + i, a, final_a)
+            else:
+                final_u, final_a = u, a
+        if first == 0:
+            outputs.append(_reads(Q[0], bs[0], ws[0], anchors[0], u_first, zs[0]))
             continue
-        # Later chunks start at their anchors: their reads wait for a block of READ_BLOCK chunks.
-        pending.append((a, Zc, Bc if variant == "enc" else None, Wc if variant == "dec" else None))
-        if len(pending) == READ_BLOCK or c == n_chunks - 1:
-            span = slice(c + 1 - len(pending), c + 1)
-            anchors, zs, bs, ws = zip(*pending)
-            B = torch.stack(bs) if variant == "enc" else B_all[span]
-            W = torch.stack(ws) if variant == "dec" else V[span]
-            Z = _flat(torch.stack(zs)) if variant == "enc" else None
-            outputs.append(_reads(_flat(Q[span]), _flat(B), _flat(W), _flat(torch.stack(anchors)), None, Z))
-            pending = []
+        B = torch.stack(bs) if variant == "enc" else B
+        W = torch.stack(ws) if variant == "dec" else V
+        Z = _flat(torch.stack(zs)) if variant == "enc" else None
+        outputs.append(_reads(_flat(Q), _flat(B), _flat(W), _flat(torch.stack(anchors)), None, Z))
     o = from_chunk_major(torch.cat(outputs), cells, batch, length)
 
     # A sequence with no tokens hands its initial state back untouched.
