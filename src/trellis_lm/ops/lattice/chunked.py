@@ -137,7 +137,7 @@ def chunked_forward(q, k, v, gamma, state, chunk_size, variant, cu_seqlens):
             ws.append(Wc)
             # U' = U0 + c_L A - B^T W, where c_L,i = sum_p b_pi (a_i . w_p) = a_i . (B^T W)_i.
             step = Bc.transpose(-1, -2) @ Wc  # [R, M, D]
-            u = torch.addcmul(u - step, (step * a).sum(-1, keepdim=True), a)
+            u = torch.addcmul(u - step, torch.linalg.vecdot(step, a)[..., None], a)
             if ragged:
                 final_u, final_a = torch.where(last == first + i, u, final_u), torch.where(last == first + i, a, final_a)
             else:
