@@ -7,7 +7,11 @@ per-token ``reference`` loop, both timed in one run.
 The backends are timed in alternating rounds (one call of each per round, after a warm-up
 call), so a noisy machine shifts both alike; the figures are medians over the rounds and the
 ratio is of the medians. Wall-clock and process CPU time are both reported: on a shared machine
-the CPU time of a single-threaded run (``--threads 1``) is the steadier of the two.
+the CPU time of a single-threaded run is the steadier of the two.
+
+One intra-op thread by default: on a small machine shared with other jobs, torch's own threads
+wait on each other at every operation whenever a neighbour holds a core (measured here on two
+shared cores: the quick shape ran 400x slower with two threads than with one).
 """
 
 from __future__ import annotations
@@ -41,9 +45,9 @@ def main() -> None:
     parser.add_argument("--chunk-size", type=int, default=64)
     parser.add_argument("--variant", choices=LATTICE_VARIANTS, default="dec")
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds (default 5, 2 with --quick)")
-    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
+    parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads; 0 keeps torch's choice (default 1)")
     args = parser.parse_args()
-    if args.threads:
+    if args.threads > 0:
         torch.set_num_threads(args.threads)
     shape = args.shape or ([1, 256, 2, 16, 16] if args.quick else [1, 2048, 4, 64, 64])
     rounds = args.rounds or (2 if args.quick else 5)
