@@ -45,7 +45,8 @@ def main() -> None:
     parser.add_argument("--chunk-size", type=int, default=64)
     parser.add_argument("--variant", choices=LATTICE_VARIANTS, default="dec")
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds (default 5, 2 with --quick)")
-    parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads; 0 keeps torch's choice (default 1)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch.set_num_threads; 0 keeps torch's choice (default 1)")
     args = parser.parse_args()
     if args.threads > 0:
         torch.set_num_threads(args.threads)

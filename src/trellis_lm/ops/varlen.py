@@ -159,7 +159,9 @@ def chunk_major_sources(cells: torch.Tensor, total: int) -> tuple[torch.Tensor, 
     return source, torch.ones(total, dtype=torch.bool, device=cells.device).index_fill_(0, cells, False)
 
 
-def gather_cells(flat: torch.Tensor, source: torch.Tensor, free: Optional[torch.Tensor], start: int, end: int) -> torch.Tensor:
+def gather_cells(
+    flat: torch.Tensor, source: torch.Tensor, free: Optional[torch.Tensor], start: int, end: int
+) -> torch.Tensor:
     """Cells ``start .. end`` of the flattened chunk-major layout, read from ``flat [tokens * H, *rest]``
     (free cells zero). A gather rather than a zero fill and a scatter: on CPUs index_select runs
     several times faster than index_copy, and a backend can take the layout one block at a time."""

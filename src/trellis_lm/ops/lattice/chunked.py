@@ -8,9 +8,9 @@ chunk boundary thus share one set of chunk boundaries and are processed together
 
 Only the chain of states needs a loop over chunks: each chunk's terms are taken at its anchor,
 which is the previous chunk's final ``rownorm(U)``. The loop computes just what the next anchor
-needs, ``U' = U0 + c_L A - B^T W`` with ``c_L,i = a_i . (B^T W)_i`` (two small matmuls for dec,
-one for sim); the cumulative sums, the norms and the reads are computed afterwards for blocks
-of chunks at once, as a few large batched matmuls.
+needs, ``U' = U0 + c_L A - B^T W`` with ``c_L,i = a_i . (B^T W)_i`` (two small matmuls for dec
+and enc, one for sim); the cumulative sums, the norms and the reads are computed for blocks of
+chunks at once, as a few larger batched matmuls, once the block's anchors are known.
 
 Layout: chunk-major with sequences and heads flattened, ``[chunks, N * H, C, *]``, so that one
 chunk is a contiguous 3-D batch for ``bmm`` and a block of chunks is one contiguous slice.
@@ -26,9 +26,10 @@ from ..varlen import chunk_major_cells, chunk_major_sources, from_chunk_major, g
 from .state import LatticeState
 from .terms import rownorm
 
-# Chunks whose reads are computed together: enough for efficient batched matmuls, few enough
-# that the temporaries stay small (measured on CPU: fresh multi-megabyte buffers cost page faults
-# comparable to the arithmetic; 4-8 chunks was fastest at H = 4, M = D = C = 64).
+# Chunks whose inputs are gathered and whose reads are computed together: enough for efficient
+# batched matmuls, few enough that the temporaries stay small (measured on CPU at B = 1, H = 4,
+# M = D = C = 64: 8 beat 4, 16 and all 32, where fresh multi-megabyte buffers cost page faults
+# comparable to the arithmetic).
 READ_BLOCK = 8
 
 
@@ -139,7 +140,8 @@ def chunked_forward(q, k, v, gamma, state, chunk_size, variant, cu_seqlens):
             step = Bc.transpose(-1, -2) @ Wc  # [R, M, D]
             u = torch.addcmul(u - step, torch.linalg.vecdot(step, a)[..., None], a)
             if ragged:
-                final_u, final_a = torch.where(last == first + i, u, final_u), torch.where(last == first + i, a, final_a)
+                ends_here = last == first + i
+                final_u, final_a = torch.where(ends_here, u, final_u), torch.where(ends_here, a, final_a)
             else:
                 final_u, final_a = u, a
         if first == 0:
