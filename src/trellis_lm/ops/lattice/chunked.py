@@ -26,11 +26,12 @@ from ..varlen import chunk_major_cells, chunk_major_sources, from_chunk_major, g
 from .state import LatticeState
 from .terms import rownorm
 
-# Chunks whose inputs are gathered and whose reads are computed together: enough for efficient
-# batched matmuls, few enough that the temporaries stay small (measured on CPU at B = 1, H = 4,
-# M = D = C = 64: 8 beat 4, 16 and all 32, where fresh multi-megabyte buffers cost page faults
-# comparable to the arithmetic).
-READ_BLOCK = 8
+# (sequence, head, chunk) matrices per batched read on CPUs: enough for efficient batched
+# matmuls, few enough that the temporaries stay small. Measured at B = 1, H = 4, M = D = C = 64
+# (blocks of 4, 8, 16 and all 31 later chunks): 32 (8 chunks) was fastest; with all chunks at once
+# the fresh multi-megabyte buffers cost page faults comparable to the arithmetic. On GPUs every
+# later chunk goes in one batch: there, launches cost more than memory.
+READ_BATCH = 32
 
 
 def _flat(x: torch.Tensor) -> torch.Tensor:
@@ -104,11 +105,15 @@ def chunked_forward(q, k, v, gamma, state, chunk_size, variant, cu_seqlens):
     last = last_chunk.repeat_interleave(heads)[:, None, None]
     final_u, final_a = u, a
     outputs = []
-    # The first chunk alone (it starts from the carried U, which differs from its anchor when
-    # resuming mid-chunk), then blocks of READ_BLOCK chunks that start at their anchors. Inputs
-    # are gathered one block at a time, so no input is laid out whole.
-    for first in [0] + list(range(1, n_chunks, READ_BLOCK)):
-        end = 1 if first == 0 else min(first + READ_BLOCK, n_chunks)
+    # Blocks of chunks that start at their anchors, after the first chunk alone when some row
+    # resumes mid-chunk (it starts from the carried U, not its anchor). Inputs are gathered one
+    # block at a time, so on CPUs no input is laid out whole.
+    block = max(1, READ_BATCH // width) if q.device.type == "cpu" else n_chunks
+    # When every row starts at a chunk boundary, the first chunk starts at its anchor too.
+    own_first = not bool(at_start.all())
+    starts = ([0] + list(range(1, n_chunks, block))) if own_first else list(range(0, n_chunks, block))
+    for first in starts:
+        end = 1 if own_first and first == 0 else min(first + block, n_chunks)
         Q, K, V, G = (
             gather_cells(x, source, free, first * width * chunk, end * width * chunk).view(
                 (end - first, width, chunk) + tuple(x.shape[1:])
@@ -144,7 +149,7 @@ def chunked_forward(q, k, v, gamma, state, chunk_size, variant, cu_seqlens):
                 final_u, final_a = torch.where(ends_here, u, final_u), torch.where(ends_here, a, final_a)
             else:
                 final_u, final_a = u, a
-        if first == 0:
+        if own_first and first == 0:
             outputs.append(_reads(Q[0], bs[0], ws[0], anchors[0], u_first, zs[0]))
             continue
         B = torch.stack(bs) if variant == "enc" else B
