@@ -120,6 +120,19 @@ def test_odd_sizes_from_a_mid_chunk_state(variant, B, T, H, M, D, C):
         torch.testing.assert_close(o_step, o_ref, **TOL)
 
 
+@pytest.mark.parametrize("variant", LATTICE_VARIANTS)
+@pytest.mark.parametrize("C", [1, 64])
+def test_chunk_form_with_a_single_token(C, variant):
+    """T == 1 without cu_seqlens runs the step; packed, it runs the chunk form (one real cell)."""
+    x = make_inputs(1, 1, 3, 6, 5)
+    state = mid_chunk_state(2, 3, 6, 5, chunk_size=C)
+    kw = dict(initial_state=state, chunk_size=C, variant=variant, cu_seqlens=torch.tensor([0, 0, 1]))
+    o_ref, s_ref = run("reference", x, **kw)
+    o, s = run("torch", x, **kw)
+    torch.testing.assert_close(o, o_ref, **TOL)
+    assert_states_close(s, s_ref)
+
+
 def test_chunk_size_and_variant_change_the_function():
     """Guards the comparisons above: a backend that ignored chunk_size or variant would be caught."""
     x = make_inputs(1, 12, 1, 4, 4)

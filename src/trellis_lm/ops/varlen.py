@@ -1,6 +1,6 @@
 """Where the tokens of several sequences go when an op processes them chunk by chunk.
 
-Two layouts, shared by the ops' backends:
+Three layouts, shared by the ops' backends:
 
 * the *grid* of the PyTorch chunk forms: every sequence on its own row, its token j at
   stream position ``offset + j``, chunks starting at multiples of C, each chunk a block of
@@ -8,6 +8,8 @@ Two layouts, shared by the ops' backends:
   that resume mid-chunk or have different lengths then share chunk boundaries;
 * the *stream grid* (:func:`stream_grid_positions`): the same with every token at its stream
   position, for backends that lay carried tokens out before the new ones (KVM's window);
+  :func:`to_chunks` lays a grid out ``[N, H, chunks, L]``; :func:`chunk_major_cells` and
+  :func:`gather_cells` ``[chunks, N * H, L]``, for backends that loop over chunks;
 * the *chunk plan* of the Triton kernels: a table of every (sequence, chunk) pair, so a grid of
   programs can take one chunk each without padding sequences to a common length.
 """
@@ -195,15 +197,30 @@ def chunk_major_cells(flat_index: torch.Tensor, rows: int, heads: int, grid: int
     return (first[:, None] + head_step).reshape(-1)
 
 
-def to_chunk_major(x: torch.Tensor, cells: torch.Tensor, rows: int, grid: int, chunk_size: int) -> torch.Tensor:
-    """``[tokens, H, *rest]`` -> ``[chunks, N * H, C, *rest]`` (cells from :func:`chunk_major_cells`),
-    free cells holding zeros."""
-    heads, rest = x.shape[1], tuple(x.shape[2:])
-    flat = x.reshape((-1,) + rest)
-    out = flat.new_zeros((rows * heads * grid,) + rest).index_copy_(0, cells, flat)  # in place: no clone
-    return out.view((grid // chunk_size, rows * heads, chunk_size) + rest)
+def chunk_major_sources(cells: torch.Tensor, total: int) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The inverse of :func:`chunk_major_cells`: for each of the ``total`` cells of the flattened
+    chunk-major layout, the (token, head) row it holds, and a ``[total]`` bool mask of the free
+    cells (``None`` when every cell holds a token). Free cells point at row 0 (masked later)."""
+    filled = cells.numel()
+    source = torch.zeros(total, dtype=torch.long, device=cells.device)
+    source.index_copy_(0, cells, torch.arange(filled, device=cells.device))
+    if filled == total:
+        return source, None
+    return source, torch.ones(total, dtype=torch.bool, device=cells.device).index_fill_(0, cells, False)
+
+
+def gather_cells(
+    flat: torch.Tensor, source: torch.Tensor, free: Optional[torch.Tensor], start: int, end: int
+) -> torch.Tensor:
+    """Cells ``start .. end`` of the flattened chunk-major layout, read from ``flat [tokens * H, *rest]``
+    (free cells zero). A gather rather than a zero fill and a scatter: on CPUs index_select runs
+    several times faster than index_copy, and a backend can take the layout one block at a time."""
+    out = flat.index_select(0, source[start:end])
+    if free is not None:
+        out.masked_fill_(free[start:end].view((-1,) + (1,) * (out.dim() - 1)), 0)
+    return out
 
 
 def from_chunk_major(o: torch.Tensor, cells: torch.Tensor, batch: int, length: int) -> torch.Tensor:
-    """Inverse of :func:`to_chunk_major` for outputs: ``[chunks, N * H, C, D]`` -> ``[B, T, H, D]``."""
-    return o.reshape(-1, o.shape[-1])[cells].view(batch, length, -1, o.shape[-1])
+    """Inverse of :func:`gather_cells` for outputs: ``[chunks, N * H, C, D]`` -> ``[B, T, H, D]``."""
+    return o.reshape(-1, o.shape[-1]).index_select(0, cells).view(batch, length, -1, o.shape[-1])

@@ -1,18 +1,19 @@
 """The chunk-parallel form of the design page, section 2, in batched PyTorch.
 
-Every sequence is laid on a grid whose chunks start at multiples of C: sequence n's token j
-sits at grid position ``offset_n + j``. Free grid cells hold zero inputs, so gamma = 0 and
+Every sequence is laid on a grid whose chunks start at multiples of C (``varlen.grid_positions``:
+each chunk a block of at most ``min(C, T)`` cells, its tokens in order). Free cells hold zero
+inputs, so gamma = 0 and
 ``b = 0`` for every variant: they leave ``U`` untouched, and their reads (q = 0) are discarded.
 Rows that resume mid-chunk, rows of different length (``cu_seqlens``) and rows that resume at a
 chunk boundary thus share one set of chunk boundaries and are processed together.
 
 Only the chain of states needs a loop over chunks: each chunk's terms are taken at its anchor,
 which is the previous chunk's final ``rownorm(U)``. The loop computes just what the next anchor
-needs, ``U' = U0 + c_L A - B^T W`` with ``c_L,i = a_i . (B^T W)_i`` (two small matmuls for dec,
-one for sim); the cumulative sums, the norms and the reads are computed afterwards for blocks
-of chunks at once, as a few large batched matmuls.
+needs, ``U' = U0 + c_L A - B^T W`` with ``c_L,i = a_i . (B^T W)_i`` (two small matmuls for dec
+and enc, one for sim); the cumulative sums, the norms and the reads are computed for blocks of
+chunks at once, as a few larger batched matmuls, once the block's anchors are known.
 
-Layout: chunk-major with sequences and heads flattened, ``[chunks, N * H, C, *]``, so that one
+Layout: chunk-major with sequences and heads flattened, ``[chunks, N * H, L, *]``, so that one
 chunk is a contiguous 3-D batch for ``bmm`` and a block of chunks is one contiguous slice.
 """
 
@@ -22,14 +23,16 @@ from typing import Optional
 
 import torch
 
-from ..varlen import chunk_major_cells, from_chunk_major, grid_positions, to_chunk_major
+from ..varlen import chunk_major_cells, chunk_major_sources, from_chunk_major, gather_cells, grid_positions
 from .state import LatticeState
 from .terms import rownorm
 
-# Chunks whose reads are computed together: enough for efficient batched matmuls, few enough
-# that the temporaries stay small (measured on CPU: fresh multi-megabyte buffers cost page faults
-# comparable to the arithmetic; 4-8 chunks was fastest at H = 4, M = D = C = 64).
-READ_BLOCK = 8
+# (sequence, head, chunk) matrices per batched read on CPUs: enough for efficient batched
+# matmuls, few enough that the temporaries stay small. Measured at B = 1, H = 4, M = D = C = 64
+# (blocks of 4, 8, 16 and all 31 later chunks): 32 (8 chunks) was fastest; with all chunks at once
+# the fresh multi-megabyte buffers cost page faults comparable to the arithmetic. On GPUs every
+# later chunk goes in one batch: there, launches cost more than memory.
+READ_BATCH = 32
 
 
 def _flat(x: torch.Tensor) -> torch.Tensor:
@@ -85,65 +88,76 @@ def chunked_forward(q, k, v, gamma, state, chunk_size, variant, cu_seqlens):
     batch, length, heads, slots = q.shape
     dim = v.shape[-1]
     rows, chunk = state.offset.numel(), chunk_size
-    # Blocks of `width` <= min(C, T) cells per chunk: the work follows the tokens present, not C.
-    flat_index, lengths, n_chunks, width = grid_positions(state.offset, batch, length, cu_seqlens, chunk)
-    grid = n_chunks * width
-    cells = chunk_major_cells(flat_index, rows, heads, grid, width)
-
-    def chunks(x: torch.Tensor) -> torch.Tensor:  # [B, T, H, *] -> [chunks, N * H, L, *]
-        return to_chunk_major(x.reshape((batch * length,) + tuple(x.shape[2:])), cells, rows, grid, width)
-
-    Q, K, V, G = chunks(q), chunks(k), chunks(v), chunks(gamma)[..., None]
-    # For dec and sim, b does not depend on the anchor (nor w for enc and sim): once for all chunks.
-    B_all = G * K if variant == "dec" else -G * K if variant == "sim" else None
+    # Blocks of `cells_per_chunk` <= min(C, T) cells: the work follows the tokens present, not C.
+    flat_index, lengths, n_chunks, cells_per_chunk = grid_positions(state.offset, batch, length, cu_seqlens, chunk)
+    width = rows * heads  # R, the (sequence, head) pairs
+    cells = chunk_major_cells(flat_index, rows, heads, n_chunks * cells_per_chunk, cells_per_chunk)
+    source, free = chunk_major_sources(cells, n_chunks * width * cells_per_chunk)
+    flats = [x.reshape((batch * length * heads,) + tuple(x.shape[3:])) for x in (q, k, v, gamma)]
 
     # Rows that resume at a chunk boundary start from rownorm(U) (A = U = S); the others keep both.
     at_start = (state.offset == 0)[:, None, None, None]
     s = rownorm(state.memory)
-    u = torch.where(at_start, s, state.memory).reshape(rows * heads, slots, dim)
-    a = torch.where(at_start, s, state.anchor).reshape(rows * heads, slots, dim)
+    u = torch.where(at_start, s, state.memory).reshape(width, slots, dim)
+    a = torch.where(at_start, s, state.anchor).reshape(width, slots, dim)
     u_first = u
     # Each sequence's state after its last chunk (later chunks only renormalise a finished row).
     last_chunk = (state.offset + lengths - 1).clamp(min=0) // chunk
     ragged = bool((last_chunk != n_chunks - 1).any())
     last = last_chunk.repeat_interleave(heads)[:, None, None]
     final_u, final_a = u, a
-    outputs, pending = [], []
-    for c in range(n_chunks):
-        if c > 0:
-            a = u = rownorm(u)
-        Zc = None
-        if variant == "dec":
-            Bc = B_all[c]
-            Wc = torch.baddbmm(V[c], K[c], a, beta=-1)  # A^T k - v per token
-        elif variant == "enc":
-            Wc = V[c]
-            Zc = Wc @ a.transpose(-1, -2)  # A v, the encoder's reconstruction
-            Bc = G[c] * (Zc - K[c])
-        else:
-            Bc, Wc = B_all[c], V[c]
-        if c == 0:
-            # The first chunk starts from the carried U, not at its anchor when resuming mid-chunk.
-            outputs.append(_reads(Q[0], Bc, Wc, a, u_first, Zc))
-        # U' = U0 + c_L A - B^T W, where c_L,i = sum_p b_pi (a_i . w_p) = a_i . (B^T W)_i.
-        step = Bc.transpose(-1, -2) @ Wc  # [R, M, D]
-        u = torch.addcmul(u - step, (step * a).sum(-1, keepdim=True), a)
-        if ragged:
-            final_u, final_a = torch.where(last == c, u, final_u), torch.where(last == c, a, final_a)
-        else:
-            final_u, final_a = u, a
-        if c == 0:
+    outputs = []
+    # Blocks of chunks that start at their anchors, after the first chunk alone when some row
+    # resumes mid-chunk (it starts from the carried U, not its anchor). Inputs are gathered one
+    # block at a time, so on CPUs no input is laid out whole.
+    block = max(1, READ_BATCH // width) if q.device.type == "cpu" else n_chunks
+    # When every row starts at a chunk boundary, the first chunk starts at its anchor too.
+    own_first = not bool(at_start.all())
+    starts = ([0] + list(range(1, n_chunks, block))) if own_first else list(range(0, n_chunks, block))
+    for first in starts:
+        end = 1 if own_first and first == 0 else min(first + block, n_chunks)
+        Q, K, V, G = (
+            gather_cells(x, source, free, first * width * cells_per_chunk, end * width * cells_per_chunk).view(
+                (end - first, width, cells_per_chunk) + tuple(x.shape[1:])
+            )
+            for x in flats
+        )  # Q, K: [chunks, R, C, M]; V: [chunks, R, C, D]; G: [chunks, R, C]
+        G = G[..., None]
+        # For dec and sim, b does not depend on the anchor (nor w for enc and sim).
+        B = G * K if variant == "dec" else -G * K if variant == "sim" else None
+        anchors, zs, bs, ws = [], [], [], []
+        for i in range(end - first):
+            if first + i > 0:
+                a = u = rownorm(u)
+            Zc = None
+            if variant == "dec":
+                Bc = B[i]
+                Wc = torch.baddbmm(V[i], K[i], a, beta=-1)  # A^T k - v per token
+            elif variant == "enc":
+                Wc = V[i]
+                Zc = Wc @ a.transpose(-1, -2)  # A v, the encoder's reconstruction
+                Bc = G[i] * (Zc - K[i])
+            else:
+                Bc, Wc = B[i], V[i]
+            anchors.append(a)
+            zs.append(Zc)
+            bs.append(Bc)
+            ws.append(Wc)
+            # U' = U0 + c_L A - B^T W, where c_L,i = sum_p b_pi (a_i . w_p) = a_i . (B^T W)_i.
+            step = Bc.transpose(-1, -2) @ Wc  # [R, M, D]
+            u = torch.addcmul(u - step, torch.linalg.vecdot(step, a)[..., None], a)
+            if ragged:
+                ends_here = last == first + i
+                final_u, final_a = torch.where(ends_here, u, final_u), torch.where(ends_here, a, final_a)
+            else:
+                final_u, final_a = u, a
+        if own_first and first == 0:
+            outputs.append(_reads(Q[0], bs[0], ws[0], anchors[0], u_first, zs[0]))
             continue
-        # Later chunks start at their anchors: their reads wait for a block of READ_BLOCK chunks.
-        pending.append((a, Zc, Bc if variant == "enc" else None, Wc if variant == "dec" else None))
-        if len(pending) == READ_BLOCK or c == n_chunks - 1:
-            span = slice(c + 1 - len(pending), c + 1)
-            anchors, zs, bs, ws = zip(*pending)
-            B = torch.stack(bs) if variant == "enc" else B_all[span]
-            W = torch.stack(ws) if variant == "dec" else V[span]
-            Z = _flat(torch.stack(zs)) if variant == "enc" else None
-            outputs.append(_reads(_flat(Q[span]), _flat(B), _flat(W), _flat(torch.stack(anchors)), None, Z))
-            pending = []
+        B = torch.stack(bs) if variant == "enc" else B
+        W = torch.stack(ws) if variant == "dec" else V
+        Z = _flat(torch.stack(zs)) if variant == "enc" else None
+        outputs.append(_reads(_flat(Q), _flat(B), _flat(W), _flat(torch.stack(anchors)), None, Z))
     o = from_chunk_major(torch.cat(outputs), cells, batch, length)
 
     # A sequence with no tokens hands its initial state back untouched.
