@@ -69,6 +69,51 @@ def test_load_rejects_other_files(tmp_path):
         TrellisCache.load(tmp_path / "weights.safetensors")
 
 
+GOOD_HEADER = {"format": "trellis-cache", "format_version": "2", "layer_kinds": '["trellis"]', "seen_tokens": "3",
+               "signature": "null"}
+
+
+@pytest.mark.parametrize(
+    "changes, tensors, match",
+    [
+        ({"format_version": "1", "num_layers": "2000000"}, {}, r"format version '1'"),
+        ({"layer_kinds": None}, {}, r"metadata 'layer_kinds' must be a JSON list"),
+        ({"layer_kinds": '["trellis", "mamba"]'}, {}, r"metadata 'layer_kinds' must be a JSON list of layer kinds"),
+        ({"layer_kinds": "2000000"}, {}, r"metadata 'layer_kinds'"),
+        ({"seen_tokens": "-4"}, {}, r"metadata 'seen_tokens' must be a whole number >= 0"),
+        ({"seen_tokens": "many"}, {}, r"metadata 'seen_tokens'"),
+        ({"seen_tokens": None}, {}, r"metadata 'seen_tokens'"),
+        ({"signature": "[1]"}, {}, r"metadata 'signature' must be a JSON object or null"),
+        ({}, {"m_k": torch.zeros(1)}, r"tensor 'm_k' is not 'layers.<index < 1>.<name>'"),
+        ({}, {"layers.-1.m_k": torch.zeros(1)}, r"tensor 'layers.-1.m_k'"),
+        ({}, {"layers.1.m_k": torch.zeros(1)}, r"tensor 'layers.1.m_k'"),
+        ({}, {"layers.0.m_k": torch.zeros(1)}, r"a trellis layer's state needs tensors"),
+    ],
+)
+def test_load_checks_the_header_before_allocating(tmp_path, changes, tensors, match):
+    header = {key: value for key, value in {**GOOD_HEADER, **changes}.items() if value is not None}
+    save_file(tensors, tmp_path / "bad.safetensors", metadata=header)
+    with pytest.raises(ValueError, match=match):
+        TrellisCache.load(tmp_path / "bad.safetensors")
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("compress_fn", "l2norm"), ("mix_fn", "softmax"), ("chunk_size", 2), ("hidden_size", 32), ("num_heads", 4),
+     ("head_dim", 4), ("conv_size", 2), ("use_forget_gate", False)],
+)
+def test_a_cache_remembers_the_model_that_made_it(tmp_path, field, value):
+    # Same tensor shapes or not, a cache from a model with another layer function is refused by name.
+    maker = tiny_model(hidden_size=48) if field == "hidden_size" else tiny_model()
+    cache = prefilled(maker, random_tokens(1, 5))
+    other = tiny_model(**{field: value})
+    with pytest.raises(ValueError, match=f"made by a model with {field}="):
+        other(random_tokens(1, 1), past_key_values=cache)
+    cache.save(tmp_path / "cache.safetensors")
+    with pytest.raises(ValueError, match=f"made by a model with {field}="):
+        TrellisCache.load(tmp_path / "cache.safetensors", config=other.config)
+
+
 def test_row_operations_act_like_running_the_rows():
     model = tiny_model(seed=2)
     ids = random_tokens(3, 6)

@@ -254,3 +254,31 @@ def test_generate_modes_for_every_schedule(schedule):
                           past_key_values=out.past_key_values, max_new_tokens=2, do_sample=False, pad_token_id=0)
     fresh = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
     assert cont.tolist() == fresh.tolist()
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(input_ids=torch.tensor([5, 6, 7])), r"input_ids must be 2-D \[batch, tokens\], got shape \(3,\)"),
+        (dict(input_ids=torch.ones(1, 2, 3, dtype=torch.long)), r"input_ids must be 2-D"),
+        (dict(inputs_embeds=torch.ones(1, 3)), r"inputs_embeds must be 3-D \[batch, tokens, hidden_size = 32\]"),
+        (dict(input_ids=torch.tensor([[5, 6]]), attention_mask=torch.tensor([[1, -1]])), r"1 at real tokens and 0"),
+        (dict(input_ids=torch.tensor([[5, 6]]), attention_mask=torch.tensor([[0.5, 1.0]])), r"1 at real tokens and 0"),
+        (dict(input_ids=torch.tensor([[5, 6]]), attention_mask=torch.tensor([[float("nan"), 1.0]])),
+         r"1 at real tokens and 0"),
+    ],
+)
+def test_malformed_inputs_get_a_clear_error(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        tiny_model()(**kwargs)
+
+
+def test_generate_refuses_a_cache_that_has_seen_more_than_the_input():
+    model = tiny_model(schedule="hybrid")
+    ids = random_tokens(1, 5)
+    out = model.generate(ids, max_new_tokens=3, do_sample=False, return_dict_in_generate=True, pad_token_id=0)
+    with pytest.raises(ValueError, match=r"has already taken in 7 tokens, but input_ids holds 2"):
+        model.generate(random_tokens(1, 2, seed=4), past_key_values=out.past_key_values, max_new_tokens=2)

@@ -6,6 +6,7 @@ flat sibling modules (see :mod:`.remote_code`).
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any, Callable, ClassVar
 
@@ -27,6 +28,15 @@ MIXER_FIELDS = {
             "kvm_sinks", "kvm_state_size", "kvm_budget"),
 }
 MIXER_TYPES = tuple(MIXER_FIELDS)
+# Largest sizes the model accepts. Work and memory follow the tokens present, not these numbers,
+# but a training chunk of L = min(C, T) tokens takes L x L blocks per head: beyond 2**16 one
+# block is 16 GiB. The other bounds keep weights and per-row states far from the int32 index
+# range the kernels use and name the field before any allocation fails.
+MAX_SIZES = {
+    "vocab_size": 2**24, "hidden_size": 2**18, "intermediate_size": 2**20, "num_hidden_layers": 2**12,
+    "num_heads": 2**12, "head_dim": 2**12, "num_slots": 2**12, "chunk_size": 2**16, "conv_size": 2**10,
+    "kvm_chunk_size": 2**16, "kvm_window_chunks": 2**10, "kvm_state_size": 2**16,
+}
 # transformers' own names for the schedule, in the standard `layer_types` field.
 STANDARD_LAYER_TYPES = {
     "trellis": "linear_attention", "lattice": "linear_attention", "kvm": "linear_attention", "attention": "full_attention",
@@ -174,8 +184,9 @@ class TrellisConfig(PreTrainedConfig):
 
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_heads", "head_dim", "num_slots",
                      "chunk_size", "intermediate_size"):
-            check(name, lambda v: _is_int(v) and v >= 1, "an integer >= 1")
-        check("conv_size", lambda v: _is_int(v) and v >= 0, "an integer >= 0 (0 disables the conv)")
+            check(name, lambda v: _is_int(v) and 1 <= v <= MAX_SIZES[name], f"an integer in [1, {MAX_SIZES[name]}]")
+        check("conv_size", lambda v: _is_int(v) and 0 <= v <= MAX_SIZES["conv_size"],
+              f"an integer in [0, {MAX_SIZES['conv_size']}] (0 disables the conv)")
         layers = self.num_hidden_layers
         if self.mixer_types is not None:
             if not isinstance(self.mixer_types, (list, tuple)) or len(self.mixer_types) != layers:
@@ -190,21 +201,22 @@ class TrellisConfig(PreTrainedConfig):
         check("lattice_variant", lambda v: v in LATTICE_VARIANTS, f"one of {LATTICE_VARIANTS}")
         check("num_key_value_heads", lambda v: v is None or (_is_int(v) and v >= 1 and self.num_heads % v == 0),
               f"None or an integer >= 1 that divides num_heads = {self.num_heads}")
-        check("rope_theta", lambda v: _is_real(v) and v > 0, "a number > 0")
+        check("rope_theta", lambda v: _is_real(v) and 0 < v < math.inf, "a finite number > 0")
         check("attention_bias", lambda v: isinstance(v, bool), "True or False")
         for name in ("kvm_chunk_size", "kvm_window_chunks"):
-            check(name, lambda v: _is_int(v) and v >= 1, "an integer >= 1")
+            check(name, lambda v: _is_int(v) and 1 <= v <= MAX_SIZES[name], f"an integer in [1, {MAX_SIZES[name]}]")
         check("kvm_rope_dims", lambda v: _is_int(v) and 0 <= v <= self.head_dim and v % 2 == 0,
               f"an even integer in [0, head_dim = {self.head_dim}]")
         check("kvm_sinks", lambda v: _is_int(v) and 0 <= v < self.kvm_chunk_size,
               f"an integer in [0, kvm_chunk_size = {self.kvm_chunk_size})")
-        check("kvm_state_size", lambda v: _is_int(v) and v >= self.kvm_chunk_size,
-              f"an integer >= kvm_chunk_size = {self.kvm_chunk_size}")
+        check("kvm_state_size", lambda v: _is_int(v) and self.kvm_chunk_size <= v <= MAX_SIZES["kvm_state_size"],
+              f"an integer in [kvm_chunk_size = {self.kvm_chunk_size}, {MAX_SIZES['kvm_state_size']}]")
         check("kvm_budget", lambda v: v in KVM_BUDGETS, f"one of {KVM_BUDGETS}")
         check("mix_fn", lambda v: v in MIX_FNS, f"one of {MIX_FNS}")
         check("op_backend", lambda v: v in OP_BACKENDS, f"one of {OP_BACKENDS}")
         for name in ("gate_logit_normalizer", "rms_norm_eps", "initializer_range"):
-            check(name, lambda v: _is_real(v) and v > 0, "a number > 0")
+            # inf passes "> 0" but zeroes every gate or norm: the model would output constants.
+            check(name, lambda v: _is_real(v) and 0 < v < math.inf, "a finite number > 0")
         for name in ("use_forget_gate", "tie_word_embeddings", "use_cache", "compile_decode"):
             check(name, lambda v: isinstance(v, bool), "True or False")
         token_id = f"None or a token id in [0, vocab_size = {self.vocab_size})"

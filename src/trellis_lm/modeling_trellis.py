@@ -208,6 +208,13 @@ class TrellisModel(TrellisPreTrainedModel):
         """
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids or inputs_embeds")
+        if input_ids is not None and input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be 2-D [batch, tokens], got shape {tuple(input_ids.shape)}")
+        if inputs_embeds is not None and (inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != self.config.hidden_size):
+            raise ValueError(
+                f"inputs_embeds must be 3-D [batch, tokens, hidden_size = {self.config.hidden_size}], "
+                f"got shape {tuple(inputs_embeds.shape)}"
+            )
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
         batch, length = inputs_embeds.shape[:2]
@@ -318,6 +325,15 @@ class TrellisForCausalLM(TrellisPreTrainedModel, GenerationMixin):
         part at prefill, 1 afterwards, ``None`` to feed everything). Prompt embeddings are
         used on the first step only. The 2-D mask is passed whole; ``forward`` reads its tail.
         """
+        seen = past_key_values.get_seq_length() if isinstance(past_key_values, TrellisCache) else 0
+        if is_first_iteration and seen and seen >= input_ids.shape[1]:
+            raise ValueError(
+                f"past_key_values has already taken in {seen} tokens, but input_ids holds {input_ids.shape[1]}: "
+                "generate() continues a cache from the whole sequence, the tokens the cache has seen followed by "
+                "the new ones (e.g. torch.cat([output.sequences, new_ids], dim=1)); a cache that generate() "
+                "already extended cannot be reused for a shorter input"
+            )
+
         def unseen(x: torch.Tensor) -> torch.Tensor:
             return x if next_sequence_length is None else x[:, x.shape[1] - next_sequence_length :]
 

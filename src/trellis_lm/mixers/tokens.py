@@ -106,7 +106,14 @@ class ValidTokens:
         if attention_mask is None:
             mask = torch.ones(batch, length, dtype=torch.bool, device=position_ids.device)
         else:
-            mask = attention_mask[:, -length:].bool()
+            current = attention_mask[:, -length:]
+            if current.dtype != torch.bool and bool(((current != 0) & (current != 1)).any()):
+                # -1, 0.5 or NaN would silently count as real tokens.
+                raise ValueError(
+                    "attention_mask must hold 1 at real tokens and 0 at padding, got values "
+                    f"{sorted(set(current.flatten().tolist()))[:8]}"
+                )
+            mask = current.bool()
         doc_starts = None
         if position_ids is not None:
             positions = position_ids[:, -length:].to(mask.device).expand(batch, -1)
