@@ -145,6 +145,18 @@ def test_chunk_size_and_variant_change_the_function():
         assert (a - b).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("variant", LATTICE_VARIANTS)
+def test_cost_follows_the_tokens_not_the_chunk_size(variant):
+    # 5 tokens in a chunk of 10**9: the blocks are 5 wide (a C-wide grid would ask for terabytes).
+    x = make_inputs(2, 5, 2, 6, 4)
+    state = mid_chunk_state(2, 2, 6, 4, chunk_size=3)
+    state.offset = torch.tensor([3, 10**9 - 2])  # the second row crosses a chunk boundary
+    o, final = run("torch", x, initial_state=state, chunk_size=10**9, variant=variant)
+    o_ref, final_ref = run("reference", x, initial_state=state, chunk_size=10**9, variant=variant)
+    torch.testing.assert_close(o, o_ref, **TOL)
+    assert_states_close(final, final_ref)
+
+
 def test_initial_memory_rows_are_normalised_by_the_op():
     x = make_inputs(2, 9, 2, 5, 3)
     s0 = torch.randn(2, 2, 5, 3, dtype=torch.float64)
