@@ -91,6 +91,14 @@ class LayerCache:
         return -1  # no limit on the tokens it can take
 
 
+def _all_or_none(names: list[str], tensors: dict[str, torch.Tensor], what: str) -> Optional[dict[str, torch.Tensor]]:
+    """The tensors named ``names``, all of them or (when none is there) ``None``."""
+    present = [n for n in names if n in tensors]
+    if present and len(present) != len(names):
+        raise ValueError(f"{what} needs tensors {names}, the file holds {present}")
+    return {n: tensors[n] for n in names} if present else None
+
+
 @dataclass
 class MemoryLayerCache(LayerCache):
     """A memory layer's entry (Trellis or Lattice).
@@ -111,12 +119,8 @@ class MemoryLayerCache(LayerCache):
     @classmethod
     def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> "MemoryLayerCache":
         """Inverse of :meth:`tensors`; raises ``ValueError`` when a state is incomplete."""
-        names = cls.state_class.field_names()
-        present = [n for n in names if n in tensors]
-        if present and len(present) != len(names):
-            raise ValueError(f"a {cls.kind} layer's state needs tensors {names}, the file holds {present}")
-        state = cls.state_class(**{n: tensors[n] for n in names}) if present else None
-        return cls(tensors.get("q_tail"), tensors.get("k_tail"), state)
+        state = _all_or_none(cls.state_class.field_names(), tensors, f"a {cls.kind} layer's state")
+        return cls(tensors.get("q_tail"), tensors.get("k_tail"), None if state is None else cls.state_class(**state))
 
 
 @dataclass
@@ -161,11 +165,8 @@ class AttentionLayerCache(LayerCache):
 
     @classmethod
     def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> "AttentionLayerCache":
-        names = [f.name for f in fields(cls)]
-        present = [n for n in names if n in tensors]
-        if present and len(present) != len(names):
-            raise ValueError(f"an attention layer's entry needs tensors {names}, the file holds {present}")
-        return cls(**{n: tensors[n] for n in present})
+        """Inverse of :meth:`tensors`; raises ``ValueError`` when the entry is incomplete."""
+        return cls(**(_all_or_none([f.name for f in fields(cls)], tensors, "an attention layer's entry") or {}))
 
 
 LAYER_CACHES: dict[str, type[LayerCache]] = {

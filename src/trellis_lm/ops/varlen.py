@@ -22,6 +22,20 @@ from typing import Optional
 import torch
 
 
+def _sequence_tokens(batch: int, length: int, cu_seqlens: Optional[torch.Tensor], device: torch.device):
+    """``(lengths [N], seq_id [B * T], pos [B * T])``: each sequence's length, and every input
+    token's sequence and index in it (tokens row-major over ``[B, T]``, or packed along T)."""
+    if cu_seqlens is None:
+        lengths = torch.full((batch,), length, dtype=torch.long, device=device)
+        seq_id = torch.arange(batch, device=device).repeat_interleave(length)
+        pos = torch.arange(length, device=device).repeat(batch)
+    else:
+        lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+        seq_id = torch.repeat_interleave(torch.arange(lengths.numel(), device=device), lengths)
+        pos = torch.arange(length, device=device) - cu_seqlens[seq_id]
+    return lengths, seq_id, pos
+
+
 def grid_positions(offset: torch.Tensor, batch: int, length: int, cu_seqlens: Optional[torch.Tensor], chunk_size: int):
     """Where every input token goes on the ``[N, chunks, L]`` grid, and each sequence's length.
 
@@ -40,15 +54,7 @@ def grid_positions(offset: torch.Tensor, batch: int, length: int, cu_seqlens: Op
         ``(flat_index [B * T], lengths [N], chunks, L)``: token i goes to cell ``flat_index[i]``
         of the flattened ``[N * chunks * L]`` grid; ``chunks >= 1``.
     """
-    device = offset.device
-    if cu_seqlens is None:
-        lengths = torch.full((batch,), length, dtype=torch.long, device=device)
-        seq_id = torch.arange(batch, device=device).repeat_interleave(length)
-        pos = torch.arange(length, device=device).repeat(batch)
-    else:
-        lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-        seq_id = torch.repeat_interleave(torch.arange(lengths.numel(), device=device), lengths)
-        pos = torch.arange(length, device=device) - cu_seqlens[seq_id]
+    lengths, seq_id, pos = _sequence_tokens(batch, length, cu_seqlens, offset.device)
     # Tokens in a row's first chunk, then in its fullest later chunk (at most C).
     first = torch.minimum(chunk_size - offset, lengths)
     later = (lengths - first).clamp(max=chunk_size)
@@ -80,15 +86,7 @@ def stream_grid_positions(
         ``(flat_index [B * T], lengths [N], G)``: token i goes to cell ``flat_index[i]`` of the
         flattened ``[N * G]`` grid; ``G`` is a multiple of C.
     """
-    device = offset.device
-    if cu_seqlens is None:
-        lengths = torch.full((batch,), length, dtype=torch.long, device=device)
-        seq_id = torch.arange(batch, device=device).repeat_interleave(length)
-        pos = torch.arange(length, device=device).repeat(batch)
-    else:
-        lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-        seq_id = torch.repeat_interleave(torch.arange(lengths.numel(), device=device), lengths)
-        pos = torch.arange(length, device=device) - cu_seqlens[seq_id]
+    lengths, seq_id, pos = _sequence_tokens(batch, length, cu_seqlens, offset.device)
     span = max(int((offset + lengths).max()), min_cells)
     grid = max(-(-span // chunk_size), 1) * chunk_size
     return seq_id * grid + offset[seq_id] + pos, lengths, grid
