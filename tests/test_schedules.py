@@ -49,9 +49,9 @@ def test_mixer_types_default_to_trellis_and_set_layer_types():
         (dict(mixer_types=["trellis", "mamba"]), r"mixer_types\[1\] must be one of \('trellis', 'lattice', 'attention'"),
         (dict(lattice_variant="orth"), r"lattice_variant must be one of"),
         (dict(num_key_value_heads=3), r"num_key_value_heads must be None or an integer >= 1 that divides num_heads = 2"),
-        (dict(rope_theta=0.0), r"rope_theta must be a number > 0"),
+        (dict(rope_theta=0.0), r"rope_theta must be a finite number > 0"),
         (dict(attention_bias=1), r"attention_bias must be True or False"),
-        (dict(kvm_rope_dims=3), r"kvm_rope_dims must be an even integer in \[0, head_dim = 8\]"),
+        (dict(kvm_rope_dims=3), r"kvm_rope_dims must be None or an even integer in \[0, head_dim = 8\]"),
         (dict(kvm_state_size=2), r"kvm_state_size must be an integer >= kvm_chunk_size = 3"),
         (dict(kvm_sinks=3), r"kvm_sinks must be an integer in \[0, kvm_chunk_size = 3\)"),
         (dict(kvm_budget="grow"), r"kvm_budget must be one of"),
@@ -103,7 +103,8 @@ def test_a_field_no_layer_uses_does_not_change_the_model(schedule, unused):
     [("lattice", "lattice_variant", "enc"), ("lattice", "lattice_variant", "sim"), ("hybrid", "rope_theta", 7.0),
      ("hybrid", "num_key_value_heads", 1), ("hybrid", "lattice_variant", "sim"), ("lattice", "chunk_size", 3),
      ("lattice", "num_slots", 9), ("kvm", "kvm_window_chunks", 2), ("kvm", "kvm_chunk_size", 2),
-     ("kvm", "kvm_state_size", 6), ("kvm", "kvm_sinks", 0), ("kvm", "kvm_rope_dims", 0), ("kvm", "rope_theta", 7.0)],
+     ("kvm", "kvm_state_size", 6), ("kvm", "kvm_sinks", 0), ("kvm", "kvm_rope_dims", 0),
+     ("kvm", "rope_theta", 7.0)],
 )
 def test_fields_a_layer_uses_change_the_model(schedule, field, value):
     ids = random_tokens(1, 11)

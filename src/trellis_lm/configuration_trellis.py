@@ -80,6 +80,7 @@ class TrellisConfig(PreTrainedConfig):
             tokens are attended to exactly.
         kvm_rope_dims: channels of q and k (even, at most ``head_dim``) that KVM rotates; its
             RoPE pairs channels (2i, 2i + 1) as the official code does, with ``rope_theta``.
+            ``None`` (default): half of ``head_dim``, rounded down to even (the official 64 of 128).
         kvm_sinks: KVM state rows that never take merges (attention sinks), < ``kvm_chunk_size``.
         kvm_state_size: KVM state rows: the budget for ``kvm_budget="fixed"``, the cap for the
             growable budgets; at least ``kvm_chunk_size``.
@@ -125,7 +126,7 @@ class TrellisConfig(PreTrainedConfig):
     attention_bias: bool = False
     kvm_chunk_size: int = 256
     kvm_window_chunks: int = 2
-    kvm_rope_dims: int = 64
+    kvm_rope_dims: int | None = None
     kvm_sinks: int = 1
     kvm_state_size: int = 256
     kvm_budget: str = "fixed"
@@ -157,6 +158,11 @@ class TrellisConfig(PreTrainedConfig):
     def layer_kinds(self) -> list[str]:
         """Each layer's mixer: ``mixer_types``, or ``"trellis"`` for every layer when it is ``None``."""
         return ["trellis"] * self.num_hidden_layers if self.mixer_types is None else list(self.mixer_types)
+
+    @property
+    def kvm_rotary_dims(self) -> int:
+        """Channels KVM layers rotate: ``kvm_rope_dims``, or half of ``head_dim`` (even)."""
+        return self.head_dim // 4 * 2 if self.kvm_rope_dims is None else self.kvm_rope_dims
 
     @property
     def key_value_heads(self) -> int:
@@ -205,8 +211,8 @@ class TrellisConfig(PreTrainedConfig):
         check("attention_bias", lambda v: isinstance(v, bool), "True or False")
         for name in ("kvm_chunk_size", "kvm_window_chunks"):
             check(name, lambda v: _is_int(v) and 1 <= v <= MAX_SIZES[name], f"an integer in [1, {MAX_SIZES[name]}]")
-        check("kvm_rope_dims", lambda v: _is_int(v) and 0 <= v <= self.head_dim and v % 2 == 0,
-              f"an even integer in [0, head_dim = {self.head_dim}]")
+        check("kvm_rope_dims", lambda v: v is None or (_is_int(v) and 0 <= v <= self.head_dim and v % 2 == 0),
+              f"None or an even integer in [0, head_dim = {self.head_dim}]")
         check("kvm_sinks", lambda v: _is_int(v) and 0 <= v < self.kvm_chunk_size,
               f"an integer in [0, kvm_chunk_size = {self.kvm_chunk_size})")
         check("kvm_state_size", lambda v: _is_int(v) and self.kvm_chunk_size <= v <= MAX_SIZES["kvm_state_size"],

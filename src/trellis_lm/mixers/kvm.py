@@ -75,7 +75,7 @@ class KVMAttention(MemoryMixer):
         heads, dim = self.config.num_heads, self.config.head_dim
         past = state.seen.to(x.device) if state is not None else torch.zeros(batch, dtype=torch.long, device=x.device)
         positions = token_positions(valid, past, length)
-        rope = self.config.kvm_rope_dims
+        rope = self.config.kvm_rotary_dims
         q = kvm_rotary(self.q_norm(q.view(batch, length, heads, dim)), positions, rope, self.config.rope_theta)
         k = kvm_rotary(self.k_norm(k.view(batch, length, heads, dim)), positions, rope, self.config.rope_theta)
         v = self.v_proj(x).view(batch, length, heads, dim)
@@ -101,7 +101,7 @@ class KVMAttention(MemoryMixer):
             initial_state=initial_state,
             chunk_size=config.kvm_chunk_size,
             window_chunks=config.kvm_window_chunks,
-            rope_dims=config.kvm_rope_dims,
+            rope_dims=config.kvm_rotary_dims,
             sinks=config.kvm_sinks,
             state_size=config.kvm_state_size,
             budget=config.kvm_budget,
