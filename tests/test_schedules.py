@@ -52,7 +52,7 @@ def test_mixer_types_default_to_trellis_and_set_layer_types():
         (dict(rope_theta=0.0), r"rope_theta must be a finite number > 0"),
         (dict(attention_bias=1), r"attention_bias must be True or False"),
         (dict(kvm_rope_dims=3), r"kvm_rope_dims must be None or an even integer in \[0, head_dim = 8\]"),
-        (dict(kvm_state_size=2), r"kvm_state_size must be an integer >= kvm_chunk_size = 3"),
+        (dict(kvm_state_size=2), r"kvm_state_size must be an integer in \[kvm_chunk_size = 3, 65536\]"),
         (dict(kvm_sinks=3), r"kvm_sinks must be an integer in \[0, kvm_chunk_size = 3\)"),
         (dict(kvm_budget="grow"), r"kvm_budget must be one of"),
         (dict(layer_types=["full_attention", "linear_attention"]), r"layer_types is set from mixer_types"),
