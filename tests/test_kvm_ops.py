@@ -290,3 +290,138 @@ def _made_state(**changes):
 def test_bad_input_raises_a_clear_error(changes, match):
     with pytest.raises(ValueError, match=match):
         _call(**changes)
+
+
+# ---------------------------------------------------------------------------------------------
+# Decoding: the single-token step (step.py) == the reference, token by token.
+
+DECODE_CONFIGS = [  # Dk, C, window_chunks, state_size, sinks, rope_dims, budget options
+    (8, 3, 2, 3, 1, 4, {}),  # state at the chunk size
+    (6, 4, 1, 9, 0, 2, {}),  # state above it, grown by short appends; no sinks
+    (8, 5, 3, 12, 1, 6, {}),  # a three-chunk window
+    (4, 8, 1, 8, 1, 0, {}),  # no RoPE channels, the largest chunk
+    (6, 3, 1, 5, 0, 2, {}),
+    (6, 3, 2, 14, 1, 2, dict(budget="power_law", budget_scale=1.5, budget_exponent=0.5, budget_min=3, budget_round=2)),
+    (6, 4, 1, 16, 0, 4, dict(budget="saturation", budget_saturation=12.0, budget_min=2)),
+]
+
+
+def _prefill_rows(x, p, prefixes, **kw):
+    """Each row's first ``prefixes[n]`` tokens run alone (chunked), states joined by ``cat``."""
+    heads, dk, dv = x[0].shape[2], x[0].shape[3], x[2].shape[3]
+    states = []
+    for n, P in enumerate(prefixes):
+        if P:
+            states.append(run("torch", tuple(t[n : n + 1, :P] for t in x), p, **kw)[1])
+        else:
+            states.append(KVMState.empty(
+                1, heads, kw["state_size"], kw["chunk_size"] * kw["window_chunks"], dk, dv, dtype=x[0].dtype,
+            ))
+    return KVMState.cat(states)
+
+
+def _decode(x, p, prefixes, steps, state, **kw):
+    """``steps`` one-token calls; row n's i-th token is ``x[n, prefixes[n] + i]``."""
+    outs = []
+    for i in range(steps):
+        token = tuple(torch.stack([t[n, P + i] for n, P in enumerate(prefixes)])[:, None] for t in x)
+        o, state = run("auto", token, p, initial_state=state, **kw)
+        outs.append(o)
+    return torch.cat(outs, dim=1), state
+
+
+def _reference_rows(x, p, prefixes, steps, **kw):
+    """The reference on each row's whole prefix + decoded tokens: the decoded outputs, the state."""
+    outs, states = [], []
+    for n, P in enumerate(prefixes):
+        o, s = run("reference", tuple(t[n : n + 1, : P + steps] for t in x), p, **kw)
+        outs.append(o[:, P:])
+        states.append(s)
+    return torch.cat(outs), KVMState.cat(states)
+
+
+@pytest.mark.parametrize("Dk,C,blocks,S,sinks,R,extra", DECODE_CONFIGS)
+def test_decode_steps_match_reference_at_mixed_phases(Dk, C, blocks, S, sinks, R, extra):
+    W = blocks * C
+    # Fresh; mid first chunk; a full window (the first step folds); mid-chunk after folds;
+    # later, at another phase: every row folds on its own steps.
+    prefixes = [0, C // 2 + 1, W, W + 2 * C + 1, 2 * W + 3 * C + 2]
+    steps = W + 2 * C + 1  # at least three folds in every row
+    x, p = make_kvm_inputs(len(prefixes), max(prefixes) + steps, 2, Dk, 4, seed=C * 10 + S)
+    kw = dict(chunk_size=C, window_chunks=blocks, state_size=S, sinks=sinks, rope_dims=R, **extra)
+    state = _prefill_rows(x, p, prefixes, **kw)
+    assert len(set(zip(state.seen.tolist(), state.covered.tolist(), state.used.tolist()))) == len(prefixes)
+    o, final = _decode(x, p, prefixes, steps, state, **kw)
+    o_ref, s_ref = _reference_rows(x, p, prefixes, steps, **kw)
+    assert o_ref.abs().max() > 0.1
+    torch.testing.assert_close(o, o_ref, **TOL)
+    assert_states_close(final, s_ref)
+    assert (final.covered - state.covered).min() >= 3 * C  # the steps folded
+    if extra:  # the growable budget grew during decoding
+        assert bool((final.used > state.used).any()) and int(final.used.max()) < S
+
+
+def test_decode_step_is_one_row_of_a_batch():
+    """A row's steps do not depend on the other rows of the batch (folding or not)."""
+    kw = dict(chunk_size=3, window_chunks=2, state_size=4, sinks=1, rope_dims=2)
+    prefixes, steps = [6, 7, 0], 8
+    x, p = make_kvm_inputs(3, 20, 2, 6, 4, seed=21)
+    state = _prefill_rows(x, p, prefixes, **kw)
+    o, final = _decode(x, p, prefixes, steps, state, **kw)
+    for n in range(3):
+        o_n, final_n = _decode(
+            tuple(t[n : n + 1] for t in x), p, prefixes[n : n + 1], steps, state.map(lambda t: t[n : n + 1]), **kw
+        )
+        torch.testing.assert_close(o[n : n + 1], o_n, **TOL)
+        assert_states_close(final.map(lambda t: t[n : n + 1]), final_n)
+
+
+def test_decode_in_float32_keeps_float32_state():
+    """The step's rearranged LN_s (centred keys, affine on the query) stays accurate in float32."""
+    kw = dict(chunk_size=3, window_chunks=2, state_size=5, sinks=1, rope_dims=2)
+    prefixes, steps = [4, 9], 10
+    x, p = make_kvm_inputs(2, 20, 2, 6, 4, seed=17)
+    o64, _ = _decode(x, p, prefixes, steps, _prefill_rows(x, p, prefixes, **kw), **kw)
+    x32, p32 = tuple(t.float() for t in x), {name: t.float() for name, t in p.items()}
+    o32, s32 = _decode(x32, p32, prefixes, steps, _prefill_rows(x32, p32, prefixes, **kw), **kw)
+    assert o32.dtype == torch.float32 and s32.keys.dtype == torch.float32 and s32.used.dtype == torch.long
+    assert (o32.double() - o64).abs().max() < 1e-5
+
+
+def test_auto_and_torch_pick_the_step_for_one_token(monkeypatch):
+    from trellis_lm.ops.kvm import dispatch, step
+
+    calls = []
+    monkeypatch.setattr(dispatch, "step_forward", lambda *a: calls.append(1) or step.step_forward(*a))
+    kw = dict(chunk_size=3, window_chunks=2, state_size=4, sinks=1, rope_dims=2)
+    x, p = make_kvm_inputs(2, 2, 2, 6, 4)
+    for backend in ("auto", "torch"):
+        run(backend, tuple(t[:, :1] for t in x), p, **kw)
+    assert len(calls) == 2
+    run("auto", x, p, **kw)  # two tokens: chunked
+    run("reference", tuple(t[:, :1] for t in x), p, **kw)  # asked for by name
+    x1, p1 = make_kvm_inputs(1, 2, 2, 6, 4)
+    run("auto", x1, p1, cu_seqlens=torch.tensor([0, 1, 2]), **kw)  # packed: chunked
+    assert len(calls) == 2
+
+
+def test_decode_gradients_match_reference():
+    """The step is differentiable like the reference: gradients of outputs and final state
+    through decoded tokens, folds included, and through the prefilled state."""
+    kw = dict(chunk_size=3, window_chunks=1, state_size=5, sinks=1, rope_dims=2)
+    prefix, steps = 4, 8  # folds at positions 6, 9, 12 during decoding
+    x, p = make_kvm_inputs(2, prefix + steps, 2, 6, 4, seed=13, requires_grad=True)
+    leaves = list(x) + list(p.values())
+
+    def loss(o, s):
+        w = torch.linspace(-1, 1, o.numel(), dtype=o.dtype).view_as(o)
+        return (o * w).sum() + s.keys.pow(2).sum() * 0.1 + (s.values * s.radii[..., None]).sum() * 0.1
+
+    _, state = run("torch", tuple(t[:, :prefix] for t in x), p, **kw)
+    o, final = _decode(x, p, [prefix, prefix], steps, state, **kw)
+    grads = torch.autograd.grad(loss(o, final), leaves)
+    o_ref, s_ref = run("reference", x, p, **kw)
+    grads_ref = torch.autograd.grad(loss(o_ref[:, prefix:], s_ref), leaves)
+    for name, a, b in zip(["q", "k", "v", "gate", *p], grads, grads_ref):
+        assert b.abs().max() > 1e-3, name
+        torch.testing.assert_close(a, b, **TOL, msg=lambda m: f"{name}: {m}")

@@ -2,7 +2,8 @@
 
 :func:`kvm_attention` (:mod:`.dispatch`) is the entry point. Beside it: :mod:`.reference` (the
 per-token loop of the page), :mod:`.chunked` (the chunked form through
-``scaled_dot_product_attention``), :mod:`.functions` (the budget and the call's options) and
+``scaled_dot_product_attention``), :mod:`.step` (one token per row: what the torch backend runs
+for decoding), :mod:`.functions` (the budget and the call's options) and
 :mod:`.state` (the carried, preallocated state).
 """
 

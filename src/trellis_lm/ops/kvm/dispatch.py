@@ -13,8 +13,20 @@ from .chunked import chunked_forward
 from .functions import BUDGETS, KVMConfig
 from .reference import reference_forward
 from .state import KVMState
+from .step import step_forward
 
 BACKENDS = {"reference": reference_forward, "torch": chunked_forward}
+
+
+def _pick_backend(backend: str, length: int, packed: bool):
+    """The forward function for ``backend``; ``"auto"`` is the torch backend."""
+    if backend != "auto" and backend not in BACKENDS:
+        raise ValueError(f"backend must be 'auto' or one of {sorted(BACKENDS)}, got {backend!r}")
+    if backend in ("auto", "torch") and length == 1 and not packed:
+        # Decoding: one token per row is one step of the page's loop (see step.py), while the
+        # chunked form would rebuild the W + C cells of the token's grid, a chunk's work.
+        return step_forward
+    return BACKENDS["torch" if backend == "auto" else backend]
 
 
 def _expect_int(name: str, value: object, low: int, high: Optional[int] = None, why: str = "") -> int:
@@ -134,7 +146,9 @@ def kvm_attention(
         output_final_state: also return the state after the last token.
         cu_seqlens: ``[N + 1]`` int, with B = 1: N sequences packed along T, each from its own
             initial state (a zero-length sequence hands its state back).
-        backend: ``"reference"`` (per-token loop), ``"torch"`` (chunked) or ``"auto"`` (torch).
+        backend: ``"reference"`` (per-token loop), ``"torch"`` (chunked; one token per
+            row without ``cu_seqlens`` runs the single-token step of :mod:`.step`, the same
+            function) or ``"auto"`` (torch).
 
     Returns:
         ``o [B, T, H, Dv]`` in q's dtype, and the final :class:`KVMState` (float32, or float64
@@ -168,9 +182,7 @@ def kvm_attention(
     _expect_positive("budget_saturation", budget_saturation)
     _expect_int("budget_round", budget_round, 1)
     _expect_int("budget_min", budget_min, 0)
-    if backend != "auto" and backend not in BACKENDS:
-        raise ValueError(f"backend must be 'auto' or one of {sorted(BACKENDS)}, got {backend!r}")
-    forward = BACKENDS["torch" if backend == "auto" else backend]
+    forward = _pick_backend(backend, length, cu_seqlens is not None)
     config = KVMConfig(
         chunk_size, window_chunks, rope_dims, sinks, state_size, budget, float(budget_scale), float(budget_exponent),
         float(budget_saturation), budget_round, budget_min,
