@@ -64,6 +64,10 @@ class MemoryMixer(Mixer):
     # Whether `config.compile_decode` may compile this mixer's single-token step (it must then
     # be free of data-dependent Python control flow).
     compilable: ClassVar[bool] = False
+    # Projections of x that may run as one matmul (see :meth:`_fused_projections`), in order.
+    fusable_projections: ClassVar[tuple[str, ...]] = ()
+    _fused_out: Optional[dict] = None
+    _fused_weights: Optional[tuple] = None
 
     def _build_convs(self, q_channels: int, k_channels: int, width: Optional[int] = None) -> None:
         """Short convs of ``width`` (default ``config.conv_size``; 0: none) on q and k."""
@@ -96,7 +100,7 @@ class MemoryMixer(Mixer):
         GELU(g_proj(x)), then ``o_proj``."""
         batch, length, _ = x.shape
         heads, dim = self.config.num_heads, self.config.head_dim
-        gate = F.gelu(self.g_proj(x)).view(batch, length, heads, dim)
+        gate = F.gelu(self._project("g_proj", x)).view(batch, length, heads, dim)
         return self.o_proj((self.o_norm(o) * gate).reshape(batch, length, heads * dim).to(x.dtype))
 
     def run_op(self, inputs: tuple[torch.Tensor, ...], initial_state: OpState, keep_state: bool,
@@ -135,13 +139,59 @@ class MemoryMixer(Mixer):
         (``None``: the learned initial memories). Returns ``(y [B, T, D], q_tail, k_tail, final
         state)``, the state ``None`` when not ``keep_state`` or when no row had a real token."""
         batch = x.shape[0]
-        q, k = self.q_proj(x), self.k_proj(x)
-        if self.q_conv is not None:
-            q, q_tail = self._convolve(self.q_conv, q, valid, q_tail)
-            k, k_tail = self._convolve(self.k_conv, k, valid, k_tail)
-        inputs = self.op_inputs(x, q, k, valid, state)
-        o, state = self._attend(inputs, self._initial_state(state, valid, batch), valid, keep_state)
-        return self.read_out(x, o), q_tail, k_tail, state
+        fused = self._fused_projections(x)
+        if fused is not None:
+            self._fused_out = fused
+        try:
+            q, k = self._project("q_proj", x), self._project("k_proj", x)
+            if self.q_conv is not None:
+                q, q_tail = self._convolve(self.q_conv, q, valid, q_tail)
+                k, k_tail = self._convolve(self.k_conv, k, valid, k_tail)
+            inputs = self.op_inputs(x, q, k, valid, state)
+            o, state = self._attend(inputs, self._initial_state(state, valid, batch), valid, keep_state)
+            return self.read_out(x, o), q_tail, k_tail, state
+        finally:
+            if fused is not None:
+                self._fused_out = None
+
+    def _project(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        """``getattr(self, name)(x)``, or its slice of the fused projections when they ran."""
+        fused = self._fused_out
+        if fused is not None and name in fused:
+            return fused[name]
+        return getattr(self, name)(x)
+
+    def _fused_projections(self, x: torch.Tensor) -> Optional[dict[str, torch.Tensor]]:
+        """Every projection of ``fusable_projections`` by one matmul with their weights stacked,
+        or ``None`` where that might not be the same function as calling the modules.
+
+        Fused only in eval mode without autograd (inference), eagerly, when each projection is a
+        plain ``nn.Linear`` without hooks: a training step, an adapter (PEFT/LoRA wraps or
+        replaces the module) or a hook runs the modules themselves. The stacked weight is cached
+        and rebuilt whenever a weight or bias is replaced or modified in place (its version
+        counter moves), e.g. by an optimizer step or ``load_state_dict``.
+        """
+        names = self.fusable_projections
+        if (not names or self.training or torch.is_grad_enabled() or torch.compiler.is_compiling()
+                or nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks):
+            return None
+        modules = [(name, getattr(self, name)) for name in names if getattr(self, name) is not None]
+        params = []
+        for _, m in modules:
+            if type(m) is not nn.Linear or m._forward_hooks or m._forward_pre_hooks:
+                return None
+            params += [m.weight, m.bias]
+        if any(p is not None and p.dtype != x.dtype for p in params):
+            return None
+        key = tuple((id(p), p._version, p.data_ptr(), p.device) if p is not None else None for p in params)
+        cached = self._fused_weights
+        if cached is None or cached[0] != key:
+            weight = torch.cat([m.weight for _, m in modules])
+            bias = torch.cat([m.bias if m.bias is not None else m.weight.new_zeros(m.out_features) for _, m in modules])
+            cached = self._fused_weights = (key, weight, bias)
+        out = F.linear(x, cached[1], cached[2])
+        parts = out.split([m.out_features for _, m in modules], dim=-1)
+        return {name: part for (name, _), part in zip(modules, parts)}
 
     @staticmethod
     def _convolve(

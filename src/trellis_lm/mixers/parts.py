@@ -65,16 +65,23 @@ class TrellisShortConv(nn.Conv1d):
         if tail is None:
             tail = x.new_zeros(batch, carried, channels)
         seq = torch.cat([tail.to(x.dtype), x], dim=1)
-        # Windows times taps, summed: three operations whatever T is. For decode-sized inputs
-        # F.conv1d spends far longer setting up its kernel than in the arithmetic; this is the
-        # same cross-correlation as nn.Conv1d.
-        windows = seq.unfold(1, width, 1)  # [B, T, C, width], a view
         taps = self.weight[:, 0].to(x.dtype)  # [C, width]
-        if reach is not None:
-            # Tap j looks `width - 1 - j` inputs back; what lies before the document counts as zero.
-            lookback = torch.arange(width - 1, -1, -1, device=x.device)
-            taps = taps * (lookback <= reach[..., None])[..., None, :]  # [B, T, C, width]
-        y = (windows * taps).sum(dim=-1)
+        if reach is None and length >= 16:
+            # Long inputs: one multiply-add per tap over shifted views of the sequence; it reads
+            # [B, T, C] once per tap instead of building the [B, T, C, width] product below.
+            y = seq[:, :length] * taps[:, 0]
+            for j in range(1, width):
+                y = torch.addcmul(y, seq[:, j : j + length], taps[:, j])
+        else:
+            # Windows times taps, summed: three operations whatever T is. For decode-sized inputs
+            # F.conv1d spends far longer setting up its kernel than in the arithmetic; this is the
+            # same cross-correlation as nn.Conv1d.
+            windows = seq.unfold(1, width, 1)  # [B, T, C, width], a view
+            if reach is not None:
+                # Tap j looks `width - 1 - j` inputs back; what lies before the document counts as zero.
+                lookback = torch.arange(width - 1, -1, -1, device=x.device)
+                taps = taps * (lookback <= reach[..., None])[..., None, :]  # [B, T, C, width]
+            y = (windows * taps).sum(dim=-1)
         if lengths is None:  # every row's tokens fill x: the tail is the sequence's end
             # A copy, not a view: a view would keep the whole prefill's inputs alive in the cache.
             return y, seq[:, length:].contiguous()

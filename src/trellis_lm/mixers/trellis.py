@@ -43,6 +43,7 @@ class TrellisAttention(MemoryMixer):
     state_class = TrellisState
     cache_class = TrellisLayerCache
     compilable = True
+    fusable_projections = ("q_proj", "k_proj", "v_proj", "alpha_proj", "g_proj", "beta_proj", "gamma_proj")
 
     def __init__(self, config: Any, layer_idx: int) -> None:
         super().__init__(config, layer_idx)
@@ -65,13 +66,13 @@ class TrellisAttention(MemoryMixer):
         heads, dim = self.config.num_heads, self.config.head_dim
         q = l2_normalize(F.silu(at_least_float32(q)).view(batch, length, heads, dim))
         k = l2_normalize(F.silu(at_least_float32(k)).view(batch, length, heads, dim))
-        v = l2_normalize(at_least_float32(self.v_proj(x)).view(batch, length, heads, dim))
-        alpha = at_least_float32(self.alpha_proj(x)).view(batch, length, heads, -1)
+        v = l2_normalize(at_least_float32(self._project("v_proj", x)).view(batch, length, heads, dim))
+        alpha = at_least_float32(self._project("alpha_proj", x)).view(batch, length, heads, -1)
         if self.beta_proj is not None:
-            log_beta = F.logsigmoid(at_least_float32(self.beta_proj(x))) / self.config.gate_logit_normalizer
+            log_beta = F.logsigmoid(at_least_float32(self._project("beta_proj", x))) / self.config.gate_logit_normalizer
         else:
             log_beta = alpha.new_zeros(batch, length, heads)
-        gamma = torch.sigmoid(at_least_float32(self.gamma_proj(x)))
+        gamma = torch.sigmoid(at_least_float32(self._project("gamma_proj", x)))
         return q, k, v, alpha, log_beta, gamma
 
     def fresh_state(self, rows: int) -> TrellisState:

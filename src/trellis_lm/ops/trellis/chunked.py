@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ..varlen import from_chunks, grid_positions, to_chunks
+from ..varlen import grid_positions
 from .functions import compress_residual_vjp, mix
 from .state import TrellisState
 
@@ -65,67 +65,154 @@ def identity_residual_basis(x: torch.Tensor, alpha: torch.Tensor, gamma: torch.T
     # gap[r - 1, i] = c_{r-1} - c_i for i < r (row 0 has no earlier token).
     prev = torch.cat([torch.full_like(gap[..., :1, :], float("-inf")), gap[..., :-1, :]], dim=-2)
     lower = prev.exp() * gamma[..., None, :] * (x @ x.transpose(-1, -2))
-    rhs = torch.cat([before.exp()[..., None] * x, alpha], dim=-1)
+    scaled = before.exp()[..., None] * x
+    rhs = torch.cat([scaled, alpha.expand(scaled.shape[:-1] + alpha.shape[-1:])], dim=-1)
     solved = torch.linalg.solve_triangular(lower, rhs, upper=False, unitriangular=True)
     return solved[..., :dim], solved[..., dim:]
 
 
+def _chunk_major(x: torch.Tensor, flat_index, rows: int, chunks: int, width: int) -> torch.Tensor:
+    """``[tokens, H, *rest]`` -> ``[chunks, N * H, L, *rest]`` (the grid of :func:`grid_positions`,
+    chunk-major, so the loop's per-chunk slices are contiguous), free cells holding zeros.
+    ``flat_index=None``: every cell holds the token of the same index (no free cells)."""
+    heads, rest = x.shape[1], tuple(x.shape[2:])
+    cells = x if flat_index is None else x.new_zeros((rows * chunks * width, heads) + rest).index_copy(0, flat_index, x)
+    cells = cells.view((rows, chunks, width, heads) + rest)
+    order = (1, 0, 3, 2) + tuple(range(4, 4 + len(rest)))
+    return cells.permute(order).reshape((chunks, rows * heads, width) + rest)
+
+
+def _from_chunk_major(o: torch.Tensor, flat_index: torch.Tensor, rows: int, heads: int, batch: int, length: int):
+    """Inverse of :func:`_chunk_major` for outputs: ``[chunks, N * H, L, D]`` -> ``[B, T, H, D]``."""
+    chunks, _, width, dim = o.shape
+    o = o.view(chunks, rows, heads, width, dim).permute(1, 0, 3, 2, 4)
+    if flat_index is None:
+        return o.reshape(batch, length, heads, dim)
+    return o.reshape(-1, heads, dim)[flat_index].view(batch, length, heads, dim)
+
+
+# Read-outs are computed for groups of chunks at once; a group's stacked chunk-start states hold at
+# most about this many elements (so C = 1 over a long input does not stack one state per token).
+GROUP_ELEMENTS = 1 << 22
+
+
 def chunked_forward(q, k, v, alpha, log_beta, gamma, state, chunk_size, compress_fn, mix_fn, cu_seqlens):
-    """Backend ``"torch"``; arguments as validated by :func:`trellis_lm.ops.trellis_attention`."""
+    """Backend ``"torch"``; arguments as validated by :func:`trellis_lm.ops.trellis_attention`.
+
+    Two phases. The sequential loop over chunks runs only the state chain: each chunk's ``U``
+    (from its anchor) and the next chunk-start state. The read-outs ``Yh``, ``H = f(Yh)`` and
+    ``O`` of section 2 need only a chunk's start state and its ``U``, so they are computed
+    afterwards for a whole group of chunks in a few batched operations. When ``Dk == Dv`` the
+    key and value passes share the loop: their memories are stacked along the batch axis, so
+    each chunk costs one set of operations for both.
+    """
     batch, length, heads, _ = q.shape
+    dk, dv = q.shape[-1], v.shape[-1]
     rows, chunk = state.offset.numel(), chunk_size
+    nh = rows * heads
     flat_index, lengths, chunks, width = grid_positions(state.offset, batch, length, cu_seqlens, chunk)
+    if cu_seqlens is None and chunks * width == length and not bool(state.offset.any()):
+        flat_index = None  # rows of whole chunks from a chunk start: the grid is the input's own order
     Q, K, V, A, LB, G = (
-        to_chunks(x.reshape((batch * length,) + tuple(x.shape[2:])), flat_index, rows, chunks, width)
+        _chunk_major(x.reshape((batch * length,) + tuple(x.shape[2:])), flat_index, rows, chunks, width)
         for x in (q, k, v, alpha, log_beta, gamma)
-    )  # Q: [N, H, chunks, L, Dk]; LB, G: [N, H, chunks, L]
+    )  # Q: [chunks, N * H, L, Dk]; LB, G: [chunks, N * H, L]
 
     # State-independent per-chunk quantities, for all chunks at once (decays in log space).
     cum, before, after, gap = log_decays(LB)
-    mu = cum.exp()[..., None]  # [N, H, chunks, L, 1]
+    mu = cum.exp()[..., None]  # [chunks, NH, L, 1]
     decay = gap.exp() * G[..., None, :]  # D[r, i] = gamma_i exp(c_r - c_i), i <= r
     dqk = decay * (Q @ K.transpose(-1, -2))
-    mu_last = cum[..., -1:].exp()[..., None]  # [N, H, chunks, 1, 1]
-    w = (G * after.exp())[..., None]  # [N, H, chunks, L, 1]
+    mu_q = mu * Q
+    mu_last = cum[..., -1:].exp()[..., None]  # [chunks, NH, 1, 1]
+    w = (G * after.exp())[..., None]  # [chunks, NH, L, 1]
     identity = compress_fn == "identity"
-    if identity:  # residuals at the current state: U = W S^T - Z, whatever the anchors
-        w_k, z_k = identity_residual_basis(K, A, G, before, gap)
-        w_v, z_v = identity_residual_basis(V, A, G, before, gap)
 
-    s_k, s_v = state.m_k, state.m_v
     # Rows that resume at a chunk boundary take their anchor from the state itself.
     at_start = (state.offset == 0)[:, None, None, None]
-    a_k = torch.where(at_start, s_k, state.anchor_k)
-    a_v = torch.where(at_start, s_v, state.anchor_v)
-    last_chunk = ((state.offset + lengths - 1).clamp(min=0) // chunk)[:, None, None, None]
-    final_a_k, final_a_v = a_k, a_v
-    outputs = []
-    for c in range(chunks):
-        Kc, Vc, Ac = K[:, :, c], V[:, :, c], A[:, :, c]
-        if identity:
-            u_k = w_k[:, :, c] @ s_k.transpose(-1, -2) - z_k[:, :, c]  # [N, H, L, M]
+    a_k = torch.where(at_start, state.m_k, state.anchor_k)
+    a_v = torch.where(at_start, state.m_v, state.anchor_v)
+    # The chains of the loop. With Dk == Dv one chain carries both passes, stacked on a pass
+    # axis P = 2 (keys, then values) that the per-(row, head) gates and targets broadcast over.
+    if dk == dv:
+        chains = [(torch.stack([K, V], dim=1), torch.stack([state.m_k, state.m_v]), torch.stack([a_k, a_v]))]
+    else:
+        chains = [(K[:, None], state.m_k[None], a_k[None]), (V[:, None], state.m_v[None], a_v[None])]
+    A5, mu_last5 = A[:, None], mu_last[:, None]  # [chunks, 1, NH, ...]: broadcast over passes
+    loops = []
+    for X, s0, a0 in chains:  # X [chunks, P, NH, L, D]; s0, a0 [P, N, H, M, D]
+        passes = X.shape[1]
+        ch = dict(P=passes, s=s0.reshape(passes * nh, *s0.shape[-2:]), anchor=a0.reshape(passes * nh, *a0.shape[-2:]))
+        ch["wX"] = (w[:, None] * X).flatten(1, 2)  # [chunks, P NH, L, D]
+        if identity:  # residuals at the current state: U = W S^T - Z, whatever the anchors
+            w_x, z_x = identity_residual_basis(X, A5, G[:, None], before[:, None], gap[:, None])
+            ch["W"], ch["Z"] = w_x.flatten(1, 2), z_x.flatten(1, 2)
         else:
-            u_k = compress_residual_vjp(compress_fn, Kc @ a_k.transpose(-1, -2), Ac)
-        h = mix(mix_fn, mu[:, :, c] * (Q[:, :, c] @ s_k.transpose(-1, -2)) - dqk[:, :, c] @ u_k)
-        if identity:
-            u_v = w_v[:, :, c] @ s_v.transpose(-1, -2) - z_v[:, :, c]
-        else:
-            u_v = compress_residual_vjp(compress_fn, Vc @ a_v.transpose(-1, -2), Ac)
-        outputs.append(mu[:, :, c] * (h @ s_v) - (decay[:, :, c] * (h @ u_v.transpose(-1, -2))) @ Vc)
-        final_a_k = torch.where(last_chunk == c, a_k, final_a_k)
-        final_a_v = torch.where(last_chunk == c, a_v, final_a_v)
-        s_k = mu_last[:, :, c] * s_k - (w[:, :, c] * u_k).transpose(-1, -2) @ Kc
-        s_v = mu_last[:, :, c] * s_v - (w[:, :, c] * u_v).transpose(-1, -2) @ Vc
-        a_k, a_v = s_k, s_v
+            ch["X"] = X.flatten(1, 2)
+        # Per-chunk views by one unbind each: indexing [c] in the loop would give each chunk its
+        # own backward node, each scattering into a zero-filled tensor as large as all chunks.
+        for name in ("X", "wX", "W", "Z"):
+            if name in ch:
+                ch[name] = ch[name].unbind(0)
+        loops.append(ch)
+    A_c, mu_last_c = A5.unbind(0), mu_last5.unbind(0)
 
-    o = torch.stack(outputs, dim=2)  # [N, H, chunks, L, Dv]
+    last_chunk = ((state.offset + lengths - 1).clamp(min=0) // chunk).tolist()
+    final_anchor = [ch["anchor"] for ch in loops]
+    group = max(1, GROUP_ELEMENTS // max(1, sum(ch["s"].numel() for ch in loops)))
+    outputs = []
+    starts = [[] for _ in loops]
+    us = [[] for _ in loops]
+    for c in range(chunks):
+        for i, ch in enumerate(loops):
+            s, passes = ch["s"], ch["P"]
+            if identity:
+                u = torch.baddbmm(ch["Z"][c], ch["W"][c], s.transpose(-1, -2), beta=-1)
+            else:
+                anchor = ch["anchor"] if c == 0 else s
+                z = (ch["X"][c] @ anchor.transpose(-1, -2)).view(passes, nh, width, -1)
+                u = compress_residual_vjp(compress_fn, z, A_c[c]).view(passes * nh, width, -1)
+            if c in last_chunk:  # the anchor some row ends in: the state at this chunk's start
+                anchor = ch["anchor"] if c == 0 else s
+                ends = torch.tensor([x == c for x in last_chunk], device=s.device)
+                ends = ends.view(1, rows, 1).expand(passes, rows, heads).reshape(-1, 1, 1)
+                final_anchor[i] = torch.where(ends, anchor, final_anchor[i])
+            starts[i].append(s)
+            us[i].append(u)
+            decayed = (mu_last_c[c] * s.view(passes, nh, *s.shape[-2:])).view(s.shape)
+            ch["s"] = torch.baddbmm(decayed, u.transpose(-1, -2), ch["wX"][c], alpha=-1)
+        if len(starts[0]) == group or c == chunks - 1:
+            # The read-outs of this group of chunks, all at once.
+            lo = c + 1 - len(starts[0])
+            st = [torch.stack(x) for x in starts]  # [g, P NH, M, D]
+            ut = [torch.stack(x) for x in us]  # [g, P NH, L, M]
+            if len(loops) == 1:
+                st_k, st_v = st[0][:, :nh], st[0][:, nh:]
+                u_k, u_v = ut[0][:, :nh], ut[0][:, nh:]
+            else:
+                (st_k, st_v), (u_k, u_v) = st, ut
+            sl = slice(lo, c + 1)
+            h = mix(mix_fn, mu_q[sl] @ st_k.transpose(-1, -2) - dqk[sl] @ u_k)  # [g, NH, L, M]
+            outputs.append((mu[sl] * h) @ st_v - (decay[sl] * (h @ u_v.transpose(-1, -2))) @ V[sl])
+            starts = [[] for _ in loops]
+            us = [[] for _ in loops]
+
+    o = outputs[0] if len(outputs) == 1 else torch.cat(outputs)  # [chunks, NH, L, Dv]
+    if len(loops) == 1:
+        s_k, s_v = loops[0]["s"][:nh], loops[0]["s"][nh:]
+        f_k, f_v = final_anchor[0][:nh], final_anchor[0][nh:]
+    else:
+        s_k, s_v = loops[0]["s"], loops[1]["s"]
+        f_k, f_v = final_anchor
+    s_k, s_v = s_k.view(state.m_k.shape), s_v.view(state.m_v.shape)
+    f_k, f_v = f_k.view(state.m_k.shape), f_v.view(state.m_v.shape)
     # A sequence with no tokens hands its initial state back untouched, anchors included.
     empty = (lengths == 0)[:, None, None, None]
     final = TrellisState(
         s_k,
         s_v,
-        torch.where(empty, state.anchor_k, final_a_k),
-        torch.where(empty, state.anchor_v, final_a_v),
+        torch.where(empty, state.anchor_k, f_k),
+        torch.where(empty, state.anchor_v, f_v),
         (state.offset + lengths) % chunk,
     )
-    return from_chunks(o, flat_index, batch, length), final
+    return _from_chunk_major(o, flat_index, rows, heads, batch, length), final
