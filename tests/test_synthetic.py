@@ -20,7 +20,8 @@ from trellis_lm.eval.niah import (
     NOISE_SENTENCES, NIAHExample, make_niah_example, make_niah_training_data, niah_match, niah_tokenizer, score_niah,
 )
 from trellis_lm.eval.synthetic import (
-    MQARTask, ModelSize, NIAHTask, TrainSettings, build_model, default_variants, mqar_accuracy, run_mqar,
+    InlineExecutor, MQARTask, ModelSize, ModelSpec, NIAHTask, Sweep, TrainSettings, best_learning_rate, build_model,
+    default_variants, layer_schedule, mqar_accuracy, run_mqar, summarize, sweep_runs,
 )
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "synthetic_recall.py"
@@ -177,25 +178,101 @@ TINY = ModelSize(hidden_size=32, num_hidden_layers=1, num_heads=2, head_dim=8, i
                  chunk_size=4)
 
 
+TINY2 = dataclasses.replace(TINY, num_hidden_layers=2)
+# The layer schedule each row must build at 2 layers.
+SCHEDULE_OF = {"llama": ["attention"] * 2, "lattice-dec": ["lattice"] * 2, "lattice-enc": ["lattice"] * 2,
+               "lattice-sim": ["lattice"] * 2, "kvm": ["kvm"] * 2, "hybrid": ["trellis", "attention"]}
+
+
 def test_every_variant_builds_and_scores():
     ids, labels = make_mqar(4, 16, 2, 16, seed=0)
     names = [spec.name for spec in default_variants()]
-    assert len(set(names)) == len(names) and "llama" in names and "trellis" in names
+    assert len(set(names)) == len(names)
+    assert {"llama", "trellis", "trellis-C1", "trellis-C64", "trellis-delta", "trellis-no-forget", "trellis-M16",
+            "trellis-M64", "lattice-dec", "lattice-enc", "lattice-sim", "kvm", "hybrid"} <= set(names)
     for spec in default_variants():
-        model = build_model(spec, TINY, vocab_size=16, max_len=16)
+        model = build_model(spec, TINY2, vocab_size=16, max_len=16)
         assert 0.0 <= mqar_accuracy(model, ids, labels, batch_size=3) <= 1.0
+        schedule = SCHEDULE_OF.get(spec.name, ["trellis"] * 2)
+        assert layer_schedule(spec, 2) == schedule
+        if spec.kind == "llama":
+            assert model.config.model_type == "llama"
+            continue
+        assert model.config.layer_kinds == schedule
+        # The mixers built are the schedule's kinds.
+        mixer_class = {"trellis": "TrellisAttention", "lattice": "LatticeAttention", "kvm": "KVMAttention",
+                       "attention": "AttentionMixer"}
+        assert [type(layer.self_attn).__name__ for layer in model.model.layers] == [mixer_class[k] for k in schedule]
         for field, value in spec.overrides.items():
-            assert getattr(model.config, field) == value
+            if field != "mixer_types":
+                assert getattr(model.config, field) == value
+    kvm = build_model(next(s for s in default_variants() if s.name == "kvm"), TINY2, 16, 64).config
+    # A fixed state and a window shorter than the sequences, so the state matters.
+    assert kvm.kvm_budget == "fixed" and kvm.kvm_chunk_size * kvm.kvm_window_chunks < 64
+    assert kvm.kvm_rope_dims == TINY2.head_dim
+    assert build_model(next(s for s in default_variants() if s.name == "lattice-enc"), TINY2, 16, 16
+                       ).config.lattice_variant == "enc"
+    # A pattern repeats over deeper models.
+    assert layer_schedule(ModelSpec("h", overrides={"mixer_types": ("trellis", "attention")}), 4) == [
+        "trellis", "attention", "trellis", "attention"]
 
 
 @pytest.mark.parametrize("name", ["trellis", "llama"])
 def test_run_mqar_end_to_end(name):
     spec = next(s for s in default_variants() if s.name == name)
     task = MQARTask(seq_len=16, num_kv_pairs=2, vocab_size=16, num_train=32, num_test=8)
-    result = run_mqar(spec, task, TINY, TrainSettings(max_steps=3, batch_size=8))
+    result = run_mqar(spec, task, TINY, TrainSettings(max_steps=5, batch_size=8, eval_every=2, num_val=8))
     assert result["model"] == name and 0.0 <= result["accuracy"] <= 1.0
     assert result["task"]["seq_len"] == 16 and result["num_parameters"] > 0
+    # The learning curve: every eval_every steps and at the last step; its last point is val_accuracy.
+    assert [step for step, _ in result["curve"]] == [2, 4, 5] and result["steps_run"] == 5
+    assert all(0.0 <= acc <= 1.0 for _, acc in result["curve"]) and result["val_accuracy"] == result["curve"][-1][1]
     json.dumps(result)
+
+
+def test_run_mqar_stops_at_the_target_accuracy():
+    task = MQARTask(seq_len=16, num_kv_pairs=2, vocab_size=16, num_train=32, num_test=8)
+    result = run_mqar(default_variants()[1], task, TINY,
+                      TrainSettings(max_steps=20, batch_size=8, eval_every=3, num_val=8, stop_accuracy=0.0))
+    assert result["steps_run"] == 3 and [step for step, _ in result["curve"]] == [3]
+
+
+def fake_run(spec, task, size, train):
+    """A run whose validation accuracy peaks at lr 3e-3, and whose test accuracy names its seed."""
+    val = {1e-3: 0.2, 3e-3: 0.9, 1e-2: 0.5}[train.learning_rate]
+    return {"model": spec.name, "task": dataclasses.asdict(task), "overrides": {}, "train": dataclasses.asdict(train),
+            "accuracy": val + train.seed / 100, "val_accuracy": val if spec.name == "a" else 1 - val,
+            "mean_train_loss": 1.0, "train_seconds": 1.0, "curve": [[1, val]]}
+
+
+def test_sweep_picks_the_best_learning_rate_and_runs_the_seeds():
+    task = MQARTask(seq_len=16, num_kv_pairs=2, vocab_size=16)
+    units = [(fake_run, (ModelSpec(name), task, TINY, TrainSettings())) for name in ("a", "b")]
+    sweep = Sweep(learning_rates=(1e-3, 3e-3, 1e-2), seeds=(0, 1, 2))
+    seen = []
+    records = sweep_runs(units, sweep, InlineExecutor().submit, seen.append)
+    assert len(records) == len(seen) == 2 * (3 + 2)
+    runs = {(r["model"], r["train"]["learning_rate"], r["train"]["seed"], r["sweep_role"]) for r in records}
+    # a peaks at 3e-3 on validation, b (1 - val) at 1e-3; the other seeds run at that rate only.
+    assert runs == {(m, lr, 0, "lr") for m in "ab" for lr in (1e-3, 3e-3, 1e-2)} | {
+        ("a", 3e-3, 1, "seed"), ("a", 3e-3, 2, "seed"), ("b", 1e-3, 1, "seed"), ("b", 1e-3, 2, "seed")}
+    assert best_learning_rate([r for r in records if r["model"] == "a"], sweep) == 3e-3
+    assert best_learning_rate([r for r in records if r["model"] == "a"][:2], sweep) is None  # sweep unfinished
+    a, b = summarize(records, sweep)
+    assert a["model"] == "a" and a["best_lr"] == 3e-3 and a["seeds"] == [0, 1, 2]
+    assert a["accuracies"] == pytest.approx([0.9, 0.91, 0.92]) and a["median"] == pytest.approx(0.91)
+    assert (a["min"], a["max"]) == pytest.approx((0.9, 0.92))
+    assert a["lr_scores"] == pytest.approx({1e-3: 0.2, 3e-3: 0.9, 1e-2: 0.5})
+    assert b["best_lr"] == 1e-3 and b["median"] == pytest.approx(0.21)
+
+
+def test_sweep_runs_seeds_before_other_sweeps():
+    """With one run at a time, a unit's seeds run right after its sweep, before the next unit's."""
+    task = MQARTask(seq_len=16, num_kv_pairs=2, vocab_size=16)
+    units = [(fake_run, (ModelSpec(name), task, TINY, TrainSettings())) for name in ("a", "b")]
+    order = [(r["model"], r["sweep_role"]) for r in
+             sweep_runs(units, Sweep((1e-3, 3e-3), (0, 1)), InlineExecutor().submit)]
+    assert order == [("a", "lr"), ("a", "lr"), ("a", "seed"), ("b", "lr"), ("b", "lr"), ("b", "seed")]
 
 
 def test_niah_training_data_trains_on_the_answer_only():
@@ -229,33 +306,86 @@ def load_example():
 
 def test_example_command_writes_json_tables_and_plots(tmp_path, monkeypatch):
     example = load_example()
-    # The cpu preset's sweep shape with tiny models and data, to stay fast.
+    # The cpu preset's study shape with tiny models and data, to stay fast.
     tiny_niah = NIAHTask(train_context=128, eval_contexts=(128, 160), depths=(0.0, 1.0), samples=1, num_train=8,
                          tokenizer_vocab=300)
-    small = dataclasses.replace(example.PRESETS["cpu"], size=TINY, num_train=64, num_test=16, niah=tiny_niah)
+    small = dataclasses.replace(
+        example.PRESETS["cpu"], size=TINY, num_train=32, num_test=8, niah=tiny_niah, base_seq_len=24,
+        train=dataclasses.replace(example.PRESETS["cpu"].train, eval_every=1, num_val=8, batch_size=4),
+        niah_train=dataclasses.replace(example.PRESETS["cpu"].niah_train, eval_every=0, batch_size=2))
     monkeypatch.setitem(example.PRESETS, "cpu", small)
     md = tmp_path / "docs" / "results.md"
     (md.parent).mkdir()
     (md.parent / "results_notes.md").write_text("## Reading\n\nhand-written\n")
-    example.main(["--preset", "cpu", "--variants", "llama,trellis,trellis-no-forget,trellis-M16", "--pairs", "2,4",
-                  "--seq-lens", "64,128", "--max-steps", "2", "--out", str(tmp_path / "out"), "--results-md", str(md)])
+    example.main(["--preset", "cpu", "--variants", "llama,trellis,kvm", "--pairs", "2", "--seq-lens", "32",
+                  "--max-steps", "2", "--lrs", "1e-3,1e-2", "--seeds", "0,1", "--out", str(tmp_path / "out"),
+                  "--results-md", str(md)])
     saved = json.loads((tmp_path / "out" / "synthetic_results.json").read_text())
-    runs = {(r["model"], r["task"]["seq_len"], r["task"]["num_kv_pairs"]) for r in saved["mqar"]["results"]}
-    # Every variant at the base setting; only the swept models elsewhere.
-    assert runs == {(m, s, p) for m in ("llama", "trellis") for s, p in ((64, 2), (64, 4), (128, 4))} | {
-        ("trellis-no-forget", 64, 4), ("trellis-M16", 64, 4)}
-    # S-NIAH trains the preset's S-NIAH models among those asked for (not trellis-M16).
-    assert {r["model"] for r in saved["niah"]["results"]} == {"llama", "trellis", "trellis-no-forget"}
-    assert set(saved["niah"]["results"][0]["scores"]) == {"128", "160"}
+    mqar = saved["mqar"]
+    runs = [(r["model"], r["task"]["seq_len"], r["task"]["num_kv_pairs"], r["train"]["learning_rate"],
+             r["train"]["seed"]) for r in mqar["results"]]
+    settings = {(m, s, p) for m, s, p, *_ in runs}
+    # Every variant asked for at the base setting; only the swept models elsewhere.
+    assert settings == {(m, s, p) for m in ("llama", "trellis") for s, p in ((24, 2), (24, 4), (32, 4))} | {
+        ("kvm", 24, 4)}
+    # Every run is kept: 2 learning rates at seed 0, then seed 1 at the best, for each setting.
+    assert len(runs) == len(set(runs)) == 3 * len(settings)
+    assert all(r["curve"] and r["curve"][-1][0] == 2 for r in mqar["results"])
+    assert mqar["sweep"] == {"learning_rates": [1e-3, 1e-2], "seeds": [0, 1]} and mqar["wall_minutes"] > 0
     text = md.read_text()
-    assert "| llama |" in text and "num_kv_pairs=2" in text and "seq_len=128" in text
-    assert "| the forget gate helps | trellis " in text and "S-NIAH" in text and "hand-written" in text
-    for name in ("mqar_accuracy_vs_num_kv_pairs", "mqar_accuracy_vs_seq_len", "niah_accuracy_vs_context"):
+    assert "| llama |" in text and "num_kv_pairs=2" in text and "seq_len=32" in text and "hand-written" in text
+    assert "### All runs" in text and text.count("| trellis | 24 | 4 |") == 3
+    for name in ("mqar_accuracy_vs_num_kv_pairs", "mqar_accuracy_vs_seq_len", "mqar_curves_T24_P4",
+                 "mqar_curves_T32_P4"):
         assert (md.parent / "figures" / f"{name}.png").stat().st_size > 0
-    # A later run of one task keeps the other's results on the page.
-    example.main(["--task", "mqar", "--preset", "cpu", "--variants", "llama", "--pairs", "4", "--seq-lens", "64",
-                  "--max-steps", "1", "--out", str(tmp_path / "out"), "--results-md", str(md)])
-    assert "S-NIAH" in md.read_text()
+    # --resume reuses every saved run with the same settings: nothing is trained again.
+    monkeypatch.setattr(example, "run_mqar", None)
+    example.main(["--preset", "cpu", "--variants", "llama,trellis,kvm", "--pairs", "2", "--seq-lens", "32",
+                  "--max-steps", "2", "--lrs", "1e-3,1e-2", "--seeds", "0,1", "--out", str(tmp_path / "out"),
+                  "--results-md", str(md), "--resume"])
+    resumed = json.loads((tmp_path / "out" / "synthetic_results.json").read_text())["mqar"]
+    assert resumed["resumed_runs"] == len(runs) and sorted(map(json.dumps, resumed["results"])) == sorted(
+        map(json.dumps, mqar["results"]))
+    # S-NIAH over the same kind of sweep, for the preset's S-NIAH models among those asked for; the page
+    # keeps the MQAR results.
+    example.main(["--task", "niah", "--preset", "cpu", "--variants", "trellis-no-forget,kvm",
+                  "--max-steps", "1", "--lrs", "1e-3", "--seeds", "0,1", "--out", str(tmp_path / "out"),
+                  "--results-md", str(md)])
+    niah = json.loads((tmp_path / "out" / "synthetic_results.json").read_text())["niah"]["results"]
+    assert sorted((r["model"], r["train"]["seed"]) for r in niah) == [("trellis-no-forget", 0), ("trellis-no-forget", 1)]
+    assert set(niah[0]["scores"]) == {"128", "160"} and 0 <= niah[0]["accuracy"] <= 1
+    text = md.read_text()
+    assert "S-NIAH" in text and "| llama |" in text
+    assert (md.parent / "figures" / "niah_accuracy_vs_context.png").stat().st_size > 0
+    # --render-only rewrites the page from the saved runs without training.
+    md.unlink()
+    example.main(["--render-only", "--out", str(tmp_path / "out"), "--results-md", str(md)])
+    assert "S-NIAH" in md.read_text() and "| the forget gate helps |" not in md.read_text()
+
+
+def test_markdown_renders_medians_ranges_and_verdicts(tmp_path):
+    example = load_example()
+    task = dataclasses.asdict(MQARTask(seq_len=32, num_kv_pairs=4, vocab_size=64))  # the cpu base setting
+    accuracy = {"trellis": [0.8, 0.9, 0.95], "trellis-no-forget": [0.1, 0.2, 0.3], "trellis-C1": [0.3, 0.5, 0.6],
+                "trellis-C64": [0.4, 0.45, 0.7], "lattice-dec": [0.02, 0.03, 0.03], "lattice-enc": [0.03, 0.02, 0.01]}
+    records = []
+    for model, values in accuracy.items():
+        for lr in (1e-3, 1e-2):  # the sweep: 1e-2 wins on validation
+            records.append({"model": model, "task": task, "overrides": {}, "mixer_types": ["trellis"] * 2,
+                            "train": {"learning_rate": lr, "seed": 0, "num_val": 8, "max_steps": 10},
+                            "size": {}, "accuracy": values[0] if lr == 1e-2 else 0.0, "val_accuracy": lr,
+                            "mean_train_loss": 1.0, "train_seconds": 2.0, "curve": [[5, 0.1], [10, values[0]]],
+                            "steps_run": 10})
+        for seed, value in enumerate(values[1:], start=1):
+            records.append({**records[-1], "train": {**records[-1]["train"], "seed": seed}, "accuracy": value})
+    data = {"command": "python x", "sweep": {"learning_rates": [1e-3, 1e-2], "seeds": [0, 1, 2]},
+            "results": records, "wall_minutes": 3.0}
+    lines = "\n".join(example.mqar_lines(data, example.PRESETS["cpu"], tmp_path / "figures", tmp_path))
+    assert "| trellis | trellis+trellis | - | 1e-2 | 0.900 [0.80, 0.95] | 0.000 | 0.800 | 2 |" in lines
+    assert "trellis 0.900 [0.80, 0.95] vs trellis-no-forget 0.200 [0.10, 0.30] | **yes**" in lines
+    assert "trellis-C1 0.500 [0.30, 0.60] vs trellis-C64 0.450 [0.40, 0.70] | not separated: median higher" in lines
+    assert "| dec vs enc |" in lines and "both at chance" in lines
+    assert "(3 min wall clock)" in lines and (tmp_path / "figures" / "mqar_curves_T32_P4.png").stat().st_size > 0
 
 
 def test_example_command_scores_niah_on_a_checkpoint(tmp_path, tokenizer):
@@ -267,15 +397,21 @@ def test_example_command_scores_niah_on_a_checkpoint(tmp_path, tokenizer):
     assert set(scores["128"]) == {"0.0", "1.0"} and all(0 <= v <= 1 for v in scores["128"].values())
 
 
-def test_presets_cover_the_requested_ablations():
+def test_presets_cover_the_requested_rows():
     example = load_example()
-    args = example.parse_args(["--preset", "cpu"])
-    grid = example.mqar_grid(example.PRESETS["cpu"], args)
-    names = {spec.name for spec, _ in grid}
-    assert names == {spec.name for spec in default_variants()}
-    assert {task.seq_len for _, task in grid} == {64, 128}
-    # The ablations run once, at the base setting; the pair and length sweeps only for the swept models.
-    assert len(grid) == len(default_variants()) + 2 * (len(example.PRESETS["cpu"].pairs) - 1) + 2
+    preset = example.PRESETS["cpu"]
+    grid = example.mqar_grid(preset, example.parse_args(["--preset", "cpu"]))
+    names = [spec.name for spec, _ in grid]
+    assert set(names) == set(preset.base_variants) and len(names) == len(set(names))
+    assert {"llama", "trellis", "trellis-C1", "trellis-C64", "trellis-delta", "trellis-no-forget", "trellis-M16",
+            "trellis-M64", "lattice-dec", "lattice-enc", "lattice-sim", "kvm", "hybrid"} <= set(names)
+    # One setting: the base one (the cpu preset runs every row there only, to fit its time).
+    assert {(task.seq_len, task.num_kv_pairs) for _, task in grid} == {(preset.base_seq_len, preset.base_pairs)}
+    # At least three learning rates spanning 1e-3 .. 1e-2, and three seeds.
+    lrs = preset.sweep.learning_rates
+    assert len(lrs) >= 3 and min(lrs) <= 1e-3 and max(lrs) >= 1e-2 and len(preset.sweep.seeds) >= 3
+    goal = example.PRESETS["goal"]
+    assert (goal.base_seq_len, goal.base_pairs, goal.size.hidden_size, goal.size.num_hidden_layers) == (256, 16, 128, 2)
     assert len(example.mqar_grid(example.PRESETS["gpu"], example.parse_args(["--preset", "gpu"]))) > len(grid)
 
 

@@ -14,15 +14,20 @@ see the same data, optimizer, schedule and step budget::
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import statistics
 import tempfile
 import time
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch.utils.data import Dataset
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, Trainer, TrainingArguments
+from transformers import (
+    LlamaConfig, LlamaForCausalLM, PreTrainedModel, Trainer, TrainerCallback, TrainingArguments,
+)
 
 from ..configuration_trellis import TrellisConfig
 from ..modeling_trellis import TrellisForCausalLM
@@ -85,6 +90,16 @@ class NIAHTask:
 
 @dataclass(frozen=True)
 class TrainSettings:
+    """One training run.
+
+    Attributes:
+        eval_every: record a learning curve: accuracy on a held-out validation set (apart
+            from the test set) every this many steps and at the last step; 0 records none.
+        num_val: examples of that validation set (MQAR).
+        stop_accuracy: stop once the validation accuracy reaches this (``None``: never); the
+            record then says at which step it stopped.
+    """
+
     max_steps: int = 200
     batch_size: int = 32
     learning_rate: float = 3e-3
@@ -92,10 +107,32 @@ class TrainSettings:
     warmup_ratio: float = 0.1
     eval_batch_size: int = 128
     seed: int = 0
+    eval_every: int = 0
+    num_val: int = 256
+    stop_accuracy: float | None = None
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """How every (model, setting) is trained: ``seeds[0]`` at each of ``learning_rates``, then the
+    remaining ``seeds`` at the learning rate whose ``seeds[0]`` run scored best on validation."""
+
+    learning_rates: tuple[float, ...] = (1e-3, 3e-3, 1e-2)
+    seeds: tuple[int, ...] = (0, 1, 2)
+
+
+# KVM with a fixed 16-row state and a window of one 8-token chunk, shorter than the sequences:
+# tokens further back than 8-16 positions are reachable only through the state.
+KVM_OVERRIDES = {"mixer_types": ("kvm",), "kvm_chunk_size": 8, "kvm_window_chunks": 1, "kvm_state_size": 16,
+                 "kvm_budget": "fixed"}
 
 
 def default_variants() -> list[ModelSpec]:
-    """The Llama baseline, the default Trellis, and one-change ablations of it."""
+    """The Llama baseline, the default Trellis, one-change ablations of it, Lattice's three write
+    rules, KVM and a Trellis/attention hybrid.
+
+    ``mixer_types`` overrides are patterns, repeated over the layers (see :func:`build_model`).
+    """
     return [
         ModelSpec("llama", kind="llama"),
         ModelSpec("trellis"),
@@ -104,11 +141,25 @@ def default_variants() -> list[ModelSpec]:
         ModelSpec("trellis-mix-softmax", overrides={"mix_fn": "softmax"}),
         ModelSpec("trellis-mix-l2silu", overrides={"mix_fn": "l2_silu"}),
         ModelSpec("trellis-C1", overrides={"chunk_size": 1}),
-        ModelSpec("trellis-C16", overrides={"chunk_size": 16}),
         ModelSpec("trellis-C64", overrides={"chunk_size": 64}),
         ModelSpec("trellis-M16", overrides={"num_slots": 16}),
         ModelSpec("trellis-M64", overrides={"num_slots": 64}),
+        ModelSpec("lattice-dec", overrides={"mixer_types": ("lattice",), "lattice_variant": "dec"}),
+        ModelSpec("lattice-enc", overrides={"mixer_types": ("lattice",), "lattice_variant": "enc"}),
+        ModelSpec("lattice-sim", overrides={"mixer_types": ("lattice",), "lattice_variant": "sim"}),
+        ModelSpec("kvm", overrides=dict(KVM_OVERRIDES)),
+        # One attention layer per Trellis layer: ["trellis", "attention"] at 2 layers.
+        ModelSpec("hybrid", overrides={"mixer_types": ("trellis", "attention")}),
     ]
+
+
+def layer_schedule(spec: ModelSpec, num_layers: int) -> list[str]:
+    """Each layer's mixer for ``spec``: its ``mixer_types`` pattern repeated over ``num_layers``
+    layers (``"attention"`` everywhere for Llama, ``"trellis"`` when no pattern is given)."""
+    if spec.kind == "llama":
+        return ["attention"] * num_layers
+    pattern = spec.overrides.get("mixer_types") or ("trellis",)
+    return [pattern[i % len(pattern)] for i in range(num_layers)]
 
 
 def build_model(spec: ModelSpec, size: ModelSize, vocab_size: int, max_len: int) -> PreTrainedModel:
@@ -126,11 +177,12 @@ def build_model(spec: ModelSpec, size: ModelSize, vocab_size: int, max_len: int)
     fields = dict(
         vocab_size=vocab_size, hidden_size=size.hidden_size, num_hidden_layers=size.num_hidden_layers,
         num_heads=size.num_heads, head_dim=size.head_dim, intermediate_size=size.intermediate_size,
-        num_slots=size.num_slots, chunk_size=size.chunk_size,
+        num_slots=size.num_slots, chunk_size=size.chunk_size, kvm_rope_dims=size.head_dim,
         # MQAR's filler is token 0; the model must see it as an ordinary token, never as padding.
         pad_token_id=None, bos_token_id=None, eos_token_id=None,
     )
     fields.update(spec.overrides)
+    fields["mixer_types"] = layer_schedule(spec, size.num_hidden_layers)
     return TrellisForCausalLM(TrellisConfig(**fields))
 
 
@@ -151,12 +203,41 @@ class TensorDataset(Dataset):
         return row
 
 
-def train_model(model: PreTrainedModel, dataset: Dataset, train: TrainSettings) -> dict[str, float]:
+class _Curve(TrainerCallback):
+    """Records ``(step, evaluate(model))`` every ``every`` steps and at the last step; stops the
+    training once the score reaches ``stop_at``."""
+
+    def __init__(self, evaluate: Callable[[PreTrainedModel], float], every: int, stop_at: float | None) -> None:
+        self.evaluate, self.every, self.stop_at = evaluate, every, stop_at
+        self.points: list[list[float]] = []
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        step = state.global_step
+        if step % self.every == 0 or step >= state.max_steps:
+            score = self.evaluate(model)
+            model.train()
+            self.points.append([step, score])
+            if self.stop_at is not None and score >= self.stop_at:
+                control.should_training_stop = True
+        return control
+
+
+def train_model(
+    model: PreTrainedModel, dataset: Dataset, train: TrainSettings,
+    evaluate: Callable[[PreTrainedModel], float] | None = None,
+) -> dict[str, Any]:
     """Train ``model`` in place with ``transformers.Trainer`` (AdamW, warm-up then cosine).
 
+    Args:
+        evaluate: scores the model on held-out data; with ``train.eval_every > 0`` it is called
+            every ``eval_every`` steps and at the last step, and its scores form ``curve``.
+
     Returns:
-        ``mean_train_loss`` (averaged over all steps) and ``train_seconds`` (wall clock).
+        ``mean_train_loss`` (averaged over the steps run), ``train_seconds`` (wall clock, curve
+        evaluations included), ``steps_run`` and ``curve`` (``[[step, score], ...]``, empty
+        without ``evaluate`` or ``eval_every``).
     """
+    curve = _Curve(evaluate, train.eval_every, train.stop_accuracy) if evaluate and train.eval_every > 0 else None
     with tempfile.TemporaryDirectory() as output_dir:
         args = TrainingArguments(
             output_dir=output_dir, max_steps=train.max_steps, per_device_train_batch_size=train.batch_size,
@@ -166,10 +247,11 @@ def train_model(model: PreTrainedModel, dataset: Dataset, train: TrainSettings) 
             disable_tqdm=True, seed=train.seed, dataloader_num_workers=0, use_cpu=not torch.cuda.is_available(),
             bf16=torch.cuda.is_available() and torch.cuda.is_bf16_supported(),
         )
-        trainer = Trainer(model=model, args=args, train_dataset=dataset)
+        trainer = Trainer(model=model, args=args, train_dataset=dataset, callbacks=[curve] if curve else None)
         started = time.perf_counter()
         output = trainer.train()
-        return {"mean_train_loss": output.training_loss, "train_seconds": time.perf_counter() - started}
+        return {"mean_train_loss": output.training_loss, "train_seconds": time.perf_counter() - started,
+                "steps_run": output.global_step, "curve": curve.points if curve else []}
 
 
 @torch.no_grad()
@@ -190,30 +272,44 @@ def mqar_accuracy(model: PreTrainedModel, input_ids: torch.Tensor, labels: torch
     return correct / total
 
 
+# Validation data (learning curves, learning-rate choice) comes from seeds far from the train
+# (2 * seed) and test (2 * seed + 1) seeds, so the test set never steers a choice.
+VALIDATION_SEED = 10**6
+
+
 def run_mqar(spec: ModelSpec, task: MQARTask, size: ModelSize, train: TrainSettings) -> dict[str, Any]:
     """Train ``spec`` on fresh MQAR data for ``train.max_steps`` and score it on held-out data.
 
-    Train and test sets come from different seeds, so test keys, values and query positions
-    are unseen combinations.
+    Train, validation and test sets come from different seeds, so held-out keys, values and
+    query positions are unseen combinations.
 
     Returns:
-        A JSON-ready record: the spec, task and settings, ``accuracy``, the training loss
-        averaged over all steps, the parameter count and the wall-clock training time.
+        A JSON-ready record: the spec, task and settings, ``accuracy`` (test set),
+        ``val_accuracy`` (validation set, the last point of ``curve`` when one is recorded),
+        the training loss averaged over all steps, ``steps_run``, ``curve``, the parameter
+        count, the layer schedule and the wall-clock training time.
     """
     def data(num: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
         return make_mqar(num, task.seq_len, task.num_kv_pairs, task.vocab_size, seed, power_a=task.power_a)
 
     train_ids, train_labels = data(task.num_train, seed=2 * train.seed)
     test_ids, test_labels = data(task.num_test, seed=2 * train.seed + 1)
+    val_ids, val_labels = data(train.num_val, seed=VALIDATION_SEED + train.seed)
+
+    def validate(model: PreTrainedModel) -> float:
+        return mqar_accuracy(model, val_ids, val_labels, train.eval_batch_size)
 
     torch.manual_seed(train.seed)
     model = build_model(spec, size, task.vocab_size, task.seq_len)
-    trained = train_model(model, TensorDataset(train_ids, train_labels), train)
+    trained = train_model(model, TensorDataset(train_ids, train_labels), train, validate)
     accuracy = mqar_accuracy(model, test_ids, test_labels, train.eval_batch_size)
+    val_accuracy = trained["curve"][-1][1] if trained["curve"] else validate(model)
     return {
         "model": spec.name, "kind": spec.kind, "overrides": dict(spec.overrides),
+        "mixer_types": layer_schedule(spec, size.num_hidden_layers),
         "task": dataclasses.asdict(task), "size": dataclasses.asdict(size), "train": dataclasses.asdict(train),
-        "accuracy": accuracy, **trained, "num_parameters": sum(p.numel() for p in model.parameters()),
+        "accuracy": accuracy, "val_accuracy": val_accuracy, **trained,
+        "num_parameters": sum(p.numel() for p in model.parameters()),
     }
 
 
@@ -223,29 +319,146 @@ def run_niah(spec: ModelSpec, task: NIAHTask, size: ModelSize, train: TrainSetti
 
     Returns:
         A JSON-ready record like :func:`run_mqar`'s, with ``scores[length][depth]`` (fraction of
-        ``task.samples`` examples whose completion holds the needle's value).
+        ``task.samples`` examples whose completion holds the needle's value), ``accuracy`` (their
+        mean over depths at the training length) and ``val_accuracy`` (the same on other needles,
+        which the learning-rate choice reads).
     """
     tokenizer = niah_tokenizer(task.tokenizer_vocab, seed=train.seed)
     ids, labels, mask = make_niah_training_data(tokenizer, task.num_train, task.train_context, seed=2 * train.seed)
     torch.manual_seed(train.seed)
     model = build_model(spec, size, len(tokenizer), max(task.eval_contexts) + 64)
-    trained = train_model(model, TensorDataset(ids, labels, mask), train)
+
+    def retrieval(length: int, depth: float, offset: int) -> float:
+        # Seeds far from the training data's draws: unseen keys, values and positions.
+        examples = [make_niah_example(tokenizer, length, depth, "number", seed=offset + 1000 * i + length)
+                    for i in range(task.samples)]
+        return score_niah(model, tokenizer, examples, max_new_tokens=10)
+
+    def validate(trained_model: PreTrainedModel) -> float:
+        trained_model.eval()
+        return sum(retrieval(task.train_context, d, 10**8) for d in task.depths) / len(task.depths)
+
+    trained = train_model(model, TensorDataset(ids, labels, mask), train, validate)
     model.eval()
     scores: dict[str, dict[str, float]] = {}
     for length in task.eval_contexts:
         for depth in task.depths:
-            # Seeds far from the training data's draws: unseen keys, values and positions.
-            examples = [make_niah_example(tokenizer, length, depth, "number", seed=10**9 + 1000 * i + length)
-                        for i in range(task.samples)]
-            scores.setdefault(str(length), {})[str(depth)] = score_niah(model, tokenizer, examples, max_new_tokens=10)
+            scores.setdefault(str(length), {})[str(depth)] = retrieval(length, depth, 10**9)
+    at_train = scores.get(str(task.train_context))
+    accuracy = sum(at_train.values()) / len(at_train) if at_train else retrieval(task.train_context, 0.5, 10**9)
     return {
-        "model": spec.name, "kind": spec.kind, "overrides": dict(spec.overrides), "task": dataclasses.asdict(task),
-        "size": dataclasses.asdict(size), "train": dataclasses.asdict(train), "scores": scores, **trained,
-        "num_parameters": sum(p.numel() for p in model.parameters()),
+        "model": spec.name, "kind": spec.kind, "overrides": dict(spec.overrides),
+        "mixer_types": layer_schedule(spec, size.num_hidden_layers), "task": dataclasses.asdict(task),
+        "size": dataclasses.asdict(size), "train": dataclasses.asdict(train), "scores": scores,
+        "accuracy": accuracy, "val_accuracy": trained["curve"][-1][1] if trained["curve"] else validate(model),
+        **trained, "num_parameters": sum(p.numel() for p in model.parameters()),
     }
 
 
+# ---------------------------------------------------------------- learning-rate sweep and seeds
+
+
+def setting_key(record: dict[str, Any]) -> tuple:
+    """What a run trained on, apart from its learning rate and seed: model and task."""
+    return (record["model"], json.dumps(record["task"], sort_keys=True))
+
+
+def best_learning_rate(records: list[dict[str, Any]], sweep: Sweep) -> float | None:
+    """The learning rate of ``sweep`` whose ``seeds[0]`` run reached the highest validation
+    accuracy among ``records`` (one model and setting); ties go to the lower mean training
+    loss, then to the smaller rate. ``None`` until every rate of the sweep has run."""
+    first = {r["train"]["learning_rate"]: r for r in records if r["train"]["seed"] == sweep.seeds[0]}
+    if any(lr not in first for lr in sweep.learning_rates):
+        return None
+    return max(sweep.learning_rates,
+               key=lambda lr: (first[lr]["val_accuracy"], -first[lr]["mean_train_loss"], -lr))
+
+
+def sweep_runs(
+    units: list[tuple[Callable[..., dict[str, Any]], tuple]], sweep: Sweep,
+    submit: Callable[..., Future], on_result: Callable[[dict[str, Any]], None] | None = None,
+    max_in_flight: int = 1,
+) -> list[dict[str, Any]]:
+    """Train each unit over ``sweep``: every learning rate at ``seeds[0]``, then the other seeds at
+    the unit's best rate (:func:`best_learning_rate`) as soon as its sweep is done.
+
+    At most ``max_in_flight`` runs are submitted at a time and seed runs go before waiting
+    learning-rate runs, so units finish one after another: a study stopped early leaves
+    complete units rather than many half-done ones.
+
+    Args:
+        units: ``(fn, args)`` with ``fn(*args[:-1], train)`` training once and ``args[-1]`` the
+            :class:`TrainSettings` whose learning rate and seed the sweep replaces
+            (:func:`run_mqar` and :func:`run_niah` fit).
+        submit: ``submit(fn, *args) -> Future``, e.g. an executor's.
+        on_result: called with each record as it arrives (to save partial results).
+
+    Returns:
+        Every run's record, each with ``sweep_role`` ``"lr"`` or ``"seed"``, grouped by unit in
+        the order of ``units``.
+    """
+    waiting = [(index, lr, sweep.seeds[0], "lr") for index in range(len(units)) for lr in sweep.learning_rates]
+    running: dict[Future, tuple[int, str]] = {}
+    done: dict[int, list[dict[str, Any]]] = {i: [] for i in range(len(units))}
+
+    while waiting or running:
+        while waiting and len(running) < max(1, max_in_flight):
+            index, lr, seed, role = waiting.pop(0)
+            fn, args = units[index]
+            train = dataclasses.replace(args[-1], learning_rate=lr, seed=seed)
+            running[submit(fn, *args[:-1], train)] = (index, role)
+        finished, _ = wait(list(running), return_when=FIRST_COMPLETED)
+        for future in finished:
+            index, role = running.pop(future)
+            record = {**future.result(), "sweep_role": role}
+            done[index].append(record)
+            if on_result is not None:
+                on_result(record)
+            if role == "lr":
+                best = best_learning_rate(done[index], sweep)
+                if best is not None:
+                    waiting[:0] = [(index, best, seed, "seed") for seed in sweep.seeds[1:]]
+    return [record for index in range(len(units)) for record in done[index]]
+
+
+class InlineExecutor:
+    """``submit`` that runs at once and returns a finished future (for ``--jobs 1`` and tests)."""
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        future: Future = Future()
+        future.set_result(fn(*args))
+        return future
+
+
+def summarize(records: list[dict[str, Any]], sweep: Sweep) -> list[dict[str, Any]]:
+    """One summary per model and setting (in order of first appearance): ``best_lr``,
+    ``lr_scores`` (``seeds[0]``'s test accuracy at each rate), ``seeds`` and ``accuracies`` (test
+    accuracy of each seed at the best rate), ``median``, ``min``, ``max`` and ``mean_seconds``."""
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for record in records:
+        groups.setdefault(setting_key(record), []).append(record)
+    summaries = []
+    for group in groups.values():
+        best = best_learning_rate(group, sweep)
+        if best is None:  # an unfinished sweep: the best rate run so far
+            first = [r for r in group if r["train"]["seed"] == sweep.seeds[0]]
+            best = max(first, key=lambda r: (r["val_accuracy"], -r["mean_train_loss"]))["train"]["learning_rate"]
+        at_best = sorted((r for r in group if r["train"]["learning_rate"] == best), key=lambda r: r["train"]["seed"])
+        accuracies = [r["accuracy"] for r in at_best]
+        summaries.append({
+            "model": group[0]["model"], "task": group[0]["task"], "overrides": group[0]["overrides"],
+            "mixer_types": group[0].get("mixer_types"), "best_lr": best,
+            "lr_scores": {r["train"]["learning_rate"]: r["accuracy"] for r in group
+                          if r["train"]["seed"] == sweep.seeds[0]},
+            "seeds": [r["train"]["seed"] for r in at_best], "accuracies": accuracies,
+            "median": statistics.median(accuracies), "min": min(accuracies), "max": max(accuracies),
+            "mean_seconds": statistics.fmean(r["train_seconds"] for r in group),
+        })
+    return summaries
+
+
 __all__ = [
-    "MQARTask", "ModelSize", "ModelSpec", "NIAHTask", "TensorDataset", "TrainSettings", "build_model",
-    "default_variants", "mqar_accuracy", "run_mqar", "run_niah", "train_model",
+    "InlineExecutor", "MQARTask", "ModelSize", "ModelSpec", "NIAHTask", "Sweep", "TensorDataset", "TrainSettings",
+    "best_learning_rate", "build_model", "default_variants", "layer_schedule", "mqar_accuracy", "run_mqar",
+    "run_niah", "setting_key", "summarize", "sweep_runs", "train_model",
 ]
