@@ -289,9 +289,6 @@ def trellis_config_from(
         num_slots=num_slots,
         chunk_size=chunk_size,
         initializer_range=getattr(source_config, "initializer_range", 0.02),
-        # No converted layer is KVM, but the config checks this field against head_dim whatever
-        # the layers: its default (64) would refuse teachers with smaller heads.
-        kvm_rope_dims=min(_kvm_rope_dims_default(), carried["head_dim"] // 2 * 2),
         pad_token_id=source_config.pad_token_id,
         bos_token_id=source_config.bos_token_id,
         eos_token_id=source_config.eos_token_id,
@@ -632,10 +629,6 @@ def _is_new_or_tied(name: str, student: TrellisForCausalLM) -> bool:
         return False
     kind = student.config.layer_kinds[int(parts[parts.index("layers") + 1])]
     return parts[parts.index("self_attn") + 1] in NEW_PARAMETERS.get(kind, ())
-
-
-def _kvm_rope_dims_default() -> int:
-    return next(f.default for f in dataclasses.fields(TrellisConfig) if f.name == "kvm_rope_dims")
 
 
 def _kv_heads(config: PreTrainedConfig) -> int:
