@@ -91,7 +91,7 @@ PRESETS = {
                     train_chars=200_000),
     # About 30 minutes on a shared 2-core CPU with one thread: short blocks, few steps, a high
     # learning rate for the few stage-1 steps. Far from converged; it shows the direction.
-    "cpu": Preset(block_size=128, stage1_steps=30, stage1_batch=4, stage1_lr=1e-2, stage2_steps=10, stage2_batch=2,
+    "cpu": Preset(block_size=128, stage1_steps=40, stage1_batch=4, stage1_lr=1e-2, stage2_steps=40, stage2_batch=2,
                   stage2_lr=1e-3, lora_rank=16, eval_blocks=8, error_blocks=4, attention_every=4, threads=1),
     # One GPU (the budget of docs/conversion.md's cost table, stage 2 halved): ~16M tokens in
     # stage 1, ~16M in stage 2, bf16 autocast.

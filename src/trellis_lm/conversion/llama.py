@@ -365,15 +365,8 @@ def check_keepable(source_config: PreTrainedConfig, kept: Sequence[int], argumen
             )
         partial = param.get("partial_rotary_factor", getattr(source_config, "partial_rotary_factor", None))
         if partial is not None and partial != 1.0:
-            raise refuse(
-                f"partial_rotary_factor={partial}: the attention mixer rotates all of head_dim"
-            )
+            raise refuse(f"partial_rotary_factor={partial}: the attention mixer rotates all of head_dim")
         theta = param.get("rope_theta", getattr(source_config, "rope_theta", None))
-        if theta is None:
-            raise refuse("the teacher config gives no rope_theta")
-        thetas.add(float(theta))
-    if not thetas:
-        theta = getattr(source_config, "rope_theta", None)
         if theta is None:
             raise refuse("the teacher config gives no rope_theta")
         thetas.add(float(theta))
