@@ -421,3 +421,23 @@ def test_the_delta_rule_stays_finite_on_long_inputs():
     with torch.no_grad():
         for ids in (random_tokens(1, 4096, seed=1), torch.full((1, 4096), 7)):
             assert torch.isfinite(model(ids).logits).all()
+
+
+def test_inference_after_fused_adamw_steps_uses_the_new_weights():
+    # Fused AdamW (the Trainer's default) updates parameters without moving their version
+    # counters: an inference path that cached anything derived from the weights would go stale.
+    model = tiny_model(seed=4)
+    ids = random_tokens(2, 9)
+    with torch.no_grad():
+        model(ids)  # an inference forward first, as an evaluation loop would run
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    model.train()
+    model(ids, labels=ids).loss.backward()
+    optimizer.step()
+    model.eval()
+    with torch.no_grad():
+        after = model(ids).logits
+    fresh = tiny_model(seed=4)
+    fresh.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(after, fresh(ids).logits, rtol=0, atol=0)

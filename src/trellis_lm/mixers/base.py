@@ -67,7 +67,6 @@ class MemoryMixer(Mixer):
     # Projections of x that may run as one matmul (see :meth:`_fused_projections`), in order.
     fusable_projections: ClassVar[tuple[str, ...]] = ()
     _fused_out: Optional[dict] = None
-    _fused_weights: Optional[tuple] = None
 
     def _build_convs(self, q_channels: int, k_channels: int, width: Optional[int] = None) -> None:
         """Short convs of ``width`` (default ``config.conv_size``; 0: none) on q and k."""
@@ -167,9 +166,8 @@ class MemoryMixer(Mixer):
 
         Fused only in eval mode without autograd (inference), eagerly, when each projection is a
         plain ``nn.Linear`` without hooks: a training step, an adapter (PEFT/LoRA wraps or
-        replaces the module) or a hook runs the modules themselves. The stacked weight is cached
-        and rebuilt whenever a weight or bias is replaced or modified in place (its version
-        counter moves), e.g. by an optimizer step or ``load_state_dict``.
+        replaces the module) or a hook runs the modules themselves. The weights are stacked on
+        every call, so the result always reflects the current weights.
         """
         names = self.fusable_projections
         if (not names or self.training or torch.is_grad_enabled() or torch.compiler.is_compiling()
@@ -183,13 +181,11 @@ class MemoryMixer(Mixer):
             params += [m.weight, m.bias]
         if any(p is not None and p.dtype != x.dtype for p in params):
             return None
-        key = tuple((id(p), p._version, p.data_ptr(), p.device) if p is not None else None for p in params)
-        cached = self._fused_weights
-        if cached is None or cached[0] != key:
-            weight = torch.cat([m.weight for _, m in modules])
-            bias = torch.cat([m.bias if m.bias is not None else m.weight.new_zeros(m.out_features) for _, m in modules])
-            cached = self._fused_weights = (key, weight, bias)
-        out = F.linear(x, cached[1], cached[2])
+        # Stacked afresh on every call: a cached copy cannot tell when it is stale (fused AdamW,
+        # the Trainer's default, updates weights without moving their version counters).
+        weight = torch.cat([m.weight for _, m in modules])
+        bias = torch.cat([m.bias if m.bias is not None else m.weight.new_zeros(m.out_features) for _, m in modules])
+        out = F.linear(x, weight, bias)
         parts = out.split([m.out_features for _, m in modules], dim=-1)
         return {name: part for (name, _), part in zip(modules, parts)}
 
