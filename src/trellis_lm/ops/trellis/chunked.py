@@ -8,7 +8,11 @@ untouched, so rows that resume mid-chunk, rows of different length (``cu_seqlens
 that resume at a chunk boundary all share one set of chunk boundaries and are processed
 together. Within a chunk the state-independent parts (decays, the masked ``D * Q K^T``, and
 for ``identity`` the triangular solve) are computed for all chunks at once; only the chain
-from one chunk's state to the next runs as a Python loop over chunks.
+from one chunk's state to the next (each chunk's ``U`` and the next start state, both passes
+in one set of operations when ``Dk == Dv``) runs as a Python loop over chunks. The read-outs
+(``Yh``, ``H = f(Yh)``, ``O``) need only each chunk's start state and ``U``, so they run after
+the loop, batched over groups of chunks (:data:`GROUP_ELEMENTS` bounds a group's stacked
+states, so ``C = 1`` over a long input does not hold one state per token at once).
 """
 
 from __future__ import annotations

@@ -1,0 +1,71 @@
+"""The PyTorch path's fast paths compute the same function as the plain code they replace."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from op_inputs import make_inputs, make_state
+from tiny_models import random_tokens, tiny_model
+from trellis_lm.ops import trellis_attention
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def test_fused_projections_match_the_modules_and_follow_weight_changes():
+    model = tiny_model(dtype=torch.float64)
+    ids = random_tokens(2, 11)
+    mixer = model.model.layers[0].self_attn
+    fused = _logits(model, ids)
+    assert mixer._fused_weights is not None  # eval + no_grad: the fused path ran
+    with torch.enable_grad():
+        plain = model(ids).logits.detach()  # autograd on: the modules themselves
+    torch.testing.assert_close(fused, plain, rtol=1e-12, atol=1e-12)
+    # An in-place change of one weight (an optimizer step, load_state_dict) rebuilds the stack.
+    with torch.no_grad():
+        mixer.g_proj.weight.mul_(1.5)  # (v is L2-normalised: scaling it would change nothing)
+    changed = _logits(model, ids)
+    with torch.enable_grad():
+        plain = model(ids).logits.detach()
+    assert not torch.allclose(changed, fused)
+    torch.testing.assert_close(changed, plain, rtol=1e-12, atol=1e-12)
+
+
+def test_wrapped_projection_is_not_fused():
+    """An adapter replacing a projection (as PEFT does) must run: the fused path steps aside."""
+    model = tiny_model(dtype=torch.float64)
+    ids = random_tokens(1, 7)
+    mixer = model.model.layers[0].self_attn
+
+    class Scaled(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+            self.out_features = inner.out_features
+
+        def forward(self, x):
+            return 2 * self.inner(x)
+
+    before = _logits(model, ids)
+    mixer._fused_weights = None
+    mixer.g_proj = Scaled(mixer.g_proj)
+    after = _logits(model, ids)
+    assert mixer._fused_weights is None
+    assert not torch.allclose(before, after)
+
+
+def test_chunk_form_at_chunk_size_one_and_odd_group_sizes(monkeypatch):
+    """Read-outs batched over groups of chunks: group boundaries anywhere give the same numbers."""
+    import trellis_lm.ops.trellis.chunked as chunked
+
+    x = make_inputs(2, 23, 2, 4, 4, 5, seed=1)
+    state = make_state(2, 2, 4, 4, 5, chunk_size=3)
+    ref, s_ref = trellis_attention(*x, initial_state=state, chunk_size=3, backend="reference", output_final_state=True)
+    monkeypatch.setattr(chunked, "GROUP_ELEMENTS", 1)  # one chunk per group
+    o, s = trellis_attention(*x, initial_state=state, chunk_size=3, backend="torch", output_final_state=True)
+    torch.testing.assert_close(o, ref, rtol=1e-9, atol=1e-9)
+    for name, t in s.tensors().items():
+        torch.testing.assert_close(t, s_ref.tensors()[name], rtol=1e-9, atol=1e-9)
