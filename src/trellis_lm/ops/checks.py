@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 
@@ -86,6 +88,19 @@ def expect_in_range(bounds: dict[str, tuple[torch.Tensor, float, float, str]]) -
     for (name, (_, low, high, meaning)), lowest, highest in zip(bounds.items(), extremes[0::2], extremes[1::2]):
         if not (low <= lowest and highest <= high):  # also true for NaN
             raise ValueError(f"{name} must be {meaning}, got values in [{lowest}, {highest}]")
+
+
+def pick_backend(backend: str, backends: dict[str, Callable], step: Callable, length: int, packed: bool) -> Callable:
+    """The forward function an op runs: ``backends[backend]``, ``"auto"`` meaning ``"torch"``.
+
+    One token per row (``length == 1``, not packed) under ``"auto"`` or ``"torch"`` runs the op's
+    single-token ``step``: a decode step, for which the chunk form would do a chunk's work.
+    """
+    if backend != "auto" and backend not in backends:
+        raise ValueError(f"backend must be 'auto' or one of {sorted(backends)}, got {backend!r}")
+    if backend in ("auto", "torch") and length == 1 and not packed:
+        return step
+    return backends["torch" if backend == "auto" else backend]
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:

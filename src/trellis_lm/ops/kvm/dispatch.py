@@ -8,6 +8,7 @@ import torch
 
 from ..checks import (
     as_dtype, check_chunk_size, check_cu_seqlens, compute_dtype, expect_dims, expect_float_inputs, expect_shape,
+    pick_backend,
 )
 from .chunked import chunked_forward
 from .functions import BUDGETS, KVMConfig
@@ -19,14 +20,7 @@ BACKENDS = {"reference": reference_forward, "torch": chunked_forward}
 
 
 def _pick_backend(backend: str, length: int, packed: bool):
-    """The forward function for ``backend``; ``"auto"`` is the torch backend."""
-    if backend != "auto" and backend not in BACKENDS:
-        raise ValueError(f"backend must be 'auto' or one of {sorted(BACKENDS)}, got {backend!r}")
-    if backend in ("auto", "torch") and length == 1 and not packed:
-        # Decoding: one token per row is one step of the page's loop (see step.py), while the
-        # chunked form would rebuild the W + C cells of the token's grid, a chunk's work.
-        return step_forward
-    return BACKENDS["torch" if backend == "auto" else backend]
+    return pick_backend(backend, BACKENDS, step_forward, length, packed)
 
 
 def _expect_int(name: str, value: object, low: int, high: Optional[int] = None, why: str = "") -> int:

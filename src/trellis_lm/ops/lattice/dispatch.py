@@ -7,8 +7,8 @@ from typing import Optional, Union
 import torch
 
 from ..checks import (
-    as_dtype, check_chunk_size, check_cu_seqlens, check_offsets, compute_dtype, expect_dims, expect_float_inputs,
-    expect_shape,
+    as_dtype, check_chunk_size, check_cu_seqlens, check_offsets, compute_dtype, expect_dims,
+    expect_float_inputs, expect_shape, pick_backend,
 )
 from .chunked import chunked_forward
 from .reference import reference_forward
@@ -51,13 +51,7 @@ def _initial_state(
 
 
 def _pick_backend(backend: str, length: int, packed: bool):
-    if backend != "auto" and backend not in BACKENDS:
-        raise ValueError(f"backend must be 'auto' or one of {sorted(BACKENDS)}, got {backend!r}")
-    if backend in ("auto", "torch") and length == 1 and not packed:
-        # Decoding: one token per row is one step of the per-token form (see step.py), while
-        # the chunk form would pad the token to a full chunk and do C times the work.
-        return step_forward
-    return BACKENDS["torch" if backend == "auto" else backend]
+    return pick_backend(backend, BACKENDS, step_forward, length, packed)
 
 
 def lattice_attention(

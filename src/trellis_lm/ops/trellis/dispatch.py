@@ -10,8 +10,8 @@ from typing import Optional, Sequence, Union
 import torch
 
 from ..checks import (
-    as_dtype, check_chunk_size, check_cu_seqlens, check_offsets, compute_dtype, expect_dims, expect_float_inputs,
-    expect_in_range, expect_nonzero_sizes, expect_shape,
+    as_dtype, check_chunk_size, check_cu_seqlens, check_offsets, compute_dtype, expect_dims,
+    expect_float_inputs, expect_in_range, expect_nonzero_sizes, expect_shape, pick_backend,
 )
 from .chunked import chunked_forward
 from .functions import check_names
@@ -67,15 +67,9 @@ def _initial_state(
 
 
 def _pick_backend(backend: str, length: int, packed: bool, device: torch.device):
-    if backend != "auto" and backend not in BACKENDS:
-        raise ValueError(f"backend must be 'auto' or one of {sorted(BACKENDS)}, got {backend!r}")
     if backend == "auto" and device.type == "cuda" and HAVE_TRITON:
         return BACKENDS["triton"]  # on GPUs, decode steps (T == 1) included
-    if backend in ("auto", "torch") and length == 1 and not packed:
-        # Decoding: one token per row is one step of the per-token form (see step.py), while
-        # the chunk form would pad the token to a full chunk and do C times the work.
-        return step_forward
-    return BACKENDS["torch" if backend == "auto" else backend]
+    return pick_backend(backend, BACKENDS, step_forward, length, packed)
 
 
 def trellis_attention(
