@@ -385,6 +385,10 @@ def test_markdown_renders_medians_ranges_and_verdicts(tmp_path):
     assert "trellis 0.900 [0.80, 0.95] vs trellis-no-forget 0.200 [0.10, 0.30] | **yes**" in lines
     assert "trellis-C1 0.500 [0.30, 0.60] vs trellis-C64 0.450 [0.40, 0.70] | not separated: median higher" in lines
     assert "| dec vs enc |" in lines and "both at chance" in lines
+    # Every seed above, but by a hair: not read as a difference.
+    near = lambda values: {"accuracies": values, "median": sorted(values)[1], "min": min(values), "max": max(values)}
+    assert example.verdict(near([0.52, 0.53, 0.54]), near([0.49, 0.5, 0.51])).startswith("no clear difference")
+    assert example.verdict(near([0.6, 0.7, 0.8]), near([0.49, 0.5, 0.51])).startswith("**yes**")
     assert "(3 min wall clock)" in lines and (tmp_path / "figures" / "mqar_curves_T32_P4.png").stat().st_size > 0
 
 
