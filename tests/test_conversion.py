@@ -80,18 +80,25 @@ def make_teacher(family: str, folder, seed: int = 0, shared_direction: float = 0
     mixer, whose gate has no bias, needs one to set a token-independent output scale.
     """
     model_class, config = FAMILIES[family]
+    teacher = save_random_teacher(model_class, config, folder, seed, shared_direction)
+    GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0, max_new_tokens=5).save_pretrained(folder)
+    return teacher
+
+
+def save_random_teacher(model_class, config, folder, seed: int, shared_direction: float) -> torch.nn.Module:
+    """``model_class(config)`` seeded, with non-trivial biases and norm weights (so dropping or
+    copying them shows) and ``shared_direction`` added to the embeddings; saved with the word
+    tokenizer; returned in eval mode."""
     torch.manual_seed(seed)
     teacher = model_class(config).eval()
     with torch.no_grad():
         for name, param in teacher.named_parameters():
             if name.endswith("bias") or "norm" in name:
-                # Non-trivial biases and norm weights, so dropping or copying them shows.
                 param.add_(0.1 * torch.randn_like(param))
         embed = teacher.model.embed_tokens.weight
         embed += shared_direction * embed.std() * torch.randn(embed.shape[1])
     teacher.save_pretrained(folder)
     word_tokenizer().save_pretrained(folder)
-    GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0, max_new_tokens=5).save_pretrained(folder)
     return teacher
 
 

@@ -26,7 +26,7 @@ from transformers import (
 )
 from transformers.models.llama.modeling_llama import rotate_half
 
-from test_conversion import SHAPE, quick_args, word_tokenizer
+from test_conversion import SHAPE, quick_args, save_random_teacher
 from tiny_models import random_tokens
 from trellis_lm.conversion import convert_llama_to_trellis, distill_layerwise, layer_mixers, layerwise_errors
 from trellis_lm.conversion.cli import add_convert_arguments, run_convert
@@ -47,17 +47,7 @@ def make_teacher(family: str, folder, layers: int = 3, seed: int = 0, shared_dir
     ``shared_direction`` as in ``test_conversion.make_teacher``."""
     model_class, config_class, extra = FAMILIES[family]
     config = config_class(**{**SHAPE, "num_hidden_layers": layers, **extra, **fields})
-    torch.manual_seed(seed)
-    teacher = model_class(config).eval()
-    with torch.no_grad():
-        for name, param in teacher.named_parameters():
-            if name.endswith("bias") or "norm" in name:
-                param.add_(0.1 * torch.randn_like(param))
-        embed = teacher.model.embed_tokens.weight
-        embed += shared_direction * embed.std() * torch.randn(embed.shape[1])
-    teacher.save_pretrained(folder)
-    word_tokenizer().save_pretrained(folder)
-    return teacher
+    return save_random_teacher(model_class, config, folder, seed, shared_direction)
 
 
 @contextmanager
