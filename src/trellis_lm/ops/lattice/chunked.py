@@ -10,11 +10,14 @@ chunk boundary thus share one set of chunk boundaries and are processed together
 Only the chain of states needs a loop over chunks: each chunk's terms are taken at its anchor,
 which is the previous chunk's final ``rownorm(U)``. The loop computes just what the next anchor
 needs, ``U' = U0 + c_L A - B^T W`` with ``c_L,i = a_i . (B^T W)_i`` (two small matmuls for dec
-and enc, one for sim); the cumulative sums, the norms and the reads are computed for blocks of
-chunks at once, as a few larger batched matmuls, once the block's anchors are known.
+and enc; none for sim, whose ``B^T W`` is anchor-free and computed for all chunks at once); the
+cumulative sums, the norms and the reads are computed afterwards for blocks of chunks at once,
+as a few larger batched matmuls.
 
 Layout: chunk-major with sequences and heads flattened, ``[chunks, N * H, L, *]``, so that one
-chunk is a contiguous 3-D batch for ``bmm`` and a block of chunks is one contiguous slice.
+chunk is a contiguous 3-D batch for ``bmm`` and a block of chunks is one contiguous slice. Each
+input is laid out by one gather, and cut into chunks and blocks by one ``unbind`` or ``split``:
+autograd then has one node per tensor for each, not one per chunk.
 """
 
 from __future__ import annotations
@@ -27,12 +30,14 @@ from ..varlen import chunk_major_cells, chunk_major_sources, from_chunk_major, g
 from .state import LatticeState
 from .terms import rownorm
 
-# (sequence, head, chunk) matrices per batched read on CPUs: enough for efficient batched
-# matmuls, few enough that the temporaries stay small. Measured at B = 1, H = 4, M = D = C = 64
-# (blocks of 4, 8, 16 and all 31 later chunks): 32 (8 chunks) was fastest; with all chunks at once
-# the fresh multi-megabyte buffers cost page faults comparable to the arithmetic. On GPUs every
-# later chunk goes in one batch: there, launches cost more than memory.
-READ_BATCH = 32
+# Elements of one batched read's temporaries on CPUs, counted per (sequence, head, chunk) as
+# ``L (M + D + L) + M D``: enough for efficient batched matmuls, few enough that the temporaries
+# stay small. Measured at B = 1, H = 4, M = D = C = 64 (blocks of 4, 8, 16 and all 31 later
+# chunks): 8 chunks was fastest; with all chunks at once the fresh multi-megabyte buffers cost
+# page faults comparable to the arithmetic. Counting elements rather than matrices keeps a block
+# of one-token chunks (C = 1) from being a few tiny matmuls. On GPUs every later chunk goes in
+# one batch: there, launches cost more than memory.
+READ_ELEMENTS = 1 << 19
 
 
 def _flat(x: torch.Tensor) -> torch.Tensor:
@@ -40,7 +45,7 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
     return x.reshape((-1,) + tuple(x.shape[2:]))
 
 
-def _reads(Q, B, W, A, u0: Optional[torch.Tensor], Z: Optional[torch.Tensor] = None) -> torch.Tensor:
+def _reads(Q, B, W, A, u0: Optional[torch.Tensor], pair: torch.Tensor, Z: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The outputs of a batch of chunks, given their terms and anchors (design page, section 2).
 
     Args:
@@ -49,19 +54,17 @@ def _reads(Q, B, W, A, u0: Optional[torch.Tensor], Z: Optional[torch.Tensor] = N
         u0: ``[X, M, D]`` the accumulations the chunks start from, or ``None`` when they start at
             their anchors. Then ``a . u0 = |u0|^2 = 1`` and ``W U0^T = Z``, and the norm reduces
             to ``|a|^2 + |P sum b w|^2``: the same formula up to rounding (~1e-16), fewer passes.
+        pair: ``[C, C]`` ``2`` below the diagonal, ``1`` on it, ``0`` above (made once per call).
         Z: ``[X, C, M]`` ``W A^T`` when the caller has it (enc), else computed here.
     Returns:
         ``[X, C, D]``.
     """
-    chunk = Q.shape[-2]
     if Z is None:
         Z = W @ A.transpose(-1, -2)
     cs = (B * Z).cumsum_(-2)  # c: [X, C, M]
     # (2 tril(F, -1) + diag(F)) B in one matmul: the increments of |sum_{j<=p} b_j w_j|^2.
     # In-place steps below only where autograd keeps nothing of the overwritten tensor: every
     # fresh buffer costs page faults on CPUs.
-    ones = torch.ones(chunk, chunk, dtype=Q.dtype, device=Q.device)
-    pair = ones.tril(-1) + ones.tril()
     quad = (B * ((W @ W.transpose(-1, -2)).mul_(pair) @ B)).cumsum_(-2)
     a_sq = (A * A).sum(-1)[:, None, :]
     if u0 is None:
@@ -91,9 +94,29 @@ def chunked_forward(q, k, v, gamma, state, chunk_size, variant, cu_seqlens):
     # Blocks of `cells_per_chunk` <= min(C, T) cells: the work follows the tokens present, not C.
     flat_index, lengths, n_chunks, cells_per_chunk = grid_positions(state.offset, batch, length, cu_seqlens, chunk)
     width = rows * heads  # R, the (sequence, head) pairs
+    total = n_chunks * width * cells_per_chunk
     cells = chunk_major_cells(flat_index, rows, heads, n_chunks * cells_per_chunk, cells_per_chunk)
-    source, free = chunk_major_sources(cells, n_chunks * width * cells_per_chunk)
-    flats = [x.reshape((batch * length * heads,) + tuple(x.shape[3:])) for x in (q, k, v, gamma)]
+    source, free = chunk_major_sources(cells, total)
+    # Each input is laid out whole, by one gather: per-block gathers would each get a backward
+    # node that scatters into a zero-filled gradient as large as the whole input.
+    Q, K, V, G = (
+        gather_cells(x.reshape((batch * length * heads,) + tuple(x.shape[3:])), source, free, 0, total).view(
+            (n_chunks, width, cells_per_chunk) + tuple(x.shape[3:])
+        )
+        for x in (q, k, v, gamma)
+    )  # Q, K: [chunks, R, L, M]; V: [chunks, R, L, D]; G: [chunks, R, L]
+    G = G[..., None]
+    # For dec and sim, b does not depend on the anchor (nor w for enc and sim); sim's whole step
+    # B^T W = B^T V is anchor-free too, so it runs as one batched matmul for all chunks.
+    B = G * K if variant == "dec" else -G * K if variant == "sim" else None
+    # Per-chunk views by one unbind each: indexing [i] in the loop would give every chunk a
+    # backward node that scatters into a zero-filled tensor as large as all chunks.
+    if variant == "dec":
+        per_chunk = zip(K.unbind(0), V.unbind(0), B.transpose(-1, -2).unbind(0))
+    elif variant == "enc":
+        per_chunk = zip(K.unbind(0), V.unbind(0), G.unbind(0))
+    else:
+        per_chunk = ((s,) for s in (B.transpose(-1, -2) @ V).unbind(0))
 
     # Rows that resume at a chunk boundary start from rownorm(U) (A = U = S); the others keep both.
     at_start = (state.offset == 0)[:, None, None, None]
@@ -106,58 +129,58 @@ def chunked_forward(q, k, v, gamma, state, chunk_size, variant, cu_seqlens):
     ragged = bool((last_chunk != n_chunks - 1).any())
     last = last_chunk.repeat_interleave(heads)[:, None, None]
     final_u, final_a = u, a
-    outputs = []
-    # Blocks of chunks that start at their anchors, after the first chunk alone when some row
-    # resumes mid-chunk (it starts from the carried U, not its anchor). Inputs are gathered one
-    # block at a time, so on CPUs no input is laid out whole.
-    block = max(1, READ_BATCH // width) if q.device.type == "cpu" else n_chunks
-    # When every row starts at a chunk boundary, the first chunk starts at its anchor too.
-    own_first = not bool(at_start.all())
-    starts = ([0] + list(range(1, n_chunks, block))) if own_first else list(range(0, n_chunks, block))
-    for first in starts:
-        end = 1 if own_first and first == 0 else min(first + block, n_chunks)
-        Q, K, V, G = (
-            gather_cells(x, source, free, first * width * cells_per_chunk, end * width * cells_per_chunk).view(
-                (end - first, width, cells_per_chunk) + tuple(x.shape[1:])
-            )
-            for x in flats
-        )  # Q, K: [chunks, R, C, M]; V: [chunks, R, C, D]; G: [chunks, R, C]
-        G = G[..., None]
-        # For dec and sim, b does not depend on the anchor (nor w for enc and sim).
-        B = G * K if variant == "dec" else -G * K if variant == "sim" else None
-        anchors, zs, bs, ws = [], [], [], []
-        for i in range(end - first):
-            if first + i > 0:
-                a = u = rownorm(u)
-            Zc = None
-            if variant == "dec":
-                Bc = B[i]
-                Wc = torch.baddbmm(V[i], K[i], a, beta=-1)  # A^T k - v per token
-            elif variant == "enc":
-                Wc = V[i]
-                Zc = Wc @ a.transpose(-1, -2)  # A v, the encoder's reconstruction
-                Bc = G[i] * (Zc - K[i])
-            else:
-                Bc, Wc = B[i], V[i]
-            anchors.append(a)
+
+    # The loop runs only the chain of states: U' = U0 + c_L A - B^T W, where c_L,i = sum_p b_pi
+    # (a_i . w_p) = a_i . (B^T W)_i. It keeps each chunk's anchor (and, where they depend on
+    # it, its w, or its b and Z) for the reads, which run afterwards in batches of chunks.
+    anchors, ws, bs, zs = [], [], [], []
+    for i, inputs in enumerate(per_chunk):
+        if i > 0:
+            a = u = rownorm(u)
+        if variant == "dec":
+            Kc, Vc, Btc = inputs
+            Wc = torch.baddbmm(Vc, Kc, a, beta=-1)  # A^T k - v per token
+            ws.append(Wc)
+            step = Btc @ Wc  # [R, M, D]
+        elif variant == "enc":
+            Kc, Vc, Gc = inputs
+            Zc = Vc @ a.transpose(-1, -2)  # A v, the encoder's reconstruction
+            Bc = Gc * (Zc - Kc)
             zs.append(Zc)
             bs.append(Bc)
-            ws.append(Wc)
-            # U' = U0 + c_L A - B^T W, where c_L,i = sum_p b_pi (a_i . w_p) = a_i . (B^T W)_i.
-            step = Bc.transpose(-1, -2) @ Wc  # [R, M, D]
-            u = torch.addcmul(u - step, torch.linalg.vecdot(step, a)[..., None], a)
-            if ragged:
-                ends_here = last == first + i
-                final_u, final_a = torch.where(ends_here, u, final_u), torch.where(ends_here, a, final_a)
-            else:
-                final_u, final_a = u, a
-        if own_first and first == 0:
-            outputs.append(_reads(Q[0], bs[0], ws[0], anchors[0], u_first, zs[0]))
-            continue
-        B = torch.stack(bs) if variant == "enc" else B
-        W = torch.stack(ws) if variant == "dec" else V
-        Z = _flat(torch.stack(zs)) if variant == "enc" else None
-        outputs.append(_reads(_flat(Q), _flat(B), _flat(W), _flat(torch.stack(anchors)), None, Z))
+            step = Bc.transpose(-1, -2) @ Vc
+        else:
+            (step,) = inputs
+        anchors.append(a)
+        u = torch.addcmul(u - step, torch.linalg.vecdot(step, a)[..., None], a)
+        if ragged:
+            ends_here = last == i
+            final_u, final_a = torch.where(ends_here, u, final_u), torch.where(ends_here, a, final_a)
+        else:
+            final_u, final_a = u, a
+
+    # Reads: the first chunk alone when some row resumes mid-chunk (it starts from the carried U,
+    # not its anchor), then blocks of chunks that start at their anchors. Blocks are cut by one
+    # split per tensor (one backward node each, not one per block).
+    own_first = not bool(at_start.all())
+    per = width * (cells_per_chunk * (slots + dim + cells_per_chunk) + slots * dim)
+    block = max(1, READ_ELEMENTS // per) if q.device.type == "cpu" else n_chunks
+    rest = n_chunks - int(own_first)
+    sizes = [1] * own_first + [block] * (rest // block) + [rest % block] * (rest % block > 0)
+    starts = [sum(sizes[:j]) for j in range(len(sizes))]
+    ones = torch.ones(cells_per_chunk, cells_per_chunk, dtype=q.dtype, device=q.device)
+    pair = ones.tril(-1) + ones.tril()
+    if variant == "dec":
+        Bs, Ws = B.split(sizes), [torch.stack(ws[lo : lo + n]) for lo, n in zip(starts, sizes)]
+    elif variant == "enc":
+        Bs, Ws = [torch.stack(bs[lo : lo + n]) for lo, n in zip(starts, sizes)], V.split(sizes)
+    else:
+        Bs, Ws = B.split(sizes), V.split(sizes)
+    outputs = []
+    for j, (lo, n, Qb, Bb, Wb) in enumerate(zip(starts, sizes, Q.split(sizes), Bs, Ws)):
+        Z = _flat(torch.stack(zs[lo : lo + n])) if variant == "enc" else None
+        u0 = u_first if own_first and j == 0 else None
+        outputs.append(_reads(_flat(Qb), _flat(Bb), _flat(Wb), _flat(torch.stack(anchors[lo : lo + n])), u0, pair, Z))
     o = from_chunk_major(torch.cat(outputs), cells, batch, length)
 
     # A sequence with no tokens hands its initial state back untouched.
