@@ -19,7 +19,7 @@ LN_EPS = 1e-5  # every LayerNorm of the design page
 
 
 def kvm_rotary(x: torch.Tensor, positions: torch.Tensor, rope_dims: int, theta: float) -> torch.Tensor:
-    """The page's partial RoPE on ``x [B, T, H, Dk]`` at ``positions [B, T]``.
+    """The page's partial RoPE on ``x [..., B, T, H, Dk]`` at ``positions [B, T]``.
 
     Channel pairs ``(2i, 2i + 1)`` for ``i < R / 2`` turn by ``p theta^(-i / (R/2 - 1))``:
     ``out[2i] = x[2i] cos + x[2i+1] sin``, ``out[2i+1] = x[2i+1] cos - x[2i] sin`` (the official
@@ -51,6 +51,7 @@ class KVMAttention(MemoryMixer):
     kind = "kvm"
     state_class = KVMState
     cache_class = KVMLayerCache
+    fusable_projections = ("q_proj", "k_proj", "v_proj", "gate_proj")
 
     def __init__(self, config: Any, layer_idx: int) -> None:
         super().__init__(config, layer_idx)
@@ -76,10 +77,11 @@ class KVMAttention(MemoryMixer):
         past = state.seen.to(x.device) if state is not None else torch.zeros(batch, dtype=torch.long, device=x.device)
         positions = token_positions(valid, past, length)
         rope = self.config.kvm_rotary_dims
-        q = kvm_rotary(self.q_norm(q.view(batch, length, heads, dim)), positions, rope, self.config.rope_theta)
-        k = kvm_rotary(self.k_norm(k.view(batch, length, heads, dim)), positions, rope, self.config.rope_theta)
-        v = self.v_proj(x).view(batch, length, heads, dim)
-        gate = 1.0 + F.elu(self.gate_proj(x))
+        # q and k turn by the same angles: one rotation of both, split by one unbind.
+        qk = torch.stack([self.q_norm(q.view(batch, length, heads, dim)), self.k_norm(k.view(batch, length, heads, dim))])
+        q, k = kvm_rotary(qk, positions, rope, self.config.rope_theta).unbind(0)
+        v = self._project("v_proj", x).view(batch, length, heads, dim)
+        gate = 1.0 + F.elu(self._project("gate_proj", x))
         return q, k, v, gate
 
     def fresh_state(self, rows: int) -> KVMState:

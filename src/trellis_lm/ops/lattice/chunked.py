@@ -52,8 +52,8 @@ def _reads(Q, B, W, A, u0: Optional[torch.Tensor], pair: torch.Tensor, Z: Option
         Q, B: ``[X, C, M]`` reads and step lengths; W ``[X, C, D]`` step directions.
         A: ``[X, M, D]`` the anchors (unit rows).
         u0: ``[X, M, D]`` the accumulations the chunks start from, or ``None`` when they start at
-            their anchors. Then ``a . u0 = |u0|^2 = 1`` and ``W U0^T = Z``, and the norm reduces
-            to ``|a|^2 + |P sum b w|^2``: the same formula up to rounding (~1e-16), fewer passes.
+            their anchors (unit rows). Then ``a . u0 = |u0|^2 = 1`` and ``W U0^T = Z``, and the
+            norm reduces to ``1 + |P sum b w|^2``: the same formula up to rounding (~1e-16), fewer passes.
         pair: ``[C, C]`` ``2`` below the diagonal, ``1`` on it, ``0`` above (made once per call).
         Z: ``[X, C, M]`` ``W A^T`` when the caller has it (enc), else computed here.
     Returns:
@@ -66,12 +66,14 @@ def _reads(Q, B, W, A, u0: Optional[torch.Tensor], pair: torch.Tensor, Z: Option
     # In-place steps below only where autograd keeps nothing of the overwritten tensor: every
     # fresh buffer costs page faults on CPUs.
     quad = (B * ((W @ W.transpose(-1, -2)).mul_(pair) @ B)).cumsum_(-2)
-    a_sq = (A * A).sum(-1)[:, None, :]
     if u0 is None:
-        # quad - c^2 is the projected sum's squared norm: it cancels in low precision, hence the clamp.
-        Qt = Q * (quad.addcmul_(cs, cs, value=-1).relu_() + a_sq).rsqrt_()
+        # quad - c^2 is the projected sum's squared norm: it cancels in low precision, hence the
+        # clamp. |a|^2 is 1: the anchors are rownorm's outputs, whose |a|^2 is constant, so its
+        # gradient is zero too (up to rounding, ~1e-16, as the value).
+        Qt = Q * (quad.addcmul_(cs, cs, value=-1).relu_() + 1).rsqrt_()
         x = torch.addcmul(Qt, Qt, cs) @ A  # Qt U0 + (Qt c) A with U0 = A
     else:
+        a_sq = (A * A).sum(-1)[:, None, :]
         # |X - c a|^2 (X = sum_j b_j w_j): quad - c^2 for a unit anchor, and exact off the sphere
         # too, so the gradient in a carried anchor is exact in every direction, not only along it.
         proj = (quad - cs * cs * (2 - a_sq)).clamp(min=0)
