@@ -51,7 +51,6 @@ class KVMAttention(MemoryMixer):
     kind = "kvm"
     state_class = KVMState
     cache_class = KVMLayerCache
-    fusable_projections = ("q_proj", "k_proj", "v_proj", "gate_proj")
 
     def __init__(self, config: Any, layer_idx: int) -> None:
         super().__init__(config, layer_idx)
@@ -80,8 +79,8 @@ class KVMAttention(MemoryMixer):
         # q and k turn by the same angles: one rotation of both, split by one unbind.
         qk = torch.stack([self.q_norm(q.view(batch, length, heads, dim)), self.k_norm(k.view(batch, length, heads, dim))])
         q, k = kvm_rotary(qk, positions, rope, self.config.rope_theta).unbind(0)
-        v = self._project("v_proj", x).view(batch, length, heads, dim)
-        gate = 1.0 + F.elu(self._project("gate_proj", x))
+        v = self.v_proj(x).view(batch, length, heads, dim)
+        gate = 1.0 + F.elu(self.gate_proj(x))
         return q, k, v, gate
 
     def fresh_state(self, rows: int) -> KVMState:

@@ -28,7 +28,6 @@ class LatticeAttention(MemoryMixer):
     kind = "lattice"
     state_class = LatticeState
     cache_class = LatticeLayerCache
-    fusable_projections = ("q_proj", "k_proj", "v_proj", "gamma_proj", "g_proj")
 
     def __init__(self, config: Any, layer_idx: int) -> None:
         super().__init__(config, layer_idx)
@@ -49,8 +48,8 @@ class LatticeAttention(MemoryMixer):
         # q and k take the same activation and norm: one pass over both (fewer operations per
         # decoded token), split by one unbind.
         qk = l2_normalize(F.silu(at_least_float32(torch.stack([q, k]))).view(2, batch, length, heads, -1))
-        v = l2_normalize(at_least_float32(self._project("v_proj", x)).view(batch, length, heads, dim))
-        gamma = torch.sigmoid(at_least_float32(self._project("gamma_proj", x)))
+        v = l2_normalize(at_least_float32(self.v_proj(x)).view(batch, length, heads, dim))
+        gamma = torch.sigmoid(at_least_float32(self.gamma_proj(x)))
         return (*qk.unbind(0), v, gamma)
 
     def fresh_state(self, rows: int) -> LatticeState:
