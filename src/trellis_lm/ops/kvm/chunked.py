@@ -96,26 +96,37 @@ def chunked_forward(q, k, v, gate, norm_weight, norm_bias, temperature, state: K
 
     # Fold chunk by chunk; keep every chunk's read-out of the state for the attention below.
     sk, sv, radii, used, covered = state.keys, state.values, state.radii, state.used, state.covered
-    first_chunk = int((n_win // chunk).min()) if rows else 0  # earlier chunks hold no new query
     base = state.covered // chunk
+    # Which rows fold at which chunk is decided on the host from the counters, read back once:
+    # no device reads in the loop, and no row selects when every row folds.
+    n_win_h, lengths_h, base_h = torch.stack([n_win, lengths, base]).tolist() if rows else ([], [], [])
+    first_chunk = min(n // chunk for n in n_win_h) if rows else 0  # earlier chunks hold no new query
     t_s, t_w = temperature[:, 0, None, None], temperature[:, 1, None, None]
     ln_cur = _ln_s(sk, norm_weight, norm_bias)
     read_k, read_v, read_live = [], [], []
     row = torch.arange(sk.shape[2], device=sk.device)
+    # Per-chunk views by one unbind each: slicing in the loop would give every fold backward
+    # nodes that scatter into zero-filled tensors as large as the whole grid.
+    kp_c, vg_c, gg_c = (x.unflatten(2, (chunks, chunk)).unbind(2) for x in (kp_all, vg, gg))
     for c in range(first_chunk, chunks):
         start = c * chunk
-        folds = (start >= n_win) & (start < n_win + lengths) & (base + c >= blocks)  # [N]
-        if bool(folds.any()):
-            lo = max(c - blocks, 0) * chunk  # rows that do not fold read a chunk they ignore
+        folds_h = [n <= start < n + m and b + c >= blocks for n, m, b in zip(n_win_h, lengths_h, base_h)]
+        if any(folds_h):
+            lo = max(c - blocks, 0)  # rows that do not fold read a chunk they ignore
             new = _fold(
-                sk, sv, radii, used, covered, ln_cur.detach(), kp_all[:, :, lo : lo + chunk], vg[:, :, lo : lo + chunk],
-                gg[:, :, lo : lo + chunk], (base + c) * chunk, config, norm_weight, norm_bias,
+                sk, sv, radii, used, covered, ln_cur.detach(), kp_c[lo], vg_c[lo], gg_c[lo], (base + c) * chunk,
+                config, norm_weight, norm_bias,
             )
-            sk = torch.where(folds[:, None, None, None], new[0], sk)
-            sv = torch.where(folds[:, None, None, None], new[1], sv)
-            radii = torch.where(folds[:, None, None], new[2], radii)
-            used = torch.where(folds, new[3], used)
-            covered = torch.where(folds, covered + chunk, covered)
+            if all(folds_h):
+                sk, sv, radii, used = new
+                covered = covered + chunk
+            else:
+                folds = torch.tensor(folds_h, device=sk.device)
+                sk = torch.where(folds[:, None, None, None], new[0], sk)
+                sv = torch.where(folds[:, None, None, None], new[1], sv)
+                radii = torch.where(folds[:, None, None], new[2], radii)
+                used = torch.where(folds, new[3], used)
+                covered = torch.where(folds, covered + chunk, covered)
             ln_cur = _ln_s(sk, norm_weight, norm_bias)
         read_k.append(t_s * ln_cur)
         read_v.append(radii[..., None] * sv / sv.norm(dim=-1, keepdim=True).clamp_min(VALUE_EPS))
@@ -145,14 +156,21 @@ def chunked_forward(q, k, v, gate, norm_weight, norm_bias, temperature, state: K
     # A call whose new tokens all sit in one chunk (decoding) needs only their query rows.
     q_lo, q_hi = 0, chunk
     if n_q == 1 and rows:
-        q_lo = int(n_win.min()) - first_chunk * chunk
-        q_hi = max(int((n_win + lengths).max()) - first_chunk * chunk, q_lo + 1)
+        q_lo = min(n_win_h) - first_chunk * chunk
+        q_hi = max(max(n + m for n, m in zip(n_win_h, lengths_h)) - first_chunk * chunk, q_lo + 1)
 
-    def attend(part: slice, mask: torch.Tensor) -> torch.Tensor:
-        count = len(range(n_q)[part])
-        flat = [x[:, part].reshape((rows * count, heads) + tuple(x.shape[3:])) for x in (queries, keys, values)]
-        flat[0] = flat[0][:, :, q_lo:q_hi]
-        o = F.scaled_dot_product_attention(*flat, attn_mask=mask[..., q_lo:q_hi, :])
+    # The chunks before `split` and those after run as two SDPA calls; their inputs are cut by one
+    # split per tensor (slicing would give each part a backward node that scatters into a
+    # zero-filled gradient as large as all chunks' keys).
+    sizes = [n for n in (split, n_q - split) if n]
+    parts = zip(*(x.split(sizes, dim=1) for x in (queries, keys, values)))
+
+    def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        count = query.shape[1]
+        flat = [x.reshape((rows * count, heads) + tuple(x.shape[3:])) for x in (query, key, value)]
+        if (q_lo, q_hi) != (0, chunk):
+            flat[0], mask = flat[0][:, :, q_lo:q_hi], mask[..., q_lo:q_hi, :]
+        o = F.scaled_dot_product_attention(*flat, attn_mask=mask)
         return F.pad(o, (0, 0, q_lo, chunk - q_hi)).view(rows, count, heads, chunk, dv)
 
     outputs = []
@@ -161,11 +179,11 @@ def chunked_forward(q, k, v, gate, norm_weight, norm_bias, temperature, state: K
             state_live[:, :split, None, :].expand(-1, -1, chunk, -1),
             win_mask[:split].expand(rows, -1, -1, -1),
         ], dim=-1)  # [N, split, C, S + W]
-        outputs.append(attend(slice(0, split), mask.reshape(rows * split, 1, chunk, -1)))
+        outputs.append(attend(*next(parts), mask.reshape(rows * split, 1, chunk, -1)))
     if split < n_q:
         mask = torch.zeros(1, 1, chunk, sk.shape[2] + window, dtype=q.dtype, device=q.device)
         mask[..., sk.shape[2] :].masked_fill_(~win_mask[-1], float("-inf"))
-        outputs.append(attend(slice(split, n_q), mask))
+        outputs.append(attend(*next(parts), mask))
     o = torch.cat(outputs, dim=1).transpose(1, 2)
     o = F.pad(o, (0, 0, 0, 0, first_chunk, 0))  # [N, H, chunks, C, Dv]
 

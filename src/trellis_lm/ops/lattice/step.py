@@ -19,9 +19,10 @@ def step_forward(q, k, v, gamma, state, chunk_size, variant, cu_seqlens):
     ``[N, 1, H]``. Returns ``o [N, 1, H, D]`` and the state."""
     u, a, offset = state.memory, state.anchor, state.offset
     starts_chunk = (offset == 0)[:, None, None, None]
-    # Eagerly, renormalising only when some row starts a chunk saves two memory-sized passes per
-    # step; a compiled step fuses the select instead of branching on data.
-    if torch.compiler.is_compiling() or bool(starts_chunk.any()):
+    # Eagerly on CPUs, renormalising only when some row starts a chunk saves two memory-sized
+    # passes per step (reading the flag is no device sync there); on GPUs, and compiled, the
+    # select runs every step instead of waiting on the device.
+    if q.device.type != "cpu" or torch.compiler.is_compiling() or bool(starts_chunk.any()):
         s = rownorm(u)
         u = torch.where(starts_chunk, s, u)
         a = torch.where(starts_chunk, s, a)
