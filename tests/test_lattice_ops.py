@@ -266,6 +266,30 @@ def test_gradients_match_reference_from_a_mid_chunk_state(C, variant):
         assert expected[-1][1].abs().max() == 0  # at a chunk start the anchor is replaced
 
 
+@pytest.mark.parametrize("variant", LATTICE_VARIANTS)
+@pytest.mark.parametrize("C,mid_chunk", [(1, False), (3, True), (4, False)])
+def test_reads_in_many_blocks_match_reference(monkeypatch, C, mid_chunk, variant):
+    """The reads run in blocks of chunks after the chain; a tiny block budget makes every block
+    one chunk, and an odd chunk count leaves a last block of another size. Outputs, final state
+    and gradients (inputs and the carried state) must not depend on the blocks."""
+    from trellis_lm.ops.lattice import chunked
+
+    x = make_inputs(2, 11, 3, 5, 3, requires_grad=True)
+    state = mid_chunk_state(2, 3, 5, 3, chunk_size=C, requires_grad=True)
+    if not mid_chunk:
+        state.offset.zero_()
+    expected = _grads("reference", x, state, C, variant)
+    o_ref, s_ref = run("reference", x, initial_state=state, chunk_size=C, variant=variant)
+    for budget in (1, 2 * 3 * (C * (5 + 3 + C) + 5 * 3) * 3):  # one chunk per block; three
+        monkeypatch.setattr(chunked, "READ_ELEMENTS", budget)
+        o, s = run("torch", x, initial_state=state, chunk_size=C, variant=variant)
+        torch.testing.assert_close(o, o_ref, **TOL)
+        assert_states_close(s, s_ref)
+        got = _grads("torch", x, state, C, variant)
+        for name, g, e in zip(["q", "k", "v", "gamma", "memory", "anchor"], got, expected):
+            torch.testing.assert_close(g, e, **GRAD_TOL, msg=lambda m: f"d/d{name}: {m}")
+
+
 def test_varlen_gradients_match_reference():
     lengths = [4, 0, 7]
     x = make_inputs(1, sum(lengths), 2, 3, 3, requires_grad=True)
