@@ -70,7 +70,8 @@ def _reads(Q, B, W, A, u0: Optional[torch.Tensor], pair: torch.Tensor, Z: Option
         # quad - c^2 is the projected sum's squared norm: it cancels in low precision, hence the
         # clamp. |a|^2 is 1: the anchors are rownorm's outputs, whose |a|^2 is constant, so its
         # gradient is zero too (up to rounding, ~1e-16, as the value).
-        Qt = Q * (quad.addcmul_(cs, cs, value=-1).relu_() + 1).rsqrt_()
+        # Q / sqrt rather than Q * rsqrt: rsqrt's backward takes a cube through pow, slow on CPUs.
+        Qt = Q / (quad.addcmul_(cs, cs, value=-1).relu_() + 1).sqrt_()
         x = torch.addcmul(Qt, Qt, cs) @ A  # Qt U0 + (Qt c) A with U0 = A
     else:
         a_sq = (A * A).sum(-1)[:, None, :]
@@ -83,7 +84,7 @@ def _reads(Q, B, W, A, u0: Optional[torch.Tensor], pair: torch.Tensor, Z: Option
             - 2 * (B * (W @ u0.transpose(-1, -2))).cumsum(-2)
             + proj
         )  # |u_p,i|^2, >= 1
-        Qt = Q * n2.rsqrt()
+        Qt = Q / n2.sqrt()
         x = Qt @ u0 + (Qt * cs) @ A
     return x.baddbmm_((Qt @ B.transpose(-1, -2)).tril_(), W, alpha=-1)  # - tril(Qt B^T) W
 
