@@ -77,7 +77,8 @@ class KVMAttention(MemoryMixer):
         positions = token_positions(valid, past, length)
         rope = self.config.kvm_rotary_dims
         # q and k turn by the same angles: one rotation of both, split by one unbind.
-        qk = torch.stack([self.q_norm(q.view(batch, length, heads, dim)), self.k_norm(k.view(batch, length, heads, dim))])
+        qk = torch.stack([self.q_norm(q.view(batch, length, heads, dim)),
+                          self.k_norm(k.view(batch, length, heads, dim))])
         q, k = kvm_rotary(qk, positions, rope, self.config.rope_theta).unbind(0)
         v = self.v_proj(x).view(batch, length, heads, dim)
         gate = 1.0 + F.elu(self.gate_proj(x))

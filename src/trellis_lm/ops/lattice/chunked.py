@@ -45,7 +45,8 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
     return x.reshape((-1,) + tuple(x.shape[2:]))
 
 
-def _reads(Q, B, W, A, u0: Optional[torch.Tensor], pair: torch.Tensor, Z: Optional[torch.Tensor] = None) -> torch.Tensor:
+def _reads(Q, B, W, A, u0: Optional[torch.Tensor], pair: torch.Tensor,
+           Z: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The outputs of a batch of chunks, given their terms and anchors (design page, section 2).
 
     Args:
