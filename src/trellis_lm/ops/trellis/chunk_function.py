@@ -68,59 +68,70 @@ def _layer_norm_vjp(grad: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, rst
                                                      [True, False, False])[0]
 
 
-def _residual(name: str, z: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
-    """``vjp_phi(z, phi(z) - alpha)`` of :func:`.functions.compress_residual_vjp`; for
-    ``layernorm`` in three fused kernels (the residual's VJP *is* layer norm's backward)."""
+def _residual(name: str, z: torch.Tensor, alpha: torch.Tensor, parts=None) -> torch.Tensor:
+    """``vjp_phi(z, phi(z) - alpha)`` of :func:`.functions.compress_residual_vjp`, for
+    ``layernorm`` in three fused kernels (the residual's VJP *is* layer norm's backward).
+
+    ``parts``: optional buffers ``(z_hat, r, e)`` shaped like ``z`` (``r`` ``[..., 1]``) that
+    receive ``phi(z)``, ``1 / sigma`` (or ``1 / |z|``) and ``e = z_hat - alpha``, which
+    :func:`_residual_vjp2` needs (``layernorm`` and ``l2norm`` only).
+    """
+    if name == "identity":
+        return compress_residual_vjp(name, z, alpha)
     if name == "layernorm":
-        z_hat, mean, rstd = _layer_norm(z)
-        return _layer_norm_vjp(z_hat - alpha, z, mean, rstd)
-    return compress_residual_vjp(name, z, alpha)
+        if parts is None:
+            z_hat, mean, r = _layer_norm(z)
+        else:
+            z_hat, r, _ = parts
+            mean = r.new_empty(r.shape)
+            torch.ops.aten.native_layer_norm.out(z, z.shape[-1:], None, None, EPS, out0=z_hat, out1=mean, out2=r)
+        e = z_hat - alpha if parts is None else torch.sub(z_hat, alpha, out=parts[2])
+        return _layer_norm_vjp(e, z, mean, r)
+    if parts is None:
+        return compress_residual_vjp(name, z, alpha)
+    z_hat, r, e = parts
+    torch.rsqrt(z.pow(2).sum(-1, keepdim=True).add_(EPS), out=r)
+    torch.sub(torch.mul(z, r, out=z_hat), alpha, out=e)
+    return torch.addcmul(e, z_hat, (z_hat * e).sum(-1, keepdim=True), value=-1).mul_(r)
 
 
-def _residual_parts(name: str, z: torch.Tensor, alpha: torch.Tensor):
-    """What the second-order VJP of :func:`_residual` needs, for a batch of ``z [..., M]``:
-    ``(z_hat, r, e, t)`` with ``r = 1 / sigma`` (layernorm) or ``1 / |z|`` (l2norm),
-    ``e = z_hat - alpha`` and ``t = red(z_hat * e)`` (``red`` = mean or sum, see
-    :func:`_residual_vjp2`)."""
-    if name == "layernorm":
-        z_hat, _, r = _layer_norm(z)
-        e = z_hat - alpha
-        return z_hat, r, e, (z_hat * e).mean(-1, keepdim=True)
-    r = torch.rsqrt(z.pow(2).sum(-1, keepdim=True) + EPS)
-    z_hat = z * r
-    e = z_hat - alpha
-    return z_hat, r, e, (z_hat * e).sum(-1, keepdim=True)
+def _residual_vjp2(name: str, z_hat, r, e, u, grad_u, out_z, out_alpha):
+    """The VJP of ``u = vjp_phi(z, phi(z) - alpha)`` in ``z`` and ``alpha``, written to
+    ``out_z`` and ``out_alpha``.
 
+    Both closed forms have the shape ``u = r (cen(e) - z_hat t)``, ``t = red(z_hat e)``, with,
+    for ``layernorm``, ``red`` = mean over M and ``cen(x) = x - mean(x)``, and for ``l2norm``
+    ``red`` = sum and ``cen`` = identity; ``z_hat = cen(z) r``, ``e = z_hat - alpha`` and ``r``
+    depends on ``z`` through ``red(cen(z)^2)``. Differentiating that one expression gives both.
 
-def _residual_vjp2(name: str, z_hat, r, e, t, u, grad_u):
-    """The VJP of ``u = vjp_phi(z, phi(z) - alpha)`` in ``z`` and in ``e`` (``d alpha = -d e``).
-
-    Both closed forms have the shape ``u = r (cen(e) - z_hat red(z_hat e))`` with, for
-    ``layernorm``, ``red`` = mean over M and ``cen(x) = x - mean(x)``, and for ``l2norm``
-    ``red`` = sum and ``cen`` = identity; ``z_hat = cen(z) r`` and ``r`` depends on ``z``
-    through ``red(cen(z)^2)``. Differentiating that one expression gives both VJPs.
-
-    Args: ``[..., M]`` tensors (``r``, ``t`` ``[..., 1]``) from :func:`_residual_parts`, the
-        forward's ``u`` and the incoming gradient ``grad_u``.
-    Returns: ``(grad_z, grad_e)``.
+    Args: ``[..., M]`` tensors (``r`` ``[..., 1]``) as :func:`_residual` leaves them in its
+        ``parts``, the forward's ``u`` and the incoming gradient ``grad_u``.
     """
     centre = name == "layernorm"
 
     def red(x):
         return x.mean(-1, keepdim=True) if centre else x.sum(-1, keepdim=True)
 
-    def cen(x):
-        return x - x.mean(-1, keepdim=True) if centre else x
-
     w = grad_u * r
     s1 = red(w * z_hat)
-    grad_e = torch.addcmul(cen(w), z_hat, s1, value=-1)
-    # z_hat enters u directly (-z_hat t), through e = z_hat - alpha, and through t.
-    grad_zh = torch.addcmul(grad_e, t, w, value=-1).addcmul_(e, s1, value=-1)
-    # The explicit factor r of u: d r = red-sum of grad_u * u / r, and dr/dz = -r^3 cen(z) / n.
-    scale = red(grad_u * u)
-    grad_z = cen(grad_zh).addcmul_(z_hat, red(grad_zh * z_hat) + scale, value=-1).mul_(r)
-    return grad_z, grad_e
+    # grad_e = cen(w) - z_hat s1, and alpha enters only through e = z_hat - alpha.
+    neg_grad_e = torch.mul(z_hat, s1, out=out_alpha)
+    if centre:
+        neg_grad_e += w.mean(-1, keepdim=True)
+    neg_grad_e -= w
+    # z_hat enters u directly (-z_hat t), through e, and through t.
+    t = red(z_hat * e)
+    grad_zh = torch.addcmul(neg_grad_e, t, w).addcmul_(e, s1).neg_()
+    # The explicit factor r of u: d r = red(grad_u * u) / r, and dr/dz = -r^3 cen(z) / n.
+    scale = red(grad_u * u).add_(red(grad_zh * z_hat))
+    if centre:
+        grad_zh -= grad_zh.mean(-1, keepdim=True)
+    torch.mul(grad_zh.addcmul_(z_hat, scale, value=-1), r, out=out_z)
+
+
+def _dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``(a * b).sum(-1, keepdim=True)`` as a batched matrix product (no product temporary)."""
+    return torch.matmul(a.unsqueeze(-2), b.unsqueeze(-1)).squeeze(-1)
 
 
 def _mix_forward(name: str, y: torch.Tensor):
@@ -133,9 +144,10 @@ def _mix_forward(name: str, y: torch.Tensor):
 
 
 def _mix_vjp(name: str, saved, grad_h: torch.Tensor) -> torch.Tensor:
+    """``J_f^T grad_h``; may overwrite ``grad_h`` (with the result)."""
     if name == "ln_silu":
         y, s, mean, rstd = saved
-        return torch.ops.aten.silu_backward(_layer_norm_vjp(grad_h, s, mean, rstd), y)
+        return torch.ops.aten.silu_backward.grad_input(_layer_norm_vjp(grad_h, s, mean, rstd), y, grad_input=grad_h)
     # Not hand-derived: autograd of the batched f alone (one re-evaluation, no per-chunk nodes).
     with torch.enable_grad():
         y = saved[0].detach().requires_grad_(True)
@@ -182,158 +194,194 @@ class ChunkFunction(torch.autograd.Function):
     def forward(ctx, spec: ChunkSpec, Q, K, V, mu, G, gap, A, mu_last, *chain_tensors):
         chains = _split(spec, chain_tensors)
         n, nh, width, _ = Q.shape
+        slots = A.shape[-1]
         identity = spec.compress_fn == "identity"
+        keep_parts = spec.keep and not identity  # what the backward's second-order terms need
         gexp = gap.exp()
         decay = gexp * G[..., None, :]  # D[r, i] = gamma_i exp(c_r - c_i), i <= r
         qk = Q @ _t(K)
         dqk = decay * qk
         mu_q = mu * Q
         group = n if spec.keep else spec.group
-        out = V.new_empty(V.shape)
-        finals, saved_chains = [], []
+        outs, states = [], [None] * len(chains)
         for ch in chains:
             ch["anchor"] = ch["a0"].clone()
-        states = [None] * len(chains)
+            if keep_parts:
+                rows_shape = ch["wX"].shape[:-1]
+                ch["zh"], ch["e"] = A.new_empty(rows_shape + (slots,)), A.new_empty(rows_shape + (slots,))
+                ch["r"] = A.new_empty(rows_shape + (1,))
         for lo in range(0, n, group):
             hi = min(n, lo + group)
             for i, ch in enumerate(chains):
                 s0 = ch["s0"] if lo == 0 else states[i][-1]
-                states[i] = buf = s0.new_empty((hi - lo + 1,) + s0.shape)
+                states[i] = buf = s0.new_empty((hi - lo + 1,) + s0.shape)  # the chunk-start states
                 buf[0] = s0
-                ch["U"] = us = s0.new_empty((hi - lo,) + ch["wX"].shape[1:-1] + (A.shape[-1],))
+                ch["U"] = us = s0.new_empty((hi - lo,) + ch["wX"].shape[1:-1] + (slots,))
                 view = (ch["P"], nh) + s0.shape[-2:]
                 for c in range(lo, hi):
-                    s = buf[c - lo]
+                    s, u = buf[c - lo], us[c - lo]
                     if identity:
-                        torch.baddbmm(ch["Z"][c], ch["W"][c], _t(s), beta=-1, out=us[c - lo])
+                        torch.baddbmm(ch["Z"][c], ch["W"][c], _t(s), beta=-1, out=u)
                     else:
-                        z = (ch["X"][c] @ _t(ch["a0"] if c == 0 else s)).view(ch["P"], nh, width, -1)
-                        us[c - lo] = _residual(spec.compress_fn, z, A[c]).view(us.shape[1:])
+                        z = (ch["X"][c] @ _t(ch["a0"] if c == 0 else s)).view(ch["P"], nh, width, slots)
+                        parts = None
+                        if keep_parts:
+                            parts = tuple(ch[k][c].view(z.shape[:-1] + ch[k].shape[-1:]) for k in ("zh", "r", "e"))
+                        u.copy_(_residual(spec.compress_fn, z, A[c], parts).view(u.shape))
                     nxt = buf[c - lo + 1]
                     torch.mul(s.view(view), mu_last[c], out=nxt.view(view))
-                    nxt.baddbmm_(_t(us[c - lo]), ch["wX"][c], alpha=-1)
+                    nxt.baddbmm_(_t(u), ch["wX"][c], alpha=-1)
                     if c in spec.last_chunk:  # the anchor some row ends in: this chunk's start
-                        ends = torch.tensor([x == c for x in spec.last_chunk], device=s.device)
-                        ends = ends.view(1, -1, 1).expand(ch["P"], -1, spec.heads).reshape(-1, 1, 1)
+                        ends = _ends(spec, c, ch["P"], s.device)
                         ch["anchor"] = torch.where(ends, ch["a0"] if c == 0 else s, ch["anchor"])
             starts, u_k, u_v = _read_parts(chains, states, nh)
             sl = slice(lo, hi)
             y = torch.matmul(mu_q[sl], _t(starts[0][:-1]))
-            y.view(-1, *y.shape[-2:]).baddbmm_(dqk[sl].flatten(0, 1), u_k.flatten(0, 1), alpha=-1)
+            _flat(y).baddbmm_(_flat(dqk[sl]), _flat(u_k), alpha=-1)
             h, mix_saved = _mix_forward(spec.mix_fn, y)
             p = h @ _t(u_v)
-            e = decay[sl] * p
-            o = torch.matmul(mu[sl] * h, starts[1][:-1])
-            o.view(-1, *o.shape[-2:]).baddbmm_(e.flatten(0, 1), V[sl].flatten(0, 1), alpha=-1)
-            out[sl] = o
+            ep = decay[sl] * p
+            muh = mu[sl] * h
+            o = torch.matmul(muh, starts[1][:-1])
+            _flat(o).baddbmm_(_flat(ep), _flat(V[sl]), alpha=-1)
+            outs.append(o)
+        finals = []
         for i, ch in enumerate(chains):
             finals += [states[i][-1].clone(), ch["anchor"]]
         if spec.keep:
-            ctx.spec = spec
-            ctx.n_mix = len(mix_saved)
-            ctx.save_for_backward(Q, K, V, mu, G, gexp, decay, qk, dqk, mu_q, A, mu_last, h, p, e, *mix_saved,
-                                  *(t for ch, st in zip(chains, states)
-                                    for t in ((ch["W"], ch["Z"]) if identity else (ch["X"],))
-                                    + (ch["wX"], ch["a0"], st, ch["U"])))
-        return (out, *finals)
+            ctx.spec, ctx.n_mix = spec, len(mix_saved)
+            tensors = [Q, K, V, mu, G, gexp, decay, qk, dqk, mu_q, A, mu_last, h, muh, p, ep, *mix_saved]
+            for ch, st in zip(chains, states):
+                tensors += [ch[k] for k in _chain_saved(identity)[:-2]] + [st, ch["U"]]
+            ctx.save_for_backward(*tensors)
+        return (outs[0] if len(outs) == 1 else torch.cat(outs), *finals)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_o, *grad_finals):
         spec = ctx.spec
-        if not spec.keep:
-            raise RuntimeError("ChunkFunction: the forward ran without keeping its states (keep=False)")
         saved = ctx.saved_tensors
-        Q, K, V, mu, G, gexp, decay, qk, dqk, mu_q, A, mu_last, h, p, e = saved[:15]
-        mix_saved = saved[15:15 + ctx.n_mix]
-        rest = saved[15 + ctx.n_mix:]
+        Q, K, V, mu, G, gexp, decay, qk, dqk, mu_q, A, mu_last, h, muh, p, ep = saved[:16]
+        mix_saved, rest = saved[16:16 + ctx.n_mix], saved[16 + ctx.n_mix:]
         identity = spec.compress_fn == "identity"
-        per = 6 if identity else 5
-        chains = []
-        for i, passes in enumerate(spec.passes):
-            t = rest[i * per:(i + 1) * per]
-            ch = dict(W=t[0], Z=t[1]) if identity else dict(X=t[0])
-            ch.update(wX=t[-4], a0=t[-3], S=t[-2], U=t[-1], P=passes)
-            chains.append(ch)
+        names = _chain_saved(identity)
+        chains = [dict(zip(names, rest[i * len(names):(i + 1) * len(names)]), P=passes)
+                  for i, passes in enumerate(spec.passes)]
         n, nh = Q.shape[:2]
         starts, u_k, u_v = _read_parts(chains, [ch["S"] for ch in chains], nh)
         st_k, st_v = starts[0][:-1], starts[1][:-1]
 
-        # ---- the read-outs, batched over all chunks --------------------------------------
+        # ---- the read-outs, batched over all chunks (signs folded into in-place negations) ----
         g1 = torch.matmul(grad_o, _t(st_v))  # [n, NH, L, M]
-        grad_mu = (h * g1).sum(-1, keepdim=True)
+        grad_mu = _dot(h, g1)
         grad_h = g1.mul_(mu)
-        grad_st_v = torch.matmul(_t(mu * h), grad_o)
+        grad_st_v = torch.matmul(_t(muh), grad_o)
         grad_e = torch.matmul(grad_o, _t(V))  # minus the gradient of E = D * P
-        grad_v = -torch.matmul(_t(e), grad_o)
-        grad_ph = grad_e.mul(decay)  # minus the gradient of P = H U_v^T
-        grad_h.view(-1, *grad_h.shape[-2:]).baddbmm_(grad_ph.flatten(0, 1), u_v.flatten(0, 1), alpha=-1)
-        grad_u_v = -torch.matmul(_t(grad_ph), h)
+        grad_v = torch.matmul(_t(ep), grad_o).neg_()
+        grad_ph = grad_e * decay  # minus the gradient of P = H U_v^T
+        _flat(grad_h).baddbmm_(_flat(grad_ph), _flat(u_v), alpha=-1)
+        grad_u_v = torch.matmul(_t(grad_ph), h).neg_()
         grad_y = _mix_vjp(spec.mix_fn, mix_saved, grad_h)
         grad_mu_q = torch.matmul(grad_y, st_k)
         grad_st_k = torch.matmul(_t(grad_y), mu_q)
         grad_dqk = torch.matmul(grad_y, _t(u_k))  # minus the gradient of D * Q K^T
-        grad_u_k = -torch.matmul(_t(dqk), grad_y)
+        grad_u_k = torch.matmul(_t(dqk), grad_y).neg_()
         # Minus the gradient of D, from O and from D * Q K^T; then D = exp(gap) * G.
         grad_decay = grad_e.mul_(p).addcmul_(grad_dqk, qk)
         grad_qk = grad_dqk.mul_(decay)  # minus
-        grad_q = torch.addcmul(torch.matmul(grad_qk, K).neg_(), grad_mu_q, mu)
-        grad_k = -torch.matmul(_t(grad_qk), Q)
-        grad_mu += (grad_mu_q * Q).sum(-1, keepdim=True)
-        grad_decay = grad_decay.mul_(gexp)
-        grad_g = -grad_decay.sum(-2)
+        grad_mu += _dot(grad_mu_q, Q)
+        grad_q = grad_mu_q.mul_(mu)
+        _flat(grad_q).baddbmm_(_flat(grad_qk), _flat(K), alpha=-1)
+        grad_k = torch.matmul(_t(grad_qk), Q).neg_()
+        grad_decay.mul_(gexp)
+        grad_g = grad_decay.sum(-2).neg_()
         grad_gap = grad_decay.mul_(G[..., None, :]).neg_()
 
-        # ---- the state chains, one reverse loop over chunks each -------------------------
+        # ---- the state chains, one reverse loop over chunks each ----------------------------
         if len(chains) == 1:
-            grad_st = [torch.cat([grad_st_k, grad_st_v], dim=1)]
-            grad_u = [torch.cat([grad_u_k, grad_u_v], dim=1)]
+            st_parts, u_parts = [[grad_st_k, grad_st_v]], [[grad_u_k, grad_u_v]]
         else:
-            grad_st, grad_u = [grad_st_k, grad_st_v], [grad_u_k, grad_u_v]
-        grad_a = None if identity else torch.zeros_like(A)
+            st_parts, u_parts = [[grad_st_k], [grad_st_v]], [[grad_u_k], [grad_u_v]]
+        grad_a = None if identity else torch.empty_like(A)
         grad_mu_last = torch.zeros_like(mu_last)
         grads_chains = []
         for i, ch in enumerate(chains):
-            d_st, d_u = grad_st[i], grad_u[i]  # both modified in place: they become the totals
             d_final, d_anchor = grad_finals[2 * i], grad_finals[2 * i + 1]
-            passes, a0, S = ch["P"], ch["a0"], ch["S"]
+            passes, a0, S, U = ch["P"], ch["a0"], ch["S"], ch["U"]
             view = (passes, nh) + a0.shape[-2:]
-            d_a0 = torch.zeros_like(a0)
+            # A row's final anchor is the start state of its last chunk (a0 for chunk 0).
+            d_a0, anchor_grads = torch.zeros_like(a0), {}
             for c in sorted(set(spec.last_chunk)):
-                ends = torch.tensor([x == c for x in spec.last_chunk], device=a0.device)
-                ends = ends.view(1, -1, 1).expand(passes, -1, spec.heads).reshape(-1, 1, 1)
-                target = d_a0 if c == 0 else d_st[c]
-                target += torch.where(ends, d_anchor, 0.0)
-            if not identity:
-                anchors = S[:-1].clone()
-                anchors[0] = a0
-                z = torch.matmul(ch["X"], _t(anchors)).view(n, passes, nh, *d_u.shape[-2:])
-                parts = _residual_parts(spec.compress_fn, z, A[:, None])
-                parts = [x.flatten(1, 2) for x in parts]
-                d_z = torch.empty_like(d_u)
-                d_e = torch.empty_like(d_u)
-            d_next = d_final  # the gradient of the state after chunk c
-            for c in range(n - 1, -1, -1):
-                d_u[c].baddbmm_(ch["wX"][c], _t(d_next), alpha=-1)
-                d_st[c].view(view).addcmul_(mu_last[c], d_next.view(view))
-                if identity:
-                    d_st[c].baddbmm_(_t(d_u[c]), ch["W"][c])
+                masked = torch.where(_ends(spec, c, passes, a0.device), d_anchor, 0.0)
+                if c == 0:
+                    d_a0 += masked
                 else:
-                    d_z[c], d_e[c] = _residual_vjp2(spec.compress_fn, *(x[c] for x in parts), ch["U"][c], d_u[c])
-                    if c > 0:
-                        d_st[c].baddbmm_(_t(d_z[c]), ch["X"][c])
-                d_next = d_st[c]
-            # Batched over chunks: the gradients of mu_L and of wX (through S'), and of the inputs of U.
-            d_after = torch.cat([d_st[1:], d_final[None]])
-            grad_mu_last += (S[:-1] * d_after).view(n, passes, nh, -1).sum((1, 3))[..., None, None]
-            d_wx = -torch.matmul(ch["U"], d_after)
+                    anchor_grads[c] = masked
+            d_after = torch.empty_like(S[1:])  # the gradient of the state after each chunk
+            d_after[-1] = d_final
             if identity:
-                grads_chains += [torch.matmul(d_u, S[:-1]), d_u.neg_(), d_wx, d_st[0], d_a0]
+                d_u_all = torch.empty_like(U)
             else:
-                d_a0 += _t(d_z[0]) @ ch["X"][0]
-                grad_a -= d_e.view(n, passes, nh, *d_e.shape[-2:]).sum(1)
-                grads_chains += [torch.matmul(d_z, anchors), d_wx, d_st[0], d_a0]
+                d_z, d_alpha = torch.empty_like(U), U.new_empty(U.shape[1:])
+                alpha_view = (passes, nh) + U.shape[-2:]
+            for c in range(n - 1, -1, -1):
+                d_next = d_after[c]
+                d_u = _gather(u_parts[i], c, d_u_all[c] if identity else None)
+                d_u.baddbmm_(ch["wX"][c], _t(d_next), alpha=-1)
+                d_cur = _gather(st_parts[i], c, d_after[c - 1] if c > 0 else None)  # grad of S_c
+                d_cur.view(view).addcmul_(mu_last[c], d_next.view(view))
+                if c in anchor_grads:
+                    d_cur += anchor_grads[c]
+                if identity:
+                    d_cur.baddbmm_(_t(d_u), ch["W"][c])
+                    continue
+                _residual_vjp2(spec.compress_fn, ch["zh"][c], ch["r"][c], ch["e"][c], U[c], d_u, d_z[c], d_alpha)
+                if i == 0:
+                    torch.sum(d_alpha.view(alpha_view), 0, out=grad_a[c])
+                else:
+                    grad_a[c] += d_alpha.view(alpha_view).sum(0)
+                if c > 0:
+                    d_cur.baddbmm_(_t(d_z[c]), ch["X"][c])
+            d_s0 = d_cur
+            # Batched over chunks: the gradients of mu_L and wX (through S') and of U's inputs.
+            grad_mu_last += _dot(S[:-1].flatten(-2), d_after.flatten(-2)).view(n, passes, nh).sum(1)[..., None, None]
+            d_wx = torch.matmul(U, d_after).neg_()
+            if identity:
+                grads_chains += [torch.matmul(d_u_all, S[:-1]), d_u_all.neg_(), d_wx, d_s0, d_a0]
+            else:
+                d_x = torch.empty_like(ch["X"])
+                if n > 1:
+                    torch.matmul(d_z[1:], S[1:-1], out=d_x[1:])
+                torch.matmul(d_z[0], a0, out=d_x[0])
+                d_a0.baddbmm_(_t(d_z[0]), ch["X"][0])
+                grads_chains += [d_x, d_wx, d_s0, d_a0]
         return (None, grad_q, grad_k, grad_v, grad_mu, grad_g, grad_gap, grad_a, grad_mu_last, *grads_chains)
+
+
+def _chain_saved(identity: bool) -> tuple:
+    """The names of a chain's tensors the backward keeps (the last two: states and ``U``)."""
+    return (("W",) if identity else ("X", "zh", "r", "e")) + ("wX", "a0", "S", "U")
+
+
+def _flat(x: torch.Tensor) -> torch.Tensor:
+    """``[..., a, b]`` -> ``[batch, a, b]`` for ``bmm``; a view when ``x`` is contiguous."""
+    return x.reshape(-1, *x.shape[-2:])
+
+
+def _ends(spec: ChunkSpec, c: int, passes: int, device) -> torch.Tensor:
+    """``[P NH, 1, 1]``: the rows whose last chunk is ``c`` (their final anchor is its start)."""
+    ends = torch.tensor([x == c for x in spec.last_chunk], device=device)
+    return ends.view(1, -1, 1).expand(passes, -1, spec.heads).reshape(-1, 1, 1)
+
+
+def _gather(parts, c: int, out=None) -> torch.Tensor:
+    """Chunk ``c`` of the per-pass gradients, stacked on the pass axis (into ``out`` if given);
+    a single part is returned as its own view, which the caller may update in place."""
+    if len(parts) == 1 and out is None:
+        return parts[0][c]
+    if out is None:
+        return torch.cat([x[c] for x in parts])
+    return torch.cat([x[c] for x in parts], out=out)
 
 
 def _read_parts(chains, states, nh):
