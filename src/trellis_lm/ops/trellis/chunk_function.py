@@ -234,15 +234,15 @@ class ChunkFunction(torch.autograd.Function):
                     if c in spec.last_chunk:  # the anchor some row ends in: this chunk's start
                         ends = _ends(spec, c, ch["P"], s.device)
                         ch["anchor"] = torch.where(ends, ch["a0"] if c == 0 else s, ch["anchor"])
-            starts, u_k, u_v = _read_parts(chains, states, nh)
+            st_k, st_v, u_k, u_v = _read_parts(chains, states, nh)
             sl = slice(lo, hi)
-            y = torch.matmul(mu_q[sl], _t(starts[0][:-1]))
+            y = torch.matmul(mu_q[sl], _t(st_k))
             _flat(y).baddbmm_(_flat(dqk[sl]), _flat(u_k), alpha=-1)
             h, mix_saved = _mix_forward(spec.mix_fn, y)
             p = h @ _t(u_v)
             ep = decay[sl] * p
             muh = mu[sl] * h
-            o = torch.matmul(muh, starts[1][:-1])
+            o = torch.matmul(muh, st_v)
             _flat(o).baddbmm_(_flat(ep), _flat(V[sl]), alpha=-1)
             outs.append(o)
         finals = []
@@ -250,7 +250,8 @@ class ChunkFunction(torch.autograd.Function):
             finals += [states[i][-1].clone(), ch["anchor"]]
         if spec.keep:
             ctx.spec, ctx.n_mix = spec, len(mix_saved)
-            tensors = [Q, K, V, mu, G, gexp, decay, qk, dqk, mu_q, A, mu_last, h, muh, p, ep, *mix_saved]
+            tensors = [Q, K, V, mu, G, gexp, decay, qk, dqk, mu_q, A, mu_last, h, muh, p, ep, st_k, st_v, u_k, u_v,
+                       *mix_saved]
             for ch, st in zip(chains, states):
                 tensors += [ch[k] for k in _chain_saved(identity)[:-2]] + [st, ch["U"]]
             ctx.save_for_backward(*tensors)
@@ -261,15 +262,13 @@ class ChunkFunction(torch.autograd.Function):
     def backward(ctx, grad_o, *grad_finals):
         spec = ctx.spec
         saved = ctx.saved_tensors
-        Q, K, V, mu, G, gexp, decay, qk, dqk, mu_q, A, mu_last, h, muh, p, ep = saved[:16]
-        mix_saved, rest = saved[16:16 + ctx.n_mix], saved[16 + ctx.n_mix:]
+        Q, K, V, mu, G, gexp, decay, qk, dqk, mu_q, A, mu_last, h, muh, p, ep, st_k, st_v, u_k, u_v = saved[:20]
+        mix_saved, rest = saved[20:20 + ctx.n_mix], saved[20 + ctx.n_mix:]
         identity = spec.compress_fn == "identity"
         names = _chain_saved(identity)
         chains = [dict(zip(names, rest[i * len(names):(i + 1) * len(names)]), P=passes)
                   for i, passes in enumerate(spec.passes)]
         n, nh = Q.shape[:2]
-        starts, u_k, u_v = _read_parts(chains, [ch["S"] for ch in chains], nh)
-        st_k, st_v = starts[0][:-1], starts[1][:-1]
 
         # ---- the read-outs, batched over all chunks (signs folded into in-place negations) ----
         g1 = torch.matmul(grad_o, _t(st_v))  # [n, NH, L, M]
@@ -323,7 +322,6 @@ class ChunkFunction(torch.autograd.Function):
                 d_u_all = torch.empty_like(U)
             else:
                 d_z, d_alpha = torch.empty_like(U), U.new_empty(U.shape[1:])
-                alpha_view = (passes, nh) + U.shape[-2:]
             for c in range(n - 1, -1, -1):
                 d_next = d_after[c]
                 d_u = _gather(u_parts[i], c, d_u_all[c] if identity else None)
@@ -336,10 +334,12 @@ class ChunkFunction(torch.autograd.Function):
                     d_cur.baddbmm_(_t(d_u), ch["W"][c])
                     continue
                 _residual_vjp2(spec.compress_fn, ch["zh"][c], ch["r"][c], ch["e"][c], U[c], d_u, d_z[c], d_alpha)
-                if i == 0:
-                    torch.sum(d_alpha.view(alpha_view), 0, out=grad_a[c])
+                if passes == 2:  # a stacked chain: keys and values share the target
+                    torch.add(d_alpha[:nh], d_alpha[nh:], out=grad_a[c])
+                elif i == 0:
+                    grad_a[c] = d_alpha
                 else:
-                    grad_a[c] += d_alpha.view(alpha_view).sum(0)
+                    grad_a[c] += d_alpha
                 if c > 0:
                     d_cur.baddbmm_(_t(d_z[c]), ch["X"][c])
             d_s0 = d_cur
@@ -385,9 +385,10 @@ def _gather(parts, c: int, out=None) -> torch.Tensor:
 
 
 def _read_parts(chains, states, nh):
-    """The read-outs' operands from the chains: ``([S_k, S_v] [n + 1, NH, M, D], U_k, U_v)``,
-    splitting a stacked chain's pass axis (its first NH are keys, the rest values)."""
+    """The read-outs' operands ``(S_k, S_v [n, NH, M, D], U_k, U_v [n, NH, L, M])``, each
+    contiguous: a stacked chain's pass axis (its first NH are keys, the rest values) is split
+    by one copy each, rather than by a copy inside every product that reads it."""
     if len(chains) == 1:
-        s, u = states[0], chains[0]["U"]
-        return [s[:, :nh], s[:, nh:]], u[:, :nh], u[:, nh:]
-    return states, chains[0]["U"], chains[1]["U"]
+        s, u = states[0][:-1], chains[0]["U"]
+        return s[:, :nh].contiguous(), s[:, nh:].contiguous(), u[:, :nh].contiguous(), u[:, nh:].contiguous()
+    return states[0][:-1], states[1][:-1], chains[0]["U"], chains[1]["U"]
