@@ -57,6 +57,21 @@ class ChunkSpec:
     group: int
 
 
+def in_chunk_log_gaps(log_beta: torch.Tensor) -> torch.Tensor:
+    """``gap [..., L, L]``: ``gap[r, i] = sum_{i < j <= r} lb_j`` (= ``c_r - c_i``) for i <= r and
+    -inf above the diagonal, each a direct sum (no ``inf - inf``), in one allocation.
+
+    Args:
+        log_beta: ``[..., L]`` one chunk's log forget gates.
+    """
+    size = log_beta.shape[-1]
+    rows = torch.arange(size, device=log_beta.device)
+    # Token j = row r' enters gap[r, i] for i < r' <= r: its gate fills row r' left of the
+    # diagonal, and a cumulative sum down the rows carries it to every later row.
+    gap = torch.where(rows[:, None] > rows[None, :], log_beta[..., :, None], 0.0).cumsum_(-2)
+    return gap.masked_fill_(rows[:, None] < rows[None, :], float("-inf"))
+
+
 def _layer_norm(x: torch.Tensor):
     """``(x_hat, mean, rstd)`` over the last axis, no affine, torch's fused kernel."""
     return torch.native_layer_norm(x, x.shape[-1:], None, None, EPS)
@@ -175,13 +190,12 @@ def _split(spec: ChunkSpec, chain_tensors):
 
 
 class ChunkFunction(torch.autograd.Function):
-    """``(O, final states, final anchors) = F(Q, K, V, mu, G, gap, A, mu_last, *chains)``.
+    """``(O, final states, final anchors) = F(Q, K, V, mu, G, LB, A, mu_last, *chains)``.
 
     Args (all chunk-major, ``[n, NH, ...]``):
         Q, K: ``[n, NH, L, Dk]``; V: ``[n, NH, L, Dv]`` (the read-outs' operands).
-        mu: ``[n, NH, L, 1]`` = ``exp(c_r)``; G: ``[n, NH, L]`` gammas; gap: ``[n, NH, L, L]``
-            the in-chunk log decays ``c_r - c_i`` (-inf above the diagonal), so that
-            ``D = exp(gap) * G[..., None, :]``.
+        mu: ``[n, NH, L, 1]`` = ``exp(c_r)``; G, LB: ``[n, NH, L]`` gammas and log gates
+            (``D = exp(gap) * G[..., None, :]`` with gap of :func:`in_chunk_log_gaps`).
         A: ``[n, NH, L, M]`` targets; mu_last: ``[n, NH, 1, 1]`` = ``exp(c_L)``.
         chains: per chain, ``X [n, P NH, L, D]`` (or, for ``identity``, ``W [n, P NH, L, D]``
             and ``Z [n, P NH, L, M]`` of :func:`.chunked.identity_residual_basis`),
@@ -191,13 +205,13 @@ class ChunkFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, spec: ChunkSpec, Q, K, V, mu, G, gap, A, mu_last, *chain_tensors):
+    def forward(ctx, spec: ChunkSpec, Q, K, V, mu, G, LB, A, mu_last, *chain_tensors):
         chains = _split(spec, chain_tensors)
         n, nh, width, _ = Q.shape
         slots = A.shape[-1]
         identity = spec.compress_fn == "identity"
         keep_parts = spec.keep and not identity  # what the backward's second-order terms need
-        gexp = gap.exp()
+        gexp = in_chunk_log_gaps(LB).exp_()
         decay = gexp * G[..., None, :]  # D[r, i] = gamma_i exp(c_r - c_i), i <= r
         qk = Q @ _t(K)
         dqk = decay * qk
@@ -295,6 +309,9 @@ class ChunkFunction(torch.autograd.Function):
         grad_decay.mul_(gexp)
         grad_g = grad_decay.sum(-2).neg_()
         grad_gap = grad_decay.mul_(G[..., None, :]).neg_()
+        # gap[r, i] = c_r - c_i where it is finite (elsewhere D and its gradient are 0), so
+        # dc = row sums - column sums, and lb_j enters every c_r with r >= j.
+        grad_lb = (grad_gap.sum(-1) - grad_gap.sum(-2)).flip(-1).cumsum(-1).flip(-1)
 
         # ---- the state chains, one reverse loop over chunks each ----------------------------
         if len(chains) == 1:
@@ -355,7 +372,7 @@ class ChunkFunction(torch.autograd.Function):
                 torch.matmul(d_z[0], a0, out=d_x[0])
                 d_a0.baddbmm_(_t(d_z[0]), ch["X"][0])
                 grads_chains += [d_x, d_wx, d_s0, d_a0]
-        return (None, grad_q, grad_k, grad_v, grad_mu, grad_g, grad_gap, grad_a, grad_mu_last, *grads_chains)
+        return (None, grad_q, grad_k, grad_v, grad_mu, grad_g, grad_lb, grad_a, grad_mu_last, *grads_chains)
 
 
 def _chain_saved(identity: bool) -> tuple:

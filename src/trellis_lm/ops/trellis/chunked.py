@@ -20,11 +20,11 @@ from __future__ import annotations
 import torch
 
 from ..varlen import grid_positions
-from .chunk_function import ChunkFunction, ChunkSpec
+from .chunk_function import ChunkFunction, ChunkSpec, in_chunk_log_gaps
 from .state import TrellisState
 
 
-def log_decays(log_beta: torch.Tensor):
+def log_decays(log_beta: torch.Tensor, with_gap: bool = True):
     """The in-chunk log decays of section 2, each summed directly over its own tokens.
 
     A difference of cumulative sums (``c_r - c_i``) is ``inf - inf`` = NaN once a full forget
@@ -32,20 +32,17 @@ def log_decays(log_beta: torch.Tensor):
 
     Args:
         log_beta: ``[..., L]`` one chunk's log forget gates (fillers 0).
+        with_gap: also compute ``gap`` (else ``None``).
     Returns:
         ``c [..., L]`` with ``c_r = sum_{j <= r} lb_j``; ``before [..., L]`` = ``c_{r-1}`` (0 at r = 0);
-        ``after [..., L]`` = ``sum_{j > i} lb_j`` (= ``c_L - c_i``); ``gap [..., L, L]`` with
-        ``gap[r, i] = sum_{i < j <= r} lb_j`` (= ``c_r - c_i``) for i <= r and -inf above the diagonal.
+        ``after [..., L]`` = ``sum_{j > i} lb_j`` (= ``c_L - c_i``); ``gap [..., L, L]`` of
+        :func:`.chunk_function.in_chunk_log_gaps`.
     """
-    size = log_beta.shape[-1]
     zero = log_beta.new_zeros(log_beta.shape[:-1] + (1,))
     c = log_beta.cumsum(-1)
     before = torch.cat([zero, c[..., :-1]], dim=-1)
     after = torch.cat([log_beta.flip(-1).cumsum(-1).flip(-1)[..., 1:], zero], dim=-1)
-    rows = torch.arange(size, device=log_beta.device)
-    below = rows[:, None] > rows[None, :]  # token j = row r' enters gap[r, i] for i < r' <= r
-    gap = torch.where(below, log_beta[..., :, None], 0.0).cumsum(-2)
-    return c, before, after, gap.masked_fill(~(below | (rows[:, None] == rows[None, :])), float("-inf"))
+    return c, before, after, (in_chunk_log_gaps(log_beta) if with_gap else None)
 
 
 def identity_residual_basis(x: torch.Tensor, alpha: torch.Tensor, gamma: torch.Tensor, before: torch.Tensor,
@@ -123,11 +120,11 @@ def chunked_forward(q, k, v, alpha, log_beta, gamma, state, chunk_size, compress
     )  # Q: [chunks, N * H, L, Dk]; LB, G: [chunks, N * H, L]
 
     # State-independent per-chunk quantities, for all chunks at once (decays in log space).
-    cum, before, after, gap = log_decays(LB)
+    identity = compress_fn == "identity"
+    cum, before, after, gap = log_decays(LB, with_gap=identity)
     mu = cum.exp()[..., None]  # [chunks, NH, L, 1]
     mu_last = cum[..., -1:].exp()[..., None]  # [chunks, NH, 1, 1]
     w = (G * after.exp())[..., None]  # [chunks, NH, L, 1]
-    identity = compress_fn == "identity"
 
     # Rows that resume at a chunk boundary take their anchor from the state itself.
     at_start = (state.offset == 0)[:, None, None, None]
@@ -148,7 +145,7 @@ def chunked_forward(q, k, v, alpha, log_beta, gamma, state, chunk_size, compress
             chain_tensors.append(X.flatten(1, 2))
         chain_tensors += [(w[:, None] * X).flatten(1, 2), s0.flatten(0, 2), a0.flatten(0, 2)]
 
-    inputs = (Q, K, V, mu, G, gap, A, mu_last, *chain_tensors)
+    inputs = (Q, K, V, mu, G, LB, A, mu_last, *chain_tensors)
     keep = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
     state_elements = sum(s0.numel() for _, s0, _ in chains)
     spec = ChunkSpec(
