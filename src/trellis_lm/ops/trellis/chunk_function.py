@@ -17,7 +17,8 @@ read-outs, many large temporaries; this Function instead
 The mixing function's VJP is closed-form for ``ln_silu`` (torch's fused layer-norm and SiLU
 backward kernels); ``l2_silu`` and ``softmax`` take a local autograd VJP of the batched
 read-out, which is exact and costs one re-evaluation of ``f``. Double backward is not
-supported (:func:`torch.autograd.function.once_differentiable` raises a clear error).
+supported: a backward with ``create_graph=True`` raises a ``RuntimeError`` (rather than
+silently returning first derivatives that do not depend on the inputs).
 
 Tensor layout (from :mod:`.chunked`): ``n`` chunks, ``NH`` (row, head) pairs, ``L`` cells per
 chunk. A *chain* stacks ``P`` passes (1, or 2 = keys then values when ``Dk == Dv``) on the
@@ -29,7 +30,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from .functions import EPS, compress_residual_vjp, mix
 
@@ -272,8 +272,12 @@ class ChunkFunction(torch.autograd.Function):
         return (outs[0] if len(outs) == 1 else torch.cat(outs), *finals)
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad_o, *grad_finals):
+        if torch.is_grad_enabled():  # create_graph=True: the engine runs backwards with grad mode on
+            raise RuntimeError(
+                "trellis_attention(backend='torch'): double backward (create_graph=True) is not supported "
+                "by the chunk form's hand-written backward; use backend='reference' for higher derivatives"
+            )
         spec = ctx.spec
         saved = ctx.saved_tensors
         Q, K, V, mu, G, gexp, decay, qk, dqk, mu_q, A, mu_last, h, muh, p, ep, st_k, st_v, u_k, u_v = saved[:20]
