@@ -110,38 +110,41 @@ def _residual(name: str, z: torch.Tensor, alpha: torch.Tensor, parts=None) -> to
     return torch.addcmul(e, z_hat, (z_hat * e).sum(-1, keepdim=True), value=-1).mul_(r)
 
 
-def _residual_vjp2(name: str, z_hat, r, e, u, grad_u, out_z, out_alpha):
-    """The VJP of ``u = vjp_phi(z, phi(z) - alpha)`` in ``z`` and ``alpha``, written to
-    ``out_z`` and ``out_alpha``.
+def _residual_vjp2_terms(name: str, z_hat: torch.Tensor, r: torch.Tensor, e: torch.Tensor):
+    """The per-row terms of :func:`_residual_vjp2`, for a batch at once.
 
     Both closed forms have the shape ``u = r (cen(e) - z_hat t)``, ``t = red(z_hat e)``, with,
-    for ``layernorm``, ``red`` = mean over M and ``cen(x) = x - mean(x)``, and for ``l2norm``
-    ``red`` = sum and ``cen`` = identity; ``z_hat = cen(z) r``, ``e = z_hat - alpha`` and ``r``
-    depends on ``z`` through ``red(cen(z)^2)``. Differentiating that one expression gives both.
+    for ``layernorm``, ``red`` = mean over M and ``cen(x) = x - mean(x)`` (so ``red(z_hat) = 0``),
+    and for ``l2norm`` ``red`` = sum and ``cen`` = identity; ``z_hat = cen(z) r``,
+    ``e = z_hat - alpha``, and ``r`` depends on ``z`` through ``red(cen(z)^2)``. Differentiating
+    that one expression, with ``q = red(z_hat^2)``, gives for an incoming gradient ``g``
+    ``dz = a cen(g) - b red(g z_hat) - r z_hat red(g u)`` and ``dalpha = r (z_hat red(g z_hat) - cen(g))``
+    with ``a = r^2 (1 - t)`` and ``b = r^2 (cen(z_hat + e) + z_hat (1 - 2 t - q))``.
 
-    Args: ``[..., M]`` tensors (``r`` ``[..., 1]``) as :func:`_residual` leaves them in its
-        ``parts``, the forward's ``u`` and the incoming gradient ``grad_u``.
+    Args: ``z_hat, e [..., M]`` and ``r [..., 1]`` as :func:`_residual` leaves them in its ``parts``.
+    Returns: ``(a [..., 1], b [..., M])``.
     """
     centre = name == "layernorm"
+    scale = 1 / z_hat.shape[-1] if centre else 1.0
+    t = _dot(z_hat, e).mul_(scale)
+    q = _dot(z_hat, z_hat).mul_(scale)
+    r2 = r * r
+    b = e - e.mean(-1, keepdim=True) if centre else e.clone()  # e is saved: a second backward reads it
+    b.addcmul_(z_hat, (2 - q).sub_(t, alpha=2)).mul_(r2)
+    return r2.mul_(1 - t), b
 
-    def red(x):
-        return x.mean(-1, keepdim=True) if centre else x.sum(-1, keepdim=True)
 
-    w = grad_u * r
-    s1 = red(w * z_hat)
-    # grad_e = cen(w) - z_hat s1, and alpha enters only through e = z_hat - alpha.
-    neg_grad_e = torch.mul(z_hat, s1, out=out_alpha)
-    if centre:
-        neg_grad_e += w.mean(-1, keepdim=True)
-    neg_grad_e -= w
-    # z_hat enters u directly (-z_hat t), through e, and through t.
-    t = red(z_hat * e)
-    grad_zh = torch.addcmul(neg_grad_e, t, w).addcmul_(e, s1).neg_()
-    # The explicit factor r of u: d r = red(grad_u * u) / r, and dr/dz = -r^3 cen(z) / n.
-    scale = red(grad_u * u).add_(red(grad_zh * z_hat))
-    if centre:
-        grad_zh -= grad_zh.mean(-1, keepdim=True)
-    torch.mul(grad_zh.addcmul_(z_hat, scale, value=-1), r, out=out_z)
+def _residual_vjp2(name: str, z_hat, r, a, b, u, grad_u, out_z, out_alpha) -> None:
+    """The VJP of ``u = vjp_phi(z, phi(z) - alpha)`` in ``z`` and ``alpha`` (formulas in
+    :func:`_residual_vjp2_terms`, which gives ``a`` and ``b``), written to ``out_z`` and
+    ``out_alpha``; ``[..., M]`` tensors (``r``, ``a`` ``[..., 1]``) and the forward's ``u``."""
+    centre = name == "layernorm"
+    scale = 1 / z_hat.shape[-1] if centre else 1.0  # red = mean or sum
+    g_zh = _dot(grad_u, z_hat).mul_(scale)
+    g_u = _dot(grad_u, u).mul_(scale)
+    cen_g = grad_u - grad_u.mean(-1, keepdim=True) if centre else grad_u
+    torch.mul(cen_g, a, out=out_z).addcmul_(b, g_zh, value=-1).addcmul_(z_hat, g_u.mul_(r), value=-1)
+    torch.mul(z_hat, g_zh, out=out_alpha).sub_(cen_g).mul_(r)
 
 
 def _dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -343,6 +346,7 @@ class ChunkFunction(torch.autograd.Function):
                 d_u_all = torch.empty_like(U)
             else:
                 d_z, d_alpha = torch.empty_like(U), U.new_empty(U.shape[1:])
+                terms = _residual_vjp2_terms(spec.compress_fn, ch["zh"], ch["r"], ch["e"])
             for c in range(n - 1, -1, -1):
                 d_next = d_after[c]
                 d_u = _gather(u_parts[i], c, d_u_all[c] if identity else None)
@@ -354,7 +358,8 @@ class ChunkFunction(torch.autograd.Function):
                 if identity:
                     d_cur.baddbmm_(_t(d_u), ch["W"][c])
                     continue
-                _residual_vjp2(spec.compress_fn, ch["zh"][c], ch["r"][c], ch["e"][c], U[c], d_u, d_z[c], d_alpha)
+                _residual_vjp2(spec.compress_fn, ch["zh"][c], ch["r"][c], *(x[c] for x in terms), U[c], d_u, d_z[c],
+                               d_alpha)
                 if passes == 2:  # a stacked chain: keys and values share the target
                     torch.add(d_alpha[:nh], d_alpha[nh:], out=grad_a[c])
                 elif i == 0:
