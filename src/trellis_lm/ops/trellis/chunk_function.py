@@ -267,8 +267,9 @@ class ChunkFunction(torch.autograd.Function):
             finals += [states[i][-1].clone(), ch["anchor"]]
         if spec.keep:
             ctx.spec, ctx.n_mix = spec, len(mix_saved)
-            tensors = [Q, K, V, mu, G, gexp, decay, qk, dqk, mu_q, A, mu_last, h, muh, p, ep, st_k, st_v, u_k, u_v,
-                       *mix_saved]
+            # Products cheap to redo (D, D * QK^T, mu * Q, mu * H, D * P) are not kept: every kept
+            # tensor lives through the whole backward and raises its peak (fresh pages cost here).
+            tensors = [Q, K, V, mu, G, gexp, qk, A, mu_last, h, p, st_k, st_v, u_k, u_v, *mix_saved]
             for ch, st in zip(chains, states):
                 tensors += [ch[k] for k in _chain_saved(identity)[:-2]] + [st, ch["U"]]
             ctx.save_for_backward(*tensors)
@@ -283,8 +284,8 @@ class ChunkFunction(torch.autograd.Function):
             )
         spec = ctx.spec
         saved = ctx.saved_tensors
-        Q, K, V, mu, G, gexp, decay, qk, dqk, mu_q, A, mu_last, h, muh, p, ep, st_k, st_v, u_k, u_v = saved[:20]
-        mix_saved, rest = saved[20:20 + ctx.n_mix], saved[20 + ctx.n_mix:]
+        Q, K, V, mu, G, gexp, qk, A, mu_last, h, p, st_k, st_v, u_k, u_v = saved[:15]
+        mix_saved, rest = saved[15:15 + ctx.n_mix], saved[15 + ctx.n_mix:]
         identity = spec.compress_fn == "identity"
         names = _chain_saved(identity)
         chains = [dict(zip(names, rest[i * len(names):(i + 1) * len(names)]), P=passes)
@@ -295,17 +296,18 @@ class ChunkFunction(torch.autograd.Function):
         g1 = torch.matmul(grad_o, _t(st_v))  # [n, NH, L, M]
         grad_mu = _dot(h, g1)
         grad_h = g1.mul_(mu)
-        grad_st_v = torch.matmul(_t(muh), grad_o)
+        decay = gexp * G[..., None, :]
+        grad_st_v = torch.matmul(_t(h), grad_o * mu)
         grad_e = torch.matmul(grad_o, _t(V))  # minus the gradient of E = D * P
-        grad_v = torch.matmul(_t(ep), grad_o).neg_()
+        grad_v = torch.matmul(_t(decay * p), grad_o).neg_()
         grad_ph = grad_e * decay  # minus the gradient of P = H U_v^T
         _flat(grad_h).baddbmm_(_flat(grad_ph), _flat(u_v), alpha=-1)
         grad_u_v = torch.matmul(_t(grad_ph), h).neg_()
         grad_y = _mix_vjp(spec.mix_fn, mix_saved, grad_h)
         grad_mu_q = torch.matmul(grad_y, st_k)
-        grad_st_k = torch.matmul(_t(grad_y), mu_q)
+        grad_st_k = torch.matmul(_t(grad_y), mu * Q)
         grad_dqk = torch.matmul(grad_y, _t(u_k))  # minus the gradient of D * Q K^T
-        grad_u_k = torch.matmul(_t(dqk), grad_y).neg_()
+        grad_u_k = torch.matmul(_t(decay * qk), grad_y).neg_()
         # Minus the gradient of D, from O and from D * Q K^T; then D = exp(gap) * G.
         grad_decay = grad_e.mul_(p).addcmul_(grad_dqk, qk)
         grad_qk = grad_dqk.mul_(decay)  # minus
