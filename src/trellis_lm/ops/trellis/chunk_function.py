@@ -180,13 +180,9 @@ def _split(spec: ChunkSpec, chain_tensors):
     """The flat per-chain tensors -> one dict per chain."""
     identity, out, i = spec.compress_fn == "identity", [], 0
     for passes in spec.passes:
-        if identity:
-            ch = dict(W=chain_tensors[i], Z=chain_tensors[i + 1])
-            i += 2
-        else:
-            ch = dict(X=chain_tensors[i])
-            i += 1
-        ch.update(wX=chain_tensors[i], s0=chain_tensors[i + 1], a0=chain_tensors[i + 2], P=passes)
+        ch = dict(W=chain_tensors[i], Z=chain_tensors[i + 1]) if identity else {}
+        i += 2 if identity else 0
+        ch.update(X=chain_tensors[i], s0=chain_tensors[i + 1], a0=chain_tensors[i + 2], P=passes)
         i += 3
         out.append(ch)
     return out
@@ -202,13 +198,15 @@ class ChunkFunction(torch.autograd.Function):
         A: ``[n, NH, L, M]`` targets; mu_last: ``[n, NH, 1, 1]`` = ``exp(c_L)``.
         chains: per chain, ``X [n, P NH, L, D]`` (or, for ``identity``, ``W [n, P NH, L, D]``
             and ``Z [n, P NH, L, M]`` of :func:`.chunked.identity_residual_basis`),
-            ``wX [n, P NH, L, D]``, the start state ``s0`` and anchor ``a0`` ``[P NH, M, D]``.
+            the keys/values ``X [n, P NH, L, D]``, the start state ``s0`` and anchor ``a0``
+            ``[P NH, M, D]``.
+        w: ``[n, NH, L, 1]`` the write weights ``gamma_i exp(c_L - c_i)`` of ``S'``.
     Returns:
         ``O [n, NH, L, Dv]``, then per chain its final state and final anchor ``[P NH, M, D]``.
     """
 
     @staticmethod
-    def forward(ctx, spec: ChunkSpec, Q, K, V, mu, G, LB, A, mu_last, *chain_tensors):
+    def forward(ctx, spec: ChunkSpec, Q, K, V, mu, G, LB, A, mu_last, w, *chain_tensors):
         chains = _split(spec, chain_tensors)
         n, nh, width, _ = Q.shape
         slots = A.shape[-1]
@@ -224,7 +222,7 @@ class ChunkFunction(torch.autograd.Function):
         for ch in chains:
             ch["anchor"] = ch["a0"].clone()
             if keep_parts:
-                rows_shape = ch["wX"].shape[:-1]
+                rows_shape = ch["X"].shape[:-1]
                 ch["zh"], ch["e"] = A.new_empty(rows_shape + (slots,)), A.new_empty(rows_shape + (slots,))
                 ch["r"] = A.new_empty(rows_shape + (1,))
         for lo in range(0, n, group):
@@ -233,7 +231,7 @@ class ChunkFunction(torch.autograd.Function):
                 s0 = ch["s0"] if lo == 0 else states[i][-1]
                 states[i] = buf = s0.new_empty((hi - lo + 1,) + s0.shape)  # the chunk-start states
                 buf[0] = s0
-                ch["U"] = us = s0.new_empty((hi - lo,) + ch["wX"].shape[1:-1] + (slots,))
+                ch["U"] = us = s0.new_empty((hi - lo,) + ch["X"].shape[1:-1] + (slots,))
                 view = (ch["P"], nh) + s0.shape[-2:]
                 for c in range(lo, hi):
                     s, u = buf[c - lo], us[c - lo]
@@ -247,7 +245,8 @@ class ChunkFunction(torch.autograd.Function):
                         u.copy_(_residual(spec.compress_fn, z, A[c], parts).view(u.shape))
                     nxt = buf[c - lo + 1]
                     torch.mul(s.view(view), mu_last[c], out=nxt.view(view))
-                    nxt.baddbmm_(_t(u), ch["wX"][c], alpha=-1)
+                    wu = (u.view(ch["P"], nh, width, slots) * w[c]).view(u.shape)  # (w * U)^T X = U^T (w * X)
+                    nxt.baddbmm_(_t(wu), ch["X"][c], alpha=-1)
                     if c in spec.last_chunk:  # the anchor some row ends in: this chunk's start
                         ends = _ends(spec, c, ch["P"], s.device)
                         ch["anchor"] = torch.where(ends, ch["a0"] if c == 0 else s, ch["anchor"])
@@ -269,7 +268,7 @@ class ChunkFunction(torch.autograd.Function):
             ctx.spec, ctx.n_mix = spec, len(mix_saved)
             # Products cheap to redo (D, D * QK^T, mu * Q, mu * H, D * P) are not kept: every kept
             # tensor lives through the whole backward and raises its peak (fresh pages cost here).
-            tensors = [Q, K, V, mu, G, gexp, qk, A, mu_last, h, p, st_k, st_v, u_k, u_v, *mix_saved]
+            tensors = [Q, K, V, mu, G, gexp, qk, A, mu_last, w, h, p, st_k, st_v, u_k, u_v, *mix_saved]
             for ch, st in zip(chains, states):
                 tensors += [ch[k] for k in _chain_saved(identity)[:-2]] + [st, ch["U"]]
             ctx.save_for_backward(*tensors)
@@ -284,8 +283,8 @@ class ChunkFunction(torch.autograd.Function):
             )
         spec = ctx.spec
         saved = ctx.saved_tensors
-        Q, K, V, mu, G, gexp, qk, A, mu_last, h, p, st_k, st_v, u_k, u_v = saved[:15]
-        mix_saved, rest = saved[15:15 + ctx.n_mix], saved[15 + ctx.n_mix:]
+        Q, K, V, mu, G, gexp, qk, A, mu_last, w, h, p, st_k, st_v, u_k, u_v = saved[:16]
+        mix_saved, rest = saved[16:16 + ctx.n_mix], saved[16 + ctx.n_mix:]
         identity = spec.compress_fn == "identity"
         names = _chain_saved(identity)
         chains = [dict(zip(names, rest[i * len(names):(i + 1) * len(names)]), P=passes)
@@ -328,7 +327,7 @@ class ChunkFunction(torch.autograd.Function):
         else:
             st_parts, u_parts = [[grad_st_k], [grad_st_v]], [[grad_u_k], [grad_u_v]]
         grad_a = None if identity else torch.empty_like(A)
-        grad_mu_last = torch.zeros_like(mu_last)
+        grad_mu_last, grad_w = torch.zeros_like(mu_last), torch.zeros_like(w)
         grads_chains = []
         for i, ch in enumerate(chains):
             d_final, d_anchor = grad_finals[2 * i], grad_finals[2 * i + 1]
@@ -352,7 +351,8 @@ class ChunkFunction(torch.autograd.Function):
             for c in range(n - 1, -1, -1):
                 d_next = d_after[c]
                 d_u = _gather(u_parts[i], c, d_u_all[c] if identity else None)
-                d_u.baddbmm_(ch["wX"][c], _t(d_next), alpha=-1)
+                x_ds = (ch["X"][c] @ _t(d_next)).view(view[:2] + d_u.shape[-2:])
+                d_u.view(x_ds.shape).addcmul_(w[c], x_ds, value=-1)
                 d_cur = _gather(st_parts[i], c, d_after[c - 1] if c > 0 else None)  # grad of S_c
                 d_cur.view(view).addcmul_(mu_last[c], d_next.view(view))
                 if c in anchor_grads:
@@ -371,24 +371,29 @@ class ChunkFunction(torch.autograd.Function):
                 if c > 0:
                     d_cur.baddbmm_(_t(d_z[c]), ch["X"][c])
             d_s0 = d_cur
-            # Batched over chunks: the gradients of mu_L and wX (through S') and of U's inputs.
-            grad_mu_last += _dot(S[:-1].flatten(-2), d_after.flatten(-2)).view(n, passes, nh).sum(1)[..., None, None]
-            d_wx = torch.matmul(U, d_after).neg_()
+            # Batched over chunks: the gradients of mu_L, w and X through S' = mu_L S - U^T (w X),
+            # and of U's inputs.
+            pass_view = (n, passes, nh) + U.shape[-2:-1]
+            grad_mu_last += _dot(S[:-1].flatten(-2), d_after.flatten(-2)).view(pass_view[:3]).sum(1)[..., None, None]
+            u_ds = torch.matmul(U, d_after)  # minus the gradient of w X
+            grad_w -= _dot(ch["X"], u_ds).view(pass_view + (1,)).sum(1)
             if identity:
-                grads_chains += [torch.matmul(d_u_all, S[:-1]), d_u_all.neg_(), d_wx, d_s0, d_a0]
+                d_x = u_ds.view(pass_view + (-1,)).mul_(w[:, None]).neg_().view(u_ds.shape)
+                grads_chains += [torch.matmul(d_u_all, S[:-1]), d_u_all.neg_(), d_x, d_s0, d_a0]
             else:
                 d_x = torch.empty_like(ch["X"])
                 if n > 1:
                     torch.matmul(d_z[1:], S[1:-1], out=d_x[1:])
                 torch.matmul(d_z[0], a0, out=d_x[0])
+                d_x.view(pass_view + (-1,)).addcmul_(w[:, None], u_ds.view(pass_view + (-1,)), value=-1)
                 d_a0.baddbmm_(_t(d_z[0]), ch["X"][0])
-                grads_chains += [d_x, d_wx, d_s0, d_a0]
-        return (None, grad_q, grad_k, grad_v, grad_mu, grad_g, grad_lb, grad_a, grad_mu_last, *grads_chains)
+                grads_chains += [d_x, d_s0, d_a0]
+        return (None, grad_q, grad_k, grad_v, grad_mu, grad_g, grad_lb, grad_a, grad_mu_last, grad_w, *grads_chains)
 
 
 def _chain_saved(identity: bool) -> tuple:
     """The names of a chain's tensors the backward keeps (the last two: states and ``U``)."""
-    return (("W",) if identity else ("X", "zh", "r", "e")) + ("wX", "a0", "S", "U")
+    return (("W", "X") if identity else ("X", "zh", "r", "e")) + ("a0", "S", "U")
 
 
 def _flat(x: torch.Tensor) -> torch.Tensor:

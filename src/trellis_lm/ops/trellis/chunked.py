@@ -141,11 +141,9 @@ def chunked_forward(q, k, v, alpha, log_beta, gamma, state, chunk_size, compress
         if identity:  # residuals at the current state: U = W S^T - Z, whatever the anchors
             w_x, z_x = identity_residual_basis(X, A[:, None], G[:, None], before[:, None], gap[:, None])
             chain_tensors += [w_x.flatten(1, 2), z_x.flatten(1, 2)]
-        else:
-            chain_tensors.append(X.flatten(1, 2))
-        chain_tensors += [(w[:, None] * X).flatten(1, 2), s0.flatten(0, 2), a0.flatten(0, 2)]
+        chain_tensors += [X.flatten(1, 2), s0.flatten(0, 2), a0.flatten(0, 2)]
 
-    inputs = (Q, K, V, mu, G, LB, A, mu_last, *chain_tensors)
+    inputs = (Q, K, V, mu, G, LB, A, mu_last, w, *chain_tensors)
     keep = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
     state_elements = sum(s0.numel() for _, s0, _ in chains)
     spec = ChunkSpec(
