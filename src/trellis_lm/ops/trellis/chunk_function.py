@@ -282,6 +282,7 @@ class ChunkFunction(torch.autograd.Function):
                 "by the chunk form's hand-written backward; use backend='reference' for higher derivatives"
             )
         spec = ctx.spec
+        grad_o = grad_o.contiguous()  # o.sum()'s gradient is an expanded scalar: each product would copy it
         saved = ctx.saved_tensors
         Q, K, V, mu, G, gexp, qk, A, mu_last, w, h, p, st_k, st_v, u_k, u_v = saved[:16]
         mix_saved, rest = saved[16:16 + ctx.n_mix], saved[16 + ctx.n_mix:]

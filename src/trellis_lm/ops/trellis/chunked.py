@@ -80,7 +80,9 @@ def _chunk_major(x: torch.Tensor, flat_index, rows: int, chunks: int, width: int
     cells = x if flat_index is None else x.new_zeros((rows * chunks * width, heads) + rest).index_copy(0, flat_index, x)
     cells = cells.view((rows, chunks, width, heads) + rest)
     order = (1, 0, 3, 2) + tuple(range(4, 4 + len(rest)))
-    return cells.permute(order).reshape((chunks, rows * heads, width) + rest)
+    # Contiguous: each batched product would otherwise copy a strided view (chunks and heads
+    # do not merge into one batch stride) on its own.
+    return cells.permute(order).reshape((chunks, rows * heads, width) + rest).contiguous()
 
 
 def _from_chunk_major(o: torch.Tensor, flat_index: torch.Tensor, rows: int, heads: int, batch: int, length: int):
