@@ -157,15 +157,16 @@ def _mix_forward(name: str, y: torch.Tensor):
     if name == "ln_silu":
         s = torch.nn.functional.silu(y)
         h, mean, rstd = _layer_norm(s)
-        return h, (y, s, mean, rstd)
+        return h, (y, mean, rstd)  # SiLU(y) is redone in the backward rather than kept
     return mix(name, y), (y,)
 
 
 def _mix_vjp(name: str, saved, grad_h: torch.Tensor) -> torch.Tensor:
     """``J_f^T grad_h``; may overwrite ``grad_h`` (with the result)."""
     if name == "ln_silu":
-        y, s, mean, rstd = saved
-        return torch.ops.aten.silu_backward.grad_input(_layer_norm_vjp(grad_h, s, mean, rstd), y, grad_input=grad_h)
+        y, mean, rstd = saved
+        grad_s = _layer_norm_vjp(grad_h, torch.nn.functional.silu(y), mean, rstd)
+        return torch.ops.aten.silu_backward.grad_input(grad_s, y, grad_input=grad_h)
     # Not hand-derived: autograd of the batched f alone (one re-evaluation, no per-chunk nodes).
     with torch.enable_grad():
         y = saved[0].detach().requires_grad_(True)
@@ -213,10 +214,10 @@ class ChunkFunction(torch.autograd.Function):
         identity = spec.compress_fn == "identity"
         keep_parts = spec.keep and not identity  # what the backward's second-order terms need
         gexp = in_chunk_log_gaps(LB).exp_()
-        decay = gexp * G[..., None, :]  # D[r, i] = gamma_i exp(c_r - c_i), i <= r
+        # Without a backward to follow, products overwrite their operands (fewer fresh buffers).
+        decay = gexp * G[..., None, :] if spec.keep else gexp.mul_(G[..., None, :])  # gamma_i exp(c_r - c_i)
         qk = Q @ _t(K)
-        dqk = decay * qk
-        mu_q = mu * Q
+        dqk = decay * qk if spec.keep else qk.mul_(decay)
         group = n if spec.keep else spec.group
         outs, states = [], [None] * len(chains)
         for ch in chains:
@@ -252,13 +253,12 @@ class ChunkFunction(torch.autograd.Function):
                         ch["anchor"] = torch.where(ends, ch["a0"] if c == 0 else s, ch["anchor"])
             st_k, st_v, u_k, u_v = _read_parts(chains, states, nh)
             sl = slice(lo, hi)
-            y = torch.matmul(mu_q[sl], _t(st_k))
+            y = torch.matmul(Q[sl], _t(st_k)).mul_(mu[sl])
             _flat(y).baddbmm_(_flat(dqk[sl]), _flat(u_k), alpha=-1)
             h, mix_saved = _mix_forward(spec.mix_fn, y)
             p = h @ _t(u_v)
-            ep = decay[sl] * p
-            muh = mu[sl] * h
-            o = torch.matmul(muh, st_v)
+            ep = decay[sl] * p if spec.keep else p.mul_(decay[sl])
+            o = torch.matmul(h, st_v).mul_(mu[sl])
             _flat(o).baddbmm_(_flat(ep), _flat(V[sl]), alpha=-1)
             outs.append(o)
         finals = []
@@ -266,9 +266,10 @@ class ChunkFunction(torch.autograd.Function):
             finals += [states[i][-1].clone(), ch["anchor"]]
         if spec.keep:
             ctx.spec, ctx.n_mix = spec, len(mix_saved)
-            # Products cheap to redo (D, D * QK^T, mu * Q, mu * H, D * P) are not kept: every kept
-            # tensor lives through the whole backward and raises its peak (fresh pages cost here).
-            tensors = [Q, K, V, mu, G, gexp, qk, A, mu_last, w, h, p, st_k, st_v, u_k, u_v, *mix_saved]
+            # Products cheap to redo (D, D * QK^T, mu * Q, mu * H, D * P, the split halves of a
+            # stacked chain) are not kept: every kept tensor lives through the whole backward and
+            # raises its peak memory (and fresh pages cost time here).
+            tensors = [Q, K, V, mu, G, gexp, qk, A, mu_last, w, h, p, *mix_saved]
             for ch, st in zip(chains, states):
                 tensors += [ch[k] for k in _chain_saved(identity)[:-2]] + [st, ch["U"]]
             ctx.save_for_backward(*tensors)
@@ -284,13 +285,14 @@ class ChunkFunction(torch.autograd.Function):
         spec = ctx.spec
         grad_o = grad_o.contiguous()  # o.sum()'s gradient is an expanded scalar: each product would copy it
         saved = ctx.saved_tensors
-        Q, K, V, mu, G, gexp, qk, A, mu_last, w, h, p, st_k, st_v, u_k, u_v = saved[:16]
-        mix_saved, rest = saved[16:16 + ctx.n_mix], saved[16 + ctx.n_mix:]
+        Q, K, V, mu, G, gexp, qk, A, mu_last, w, h, p = saved[:12]
+        mix_saved, rest = saved[12:12 + ctx.n_mix], saved[12 + ctx.n_mix:]
         identity = spec.compress_fn == "identity"
         names = _chain_saved(identity)
         chains = [dict(zip(names, rest[i * len(names):(i + 1) * len(names)]), P=passes)
                   for i, passes in enumerate(spec.passes)]
         n, nh = Q.shape[:2]
+        st_k, st_v, u_k, u_v = _read_parts(chains, [ch["S"] for ch in chains], nh)
 
         # ---- the read-outs, batched over all chunks (signs folded into in-place negations) ----
         g1 = torch.matmul(grad_o, _t(st_v))  # [n, NH, L, M]
@@ -321,6 +323,8 @@ class ChunkFunction(torch.autograd.Function):
         # gap[r, i] = c_r - c_i where it is finite (elsewhere D and its gradient are 0), so
         # dc = row sums - column sums, and lb_j enters every c_r with r >= j.
         grad_lb = (grad_gap.sum(-1) - grad_gap.sum(-2)).flip(-1).cumsum(-1).flip(-1)
+        # Free the read-outs' temporaries before the chains' buffers are allocated.
+        del st_k, st_v, u_k, u_v, decay, grad_ph, grad_y, grad_qk, grad_gap
 
         # ---- the state chains, one reverse loop over chunks each ----------------------------
         if len(chains) == 1:
