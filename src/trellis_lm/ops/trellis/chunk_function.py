@@ -190,18 +190,17 @@ def _split(spec: ChunkSpec, chain_tensors):
 
 
 class ChunkFunction(torch.autograd.Function):
-    """``(O, final states, final anchors) = F(Q, K, V, mu, G, LB, A, mu_last, *chains)``.
+    """``(O, final states, final anchors) = F(spec, Q, K, V, mu, G, LB, A, mu_last, w, *chains)``.
 
     Args (all chunk-major, ``[n, NH, ...]``):
         Q, K: ``[n, NH, L, Dk]``; V: ``[n, NH, L, Dv]`` (the read-outs' operands).
         mu: ``[n, NH, L, 1]`` = ``exp(c_r)``; G, LB: ``[n, NH, L]`` gammas and log gates
             (``D = exp(gap) * G[..., None, :]`` with gap of :func:`in_chunk_log_gaps`).
         A: ``[n, NH, L, M]`` targets; mu_last: ``[n, NH, 1, 1]`` = ``exp(c_L)``.
-        chains: per chain, ``X [n, P NH, L, D]`` (or, for ``identity``, ``W [n, P NH, L, D]``
-            and ``Z [n, P NH, L, M]`` of :func:`.chunked.identity_residual_basis`),
-            the keys/values ``X [n, P NH, L, D]``, the start state ``s0`` and anchor ``a0``
-            ``[P NH, M, D]``.
         w: ``[n, NH, L, 1]`` the write weights ``gamma_i exp(c_L - c_i)`` of ``S'``.
+        chains: per chain, for ``identity`` first ``W [n, P NH, L, D]`` and ``Z [n, P NH, L, M]``
+            of :func:`.chunked.identity_residual_basis`; then the keys/values
+            ``X [n, P NH, L, D]``, the start state ``s0`` and the anchor ``a0`` ``[P NH, M, D]``.
     Returns:
         ``O [n, NH, L, Dv]``, then per chain its final state and final anchor ``[P NH, M, D]``.
     """

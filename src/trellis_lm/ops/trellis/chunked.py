@@ -94,8 +94,9 @@ def _from_chunk_major(o: torch.Tensor, flat_index: torch.Tensor, rows: int, head
     return o.reshape(-1, heads, dim)[flat_index].view(batch, length, heads, dim)
 
 
-# Read-outs are computed for groups of chunks at once; a group's stacked chunk-start states hold at
-# most about this many elements (so C = 1 over a long input does not stack one state per token).
+# Without grad, read-outs are computed for groups of chunks at once; a group's stacked chunk-start
+# states hold at most about this many elements (so C = 1 over a long input does not stack one state
+# per token). With a backward to follow, every start state is kept for it anyway: one group.
 GROUP_ELEMENTS = 1 << 22
 
 
@@ -107,7 +108,10 @@ def chunked_forward(q, k, v, alpha, log_beta, gamma, state, chunk_size, compress
     ``O`` of section 2 need only a chunk's start state and its ``U``, so they are computed
     afterwards for a whole group of chunks in a few batched operations. When ``Dk == Dv`` the
     key and value passes share the loop: their memories are stacked along the batch axis, so
-    each chunk costs one set of operations for both.
+    each chunk costs one set of operations for both. Both phases run inside
+    :class:`.chunk_function.ChunkFunction`, whose hand-written backward replaces autograd of the
+    loop; only the state-independent set-up here (layout, decays, the ``identity`` solve) is
+    differentiated by autograd.
     """
     batch, length, heads, _ = q.shape
     dk, dv = q.shape[-1], v.shape[-1]
