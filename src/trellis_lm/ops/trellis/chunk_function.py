@@ -91,8 +91,6 @@ def _residual(name: str, z: torch.Tensor, alpha: torch.Tensor, parts=None) -> to
     receive ``phi(z)``, ``1 / sigma`` (or ``1 / |z|``) and ``e = z_hat - alpha``, which
     :func:`_residual_vjp2` needs (``layernorm`` and ``l2norm`` only).
     """
-    if name == "identity":
-        return compress_residual_vjp(name, z, alpha)
     if name == "layernorm":
         if parts is None:
             z_hat, mean, r = _layer_norm(z)
