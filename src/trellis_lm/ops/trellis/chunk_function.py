@@ -219,17 +219,20 @@ class ChunkFunction(torch.autograd.Function):
         outs, states = [], [None] * len(chains)
         for ch in chains:
             ch["anchor"] = ch["a0"].clone()
-            if keep_parts:
-                rows_shape = ch["X"].shape[:-1]
-                ch["zh"], ch["e"] = A.new_empty(rows_shape + (slots,)), A.new_empty(rows_shape + (slots,))
-                ch["r"] = A.new_empty(rows_shape + (1,))
         for lo in range(0, n, group):
             hi = min(n, lo + group)
             for i, ch in enumerate(chains):
                 s0 = ch["s0"] if lo == 0 else states[i][-1]
-                states[i] = buf = s0.new_empty((hi - lo + 1,) + s0.shape)  # the chunk-start states
+                rows_shape = (hi - lo,) + ch["X"].shape[1:-1]
+                # The chunk-start states and U (and, for the backward, the residual parts).
+                shapes = [(hi - lo + 1,) + s0.shape, rows_shape + (slots,)]
+                if keep_parts:
+                    shapes += [rows_shape + (slots,), rows_shape + (slots,), rows_shape + (1,)]
+                buf, us, *parts_bufs = _carve(s0, shapes)
+                if keep_parts:
+                    ch["zh"], ch["e"], ch["r"] = parts_bufs
+                states[i], ch["U"] = buf, us
                 buf[0] = s0
-                ch["U"] = us = s0.new_empty((hi - lo,) + ch["X"].shape[1:-1] + (slots,))
                 view = (ch["P"], nh) + s0.shape[-2:]
                 for c in range(lo, hi):
                     s, u = buf[c - lo], us[c - lo]
@@ -343,12 +346,11 @@ class ChunkFunction(torch.autograd.Function):
                     d_a0 += masked
                 else:
                     anchor_grads[c] = masked
-            d_after = torch.empty_like(S[1:])  # the gradient of the state after each chunk
+            # d_after: the gradient of the state after each chunk; d_u_all (identity) or d_z.
+            d_after, d_u_all = _carve(S, [S[1:].shape, U.shape])
             d_after[-1] = d_final
-            if identity:
-                d_u_all = torch.empty_like(U)
-            else:
-                d_z, d_alpha = torch.empty_like(U), U.new_empty(U.shape[1:])
+            if not identity:
+                d_z, d_alpha = d_u_all, U.new_empty(U.shape[1:])
                 terms = _residual_vjp2_terms(spec.compress_fn, ch["zh"], ch["r"], ch["e"])
             for c in range(n - 1, -1, -1):
                 d_next = d_after[c]
@@ -396,6 +398,15 @@ class ChunkFunction(torch.autograd.Function):
 def _chain_saved(identity: bool) -> tuple:
     """The names of a chain's tensors the backward keeps (the last two: states and ``U``)."""
     return (("W", "X") if identity else ("X", "zh", "r", "e")) + ("a0", "S", "U")
+
+
+def _carve(like: torch.Tensor, shapes) -> list:
+    """Uninitialised tensors of the given shapes, views into one allocation: a few large blocks
+    rather than many, so that freed memory is reused instead of returned to the system and
+    faulted in again on the next call (each fresh page costs time on a CPU)."""
+    sizes = [torch.Size(shape).numel() for shape in shapes]
+    block = like.new_empty(sum(sizes))
+    return [part.view(shape) for part, shape in zip(block.split(sizes), shapes)]
 
 
 def _flat(x: torch.Tensor) -> torch.Tensor:
