@@ -20,11 +20,11 @@ from __future__ import annotations
 import torch
 
 from ..varlen import grid_positions
-from .functions import compress_residual_vjp, mix
+from .chunk_function import ChunkFunction, ChunkSpec, in_chunk_log_gaps
 from .state import TrellisState
 
 
-def log_decays(log_beta: torch.Tensor):
+def log_decays(log_beta: torch.Tensor, with_gap: bool = True):
     """The in-chunk log decays of section 2, each summed directly over its own tokens.
 
     A difference of cumulative sums (``c_r - c_i``) is ``inf - inf`` = NaN once a full forget
@@ -32,20 +32,17 @@ def log_decays(log_beta: torch.Tensor):
 
     Args:
         log_beta: ``[..., L]`` one chunk's log forget gates (fillers 0).
+        with_gap: also compute ``gap`` (else ``None``).
     Returns:
         ``c [..., L]`` with ``c_r = sum_{j <= r} lb_j``; ``before [..., L]`` = ``c_{r-1}`` (0 at r = 0);
-        ``after [..., L]`` = ``sum_{j > i} lb_j`` (= ``c_L - c_i``); ``gap [..., L, L]`` with
-        ``gap[r, i] = sum_{i < j <= r} lb_j`` (= ``c_r - c_i``) for i <= r and -inf above the diagonal.
+        ``after [..., L]`` = ``sum_{j > i} lb_j`` (= ``c_L - c_i``); ``gap [..., L, L]`` of
+        :func:`.chunk_function.in_chunk_log_gaps`.
     """
-    size = log_beta.shape[-1]
     zero = log_beta.new_zeros(log_beta.shape[:-1] + (1,))
     c = log_beta.cumsum(-1)
     before = torch.cat([zero, c[..., :-1]], dim=-1)
     after = torch.cat([log_beta.flip(-1).cumsum(-1).flip(-1)[..., 1:], zero], dim=-1)
-    rows = torch.arange(size, device=log_beta.device)
-    below = rows[:, None] > rows[None, :]  # token j = row r' enters gap[r, i] for i < r' <= r
-    gap = torch.where(below, log_beta[..., :, None], 0.0).cumsum(-2)
-    return c, before, after, gap.masked_fill(~(below | (rows[:, None] == rows[None, :])), float("-inf"))
+    return c, before, after, (in_chunk_log_gaps(log_beta) if with_gap else None)
 
 
 def identity_residual_basis(x: torch.Tensor, alpha: torch.Tensor, gamma: torch.Tensor, before: torch.Tensor,
@@ -83,7 +80,9 @@ def _chunk_major(x: torch.Tensor, flat_index, rows: int, chunks: int, width: int
     cells = x if flat_index is None else x.new_zeros((rows * chunks * width, heads) + rest).index_copy(0, flat_index, x)
     cells = cells.view((rows, chunks, width, heads) + rest)
     order = (1, 0, 3, 2) + tuple(range(4, 4 + len(rest)))
-    return cells.permute(order).reshape((chunks, rows * heads, width) + rest)
+    # Contiguous: each batched product would otherwise copy a strided view (chunks and heads
+    # do not merge into one batch stride) on its own.
+    return cells.permute(order).reshape((chunks, rows * heads, width) + rest).contiguous()
 
 
 def _from_chunk_major(o: torch.Tensor, flat_index: torch.Tensor, rows: int, heads: int, batch: int, length: int):
@@ -95,8 +94,9 @@ def _from_chunk_major(o: torch.Tensor, flat_index: torch.Tensor, rows: int, head
     return o.reshape(-1, heads, dim)[flat_index].view(batch, length, heads, dim)
 
 
-# Read-outs are computed for groups of chunks at once; a group's stacked chunk-start states hold at
-# most about this many elements (so C = 1 over a long input does not stack one state per token).
+# Without grad, read-outs are computed for groups of chunks at once; a group's stacked chunk-start
+# states hold at most about this many elements (so C = 1 over a long input does not stack one state
+# per token). With a backward to follow, every start state is kept for it anyway: one group.
 GROUP_ELEMENTS = 1 << 22
 
 
@@ -108,7 +108,10 @@ def chunked_forward(q, k, v, alpha, log_beta, gamma, state, chunk_size, compress
     ``O`` of section 2 need only a chunk's start state and its ``U``, so they are computed
     afterwards for a whole group of chunks in a few batched operations. When ``Dk == Dv`` the
     key and value passes share the loop: their memories are stacked along the batch axis, so
-    each chunk costs one set of operations for both.
+    each chunk costs one set of operations for both. Both phases run inside
+    :class:`.chunk_function.ChunkFunction`, whose hand-written backward replaces autograd of the
+    loop; only the state-independent set-up here (layout, decays, the ``identity`` solve) is
+    differentiated by autograd.
     """
     batch, length, heads, _ = q.shape
     dk, dv = q.shape[-1], v.shape[-1]
@@ -123,14 +126,11 @@ def chunked_forward(q, k, v, alpha, log_beta, gamma, state, chunk_size, compress
     )  # Q: [chunks, N * H, L, Dk]; LB, G: [chunks, N * H, L]
 
     # State-independent per-chunk quantities, for all chunks at once (decays in log space).
-    cum, before, after, gap = log_decays(LB)
+    identity = compress_fn == "identity"
+    cum, before, after, gap = log_decays(LB, with_gap=identity)
     mu = cum.exp()[..., None]  # [chunks, NH, L, 1]
-    decay = gap.exp() * G[..., None, :]  # D[r, i] = gamma_i exp(c_r - c_i), i <= r
-    dqk = decay * (Q @ K.transpose(-1, -2))
-    mu_q = mu * Q
     mu_last = cum[..., -1:].exp()[..., None]  # [chunks, NH, 1, 1]
     w = (G * after.exp())[..., None]  # [chunks, NH, L, 1]
-    identity = compress_fn == "identity"
 
     # Rows that resume at a chunk boundary take their anchor from the state itself.
     at_start = (state.offset == 0)[:, None, None, None]
@@ -142,72 +142,27 @@ def chunked_forward(q, k, v, alpha, log_beta, gamma, state, chunk_size, compress
         chains = [(torch.stack([K, V], dim=1), torch.stack([state.m_k, state.m_v]), torch.stack([a_k, a_v]))]
     else:
         chains = [(K[:, None], state.m_k[None], a_k[None]), (V[:, None], state.m_v[None], a_v[None])]
-    A5, mu_last5 = A[:, None], mu_last[:, None]  # [chunks, 1, NH, ...]: broadcast over passes
-    loops = []
+    chain_tensors = []
     for X, s0, a0 in chains:  # X [chunks, P, NH, L, D]; s0, a0 [P, N, H, M, D]
-        passes = X.shape[1]
-        ch = dict(P=passes, s=s0.reshape(passes * nh, *s0.shape[-2:]), anchor=a0.reshape(passes * nh, *a0.shape[-2:]))
-        ch["wX"] = (w[:, None] * X).flatten(1, 2)  # [chunks, P NH, L, D]
         if identity:  # residuals at the current state: U = W S^T - Z, whatever the anchors
-            w_x, z_x = identity_residual_basis(X, A5, G[:, None], before[:, None], gap[:, None])
-            ch["W"], ch["Z"] = w_x.flatten(1, 2), z_x.flatten(1, 2)
-        else:
-            ch["X"] = X.flatten(1, 2)
-        # Per-chunk views by one unbind each: indexing [c] in the loop would give each chunk its
-        # own backward node, each scattering into a zero-filled tensor as large as all chunks.
-        for name in ("X", "wX", "W", "Z"):
-            if name in ch:
-                ch[name] = ch[name].unbind(0)
-        loops.append(ch)
-    A_c, mu_last_c = A5.unbind(0), mu_last5.unbind(0)
+            w_x, z_x = identity_residual_basis(X, A[:, None], G[:, None], before[:, None], gap[:, None])
+            chain_tensors += [w_x.flatten(1, 2), z_x.flatten(1, 2)]
+        chain_tensors += [X.flatten(1, 2), s0.flatten(0, 2), a0.flatten(0, 2)]
 
-    last_chunk = ((state.offset + lengths - 1).clamp(min=0) // chunk).tolist()
-    final_anchor = [ch["anchor"] for ch in loops]
-    group = max(1, GROUP_ELEMENTS // max(1, sum(ch["s"].numel() for ch in loops)))
-    outputs = []
-    starts = [[] for _ in loops]
-    us = [[] for _ in loops]
-    for c in range(chunks):
-        for i, ch in enumerate(loops):
-            s, passes = ch["s"], ch["P"]
-            if identity:
-                u = torch.baddbmm(ch["Z"][c], ch["W"][c], s.transpose(-1, -2), beta=-1)
-            else:
-                anchor = ch["anchor"] if c == 0 else s
-                z = (ch["X"][c] @ anchor.transpose(-1, -2)).view(passes, nh, width, -1)
-                u = compress_residual_vjp(compress_fn, z, A_c[c]).view(passes * nh, width, -1)
-            if c in last_chunk:  # the anchor some row ends in: the state at this chunk's start
-                anchor = ch["anchor"] if c == 0 else s
-                ends = torch.tensor([x == c for x in last_chunk], device=s.device)
-                ends = ends.view(1, rows, 1).expand(passes, rows, heads).reshape(-1, 1, 1)
-                final_anchor[i] = torch.where(ends, anchor, final_anchor[i])
-            starts[i].append(s)
-            us[i].append(u)
-            decayed = (mu_last_c[c] * s.view(passes, nh, *s.shape[-2:])).view(s.shape)
-            ch["s"] = torch.baddbmm(decayed, u.transpose(-1, -2), ch["wX"][c], alpha=-1)
-        if len(starts[0]) == group or c == chunks - 1:
-            # The read-outs of this group of chunks, all at once.
-            lo = c + 1 - len(starts[0])
-            st = [torch.stack(x) for x in starts]  # [g, P NH, M, D]
-            ut = [torch.stack(x) for x in us]  # [g, P NH, L, M]
-            if len(loops) == 1:
-                st_k, st_v = st[0][:, :nh], st[0][:, nh:]
-                u_k, u_v = ut[0][:, :nh], ut[0][:, nh:]
-            else:
-                (st_k, st_v), (u_k, u_v) = st, ut
-            sl = slice(lo, c + 1)
-            h = mix(mix_fn, mu_q[sl] @ st_k.transpose(-1, -2) - dqk[sl] @ u_k)  # [g, NH, L, M]
-            outputs.append((mu[sl] * h) @ st_v - (decay[sl] * (h @ u_v.transpose(-1, -2))) @ V[sl])
-            starts = [[] for _ in loops]
-            us = [[] for _ in loops]
-
-    o = outputs[0] if len(outputs) == 1 else torch.cat(outputs)  # [chunks, NH, L, Dv]
-    if len(loops) == 1:
-        s_k, s_v = loops[0]["s"][:nh], loops[0]["s"][nh:]
-        f_k, f_v = final_anchor[0][:nh], final_anchor[0][nh:]
+    inputs = (Q, K, V, mu, G, LB, A, mu_last, w, *chain_tensors)
+    keep = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
+    state_elements = sum(s0.numel() for _, s0, _ in chains)
+    spec = ChunkSpec(
+        compress_fn=compress_fn, mix_fn=mix_fn, passes=tuple(X.shape[1] for X, _, _ in chains),
+        last_chunk=tuple(((state.offset + lengths - 1).clamp(min=0) // chunk).tolist()), heads=heads,
+        keep=keep, group=max(1, GROUP_ELEMENTS // max(1, state_elements)),
+    )
+    o, *finals = ChunkFunction.apply(spec, *inputs)  # o [chunks, NH, L, Dv]
+    if len(chains) == 1:
+        s_k, s_v = finals[0][:nh], finals[0][nh:]
+        f_k, f_v = finals[1][:nh], finals[1][nh:]
     else:
-        s_k, s_v = loops[0]["s"], loops[1]["s"]
-        f_k, f_v = final_anchor
+        s_k, f_k, s_v, f_v = finals
     s_k, s_v = s_k.view(state.m_k.shape), s_v.view(state.m_v.shape)
     f_k, f_v = f_k.view(state.m_k.shape), f_v.view(state.m_v.shape)
     # A sequence with no tokens hands its initial state back untouched, anchors included.
