@@ -7,6 +7,7 @@ from torch import nn
 
 from op_inputs import make_inputs, make_state
 from tiny_models import random_tokens, tiny_model
+from trellis_lm.mixers.base import FUSE_MIN_TOKENS
 from trellis_lm.ops import trellis_attention
 
 
@@ -17,7 +18,7 @@ def _logits(model, ids):
 
 def test_fused_projections_match_the_modules_and_follow_weight_changes(monkeypatch):
     model = tiny_model(dtype=torch.float64)
-    ids = random_tokens(2, 11)
+    ids = random_tokens(2, FUSE_MIN_TOKENS // 2 + 3)  # an odd length, enough tokens to fuse
     mixer = model.model.layers[0].self_attn
     ran = []
     fuse = type(mixer)._fused_projections
@@ -40,7 +41,7 @@ def test_fused_projections_match_the_modules_and_follow_weight_changes(monkeypat
 def test_wrapped_projection_is_not_fused():
     """An adapter replacing a projection (as PEFT does) must run: the fused path steps aside."""
     model = tiny_model(dtype=torch.float64)
-    ids = random_tokens(1, 7)
+    ids = random_tokens(1, FUSE_MIN_TOKENS + 1)
     mixer = model.model.layers[0].self_attn
 
     class Scaled(nn.Module):
@@ -53,10 +54,8 @@ def test_wrapped_projection_is_not_fused():
             return 2 * self.inner(x)
 
     before = _logits(model, ids)
-    mixer._fused_weights = None
     mixer.g_proj = Scaled(mixer.g_proj)
     after = _logits(model, ids)
-    assert mixer._fused_weights is None
     assert not torch.allclose(before, after)
 
 
@@ -72,3 +71,22 @@ def test_chunk_form_at_chunk_size_one_and_odd_group_sizes(monkeypatch):
     torch.testing.assert_close(o, ref, rtol=1e-9, atol=1e-9)
     for name, t in s.tensors().items():
         torch.testing.assert_close(t, s_ref.tensors()[name], rtol=1e-9, atol=1e-9)
+
+
+def test_short_inputs_run_the_projections_one_by_one(monkeypatch):
+    """Below FUSE_MIN_TOKENS (decode steps) the modules run; the numbers are the same either way."""
+    model = tiny_model(dtype=torch.float64)
+    mixer = model.model.layers[0].self_attn
+    ran = []
+    fuse = type(mixer)._fused_projections
+    monkeypatch.setattr(type(mixer), "_fused_projections", lambda self, x: ran.append(fuse(self, x)) or ran[-1])
+    ids = random_tokens(1, FUSE_MIN_TOKENS + 1)
+    with torch.no_grad():
+        full = model(ids).logits
+        ran.clear()
+        out = model(ids[:, :FUSE_MIN_TOKENS], use_cache=True)  # fused: exactly FUSE_MIN_TOKENS
+        assert all(r is not None for r in ran)
+        ran.clear()
+        last = model(ids[:, -1:], past_key_values=out.past_key_values).logits
+    assert ran and all(r is None for r in ran)
+    torch.testing.assert_close(last[:, -1], full[:, -1], rtol=1e-12, atol=1e-12)
