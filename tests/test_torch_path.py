@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
+
+import pytest
 import torch
 from torch import nn
 
@@ -9,6 +12,7 @@ from op_inputs import make_inputs, make_state
 from tiny_models import random_tokens, tiny_model
 from trellis_lm.mixers.base import FUSE_MIN_TOKENS
 from trellis_lm.ops import trellis_attention
+from trellis_lm.ops.trellis.functions import COMPRESS_FNS, MIX_FNS
 
 
 def _logits(model, ids):
@@ -90,3 +94,52 @@ def test_short_inputs_run_the_projections_one_by_one(monkeypatch):
         last = model(ids[:, -1:], past_key_values=out.past_key_values).logits
     assert ran and all(r is None for r in ran)
     torch.testing.assert_close(last[:, -1], full[:, -1], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("cf,mf", list(itertools.product(COMPRESS_FNS, MIX_FNS)))
+def test_decode_step_without_autograd_matches_reference(cf, mf):
+    """The step as decoding runs it (no autograd: the fused layer-norm VJP), odd sizes, rows at a
+    chunk start (anchors replaced) and mid-chunk, without the value checks."""
+    x = make_inputs(3, 1, 3, 5, 7, 9, seed=2)
+    state = make_state(3, 3, 5, 7, 9, chunk_size=4)
+    state.offset.copy_(torch.tensor([0, 2, 3]))
+    with torch.no_grad():
+        o, s = trellis_attention(*x, initial_state=state, chunk_size=4, compress_fn=cf, mix_fn=mf,
+                                 output_final_state=True, check_values=False)
+        ref, s_ref = trellis_attention(*x, initial_state=state, chunk_size=4, compress_fn=cf, mix_fn=mf,
+                                       output_final_state=True, backend="reference")
+    torch.testing.assert_close(o, ref, rtol=1e-12, atol=1e-12)
+    for name, t in s.tensors().items():
+        torch.testing.assert_close(t, s_ref.tensors()[name], rtol=1e-12, atol=1e-12)
+
+
+def test_check_values_false_skips_only_the_range_checks():
+    """``check_values=False`` reads no gate or offset back; shapes are still checked, and the
+    default still rejects a bad gate on a single token."""
+    q, k, v, alpha, log_beta, gamma = make_inputs(2, 1, 2, 4, 4, 5)
+    bad_gamma = gamma.clone()
+    bad_gamma[1, 0, 0] = -1.0
+    with pytest.raises(ValueError, match="gamma must be finite and >= 0"):
+        trellis_attention(q, k, v, alpha, log_beta, bad_gamma)
+    trellis_attention(q, k, v, alpha, log_beta, bad_gamma, check_values=False)
+    with pytest.raises(ValueError, match="log_beta must have shape"):
+        trellis_attention(q, k, v, alpha, log_beta[:, :, :1], gamma, check_values=False)
+
+
+def test_mixer_skips_the_range_checks_on_single_tokens_only(monkeypatch):
+    import trellis_lm.mixers.trellis as trellis_mixer
+
+    seen = []
+    op = trellis_mixer.trellis_attention
+
+    def recording(*args, **kwargs):
+        seen.append((args[0].shape[1], kwargs["check_values"]))
+        return op(*args, **kwargs)
+
+    monkeypatch.setattr(trellis_mixer, "trellis_attention", recording)
+    model = tiny_model()
+    ids = random_tokens(1, 6)
+    with torch.no_grad():
+        out = model(ids[:, :5], use_cache=True)
+        model(ids[:, 5:], past_key_values=out.past_key_values)
+    assert set(seen) == {(5, True), (1, False)}
