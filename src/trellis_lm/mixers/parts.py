@@ -19,7 +19,10 @@ def at_least_float32(x: torch.Tensor) -> torch.Tensor:
 
 
 def l2_normalize(x: torch.Tensor) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).sum(dim=-1, keepdim=True) + L2_EPS)
+    """``x / sqrt(|x|^2 + eps)`` over the last axis."""
+    # The norm is one reduction that writes no [..., D] temporary, as x.pow(2) would: a fresh
+    # multi-megabyte temporary per call costs more than the arithmetic at prefill lengths.
+    return x * torch.rsqrt(torch.linalg.vector_norm(x, dim=-1, keepdim=True).square() + L2_EPS)
 
 
 class TrellisRMSNorm(nn.Module):
