@@ -201,7 +201,8 @@ class MemoryMixer(Mixer):
         heads = self.config.num_heads
         # Without autograd in place: qk is this method's own (the conv's output, the fused
         # projections' or a cat).
-        qk = l2_normalize(F.silu(at_least_float32(qk), inplace=not torch.is_grad_enabled()).view(batch, length, 2 * heads, -1))
+        qk = F.silu(at_least_float32(qk), inplace=not torch.is_grad_enabled())
+        qk = l2_normalize(qk.view(batch, length, 2 * heads, -1))
         q, k = qk.split(heads, dim=2)
         return q, k, q_tail, k_tail
 
