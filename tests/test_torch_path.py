@@ -138,8 +138,13 @@ def test_mixer_skips_the_range_checks_on_single_tokens_only(monkeypatch):
 
     monkeypatch.setattr(trellis_mixer, "trellis_attention", recording)
     model = tiny_model()
-    ids = random_tokens(1, 6)
+    ids = random_tokens(2, 6)
     with torch.no_grad():
         out = model(ids[:, :5], use_cache=True)
         model(ids[:, 5:], past_key_values=out.past_key_values)
-    assert set(seen) == {(5, True), (1, False)}
+        assert set(seen) == {(5, True), (1, False)}
+        seen.clear()
+        # A padded step packs the real tokens (one here) with cu_seqlens: checked.
+        mask = torch.tensor([[1] * 6, [1] * 5 + [0]])
+        model(ids[:, 5:], attention_mask=mask, past_key_values=out.past_key_values)
+    assert set(seen) == {(1, True)}

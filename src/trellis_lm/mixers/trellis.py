@@ -89,12 +89,13 @@ class TrellisAttention(MemoryMixer):
             output_final_state=keep_state,
             cu_seqlens=cu_seqlens,
             backend=self.config.op_backend,
-            # Decode steps skip the op's range checks, a host read per layer and token: the
-            # gates are a log-sigmoid over a positive normalizer and a sigmoid, so only NaN
-            # activations could leave their ranges, and those make the output NaN whatever
-            # the gates; the state is what the op returned. Longer inputs keep the check,
-            # which names NaN activations at their first layer.
-            check_values=inputs[0].shape[1] > 1,
+            # Decode steps (one token per row, the op's single-token step) skip the op's range
+            # checks, a host read per layer and token: the gates are a log-sigmoid over a
+            # positive normalizer and a sigmoid, so only NaN activations could leave their
+            # ranges, and those make the output NaN whatever the gates; the step only compares
+            # the state's offset with 0 and reduces it modulo C. Longer or packed inputs keep
+            # the checks, which name NaN activations at their first layer.
+            check_values=inputs[0].shape[1] > 1 or cu_seqlens is not None,
         )
 
     def init_weights(self, init: Any) -> None:
