@@ -148,3 +148,13 @@ def test_mixer_skips_the_range_checks_on_single_tokens_only(monkeypatch):
         mask = torch.tensor([[1] * 6, [1] * 5 + [0]])
         model(ids[:, 5:], attention_mask=mask, past_key_values=out.past_key_values)
     assert set(seen) == {(1, True)}
+
+
+def test_cached_conv_tails_do_not_keep_the_prefill_alive():
+    """After a prefill the cache holds the last conv inputs, not views of the whole sequence."""
+    model = tiny_model()
+    with torch.no_grad():
+        cache = model(random_tokens(1, 40), use_cache=True).past_key_values
+    for name in ("q_tail", "k_tail"):
+        tail = getattr(cache.layers[0], name)
+        assert tail.untyped_storage().nbytes() <= 2 * tail.numel() * tail.element_size(), name

@@ -84,9 +84,9 @@ def causal_conv(
         y = (windows * taps).sum(dim=-1)
     if lengths is None:  # every row's tokens fill x: the tail is the sequence's end
         # A view would keep all of `seq` alive in the cache: fine for a few tokens (a decode
-        # step), a copy after a prefill.
+        # step), a copy after a prefill (a clone: with one row the view counts as contiguous).
         new_tail = seq[:, length:]
-        return y, (new_tail if length <= carried else new_tail.contiguous())
+        return y, (new_tail if length <= carried else new_tail.clone())
     index = lengths[:, None] + torch.arange(carried, device=x.device)
     new_tail = seq.gather(1, index[..., None].expand(-1, -1, channels))
     if reach is not None:
