@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import itertools
+
+import pytest
 import torch
 from torch import nn
 
 from op_inputs import make_inputs, make_state
 from tiny_models import random_tokens, tiny_model
+from trellis_lm.mixers.base import FUSE_MIN_TOKENS
 from trellis_lm.ops import trellis_attention
+from trellis_lm.ops.trellis.functions import COMPRESS_FNS, MIX_FNS
 
 
 def _logits(model, ids):
@@ -17,7 +22,7 @@ def _logits(model, ids):
 
 def test_fused_projections_match_the_modules_and_follow_weight_changes(monkeypatch):
     model = tiny_model(dtype=torch.float64)
-    ids = random_tokens(2, 11)
+    ids = random_tokens(2, FUSE_MIN_TOKENS // 2 + 3)  # an odd length, enough tokens to fuse
     mixer = model.model.layers[0].self_attn
     ran = []
     fuse = type(mixer)._fused_projections
@@ -40,7 +45,7 @@ def test_fused_projections_match_the_modules_and_follow_weight_changes(monkeypat
 def test_wrapped_projection_is_not_fused():
     """An adapter replacing a projection (as PEFT does) must run: the fused path steps aside."""
     model = tiny_model(dtype=torch.float64)
-    ids = random_tokens(1, 7)
+    ids = random_tokens(1, FUSE_MIN_TOKENS + 1)
     mixer = model.model.layers[0].self_attn
 
     class Scaled(nn.Module):
@@ -53,10 +58,8 @@ def test_wrapped_projection_is_not_fused():
             return 2 * self.inner(x)
 
     before = _logits(model, ids)
-    mixer._fused_weights = None
     mixer.g_proj = Scaled(mixer.g_proj)
     after = _logits(model, ids)
-    assert mixer._fused_weights is None
     assert not torch.allclose(before, after)
 
 
@@ -72,3 +75,86 @@ def test_chunk_form_at_chunk_size_one_and_odd_group_sizes(monkeypatch):
     torch.testing.assert_close(o, ref, rtol=1e-9, atol=1e-9)
     for name, t in s.tensors().items():
         torch.testing.assert_close(t, s_ref.tensors()[name], rtol=1e-9, atol=1e-9)
+
+
+def test_short_inputs_run_the_projections_one_by_one(monkeypatch):
+    """Below FUSE_MIN_TOKENS (decode steps) the modules run; the numbers are the same either way."""
+    model = tiny_model(dtype=torch.float64)
+    mixer = model.model.layers[0].self_attn
+    ran = []
+    fuse = type(mixer)._fused_projections
+    monkeypatch.setattr(type(mixer), "_fused_projections", lambda self, x: ran.append(fuse(self, x)) or ran[-1])
+    ids = random_tokens(1, FUSE_MIN_TOKENS + 1)
+    with torch.no_grad():
+        full = model(ids).logits
+        ran.clear()
+        out = model(ids[:, :FUSE_MIN_TOKENS], use_cache=True)  # fused: exactly FUSE_MIN_TOKENS
+        assert all(r is not None for r in ran)
+        ran.clear()
+        last = model(ids[:, -1:], past_key_values=out.past_key_values).logits
+    assert ran and all(r is None for r in ran)
+    torch.testing.assert_close(last[:, -1], full[:, -1], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("cf,mf", list(itertools.product(COMPRESS_FNS, MIX_FNS)))
+def test_decode_step_without_autograd_matches_reference(cf, mf):
+    """The step as decoding runs it (no autograd: the fused layer-norm VJP), odd sizes, rows at a
+    chunk start (anchors replaced) and mid-chunk, without the value checks."""
+    x = make_inputs(3, 1, 3, 5, 7, 9, seed=2)
+    state = make_state(3, 3, 5, 7, 9, chunk_size=4)
+    state.offset.copy_(torch.tensor([0, 2, 3]))
+    with torch.no_grad():
+        o, s = trellis_attention(*x, initial_state=state, chunk_size=4, compress_fn=cf, mix_fn=mf,
+                                 output_final_state=True, check_values=False)
+        ref, s_ref = trellis_attention(*x, initial_state=state, chunk_size=4, compress_fn=cf, mix_fn=mf,
+                                       output_final_state=True, backend="reference")
+    torch.testing.assert_close(o, ref, rtol=1e-12, atol=1e-12)
+    for name, t in s.tensors().items():
+        torch.testing.assert_close(t, s_ref.tensors()[name], rtol=1e-12, atol=1e-12)
+
+
+def test_check_values_false_skips_only_the_range_checks():
+    """``check_values=False`` reads no gate or offset back; shapes are still checked, and the
+    default still rejects a bad gate on a single token."""
+    q, k, v, alpha, log_beta, gamma = make_inputs(2, 1, 2, 4, 4, 5)
+    bad_gamma = gamma.clone()
+    bad_gamma[1, 0, 0] = -1.0
+    with pytest.raises(ValueError, match="gamma must be finite and >= 0"):
+        trellis_attention(q, k, v, alpha, log_beta, bad_gamma)
+    trellis_attention(q, k, v, alpha, log_beta, bad_gamma, check_values=False)
+    with pytest.raises(ValueError, match="log_beta must have shape"):
+        trellis_attention(q, k, v, alpha, log_beta[:, :, :1], gamma, check_values=False)
+
+
+def test_mixer_skips_the_range_checks_on_single_tokens_only(monkeypatch):
+    import trellis_lm.mixers.trellis as trellis_mixer
+
+    seen = []
+    op = trellis_mixer.trellis_attention
+
+    def recording(*args, **kwargs):
+        seen.append((args[0].shape[1], kwargs["check_values"]))
+        return op(*args, **kwargs)
+
+    monkeypatch.setattr(trellis_mixer, "trellis_attention", recording)
+    model = tiny_model()
+    ids = random_tokens(2, 6)
+    with torch.no_grad():
+        out = model(ids[:, :5], use_cache=True)
+        model(ids[:, 5:], past_key_values=out.past_key_values)
+        assert set(seen) == {(5, True), (1, False)}
+        seen.clear()
+        # A padded step packs the real tokens (one here) with cu_seqlens: checked.
+        mask = torch.tensor([[1] * 6, [1] * 5 + [0]])
+        model(ids[:, 5:], attention_mask=mask, past_key_values=out.past_key_values)
+    assert set(seen) == {(1, True)}
+
+
+def test_cached_conv_tails_do_not_keep_the_prefill_alive():
+    """After a prefill the cache holds the last conv inputs, not views of the whole sequence."""
+    model = tiny_model()
+    with torch.no_grad():
+        cache = model(random_tokens(1, 40), use_cache=True).past_key_values
+    for name in ("q_tail", "k_tail"):
+        tail = getattr(cache.layers[0], name)
+        assert tail.untyped_storage().nbytes() <= 2 * tail.numel() * tail.element_size(), name

@@ -19,7 +19,10 @@ def at_least_float32(x: torch.Tensor) -> torch.Tensor:
 
 
 def l2_normalize(x: torch.Tensor) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).sum(dim=-1, keepdim=True) + L2_EPS)
+    """``x / sqrt(|x|^2 + eps)`` over the last axis."""
+    # The norm is one reduction that writes no [..., D] temporary, as x.pow(2) would: a fresh
+    # multi-megabyte temporary per call costs more than the arithmetic at prefill lengths.
+    return x * torch.rsqrt(torch.linalg.vector_norm(x, dim=-1, keepdim=True).square() + L2_EPS)
 
 
 class TrellisRMSNorm(nn.Module):
@@ -39,8 +42,65 @@ class TrellisRMSNorm(nn.Module):
         return self.weight * normed.to(x.dtype)
 
 
+def causal_conv(
+    x: torch.Tensor,
+    tail: Optional[torch.Tensor],
+    weight: torch.Tensor,
+    lengths: Optional[torch.Tensor] = None,
+    reach: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal depthwise convolution of ``x [B, T, C]`` after ``tail [B, width - 1, C]`` (zeros
+    when ``None``) with the taps of ``weight [C, 1, width]`` (an ``nn.Conv1d`` weight, or
+    several stacked along C so that one call convolves their channels together).
+
+    With ``lengths [B]``, row b holds its tokens in ``x[b, :lengths[b]]`` (the rest is
+    ignored) and its new tail ends after them. With ``reach [B, T]``, token t sees only the
+    ``reach[b, t]`` inputs before it (the rest count as zeros), so packed documents do not
+    leak into each other. Returns ``(y [B, T, C], new tail [B, width - 1, C])``.
+    """
+    batch, length, channels = x.shape
+    width = weight.shape[-1]
+    carried = width - 1
+    if tail is None:
+        tail = x.new_zeros(batch, carried, channels)
+    seq = torch.cat([tail.to(x.dtype), x], dim=1)
+    taps = weight[:, 0].to(x.dtype)  # [C, width]
+    if reach is None and length >= 16:
+        # Long inputs: one multiply-add per tap over shifted views of the sequence; it reads
+        # [B, T, C] once per tap instead of building the [B, T, C, width] product below. In
+        # place: y is this function's own, and no backward reads it.
+        y = seq[:, :length] * taps[:, 0]
+        for j in range(1, width):
+            y.addcmul_(seq[:, j : j + length], taps[:, j])
+    else:
+        # Windows times taps, summed: three operations whatever T is. For decode-sized inputs
+        # F.conv1d spends far longer setting up its kernel than in the arithmetic; this is the
+        # same cross-correlation as nn.Conv1d.
+        windows = seq.unfold(1, width, 1)  # [B, T, C, width], a view
+        if reach is not None:
+            # Tap j looks `width - 1 - j` inputs back; what lies before the document counts as zero.
+            lookback = torch.arange(width - 1, -1, -1, device=x.device)
+            taps = taps * (lookback <= reach[..., None])[..., None, :]  # [B, T, C, width]
+        y = (windows * taps).sum(dim=-1)
+    if lengths is None:  # every row's tokens fill x: the tail is the sequence's end
+        # A view would keep all of `seq` alive in the cache: fine for a few tokens (a decode
+        # step), a copy after a prefill (a clone: with one row the view counts as contiguous).
+        new_tail = seq[:, length:]
+        return y, (new_tail if length <= carried else new_tail.clone())
+    index = lengths[:, None] + torch.arange(carried, device=x.device)
+    new_tail = seq.gather(1, index[..., None].expand(-1, -1, channels))
+    if reach is not None:
+        # Tail entry i lies `carried - 1 - i` = lookback[i + 1] inputs before the row's last token; what lies
+        # before that token's document is zero for the next call, as for a fresh conv.
+        last_reach = reach.gather(1, (lengths - 1).clamp(min=0)[:, None])
+        last_reach = torch.where(lengths[:, None] > 0, last_reach, UNBOUNDED_REACH)  # no token: tail unchanged
+        new_tail = new_tail * (lookback[1:] <= last_reach)[..., None]
+    return y, new_tail
+
+
 class TrellisShortConv(nn.Conv1d):
-    """Causal depthwise convolution over time that carries its last inputs across calls."""
+    """Causal depthwise convolution over time that carries its last inputs across calls
+    (:func:`causal_conv` with this module's taps)."""
 
     def __init__(self, channels: int, width: int) -> None:
         super().__init__(channels, channels, width, groups=channels, bias=False)
@@ -52,45 +112,5 @@ class TrellisShortConv(nn.Conv1d):
         lengths: Optional[torch.Tensor] = None,
         reach: Optional[torch.Tensor] = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Convolve ``x [B, T, C]`` after ``tail [B, width - 1, C]`` (zeros when ``None``).
-
-        With ``lengths [B]``, row b holds its tokens in ``x[b, :lengths[b]]`` (the rest is
-        ignored) and its new tail ends after them. With ``reach [B, T]``, token t sees only the
-        ``reach[b, t]`` inputs before it (the rest count as zeros), so packed documents do not
-        leak into each other. Returns ``(y [B, T, C], new tail)``.
-        """
-        batch, length, channels = x.shape
-        width = self.kernel_size[0]
-        carried = width - 1
-        if tail is None:
-            tail = x.new_zeros(batch, carried, channels)
-        seq = torch.cat([tail.to(x.dtype), x], dim=1)
-        taps = self.weight[:, 0].to(x.dtype)  # [C, width]
-        if reach is None and length >= 16:
-            # Long inputs: one multiply-add per tap over shifted views of the sequence; it reads
-            # [B, T, C] once per tap instead of building the [B, T, C, width] product below.
-            y = seq[:, :length] * taps[:, 0]
-            for j in range(1, width):
-                y = torch.addcmul(y, seq[:, j : j + length], taps[:, j])
-        else:
-            # Windows times taps, summed: three operations whatever T is. For decode-sized inputs
-            # F.conv1d spends far longer setting up its kernel than in the arithmetic; this is the
-            # same cross-correlation as nn.Conv1d.
-            windows = seq.unfold(1, width, 1)  # [B, T, C, width], a view
-            if reach is not None:
-                # Tap j looks `width - 1 - j` inputs back; what lies before the document counts as zero.
-                lookback = torch.arange(width - 1, -1, -1, device=x.device)
-                taps = taps * (lookback <= reach[..., None])[..., None, :]  # [B, T, C, width]
-            y = (windows * taps).sum(dim=-1)
-        if lengths is None:  # every row's tokens fill x: the tail is the sequence's end
-            # A copy, not a view: a view would keep the whole prefill's inputs alive in the cache.
-            return y, seq[:, length:].contiguous()
-        index = lengths[:, None] + torch.arange(carried, device=x.device)
-        new_tail = seq.gather(1, index[..., None].expand(-1, -1, channels))
-        if reach is not None:
-            # Tail entry i lies `carried - 1 - i` = lookback[i + 1] inputs before the row's last token; what lies
-            # before that token's document is zero for the next call, as for a fresh conv.
-            last_reach = reach.gather(1, (lengths - 1).clamp(min=0)[:, None])
-            last_reach = torch.where(lengths[:, None] > 0, last_reach, UNBOUNDED_REACH)  # no token: tail unchanged
-            new_tail = new_tail * (lookback[1:] <= last_reach)[..., None]
-        return y, new_tail
+        """``(y [B, T, C], new tail)``; arguments as in :func:`causal_conv`."""
+        return causal_conv(x, tail, self.weight, lengths, reach)
