@@ -307,9 +307,9 @@ def test_initialisation():
 
 
 def test_tied_embeddings():
-    tied = tiny_model()
+    tied = tiny_model(tie_word_embeddings=True)
     assert tied.lm_head.weight is tied.model.embed_tokens.weight
-    untied = tiny_model(tie_word_embeddings=False)
+    untied = tiny_model()  # the default: an untied head (see the config's docstring)
     assert untied.lm_head.weight is not untied.model.embed_tokens.weight
 
 

@@ -259,7 +259,7 @@ class TrellisModel(TrellisPreTrainedModel):
 
 
 class TrellisForCausalLM(TrellisPreTrainedModel, GenerationMixin):
-    """:class:`TrellisModel` with a language-modelling head (tied to the embeddings by default)."""
+    """:class:`TrellisModel` with a language-modelling head (untied by default; ``tie_word_embeddings=True`` shares the embedding)."""
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
 
