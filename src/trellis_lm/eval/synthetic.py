@@ -230,6 +230,8 @@ INIT_VARIANTS: dict[str, InitVariant] = {
                          "(Kaiming-uniform weights and uniform biases, alpha_proj and gate biases included)",
                          tie_head=False, embedding_std=1.0, linears="torch"),
     "emb1": InitVariant("embedding N(0, 1), head still tied (so the head is N(0, 1) too)", embedding_std=1.0),
+    "emb0.3": InitVariant("embedding N(0, 0.3), head still tied", embedding_std=0.3),
+    "emb1-untied": InitVariant("embedding N(0, 1) and an untied N(0, 0.02) head", tie_head=False, embedding_std=1.0),
     "untied": InitVariant("untied head, a fresh N(0, 0.02) one", tie_head=False),
     "kaiming": InitVariant("Kaiming-uniform weights of every linear but alpha_proj and the tied head; biases, "
                            "alpha_proj, embedding as the model's", linears="kaiming"),
