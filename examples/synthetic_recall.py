@@ -520,25 +520,27 @@ def spread(values: list[float | None], digits: int, missing: str = "never") -> s
 
 
 def init_report(runs: list[dict], figures: Path, md_dir: Path) -> list[str]:
-    """Markdown: per (model with its init, learning rate), the step each seed left chance and its
-    final test accuracy, median [min, max] over seeds, and a figure of learning curves per rate."""
+    """Markdown: per setting, learning rate and init, the step each seed left chance and its final
+    test accuracy, median [min, max] over seeds, and a figure of learning curves per setting and rate."""
+    def setting(r: dict) -> tuple[int, int, float]:
+        return r["task"]["seq_len"], r["task"]["num_kv_pairs"], r["train"]["learning_rate"]
+
     groups: dict[tuple, list[dict]] = {}
-    for r in runs:
-        groups.setdefault((r["train"]["learning_rate"], r["model"]), []).append(r)
-    lines = ["| init | lr | seeds | step leaving chance (val > 0.1) | final test accuracy | per seed (step: accuracy) |",
-             "|---|---:|---:|---|---|---|"]
-    for (lr, model), group in sorted(groups.items(), key=lambda item: -item[0][0]):
+    for r in sorted(runs, key=lambda r: (setting(r)[:2], -setting(r)[2])):
+        groups.setdefault((setting(r), r["model"]), []).append(r)
+    lines = ["| seq_len, pairs | init | lr | seeds | step leaving chance (val > 0.1) | final test accuracy "
+             "| per seed (step: accuracy) |", "|---|---|---:|---:|---|---|---|"]
+    for ((seq_len, pairs, lr), _), group in groups.items():
         group.sort(key=lambda r: r["train"]["seed"])
         steps = [escape_step(r["curve"]) for r in group]
         per_seed = ", ".join(f"{'never' if s is None else s}: {r['accuracy']:.2f}" for s, r in zip(steps, group))
-        lines.append(f"| {group[0].get('init', 'default')} | {fmt_lr(lr)} | {len(group)} | {spread(steps, 0)} "
-                     f"| {spread([r['accuracy'] for r in group], 3)} | {per_seed} |")
-    for lr in sorted({lr for lr, _ in groups}, reverse=True):
-        at = [r for r in runs if r["train"]["learning_rate"] == lr]
-        task = at[0]["task"]
+        lines.append(f"| {seq_len}, {pairs} | {group[0].get('init', 'default')} | {fmt_lr(lr)} | {len(group)} "
+                     f"| {spread(steps, 0)} | {spread([r['accuracy'] for r in group], 3)} | {per_seed} |")
+    for seq_len, pairs, lr in dict.fromkeys(key for key, _ in groups):
+        at = [r for r in runs if setting(r) == (seq_len, pairs, lr)]
         summaries = summarize(at, Sweep(learning_rates=(lr,), seeds=tuple(sorted({r["train"]["seed"] for r in at}))))
-        figure = figures / f"init_curves_T{task['seq_len']}_P{task['num_kv_pairs']}_lr{fmt_lr(lr)}.png"
-        title = f"MQAR, seq_len {task['seq_len']}, {task['num_kv_pairs']} pairs, lr {fmt_lr(lr)}: initialisations"
+        figure = figures / f"init_curves_T{seq_len}_P{pairs}_lr{fmt_lr(lr)}.png"
+        title = f"MQAR, seq_len {seq_len}, {pairs} pairs, lr {fmt_lr(lr)}: initialisations"
         if plot_curves(at, summaries, title, figure):
             lines += ["", f"![{title}]({figure.relative_to(md_dir).as_posix()})"]
     return lines

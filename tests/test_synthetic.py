@@ -302,7 +302,7 @@ def test_init_option_trains_a_row_per_init_and_reports_them(tmp_path, monkeypatc
     capsys.readouterr()
     example.main(["--init-report", str(saved), "--results-md", str(md)])
     table = capsys.readouterr().out
-    assert "| untied | 3e-3 | 2 |" in table and "| default | 3e-3 | 2 |" in table
+    assert "| 32, 4 | untied | 3e-3 | 2 |" in table and "| 32, 4 | default | 3e-3 | 2 |" in table
     assert (md.parent / "figures" / "init_curves_T32_P4_lr3e-3.png").stat().st_size > 0
     with pytest.raises(SystemExit, match="unknown inits"):
         example.chosen_variants(example.parse_args(["--init", "nope"]))
