@@ -39,8 +39,8 @@ from typing import Optional
 import torch
 
 from trellis_lm.eval.synthetic import (
-    InlineExecutor, MQARTask, ModelSize, ModelSpec, NIAHTask, Sweep, TrainSettings, default_variants, run_mqar,
-    run_niah, setting_key, summarize, sweep_runs,
+    INIT_VARIANTS, InlineExecutor, MQARTask, ModelSize, ModelSpec, NIAHTask, Sweep, TrainSettings, default_variants,
+    escape_step, run_mqar, run_niah, setting_key, summarize, sweep_runs,
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -155,6 +155,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lrs", help="comma-separated learning rates to sweep (replaces the preset's)")
     parser.add_argument("--seeds", help="comma-separated seeds; the first sweeps the learning rates (replaces the "
                         "preset's)")
+    parser.add_argument("--init", default="default",
+                        help="comma-separated initialisations of the Trellis models, each trained as its own row "
+                        "named <model>@<init> (Llama keeps its own): " + ",".join(INIT_VARIANTS))
+    parser.add_argument("--init-report", type=Path, metavar="JSON",
+                        help="print the initialisation table of the MQAR runs in JSON (a synthetic_results.json or "
+                        "{'runs': [...]}) and draw their learning curves into docs/figures, without training")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads per run")
     parser.add_argument("--jobs", type=int, default=1, help="runs trained at once, in separate processes")
     parser.add_argument("--out", type=Path, default=REPO / "outputs" / "synthetic-recall")
@@ -185,6 +191,8 @@ def chosen_sweep(sweep: Sweep, args: argparse.Namespace) -> Sweep:
 
 
 def chosen_variants(args: argparse.Namespace) -> list[ModelSpec]:
+    """``--variants`` (all by default), each Trellis one once per ``--init`` (a row named
+    ``<model>@<init>`` unless the init is the default)."""
     variants = default_variants()
     if args.variants:
         wanted = args.variants.split(",")
@@ -192,7 +200,12 @@ def chosen_variants(args: argparse.Namespace) -> list[ModelSpec]:
         if unknown:
             raise SystemExit(f"unknown variants {unknown}; choose from {[spec.name for spec in variants]}")
         variants = [spec for spec in variants if spec.name in wanted]
-    return variants
+    inits = args.init.split(",")
+    unknown = sorted(set(inits) - set(INIT_VARIANTS))
+    if unknown:
+        raise SystemExit(f"unknown inits {unknown}; choose from {list(INIT_VARIANTS)}")
+    return [dataclasses.replace(spec, init=init, name=spec.name if init == "default" else f"{spec.name}@{init}")
+            for spec in variants for init in inits if spec.kind != "llama" or init == "default"]
 
 
 def mqar_grid(preset: Preset, args: argparse.Namespace) -> list[tuple[ModelSpec, MQARTask]]:
@@ -214,10 +227,11 @@ def mqar_grid(preset: Preset, args: argparse.Namespace) -> list[tuple[ModelSpec,
         is_base = (seq_len, num_pairs) == (preset.base_seq_len, preset.base_pairs)
         # With --variants the choice is the user's; otherwise the preset's base rows, in its order.
         if is_base and not args.variants and preset.base_variants is not None:
-            by_name = {spec.name: spec for spec in variants}
-            grid += [(by_name[name], task(seq_len, num_pairs)) for name in preset.base_variants]
+            grid += [(spec, task(seq_len, num_pairs)) for name in preset.base_variants
+                     for spec in variants if spec.name.split("@")[0] == name]
             continue
-        grid += [(spec, task(seq_len, num_pairs)) for spec in variants if is_base or spec.name in preset.sweep_variants]
+        grid += [(spec, task(seq_len, num_pairs)) for spec in variants
+                 if is_base or spec.name.split("@")[0] in preset.sweep_variants]
     return grid
 
 
@@ -492,6 +506,46 @@ def niah_lines(data: dict, figures: Path, md_dir: Path) -> list[str]:
     return lines + [""]
 
 
+def spread(values: list[float | None], digits: int, missing: str = "never") -> str:
+    """``median [min, max]`` of ``values``, ``None`` (an event that never came) counting as the
+    largest and shown as ``missing``."""
+    ordered = sorted(values, key=lambda v: (v is None, v or 0))
+
+    def show(v: float | None) -> str:
+        return missing if v is None else f"{v:.{digits}f}"
+
+    # The lower median, so that "never" is the median only when most runs never got there.
+    median = ordered[(len(ordered) - 1) // 2]
+    return show(median) + (f" [{show(ordered[0])}, {show(ordered[-1])}]" if len(ordered) > 1 else "")
+
+
+def init_report(runs: list[dict], figures: Path, md_dir: Path) -> list[str]:
+    """Markdown: per setting, learning rate and init, the step each seed left chance and its final
+    test accuracy, median [min, max] over seeds, and a figure of learning curves per setting and rate."""
+    def setting(r: dict) -> tuple[int, int, float]:
+        return r["task"]["seq_len"], r["task"]["num_kv_pairs"], r["train"]["learning_rate"]
+
+    groups: dict[tuple, list[dict]] = {}
+    for r in sorted(runs, key=lambda r: (setting(r)[:2], -setting(r)[2])):
+        groups.setdefault((setting(r), r["model"]), []).append(r)
+    lines = ["| seq_len, pairs | init | lr | seeds | step leaving chance (val > 0.1) | final test accuracy "
+             "| per seed (step: accuracy) |", "|---|---|---:|---:|---|---|---|"]
+    for ((seq_len, pairs, lr), _), group in groups.items():
+        group.sort(key=lambda r: r["train"]["seed"])
+        steps = [escape_step(r["curve"]) for r in group]
+        per_seed = ", ".join(f"{'never' if s is None else s}: {r['accuracy']:.2f}" for s, r in zip(steps, group))
+        lines.append(f"| {seq_len}, {pairs} | {group[0].get('init', 'default')} | {fmt_lr(lr)} | {len(group)} "
+                     f"| {spread(steps, 0)} | {spread([r['accuracy'] for r in group], 3)} | {per_seed} |")
+    for seq_len, pairs, lr in dict.fromkeys(key for key, _ in groups):
+        at = [r for r in runs if setting(r) == (seq_len, pairs, lr)]
+        summaries = summarize(at, Sweep(learning_rates=(lr,), seeds=tuple(sorted({r["train"]["seed"] for r in at}))))
+        figure = figures / f"init_curves_T{seq_len}_P{pairs}_lr{fmt_lr(lr)}.png"
+        title = f"MQAR, seq_len {seq_len}, {pairs} pairs, lr {fmt_lr(lr)}: initialisations"
+        if plot_curves(at, summaries, title, figure):
+            lines += ["", f"![{title}]({figure.relative_to(md_dir).as_posix()})"]
+    return lines
+
+
 def write_markdown(results: dict, preset: Preset, args: argparse.Namespace) -> None:
     """``args.results_md`` from the saved results of both tasks, plus the hand-written reading
     (``<name>_notes.md`` beside it, e.g. ``results_notes.md``) when there is one."""
@@ -622,6 +676,11 @@ def main(argv: list[str] | None = None) -> None:
     command = shlex.join(["python", "examples/synthetic_recall.py", *(sys.argv[1:] if argv is None else argv)])
     if args.task == "niah" and args.model:
         score_checkpoint_niah(args, command)
+        return
+    if args.init_report:
+        data = json.loads(args.init_report.read_text())
+        runs = data["runs"] if "runs" in data else data["mqar"]["results"]
+        print("\n".join(init_report(runs, args.results_md.parent / "figures", args.results_md.parent)))
         return
     preset = PRESETS[args.preset]
     args.out.mkdir(parents=True, exist_ok=True)

@@ -20,8 +20,8 @@ from trellis_lm.eval.niah import (
     NOISE_SENTENCES, NIAHExample, make_niah_example, make_niah_training_data, niah_match, niah_tokenizer, score_niah,
 )
 from trellis_lm.eval.synthetic import (
-    InlineExecutor, MQARTask, ModelSize, ModelSpec, NIAHTask, Sweep, TrainSettings, best_learning_rate, build_model,
-    default_variants, layer_schedule, mqar_accuracy, run_mqar, summarize, sweep_runs,
+    INIT_VARIANTS, InlineExecutor, MQARTask, ModelSize, ModelSpec, NIAHTask, Sweep, TrainSettings, best_learning_rate,
+    build_model, default_variants, escape_step, layer_schedule, mqar_accuracy, run_mqar, summarize, sweep_runs,
 )
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "synthetic_recall.py"
@@ -235,6 +235,77 @@ def test_run_mqar_stops_at_the_target_accuracy():
     result = run_mqar(default_variants()[1], task, TINY,
                       TrainSettings(max_steps=20, batch_size=8, eval_every=3, num_val=8, stop_accuracy=0.0))
     assert result["steps_run"] == 3 and [step for step, _ in result["curve"]] == [3]
+
+
+def test_init_variants_change_only_their_factor():
+    def built(init):
+        torch.manual_seed(0)
+        return build_model(ModelSpec("trellis", init=init), TINY2, vocab_size=16, max_len=16)
+
+    def attn(model):
+        return model.model.layers[0].self_attn
+
+    default = built("default")
+    hidden = TINY2.hidden_size
+    assert default.lm_head.weight is default.model.embed_tokens.weight
+    assert default.model.embed_tokens.weight.std() < 0.05
+
+    emb1 = built("emb1")
+    assert emb1.lm_head.weight is emb1.model.embed_tokens.weight and 0.7 < emb1.model.embed_tokens.weight.std() < 1.3
+    assert torch.equal(attn(emb1).q_proj.weight, attn(default).q_proj.weight)
+
+    untied = built("untied")
+    assert untied.lm_head.weight is not untied.model.embed_tokens.weight and not untied.config.tie_word_embeddings
+    assert untied.lm_head.weight.std() < 0.05
+
+    # Kaiming weights (bound 1/sqrt(fan_in)) with the model's alpha scale and gate biases kept.
+    kaiming = built("kaiming")
+    bound = hidden**-0.5
+    assert attn(kaiming).q_proj.weight.abs().max() <= bound and attn(kaiming).q_proj.weight.std() > 0.4 * bound
+    assert torch.equal(attn(kaiming).beta_proj.bias, attn(default).beta_proj.bias)
+    assert abs(attn(kaiming).alpha_proj.weight.std() - bound) < 0.3 * bound
+    assert kaiming.lm_head.weight is kaiming.model.embed_tokens.weight and kaiming.lm_head.weight.std() < 0.05
+
+    # reset_parameters() everywhere also replaces the gate biases and alpha's scale.
+    torch_init = built("torch")
+    assert not torch_init.config.tie_word_embeddings and torch_init.lm_head.weight.abs().max() <= bound
+    assert attn(torch_init).beta_proj.bias.abs().max() <= bound and attn(torch_init).alpha_proj.weight.abs().max() <= bound
+
+    assert attn(built("alpha02")).alpha_proj.weight.std() < 0.05
+    flat = attn(built("gate-flat")).beta_proj.bias
+    assert torch.equal(flat, torch.zeros_like(flat)) and attn(default).beta_proj.bias.unique().numel() > 1
+    assert set(INIT_VARIANTS) >= {"default", "torch", "emb1", "untied", "kaiming", "alpha02", "gate-flat"}
+    with pytest.raises(ValueError, match="init variants are for Trellis"):
+        build_model(ModelSpec("llama", kind="llama", init="torch"), TINY2, 16, 16)
+
+
+def test_escape_step_is_the_first_point_above_chance():
+    assert escape_step([[50, 0.03], [100, 0.1], [150, 0.4], [200, 0.05]]) == 150
+    assert escape_step([[50, 0.03], [100, 0.09]]) is None and escape_step([]) is None
+
+
+def test_init_option_trains_a_row_per_init_and_reports_them(tmp_path, monkeypatch, capsys):
+    example = load_example()
+    small = dataclasses.replace(example.PRESETS["cpu"], size=TINY, num_train=16, num_test=4,
+                                train=dataclasses.replace(example.PRESETS["cpu"].train, eval_every=1, num_val=4,
+                                                          batch_size=4))
+    monkeypatch.setitem(example.PRESETS, "cpu", small)
+    md = tmp_path / "docs" / "results.md"
+    example.main(["--variants", "llama,trellis", "--init", "default,untied", "--max-steps", "1", "--lrs", "3e-3",
+                  "--seeds", "0,1", "--out", str(tmp_path / "out"), "--results-md", str(md)])
+    saved = tmp_path / "out" / "synthetic_results.json"
+    runs = json.loads(saved.read_text())["mqar"]["results"]
+    # Llama keeps its own init: no llama@untied row.
+    assert sorted({(r["model"], r["init"]) for r in runs}) == [
+        ("llama", "default"), ("trellis", "default"), ("trellis@untied", "untied")]
+    assert all("escape_step" in r for r in runs)
+    capsys.readouterr()
+    example.main(["--init-report", str(saved), "--results-md", str(md)])
+    table = capsys.readouterr().out
+    assert "| 32, 4 | untied | 3e-3 | 2 |" in table and "| 32, 4 | default | 3e-3 | 2 |" in table
+    assert (md.parent / "figures" / "init_curves_T32_P4_lr3e-3.png").stat().st_size > 0
+    with pytest.raises(SystemExit, match="unknown inits"):
+        example.chosen_variants(example.parse_args(["--init", "nope"]))
 
 
 def fake_run(spec, task, size, train):

@@ -43,11 +43,13 @@ class ModelSpec:
         name: label in tables and plots.
         kind: ``"trellis"`` or ``"llama"`` (full softmax attention with RoPE).
         overrides: ``TrellisConfig`` fields that differ from :class:`ModelSize`'s defaults.
+        init: a name of :data:`INIT_VARIANTS`, applied after the model is built.
     """
 
     name: str
     kind: str = "trellis"
     overrides: dict[str, Any] = field(default_factory=dict)
+    init: str = "default"
 
 
 @dataclass(frozen=True)
@@ -163,8 +165,11 @@ def layer_schedule(spec: ModelSpec, num_layers: int) -> list[str]:
 
 
 def build_model(spec: ModelSpec, size: ModelSize, vocab_size: int, max_len: int) -> PreTrainedModel:
-    """A freshly initialised model of ``spec``'s architecture and ``size``."""
+    """A freshly initialised model of ``spec``'s architecture and ``size``, with ``spec.init``
+    (:data:`INIT_VARIANTS`) applied; Llama takes the default init only."""
     if spec.kind == "llama":
+        if spec.init != "default":
+            raise ValueError(f"init variants are for Trellis models; {spec.name!r} asks for {spec.init!r}")
         config = LlamaConfig(
             vocab_size=vocab_size, hidden_size=size.hidden_size, intermediate_size=size.intermediate_size,
             num_hidden_layers=size.num_hidden_layers, num_attention_heads=size.num_heads,
@@ -183,7 +188,91 @@ def build_model(spec: ModelSpec, size: ModelSize, vocab_size: int, max_len: int)
     )
     fields.update(spec.overrides)
     fields["mixer_types"] = layer_schedule(spec, size.num_hidden_layers)
-    return TrellisForCausalLM(TrellisConfig(**fields))
+    variant = INIT_VARIANTS[spec.init]
+    if not variant.tie_head:
+        fields["tie_word_embeddings"] = False
+    model = TrellisForCausalLM(TrellisConfig(**fields))
+    apply_init(model, variant)
+    return model
+
+
+@dataclass(frozen=True)
+class InitVariant:
+    """An initialisation applied on top of the model's own (``_init_weights``: every linear and
+    the embedding N(0, ``initializer_range``), head tied to the embedding), to study which part
+    of it sets how long MQAR stays at chance.
+
+    Attributes:
+        description: what it changes, in words (tables, records).
+        tie_head: ``False`` builds the model with ``tie_word_embeddings=False``: a separate head,
+            initialised by the model's ``_init_weights``.
+        embedding_std: re-draw the input embedding from N(0, this) (``None``: keep the model's).
+        linears: ``"model"`` keeps them; ``"kaiming"`` re-draws the weight of every linear with
+            PyTorch's Kaiming-uniform default (a tied head excepted) except ``alpha_proj``, whose
+            scale is its own factor, and keeps every bias; ``"torch"`` calls ``reset_parameters()``
+            of every linear, weights and biases, ``alpha_proj`` and the gate biases included.
+        alpha_std: re-draw every ``alpha_proj`` weight from N(0, this).
+        forget_bias: set every head's ``beta_proj`` bias to this (the same for all heads).
+    """
+
+    description: str
+    tie_head: bool = True
+    embedding_std: float | None = None
+    linears: str = "model"
+    alpha_std: float | None = None
+    forget_bias: float | None = None
+
+
+INIT_VARIANTS: dict[str, InitVariant] = {
+    "default": InitVariant("the model's own: N(0, 0.02) linears and embedding, tied head, alpha_proj "
+                           "N(0, 1/sqrt(hidden)), forget-gate bias spread over heads"),
+    "torch": InitVariant("PyTorch's defaults: embedding N(0, 1), untied head, reset_parameters() of every linear "
+                         "(Kaiming-uniform weights and uniform biases, alpha_proj and gate biases included)",
+                         tie_head=False, embedding_std=1.0, linears="torch"),
+    "emb1": InitVariant("embedding N(0, 1), head still tied (so the head is N(0, 1) too)", embedding_std=1.0),
+    "emb0.3": InitVariant("embedding N(0, 0.3), head still tied", embedding_std=0.3),
+    "emb1-untied": InitVariant("embedding N(0, 1) and an untied N(0, 0.02) head", tie_head=False, embedding_std=1.0),
+    "untied": InitVariant("untied head, a fresh N(0, 0.02) one", tie_head=False),
+    "kaiming": InitVariant("Kaiming-uniform weights of every linear but alpha_proj and the tied head; biases, "
+                           "alpha_proj, embedding as the model's", linears="kaiming"),
+    "kaiming-all": InitVariant("reset_parameters() of every linear but the tied head (weights and biases, "
+                               "alpha_proj and the gate biases included)", linears="torch"),
+    "alpha02": InitVariant("alpha_proj N(0, 0.02), the generic scale, instead of N(0, 1/sqrt(hidden))",
+                           alpha_std=0.02),
+    # logsigmoid(0) / 16: beta = 0.5 ** (1 / 16) = 0.958 in every head, what PyTorch's near-zero
+    # uniform bias gives, instead of the 0.9 .. 0.999 spread.
+    "gate-flat": InitVariant("forget-gate bias 0 in every head (beta = 0.958 each) instead of the spread",
+                             forget_bias=0.0),
+}
+
+
+@torch.no_grad()
+def apply_init(model: PreTrainedModel, variant: InitVariant) -> None:
+    """Re-initialise a freshly built ``model`` in place as ``variant`` says (its ``tie_head`` acts
+    at build time, see :func:`build_model`). Draws from torch's global generator."""
+    head = model.get_output_embeddings()
+    tied = head is not None and head.weight is model.get_input_embeddings().weight
+    if variant.embedding_std is not None:
+        torch.nn.init.normal_(model.get_input_embeddings().weight, std=variant.embedding_std)
+    for name, module in model.named_modules():
+        if not isinstance(module, torch.nn.Linear) or (tied and module is head):
+            continue
+        is_alpha = name.endswith("alpha_proj")
+        if variant.linears == "torch":
+            module.reset_parameters()
+        elif variant.linears == "kaiming" and not is_alpha:
+            # Only the weight: reset_parameters() would also redraw the gate biases.
+            torch.nn.init.kaiming_uniform_(module.weight, a=math.sqrt(5))
+        if is_alpha and variant.alpha_std is not None:
+            torch.nn.init.normal_(module.weight, std=variant.alpha_std)
+        if name.endswith("beta_proj") and variant.forget_bias is not None:
+            module.bias.fill_(variant.forget_bias)
+
+
+def escape_step(curve: list[list[float]], threshold: float = 0.1) -> float | None:
+    """The first step of a learning curve (``[[step, validation accuracy], ...]``) whose accuracy
+    is above ``threshold`` (MQAR chance is ``2 / vocab_size``), or ``None`` when none is."""
+    return next((step for step, score in curve if score > threshold), None)
 
 
 class TensorDataset(Dataset):
@@ -305,10 +394,10 @@ def run_mqar(spec: ModelSpec, task: MQARTask, size: ModelSize, train: TrainSetti
     accuracy = mqar_accuracy(model, test_ids, test_labels, train.eval_batch_size)
     val_accuracy = trained["curve"][-1][1] if trained["curve"] else validate(model)
     return {
-        "model": spec.name, "kind": spec.kind, "overrides": dict(spec.overrides),
+        "model": spec.name, "kind": spec.kind, "overrides": dict(spec.overrides), "init": spec.init,
         "mixer_types": layer_schedule(spec, size.num_hidden_layers),
         "task": dataclasses.asdict(task), "size": dataclasses.asdict(size), "train": dataclasses.asdict(train),
-        "accuracy": accuracy, "val_accuracy": val_accuracy, **trained,
+        "accuracy": accuracy, "val_accuracy": val_accuracy, "escape_step": escape_step(trained["curve"]), **trained,
         "num_parameters": sum(p.numel() for p in model.parameters()),
     }
 
@@ -458,7 +547,8 @@ def summarize(records: list[dict[str, Any]], sweep: Sweep) -> list[dict[str, Any
 
 
 __all__ = [
-    "InlineExecutor", "MQARTask", "ModelSize", "ModelSpec", "NIAHTask", "Sweep", "TensorDataset", "TrainSettings",
-    "best_learning_rate", "build_model", "default_variants", "layer_schedule", "mqar_accuracy", "run_mqar",
+    "INIT_VARIANTS", "InitVariant", "InlineExecutor", "MQARTask", "ModelSize", "ModelSpec", "NIAHTask", "Sweep",
+    "TensorDataset", "TrainSettings", "apply_init", "best_learning_rate", "build_model", "default_variants",
+    "escape_step", "layer_schedule", "mqar_accuracy", "run_mqar",
     "run_niah", "setting_key", "summarize", "sweep_runs", "train_model",
 ]
