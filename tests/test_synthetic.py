@@ -245,10 +245,13 @@ def test_init_variants_change_only_their_factor():
     def attn(model):
         return model.model.layers[0].self_attn
 
-    default = built("default")
+    default = built("default")  # the model's own: an untied head
     hidden = TINY2.hidden_size
-    assert default.lm_head.weight is default.model.embed_tokens.weight
-    assert default.model.embed_tokens.weight.std() < 0.05
+    assert default.lm_head.weight is not default.model.embed_tokens.weight
+    assert default.model.embed_tokens.weight.std() < 0.05 and default.lm_head.weight.std() < 0.05
+    tied = built("tied")  # the default before the split: every single-factor variant is on top of it
+    assert tied.lm_head.weight is tied.model.embed_tokens.weight
+    assert torch.equal(attn(tied).q_proj.weight, attn(default).q_proj.weight)
 
     emb1 = built("emb1")
     assert emb1.lm_head.weight is emb1.model.embed_tokens.weight and 0.7 < emb1.model.embed_tokens.weight.std() < 1.3
@@ -274,7 +277,10 @@ def test_init_variants_change_only_their_factor():
     assert attn(built("alpha02")).alpha_proj.weight.std() < 0.05
     flat = attn(built("gate-flat")).beta_proj.bias
     assert torch.equal(flat, torch.zeros_like(flat)) and attn(default).beta_proj.bias.unique().numel() > 1
-    assert set(INIT_VARIANTS) >= {"default", "torch", "emb1", "untied", "kaiming", "alpha02", "gate-flat"}
+    for name, variant in INIT_VARIANTS.items():  # the split's single factors keep the tied head
+        if name not in ("default", "untied", "emb1-untied", "torch"):
+            assert variant.tie_head is True, name
+    assert set(INIT_VARIANTS) >= {"default", "tied", "torch", "emb1", "untied", "kaiming", "alpha02", "gate-flat"}
     with pytest.raises(ValueError, match="init variants are for Trellis"):
         build_model(ModelSpec("llama", kind="llama", init="torch"), TINY2, 16, 16)
 

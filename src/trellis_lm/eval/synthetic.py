@@ -174,7 +174,8 @@ def build_model(spec: ModelSpec, size: ModelSize, vocab_size: int, max_len: int)
             vocab_size=vocab_size, hidden_size=size.hidden_size, intermediate_size=size.intermediate_size,
             num_hidden_layers=size.num_hidden_layers, num_attention_heads=size.num_heads,
             num_key_value_heads=size.num_heads, head_dim=size.head_dim, max_position_embeddings=max_len,
-            tie_word_embeddings=True, pad_token_id=0, bos_token_id=None, eos_token_id=None,
+            # The same head as the default Trellis rows (untied; tied before 2026-11-22).
+            tie_word_embeddings=False, pad_token_id=0, bos_token_id=None, eos_token_id=None,
         )
         return LlamaForCausalLM(config)
     if spec.kind != "trellis":
@@ -189,8 +190,8 @@ def build_model(spec: ModelSpec, size: ModelSize, vocab_size: int, max_len: int)
     fields.update(spec.overrides)
     fields["mixer_types"] = layer_schedule(spec, size.num_hidden_layers)
     variant = INIT_VARIANTS[spec.init]
-    if not variant.tie_head:
-        fields["tie_word_embeddings"] = False
+    if variant.tie_head is not None:
+        fields["tie_word_embeddings"] = variant.tie_head
     model = TrellisForCausalLM(TrellisConfig(**fields))
     apply_init(model, variant)
     return model
@@ -199,13 +200,13 @@ def build_model(spec: ModelSpec, size: ModelSize, vocab_size: int, max_len: int)
 @dataclass(frozen=True)
 class InitVariant:
     """An initialisation applied on top of the model's own (``_init_weights``: every linear and
-    the embedding N(0, ``initializer_range``), head tied to the embedding), to study which part
-    of it sets how long MQAR stays at chance.
+    the embedding N(0, ``initializer_range``); the head untied since 2026-11-22, tied before), to
+    study which part of it sets how long MQAR stays at chance.
 
     Attributes:
         description: what it changes, in words (tables, records).
-        tie_head: ``False`` builds the model with ``tie_word_embeddings=False``: a separate head,
-            initialised by the model's ``_init_weights``.
+        tie_head: the model's ``tie_word_embeddings`` (``None``: the config's default, untied);
+            an untied head is initialised by the model's ``_init_weights``.
         embedding_std: re-draw the input embedding from N(0, this) (``None``: keep the model's).
         linears: ``"model"`` keeps them; ``"kaiming"`` re-draws the weight of every linear with
             PyTorch's Kaiming-uniform default (a tied head excepted) except ``alpha_proj``, whose
@@ -216,7 +217,7 @@ class InitVariant:
     """
 
     description: str
-    tie_head: bool = True
+    tie_head: bool | None = None
     embedding_std: float | None = None
     linears: str = "model"
     alpha_std: float | None = None
@@ -224,25 +225,29 @@ class InitVariant:
 
 
 INIT_VARIANTS: dict[str, InitVariant] = {
-    "default": InitVariant("the model's own: N(0, 0.02) linears and embedding, tied head, alpha_proj "
-                           "N(0, 1/sqrt(hidden)), forget-gate bias spread over heads"),
+    "default": InitVariant("the model's own: N(0, 0.02) linears and embedding, an untied N(0, 0.02) head, "
+                           "alpha_proj N(0, 1/sqrt(hidden)), forget-gate bias spread over heads"),
+    # The default until 2026-11-22: every study recorded before then (cpu.json, init_split.json's
+    # "tied" rows) ran it; this split is why the default changed.
+    "tied": InitVariant("the model's own with the head tied to the embedding (the default until 2026-11-22)",
+                        tie_head=True),
     "torch": InitVariant("PyTorch's defaults: embedding N(0, 1), untied head, reset_parameters() of every linear "
                          "(Kaiming-uniform weights and uniform biases, alpha_proj and gate biases included)",
                          tie_head=False, embedding_std=1.0, linears="torch"),
-    "emb1": InitVariant("embedding N(0, 1), head still tied (so the head is N(0, 1) too)", embedding_std=1.0),
-    "emb0.3": InitVariant("embedding N(0, 0.3), head still tied", embedding_std=0.3),
+    "emb1": InitVariant("embedding N(0, 1), head tied (so the head is N(0, 1) too)", tie_head=True, embedding_std=1.0),
+    "emb0.3": InitVariant("embedding N(0, 0.3), head tied", tie_head=True, embedding_std=0.3),
     "emb1-untied": InitVariant("embedding N(0, 1) and an untied N(0, 0.02) head", tie_head=False, embedding_std=1.0),
     "untied": InitVariant("untied head, a fresh N(0, 0.02) one", tie_head=False),
     "kaiming": InitVariant("Kaiming-uniform weights of every linear but alpha_proj and the tied head; biases, "
-                           "alpha_proj, embedding as the model's", linears="kaiming"),
+                           "alpha_proj, embedding as the model's", tie_head=True, linears="kaiming"),
     "kaiming-all": InitVariant("reset_parameters() of every linear but the tied head (weights and biases, "
-                               "alpha_proj and the gate biases included)", linears="torch"),
-    "alpha02": InitVariant("alpha_proj N(0, 0.02), the generic scale, instead of N(0, 1/sqrt(hidden))",
-                           alpha_std=0.02),
+                               "alpha_proj and the gate biases included)", tie_head=True, linears="torch"),
+    "alpha02": InitVariant("alpha_proj N(0, 0.02), the generic scale, instead of N(0, 1/sqrt(hidden)); tied head",
+                           tie_head=True, alpha_std=0.02),
     # logsigmoid(0) / 16: beta = 0.5 ** (1 / 16) = 0.958 in every head, what PyTorch's near-zero
     # uniform bias gives, instead of the 0.9 .. 0.999 spread.
-    "gate-flat": InitVariant("forget-gate bias 0 in every head (beta = 0.958 each) instead of the spread",
-                             forget_bias=0.0),
+    "gate-flat": InitVariant("forget-gate bias 0 in every head (beta = 0.958 each) instead of the spread; tied head",
+                             tie_head=True, forget_bias=0.0),
 }
 
 
