@@ -26,14 +26,12 @@ plain step).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
-import statistics
-import subprocess
 import sys
-import time
 from datetime import date
+
+from ab_workers import Worker, alternate, serve
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 NEW_SRC = os.path.join(os.path.dirname(HERE), "src")
@@ -122,71 +120,11 @@ def _worker(src: str, threads: int, quick: bool) -> None:
         "dec_lattice": lambda: stepper("lattice").step(), "dec_kvm": lambda: stepper("kvm").step(),
     }
 
-    def count_ops(fn):
-        from torch.profiler import ProfilerActivity, profile
-
-        fn()
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            fn()
-        events = [e for e in prof.events() if e.name.startswith("aten::")]
-
-        def top(e):
-            parent = e.cpu_parent
-            while parent is not None:
-                if parent.name.startswith("aten::"):
-                    return False
-                parent = parent.cpu_parent
-            return True
-
-        return [len(events), sum(top(e) for e in events)]
-
-    print("ready", flush=True)
-    for line in sys.stdin:
-        cmd, name = line.split()
-        fn = tasks[name]
-        if cmd == "time":
-            start = time.perf_counter()
-            fn()
-            out = time.perf_counter() - start
-        else:
-            out = count_ops(fn)
-        print(json.dumps(out), flush=True)
-
-
-class Worker:
-    def __init__(self, src: str, threads: int, quick: bool) -> None:
-        args = [sys.executable, __file__, "--worker", src, "--threads", str(threads)] + (["--quick"] if quick else [])
-        # Passive OpenMP waiting: an idle worker's threads must not spin on the cores the other uses.
-        env = dict(os.environ, PYTHONPATH=src, OMP_WAIT_POLICY="PASSIVE")
-        self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
-        assert self.proc.stdout.readline().strip() == "ready"
-
-    def ask(self, cmd: str, name: str):
-        self.proc.stdin.write(f"{cmd} {name}\n")
-        self.proc.stdin.flush()
-        return json.loads(self.proc.stdout.readline())
-
-    def close(self) -> None:
-        self.proc.stdin.close()
-        self.proc.wait()
-
-
-def alternate(workers: dict, tasks: list, rounds: int, repeat: int = 1) -> dict:
-    """Median seconds of each (worker, task) over ``rounds`` turns of ``repeat`` repetitions,
-    workers and tasks in turn, after one warm-up repetition each."""
-    for w in workers.values():
-        for t in tasks:
-            w.ask("time", t)
-    times = {(wn, t): [] for wn in workers for t in tasks}
-    for _ in range(rounds):
-        for t in tasks:
-            for wn, w in workers.items():
-                times[wn, t] += [w.ask("time", t) for _ in range(repeat)]
-    return {key: statistics.median(v) for key, v in times.items()}
+    serve(tasks)
 
 
 def run(sources: dict, threads: int, quick: bool, rounds: int, parts: list[str]) -> list[str]:
-    workers = {name: Worker(src, threads, quick) for name, src in sources.items()}
+    workers = {name: Worker(__file__, src, threads, quick) for name, src in sources.items()}
     both = len(workers) == 2
     rows = []
 

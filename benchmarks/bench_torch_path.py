@@ -22,14 +22,12 @@ ms/token of that LM against a same-size ``LlamaForCausalLM`` (sdpa, ``DynamicCac
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
-import statistics
-import subprocess
 import sys
-import time
 from datetime import date
+
+from ab_workers import Worker, alternate, serve
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 NEW_SRC = os.path.join(os.path.dirname(HERE), "src")
@@ -99,59 +97,11 @@ def _worker(src: str, threads: int, quick: bool) -> None:
         "lm_fb": lm_fb, "lm_f": lm_f,
     }
 
-    def count_ops(fn):
-        from torch.profiler import ProfilerActivity, profile
-        fn()
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            fn()
-        return sum(e.count for e in prof.key_averages() if e.key.startswith("aten::"))
-
-    print("ready", flush=True)
-    for line in sys.stdin:
-        cmd, name = line.split()
-        fn = tasks[name]
-        if cmd == "time":
-            start = time.perf_counter()
-            fn()
-            out = time.perf_counter() - start
-        else:
-            out = count_ops(fn)
-        print(json.dumps(out), flush=True)
-
-
-class Worker:
-    def __init__(self, src: str, threads: int, quick: bool) -> None:
-        args = [sys.executable, __file__, "--worker", src, "--threads", str(threads)] + (["--quick"] if quick else [])
-        # Passive OpenMP waiting: an idle worker's threads must not spin on the cores the other uses.
-        env = dict(os.environ, PYTHONPATH=src, OMP_WAIT_POLICY="PASSIVE")
-        self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
-        assert self.proc.stdout.readline().strip() == "ready"
-
-    def ask(self, cmd: str, name: str):
-        self.proc.stdin.write(f"{cmd} {name}\n")
-        self.proc.stdin.flush()
-        return json.loads(self.proc.stdout.readline())
-
-    def close(self) -> None:
-        self.proc.stdin.close()
-        self.proc.wait()
-
-
-def alternate(workers: dict, tasks: list, rounds: int) -> dict:
-    """Median seconds of each (worker, task), one repetition each in turn, after a warm-up."""
-    for w in workers.values():
-        for t in tasks:
-            w.ask("time", t)
-    times = {(wn, t): [] for wn in workers for t in tasks}
-    for _ in range(rounds):
-        for t in tasks:
-            for wn, w in workers.items():
-                times[wn, t].append(w.ask("time", t))
-    return {key: statistics.median(v) for key, v in times.items()}
+    serve(tasks)
 
 
 def compare_old_new(old_src: str, threads: int, quick: bool, rounds: int, parts: str) -> list[str]:
-    workers = {"old": Worker(old_src, threads, quick), "new": Worker(NEW_SRC, threads, quick)}
+    workers = {"old": Worker(__file__, old_src, threads, quick), "new": Worker(__file__, NEW_SRC, threads, quick)}
     rows = []
     groups = [
         ("op (B,T,H,D,M)=(1,%d,4,64,64), C=64, float32" % (256 if quick else 2048), ["op_fb_c64", "op_f_c64"]),
@@ -178,7 +128,7 @@ def compare_old_new(old_src: str, threads: int, quick: bool, rounds: int, parts:
     rows.append("operator calls (torch.profiler, aten::*):")
     for t in ("op_f_c64", "op_fb_c64", "lm_f", "lm_fb") if "count" in parts else ():
         counts = {wn: w.ask("count", t) for wn, w in workers.items()}
-        rows.append(f"  {t:10s} old {counts['old']:7d} | new {counts['new']:7d}")
+        rows.append(f"  {t:10s} old {counts['old'][0]:7d} | new {counts['new'][0]:7d}")
     for w in workers.values():
         w.close()
     return rows
