@@ -8,12 +8,15 @@ medians and ratios taken in the same run.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import platform
 import statistics
 import subprocess
 import sys
 import time
+from datetime import date
 from typing import Callable
 
 
@@ -86,3 +89,26 @@ def alternate(workers: dict[str, Worker], tasks: list[str], rounds: int, repeat:
             for wn, w in workers.items():
                 times[wn, t] += [w.ask("time", t) for _ in range(repeat)]
     return {key: statistics.median(v) for key, v in times.items()}
+
+
+def parse_args(doc: str, parts: str, threads: int) -> argparse.Namespace:
+    """The command line both scripts take: ``--old``, ``--quick``, ``--threads``, ``--rounds``
+    (default 7, 2 with ``--quick``), ``--parts`` (a comma-separated subset of ``parts``) and the
+    hidden ``--worker SRC`` of the worker processes."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--old", help="root of an older checkout to compare against (its src/ is imported)")
+    parser.add_argument("--quick", action="store_true", help="small sizes, few rounds: checks the benchmark runs")
+    parser.add_argument("--threads", type=int, default=threads)
+    parser.add_argument("--rounds", type=int, default=None, help="timed rounds (default 7, 2 with --quick)")
+    parser.add_argument("--parts", default=parts, help=f"comma-separated subset of {parts} (default: all)")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    args.rounds = args.rounds or (2 if args.quick else 7)
+    args.parts = args.parts.split(",")
+    return args
+
+
+def header(threads: int) -> str:
+    """The first line of a report: date, machine, threads and the load average when it starts."""
+    return (f"# {date.today()} | {platform.processor() or platform.machine()} | {threads} threads | "
+            f"load {os.getloadavg()[0]:.2f}")

@@ -25,13 +25,10 @@ plain step).
 
 from __future__ import annotations
 
-import argparse
 import os
-import platform
 import sys
-from datetime import date
 
-from ab_workers import Worker, alternate, serve
+from ab_workers import Worker, alternate, header, parse_args, serve
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 NEW_SRC = os.path.join(os.path.dirname(HERE), "src")
@@ -166,25 +163,15 @@ def run(sources: dict, threads: int, quick: bool, rounds: int, parts: list[str])
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--old", help="root of an older checkout to compare against (its src/ is imported)")
-    parser.add_argument("--quick", action="store_true", help="small sizes, few rounds: checks the benchmark runs")
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--rounds", type=int, default=None, help="timed rounds (default 7, 2 with --quick)")
-    parser.add_argument("--parts", default="lattice,kvm,c1,decode,count",
-                        help="comma-separated subset of lattice,kvm,c1,decode,count (default: all)")
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parse_args(__doc__, "lattice,kvm,c1,decode,count", threads=1)
     if args.worker:
         _worker(args.worker, args.threads, args.quick)
         return
-    rounds = args.rounds or (2 if args.quick else 7)
-    print(f"# {date.today()} | {platform.processor() or platform.machine()} | {args.threads} threads | "
-          f"load {os.getloadavg()[0]:.2f}")
+    print(header(args.threads))
     sources = {"new": NEW_SRC}
     if args.old:
         sources = {"old": os.path.join(os.path.abspath(args.old), "src"), "new": NEW_SRC}
-    print("\n".join(run(sources, args.threads, args.quick, rounds, args.parts.split(","))))
+    print("\n".join(run(sources, args.threads, args.quick, args.rounds, args.parts)))
 
 
 if __name__ == "__main__":

@@ -21,13 +21,10 @@ ms/token of that LM against a same-size ``LlamaForCausalLM`` (sdpa, ``DynamicCac
 
 from __future__ import annotations
 
-import argparse
 import os
-import platform
 import sys
-from datetime import date
 
-from ab_workers import Worker, alternate, serve
+from ab_workers import Worker, alternate, header, parse_args, serve
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 NEW_SRC = os.path.join(os.path.dirname(HERE), "src")
@@ -158,26 +155,17 @@ def bench_decode(threads: int, quick: bool, rounds: int) -> list[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--old", help="root of an older checkout to compare against (its src/ is imported)")
-    parser.add_argument("--quick", action="store_true", help="small sizes: checks the benchmark runs")
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=None)
-    parser.add_argument("--parts", default="op,LM,c1,count,decode",
-                        help="comma-separated subset of op,LM,c1,count,decode (default: all)")
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parse_args(__doc__, "op,LM,c1,count,decode", threads=2)
     if args.worker:
         _worker(args.worker, args.threads, args.quick)
         return
-    rounds = args.rounds or (2 if args.quick else 7)
-    print(f"# {date.today()} | {platform.processor() or platform.machine()} | {args.threads} threads")
+    print(header(args.threads))
     rows = []
     if args.old:
-        rows += compare_old_new(os.path.join(os.path.abspath(args.old), "src"), args.threads, args.quick, rounds,
-                                args.parts.split(","))
+        rows += compare_old_new(os.path.join(os.path.abspath(args.old), "src"), args.threads, args.quick, args.rounds,
+                                args.parts)
     if "decode" in args.parts:
-        rows += bench_decode(args.threads, args.quick, rounds)
+        rows += bench_decode(args.threads, args.quick, args.rounds)
     print("\n".join(rows))
 
 
