@@ -158,3 +158,44 @@ def test_cached_conv_tails_do_not_keep_the_prefill_alive():
     for name in ("q_tail", "k_tail"):
         tail = getattr(cache.layers[0], name)
         assert tail.untyped_storage().nbytes() <= 2 * tail.numel() * tail.element_size(), name
+
+
+def _op_calls():
+    """One small call of each op on float32 inputs that require grad: ``{name: call}``, each call
+    returning the output (T = 11, a chunk size that does not divide it)."""
+    from op_inputs import make_kvm_inputs
+    from test_lattice_ops import make_inputs as lattice_inputs, mid_chunk_state
+    from trellis_lm.ops import kvm_attention, lattice_attention
+
+    torch.manual_seed(0)
+    f32 = dict(dtype=torch.float32)
+    trellis_x = make_inputs(2, 11, 2, 6, 5, 7, requires_grad=True, **f32)
+    lattice_x = tuple(t.float().detach().requires_grad_() for t in lattice_inputs(2, 11, 2, 6, 5))
+    lattice_s = mid_chunk_state(2, 2, 6, 5, chunk_size=4).map(lambda t: t.float() if t.is_floating_point() else t)
+    kvm_x, kvm_p = make_kvm_inputs(1, 11, 2, 8, 8, requires_grad=True, **f32)
+    return {
+        "trellis": (trellis_x, lambda: trellis_attention(*trellis_x, chunk_size=4, backend="torch")[0]),
+        "lattice": (lattice_x, lambda: lattice_attention(*lattice_x, initial_state=lattice_s, chunk_size=4,
+                                                         backend="torch")[0]),
+        "kvm": (kvm_x, lambda: kvm_attention(*kvm_x, **kvm_p, chunk_size=4, window_chunks=1, rope_dims=4,
+                                             state_size=4, backend="torch")[0]),
+    }
+
+
+@pytest.mark.parametrize("op", ["trellis", "lattice", "kvm"])
+def test_ops_compute_in_float32_inside_a_bf16_autocast_region(op):
+    """A bf16 Trainer step runs the model in a CPU autocast region: the ops must still compute
+    (and keep their states) in float32, forward and backward, as outside it."""
+    inputs, call = _op_calls()[op]
+
+    def run(autocast: bool):
+        for t in inputs:
+            t.grad = None
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = call()
+        out.square().sum().backward()  # outside the region, as torch's autocast recipe has it
+        return out.detach(), [t.grad.clone() for t in inputs]
+
+    plain, inside = run(False), run(True)
+    assert inside[0].dtype == torch.float32
+    torch.testing.assert_close(inside, plain, rtol=0, atol=0)

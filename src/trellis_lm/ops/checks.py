@@ -112,3 +112,10 @@ def as_dtype(tensor: torch.Tensor, dtype: torch.dtype, device: torch.device) -> 
     """``tensor.to(device, dtype)``, skipping the no-op conversion (measurable when decoding one
     token per call)."""
     return tensor if tensor.dtype == dtype and tensor.device == device else tensor.to(device=device, dtype=dtype)
+
+
+def in_compute_dtype(device: torch.device) -> torch.autocast:
+    """The context an op's backend runs in: autocast off, so an op called inside an autocast
+    region (a bf16 Trainer step) computes its products and float32 states in its compute dtype
+    (:func:`compute_dtype`) rather than in the region's lower precision."""
+    return torch.autocast(device.type, enabled=False)

@@ -8,7 +8,7 @@ import torch
 
 from ..checks import (
     as_dtype, check_chunk_size, check_cu_seqlens, compute_dtype, expect_dims, expect_float_inputs, expect_shape,
-    pick_backend,
+    in_compute_dtype, pick_backend,
 )
 from .chunked import chunked_forward
 from .functions import BUDGETS, KVMConfig
@@ -189,5 +189,6 @@ def kvm_attention(
     dtype = compute_dtype(q)
     state = _initial_state(initial_state, rows, heads, dk, dv, config, dtype, q.device)
     inputs = [as_dtype(t, dtype, q.device) for t in (q, k, v, gate, norm_weight, norm_bias, temperature)]
-    o, final = forward(*inputs, state, config, cu_seqlens)
+    with in_compute_dtype(q.device):
+        o, final = forward(*inputs, state, config, cu_seqlens)
     return as_dtype(o, q.dtype, q.device), (final if output_final_state else None)

@@ -7,7 +7,7 @@ from typing import Optional, Union
 import torch
 
 from ..checks import (
-    as_dtype, check_chunk_size, check_cu_seqlens, check_offsets, compute_dtype, expect_dims,
+    as_dtype, check_chunk_size, check_cu_seqlens, check_offsets, compute_dtype, in_compute_dtype, expect_dims,
     expect_float_inputs, expect_shape, pick_backend,
 )
 from .chunked import chunked_forward
@@ -116,5 +116,6 @@ def lattice_attention(
     dtype = compute_dtype(q)
     state = _initial_state(initial_state, rows, heads, slots, dim, chunk_size, dtype, q.device)
     inputs = [as_dtype(t, dtype, q.device) for t in (q, k, v, gamma)]
-    o, final = forward(*inputs, state, chunk_size, variant, cu_seqlens)
+    with in_compute_dtype(q.device):
+        o, final = forward(*inputs, state, chunk_size, variant, cu_seqlens)
     return as_dtype(o, q.dtype, q.device), (final if output_final_state else None)

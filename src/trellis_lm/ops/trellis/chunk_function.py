@@ -282,117 +282,125 @@ class ChunkFunction(torch.autograd.Function):
                 "trellis_attention(backend='torch'): double backward (create_graph=True) is not supported "
                 "by the chunk form's hand-written backward; use backend='reference' for higher derivatives"
             )
-        spec = ctx.spec
-        grad_o = grad_o.contiguous()  # o.sum()'s gradient is an expanded scalar: each product would copy it
-        saved = ctx.saved_tensors
-        Q, K, V, mu, G, gexp, qk, A, mu_last, w, h, p = saved[:12]
-        mix_saved, rest = saved[12:12 + ctx.n_mix], saved[12 + ctx.n_mix:]
-        identity = spec.compress_fn == "identity"
-        names = _chain_saved(identity)
-        chains = [dict(zip(names, rest[i * len(names):(i + 1) * len(names)]), P=passes)
-                  for i, passes in enumerate(spec.passes)]
-        n, nh = Q.shape[:2]
-        st_k, st_v, u_k, u_v = _read_parts(chains, [ch["S"] for ch in chains], nh)
+        # The op computes in its compute dtype: a backward run inside an autocast region (as the
+        # forward may be) must not let autocast drop its products to a lower precision.
+        with torch.autocast(grad_o.device.type, enabled=False):
+            return _chunk_backward(ctx, grad_o, *grad_finals)
 
-        # ---- the read-outs, batched over all chunks (signs folded into in-place negations) ----
-        g1 = torch.matmul(grad_o, _t(st_v))  # [n, NH, L, M]
-        grad_mu = _dot(h, g1)
-        grad_h = g1.mul_(mu)
-        decay = gexp * G[..., None, :]
-        grad_st_v = torch.matmul(_t(h), grad_o * mu)
-        grad_e = torch.matmul(grad_o, _t(V))  # minus the gradient of E = D * P
-        grad_v = torch.matmul(_t(decay * p), grad_o).neg_()
-        grad_ph = grad_e * decay  # minus the gradient of P = H U_v^T
-        _flat(grad_h).baddbmm_(_flat(grad_ph), _flat(u_v), alpha=-1)
-        grad_u_v = torch.matmul(_t(grad_ph), h).neg_()
-        grad_y = _mix_vjp(spec.mix_fn, mix_saved, grad_h)
-        grad_mu_q = torch.matmul(grad_y, st_k)
-        grad_st_k = torch.matmul(_t(grad_y), mu * Q)
-        grad_dqk = torch.matmul(grad_y, _t(u_k))  # minus the gradient of D * Q K^T
-        grad_u_k = torch.matmul(_t(decay * qk), grad_y).neg_()
-        # Minus the gradient of D, from O and from D * Q K^T; then D = exp(gap) * G.
-        grad_decay = grad_e.mul_(p).addcmul_(grad_dqk, qk)
-        grad_qk = grad_dqk.mul_(decay)  # minus
-        grad_mu += _dot(grad_mu_q, Q)
-        grad_q = grad_mu_q.mul_(mu)
-        _flat(grad_q).baddbmm_(_flat(grad_qk), _flat(K), alpha=-1)
-        grad_k = torch.matmul(_t(grad_qk), Q).neg_()
-        grad_decay.mul_(gexp)
-        grad_g = grad_decay.sum(-2).neg_()
-        grad_gap = grad_decay.mul_(G[..., None, :]).neg_()
-        # gap[r, i] = c_r - c_i where it is finite (elsewhere D and its gradient are 0), so
-        # dc = row sums - column sums, and lb_j enters every c_r with r >= j.
-        grad_lb = (grad_gap.sum(-1) - grad_gap.sum(-2)).flip(-1).cumsum(-1).flip(-1)
-        # Free the read-outs' temporaries before the chains' buffers are allocated.
-        del st_k, st_v, u_k, u_v, decay, grad_ph, grad_y, grad_qk, grad_gap
 
-        # ---- the state chains, one reverse loop over chunks each ----------------------------
-        if len(chains) == 1:
-            st_parts, u_parts = [[grad_st_k, grad_st_v]], [[grad_u_k, grad_u_v]]
-        else:
-            st_parts, u_parts = [[grad_st_k], [grad_st_v]], [[grad_u_k], [grad_u_v]]
-        grad_a = None if identity else torch.empty_like(A)
-        grad_mu_last, grad_w = torch.zeros_like(mu_last), torch.zeros_like(w)
-        grads_chains = []
-        for i, ch in enumerate(chains):
-            d_final, d_anchor = grad_finals[2 * i], grad_finals[2 * i + 1]
-            passes, a0, S, U = ch["P"], ch["a0"], ch["S"], ch["U"]
-            view = (passes, nh) + a0.shape[-2:]
-            # A row's final anchor is the start state of its last chunk (a0 for chunk 0).
-            d_a0, anchor_grads = torch.zeros_like(a0), {}
-            for c in sorted(set(spec.last_chunk)):
-                masked = torch.where(_ends(spec, c, passes, a0.device), d_anchor, 0.0)
-                if c == 0:
-                    d_a0 += masked
-                else:
-                    anchor_grads[c] = masked
-            # d_after: the gradient of the state after each chunk; d_u_all (identity) or d_z.
-            d_after, d_u_all = _carve(S, [S[1:].shape, U.shape])
-            d_after[-1] = d_final
-            if not identity:
-                d_z, d_alpha = d_u_all, U.new_empty(U.shape[1:])
-                terms = _residual_vjp2_terms(spec.compress_fn, ch["zh"], ch["r"], ch["e"])
-            for c in range(n - 1, -1, -1):
-                d_next = d_after[c]
-                d_u = _gather(u_parts[i], c, d_u_all[c] if identity else None)
-                x_ds = (ch["X"][c] @ _t(d_next)).view(view[:2] + d_u.shape[-2:])
-                d_u.view(x_ds.shape).addcmul_(w[c], x_ds, value=-1)
-                d_cur = _gather(st_parts[i], c, d_after[c - 1] if c > 0 else None)  # grad of S_c
-                d_cur.view(view).addcmul_(mu_last[c], d_next.view(view))
-                if c in anchor_grads:
-                    d_cur += anchor_grads[c]
-                if identity:
-                    d_cur.baddbmm_(_t(d_u), ch["W"][c])
-                    continue
-                _residual_vjp2(spec.compress_fn, ch["zh"][c], ch["r"][c], *(x[c] for x in terms), U[c], d_u, d_z[c],
-                               d_alpha)
-                if passes == 2:  # a stacked chain: keys and values share the target
-                    torch.add(d_alpha[:nh], d_alpha[nh:], out=grad_a[c])
-                elif i == 0:
-                    grad_a[c] = d_alpha
-                else:
-                    grad_a[c] += d_alpha
-                if c > 0:
-                    d_cur.baddbmm_(_t(d_z[c]), ch["X"][c])
-            d_s0 = d_cur
-            # Batched over chunks: the gradients of mu_L, w and X through S' = mu_L S - U^T (w X),
-            # and of U's inputs.
-            pass_view = (n, passes, nh) + U.shape[-2:-1]
-            grad_mu_last += _dot(S[:-1].flatten(-2), d_after.flatten(-2)).view(pass_view[:3]).sum(1)[..., None, None]
-            u_ds = torch.matmul(U, d_after)  # minus the gradient of w X
-            grad_w -= _dot(ch["X"], u_ds).view(pass_view + (1,)).sum(1)
-            if identity:
-                d_x = u_ds.view(pass_view + (-1,)).mul_(w[:, None]).neg_().view(u_ds.shape)
-                grads_chains += [torch.matmul(d_u_all, S[:-1]), d_u_all.neg_(), d_x, d_s0, d_a0]
+def _chunk_backward(ctx, grad_o: torch.Tensor, *grad_finals: torch.Tensor) -> tuple:
+    """The body of :meth:`ChunkFunction.backward` (see the module docstring)."""
+    spec = ctx.spec
+    grad_o = grad_o.contiguous()  # o.sum()'s gradient is an expanded scalar: each product would copy it
+    saved = ctx.saved_tensors
+    Q, K, V, mu, G, gexp, qk, A, mu_last, w, h, p = saved[:12]
+    mix_saved, rest = saved[12:12 + ctx.n_mix], saved[12 + ctx.n_mix:]
+    identity = spec.compress_fn == "identity"
+    names = _chain_saved(identity)
+    chains = [dict(zip(names, rest[i * len(names):(i + 1) * len(names)]), P=passes)
+              for i, passes in enumerate(spec.passes)]
+    n, nh = Q.shape[:2]
+    st_k, st_v, u_k, u_v = _read_parts(chains, [ch["S"] for ch in chains], nh)
+
+    # ---- the read-outs, batched over all chunks (signs folded into in-place negations) ----
+    g1 = torch.matmul(grad_o, _t(st_v))  # [n, NH, L, M]
+    grad_mu = _dot(h, g1)
+    grad_h = g1.mul_(mu)
+    decay = gexp * G[..., None, :]
+    grad_st_v = torch.matmul(_t(h), grad_o * mu)
+    grad_e = torch.matmul(grad_o, _t(V))  # minus the gradient of E = D * P
+    grad_v = torch.matmul(_t(decay * p), grad_o).neg_()
+    grad_ph = grad_e * decay  # minus the gradient of P = H U_v^T
+    _flat(grad_h).baddbmm_(_flat(grad_ph), _flat(u_v), alpha=-1)
+    grad_u_v = torch.matmul(_t(grad_ph), h).neg_()
+    grad_y = _mix_vjp(spec.mix_fn, mix_saved, grad_h)
+    grad_mu_q = torch.matmul(grad_y, st_k)
+    grad_st_k = torch.matmul(_t(grad_y), mu * Q)
+    grad_dqk = torch.matmul(grad_y, _t(u_k))  # minus the gradient of D * Q K^T
+    grad_u_k = torch.matmul(_t(decay * qk), grad_y).neg_()
+    # Minus the gradient of D, from O and from D * Q K^T; then D = exp(gap) * G.
+    grad_decay = grad_e.mul_(p).addcmul_(grad_dqk, qk)
+    grad_qk = grad_dqk.mul_(decay)  # minus
+    grad_mu += _dot(grad_mu_q, Q)
+    grad_q = grad_mu_q.mul_(mu)
+    _flat(grad_q).baddbmm_(_flat(grad_qk), _flat(K), alpha=-1)
+    grad_k = torch.matmul(_t(grad_qk), Q).neg_()
+    grad_decay.mul_(gexp)
+    grad_g = grad_decay.sum(-2).neg_()
+    grad_gap = grad_decay.mul_(G[..., None, :]).neg_()
+    # gap[r, i] = c_r - c_i where it is finite (elsewhere D and its gradient are 0), so
+    # dc = row sums - column sums, and lb_j enters every c_r with r >= j.
+    grad_lb = (grad_gap.sum(-1) - grad_gap.sum(-2)).flip(-1).cumsum(-1).flip(-1)
+    # Free the read-outs' temporaries before the chains' buffers are allocated.
+    del st_k, st_v, u_k, u_v, decay, grad_ph, grad_y, grad_qk, grad_gap
+
+    # ---- the state chains, one reverse loop over chunks each ----------------------------
+    if len(chains) == 1:
+        st_parts, u_parts = [[grad_st_k, grad_st_v]], [[grad_u_k, grad_u_v]]
+    else:
+        st_parts, u_parts = [[grad_st_k], [grad_st_v]], [[grad_u_k], [grad_u_v]]
+    grad_a = None if identity else torch.empty_like(A)
+    grad_mu_last, grad_w = torch.zeros_like(mu_last), torch.zeros_like(w)
+    grads_chains = []
+    for i, ch in enumerate(chains):
+        d_final, d_anchor = grad_finals[2 * i], grad_finals[2 * i + 1]
+        passes, a0, S, U = ch["P"], ch["a0"], ch["S"], ch["U"]
+        view = (passes, nh) + a0.shape[-2:]
+        # A row's final anchor is the start state of its last chunk (a0 for chunk 0).
+        d_a0, anchor_grads = torch.zeros_like(a0), {}
+        for c in sorted(set(spec.last_chunk)):
+            masked = torch.where(_ends(spec, c, passes, a0.device), d_anchor, 0.0)
+            if c == 0:
+                d_a0 += masked
             else:
-                d_x = torch.empty_like(ch["X"])
-                if n > 1:
-                    torch.matmul(d_z[1:], S[1:-1], out=d_x[1:])
-                torch.matmul(d_z[0], a0, out=d_x[0])
-                d_x.view(pass_view + (-1,)).addcmul_(w[:, None], u_ds.view(pass_view + (-1,)), value=-1)
-                d_a0.baddbmm_(_t(d_z[0]), ch["X"][0])
-                grads_chains += [d_x, d_s0, d_a0]
-        return (None, grad_q, grad_k, grad_v, grad_mu, grad_g, grad_lb, grad_a, grad_mu_last, grad_w, *grads_chains)
+                anchor_grads[c] = masked
+        # d_after: the gradient of the state after each chunk; d_u_all (identity) or d_z.
+        d_after, d_u_all = _carve(S, [S[1:].shape, U.shape])
+        d_after[-1] = d_final
+        if not identity:
+            d_z, d_alpha = d_u_all, U.new_empty(U.shape[1:])
+            terms = _residual_vjp2_terms(spec.compress_fn, ch["zh"], ch["r"], ch["e"])
+        for c in range(n - 1, -1, -1):
+            d_next = d_after[c]
+            d_u = _gather(u_parts[i], c, d_u_all[c] if identity else None)
+            x_ds = (ch["X"][c] @ _t(d_next)).view(view[:2] + d_u.shape[-2:])
+            d_u.view(x_ds.shape).addcmul_(w[c], x_ds, value=-1)
+            d_cur = _gather(st_parts[i], c, d_after[c - 1] if c > 0 else None)  # grad of S_c
+            d_cur.view(view).addcmul_(mu_last[c], d_next.view(view))
+            if c in anchor_grads:
+                d_cur += anchor_grads[c]
+            if identity:
+                d_cur.baddbmm_(_t(d_u), ch["W"][c])
+                continue
+            _residual_vjp2(spec.compress_fn, ch["zh"][c], ch["r"][c], *(x[c] for x in terms), U[c], d_u, d_z[c],
+                           d_alpha)
+            if passes == 2:  # a stacked chain: keys and values share the target
+                torch.add(d_alpha[:nh], d_alpha[nh:], out=grad_a[c])
+            elif i == 0:
+                grad_a[c] = d_alpha
+            else:
+                grad_a[c] += d_alpha
+            if c > 0:
+                d_cur.baddbmm_(_t(d_z[c]), ch["X"][c])
+        d_s0 = d_cur
+        # Batched over chunks: the gradients of mu_L, w and X through S' = mu_L S - U^T (w X),
+        # and of U's inputs.
+        pass_view = (n, passes, nh) + U.shape[-2:-1]
+        grad_mu_last += _dot(S[:-1].flatten(-2), d_after.flatten(-2)).view(pass_view[:3]).sum(1)[..., None, None]
+        u_ds = torch.matmul(U, d_after)  # minus the gradient of w X
+        grad_w -= _dot(ch["X"], u_ds).view(pass_view + (1,)).sum(1)
+        if identity:
+            d_x = u_ds.view(pass_view + (-1,)).mul_(w[:, None]).neg_().view(u_ds.shape)
+            grads_chains += [torch.matmul(d_u_all, S[:-1]), d_u_all.neg_(), d_x, d_s0, d_a0]
+        else:
+            d_x = torch.empty_like(ch["X"])
+            if n > 1:
+                torch.matmul(d_z[1:], S[1:-1], out=d_x[1:])
+            torch.matmul(d_z[0], a0, out=d_x[0])
+            d_x.view(pass_view + (-1,)).addcmul_(w[:, None], u_ds.view(pass_view + (-1,)), value=-1)
+            d_a0.baddbmm_(_t(d_z[0]), ch["X"][0])
+            grads_chains += [d_x, d_s0, d_a0]
+    return (None, grad_q, grad_k, grad_v, grad_mu, grad_g, grad_lb, grad_a, grad_mu_last, grad_w, *grads_chains)
 
 
 def _chain_saved(identity: bool) -> tuple:

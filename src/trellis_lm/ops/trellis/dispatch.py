@@ -10,7 +10,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from ..checks import (
-    as_dtype, check_chunk_size, check_cu_seqlens, check_offsets, compute_dtype, expect_dims,
+    as_dtype, check_chunk_size, check_cu_seqlens, check_offsets, compute_dtype, in_compute_dtype, expect_dims,
     expect_float_inputs, expect_in_range, expect_nonzero_sizes, expect_shape, pick_backend,
 )
 from .chunked import chunked_forward
@@ -162,5 +162,6 @@ def trellis_attention(
     if rows == 0:  # an empty batch: nothing to compute, and the (empty) state passes through
         return q.new_zeros(v.shape), (state if output_final_state else None)
     inputs = [as_dtype(t, dtype, q.device) for t in (q, k, v, alpha, log_beta, gamma)]
-    o, final = forward(*inputs, state, chunk_size, compress_fn, mix_fn, cu_seqlens)
+    with in_compute_dtype(q.device):
+        o, final = forward(*inputs, state, chunk_size, compress_fn, mix_fn, cu_seqlens)
     return as_dtype(o, q.dtype, q.device), (final if output_final_state else None)
