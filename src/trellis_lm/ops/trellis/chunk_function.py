@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .functions import EPS, compress_residual_vjp, mix
+from .functions import EPS, compress_residual_vjp, layer_norm_stats, layer_norm_vjp, mix
 
 
 @dataclass(frozen=True)
@@ -72,37 +72,21 @@ def in_chunk_log_gaps(log_beta: torch.Tensor) -> torch.Tensor:
     return gap.masked_fill_(rows[:, None] < rows[None, :], float("-inf"))
 
 
-def _layer_norm(x: torch.Tensor):
-    """``(x_hat, mean, rstd)`` over the last axis, no affine, torch's fused kernel."""
-    return torch.native_layer_norm(x, x.shape[-1:], None, None, EPS)
-
-
-def _layer_norm_vjp(grad: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
-    """``J^T grad`` of the affine-free layer norm at ``x`` (stats from :func:`_layer_norm`)."""
-    return torch.ops.aten.native_layer_norm_backward(grad, x, x.shape[-1:], mean, rstd, None, None,
-                                                     [True, False, False])[0]
-
-
 def _residual(name: str, z: torch.Tensor, alpha: torch.Tensor, parts=None) -> torch.Tensor:
-    """``vjp_phi(z, phi(z) - alpha)`` of :func:`.functions.compress_residual_vjp`, for
-    ``layernorm`` in three fused kernels (the residual's VJP *is* layer norm's backward).
+    """``vjp_phi(z, phi(z) - alpha)`` of :func:`.functions.compress_residual_vjp`, optionally
+    leaving its parts in buffers (``layernorm``: the same three fused kernels, with ``out=``).
 
     ``parts``: optional buffers ``(z_hat, r, e)`` shaped like ``z`` (``r`` ``[..., 1]``) that
     receive ``phi(z)``, ``1 / sigma`` (or ``1 / |z|``) and ``e = z_hat - alpha``, which
     :func:`_residual_vjp2` needs (``layernorm`` and ``l2norm`` only).
     """
-    if name == "layernorm":
-        if parts is None:
-            z_hat, mean, r = _layer_norm(z)
-        else:
-            z_hat, r, _ = parts
-            mean = r.new_empty(r.shape)
-            torch.ops.aten.native_layer_norm.out(z, z.shape[-1:], None, None, EPS, out0=z_hat, out1=mean, out2=r)
-        e = z_hat - alpha if parts is None else torch.sub(z_hat, alpha, out=parts[2])
-        return _layer_norm_vjp(e, z, mean, r)
     if parts is None:
-        return compress_residual_vjp(name, z, alpha)
+        return compress_residual_vjp(name, z, alpha)  # no graph here: its fused layer-norm path
     z_hat, r, e = parts
+    if name == "layernorm":
+        mean = r.new_empty(r.shape)
+        torch.ops.aten.native_layer_norm.out(z, z.shape[-1:], None, None, EPS, out0=z_hat, out1=mean, out2=r)
+        return layer_norm_vjp(torch.sub(z_hat, alpha, out=e), z, mean, r)
     torch.rsqrt(z.pow(2).sum(-1, keepdim=True).add_(EPS), out=r)
     torch.sub(torch.mul(z, r, out=z_hat), alpha, out=e)
     return torch.addcmul(e, z_hat, (z_hat * e).sum(-1, keepdim=True), value=-1).mul_(r)
@@ -154,7 +138,7 @@ def _mix_forward(name: str, y: torch.Tensor):
     """``H = f(y)`` and what :func:`_mix_vjp` needs."""
     if name == "ln_silu":
         s = torch.nn.functional.silu(y)
-        h, mean, rstd = _layer_norm(s)
+        h, mean, rstd = layer_norm_stats(s)
         return h, (y, mean, rstd)  # SiLU(y) is redone in the backward rather than kept
     return mix(name, y), (y,)
 
@@ -163,7 +147,7 @@ def _mix_vjp(name: str, saved, grad_h: torch.Tensor) -> torch.Tensor:
     """``J_f^T grad_h``; may overwrite ``grad_h`` (with the result)."""
     if name == "ln_silu":
         y, mean, rstd = saved
-        grad_s = _layer_norm_vjp(grad_h, torch.nn.functional.silu(y), mean, rstd)
+        grad_s = layer_norm_vjp(grad_h, torch.nn.functional.silu(y), mean, rstd)
         return torch.ops.aten.silu_backward.grad_input(grad_s, y, grad_input=grad_h)
     # Not hand-derived: autograd of the batched f alone (one re-evaluation, no per-chunk nodes).
     with torch.enable_grad():

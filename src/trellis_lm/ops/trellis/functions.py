@@ -26,8 +26,25 @@ def _l2norm(z: torch.Tensor) -> torch.Tensor:
     return z * torch.rsqrt(z.pow(2).sum(dim=-1, keepdim=True) + EPS)
 
 
+def layer_norm_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(x_hat, mean, rstd)`` over the last axis, no affine: torch's fused kernel. Autograd does
+    not differentiate ``mean`` and ``rstd``: use them only where no graph is recorded."""
+    return torch.native_layer_norm(x, x.shape[-1:], None, None, EPS)
+
+
+def layer_norm_vjp(grad: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
+    """``J^T grad`` of the affine-free layer norm at ``x`` (stats from :func:`layer_norm_stats`),
+    torch's fused backward kernel."""
+    return torch.ops.aten.native_layer_norm_backward(grad, x, x.shape[-1:], mean, rstd, None, None,
+                                                     [True, False, False])[0]
+
+
 def compress_residual_vjp(name: str, z: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
     """``vjp_phi(z, phi(z) - alpha)``: the gradient of ``||phi(z) - alpha||^2 / 2`` in ``z``.
+
+    For ``layernorm`` with no graph to record (decoding, the chunk form's forward) the VJP *is*
+    layer norm's backward: three fused kernels instead of the closed form's seven operations,
+    which autograd differentiates when it records.
 
     Args:
         name: one of ``COMPRESS_FNS``.
@@ -45,6 +62,9 @@ def compress_residual_vjp(name: str, z: torch.Tensor, alpha: torch.Tensor) -> to
         e = z_hat - alpha
         return (e - z_hat * (z_hat * e).sum(dim=-1, keepdim=True)) * inv_norm
     if name == "layernorm":
+        if not (torch.is_grad_enabled() and (z.requires_grad or alpha.requires_grad)):
+            z_hat, mean, rstd = layer_norm_stats(z)
+            return layer_norm_vjp(z_hat - alpha, z, mean, rstd)
         # J^T e = (e - mean(e) - zh mean(zh * e)) / sigma.
         centred = z - z.mean(dim=-1, keepdim=True)
         inv_sigma = torch.rsqrt(centred.pow(2).mean(dim=-1, keepdim=True) + EPS)

@@ -12,21 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from .functions import EPS, compress_residual_vjp, mix
+from .functions import compress_residual_vjp, mix
 from .state import TrellisState
-
-
-def _residual_vjp(compress_fn: str, z: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
-    """:func:`.functions.compress_residual_vjp`; for ``layernorm`` without autograd (decoding)
-    with ``z_hat`` and ``1 / sigma`` from torch's fused layer norm, one kernel instead of seven
-    operations (autograd would not differentiate its ``1 / sigma`` output)."""
-    if compress_fn != "layernorm" or torch.is_grad_enabled():
-        return compress_residual_vjp(compress_fn, z, alpha)
-    z_hat, _, inv_sigma = torch.native_layer_norm(z, z.shape[-1:], None, None, EPS)
-    e = z_hat - alpha
-    # J^T e = (e - mean(e) - z_hat mean(z_hat * e)) / sigma
-    centred = e - e.mean(dim=-1, keepdim=True)
-    return torch.addcmul(centred, z_hat, (z_hat * e).mean(dim=-1, keepdim=True), value=-1) * inv_sigma
 
 
 def step_forward(q, k, v, alpha, log_beta, gamma, state, chunk_size, compress_fn, mix_fn, cu_seqlens):
@@ -45,7 +32,7 @@ def step_forward(q, k, v, alpha, log_beta, gamma, state, chunk_size, compress_fn
     # identity takes its residual at the current memory, before this token's write (section 1).
     r_k, r_v = (m_k, m_v) if compress_fn == "identity" else (a_k, a_v)
     reads = torch.stack([r_k @ k, r_v @ v])[..., 0]  # [2, N, H, M]
-    u = (_residual_vjp(compress_fn, reads, alpha[:, 0]) * gamma[:, 0, :, None])[..., None]
+    u = (compress_residual_vjp(compress_fn, reads, alpha[:, 0]) * gamma[:, 0, :, None])[..., None]
     m_k = torch.addcmul(beta * m_k, u[0], k.transpose(-1, -2), value=-1)
     m_v = torch.addcmul(beta * m_v, u[1], v.transpose(-1, -2), value=-1)
     h = mix(mix_fn, (m_k @ q)[..., 0])  # [N, H, M]
