@@ -6,7 +6,6 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..cache_trellis import LatticeLayerCache
@@ -28,6 +27,7 @@ class LatticeAttention(MemoryMixer):
     kind = "lattice"
     state_class = LatticeState
     cache_class = LatticeLayerCache
+    silu_l2_qk = True
 
     def __init__(self, config: Any, layer_idx: int) -> None:
         super().__init__(config, layer_idx)
@@ -42,15 +42,13 @@ class LatticeAttention(MemoryMixer):
 
     def op_inputs(self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, valid: Any = None,
                   state: Any = None) -> tuple[torch.Tensor, ...]:
-        """``(q, k, v, gamma)`` as :func:`~trellis_lm.ops.lattice_attention` takes them."""
+        """``(q, k, v, gamma)`` as :func:`~trellis_lm.ops.lattice_attention` takes them;
+        ``q``, ``k`` arrive through SiLU and the per-head L2 norm (``silu_l2_qk``), ``[B, T, H, M]``."""
         batch, length, _ = x.shape
         heads, dim = self.config.num_heads, self.config.head_dim
-        # q and k take the same activation and norm: one pass over both (fewer operations per
-        # decoded token), split by one unbind.
-        qk = l2_normalize(F.silu(at_least_float32(torch.stack([q, k]))).view(2, batch, length, heads, -1))
         v = l2_normalize(at_least_float32(self.v_proj(x)).view(batch, length, heads, dim))
         gamma = torch.sigmoid(at_least_float32(self.gamma_proj(x)))
-        return (*qk.unbind(0), v, gamma)
+        return q, k, v, gamma
 
     def fresh_state(self, rows: int) -> LatticeState:
         return LatticeState.at_chunk_start(self.s0.expand(rows, -1, -1, -1))
