@@ -15,12 +15,13 @@ import torch.nn.functional as F
 
 from tiny_models import tiny_model
 from trellis_lm import train_tokenizer
-from trellis_lm.eval.mqar import FILLER_TOKEN, IGNORE_INDEX, answer_accuracy, make_mqar
+from trellis_lm.eval.mqar import FILLER_TOKEN, IGNORE_INDEX, accuracy_by_query_position, answer_accuracy, make_mqar
 from trellis_lm.eval.niah import (
     NOISE_SENTENCES, NIAHExample, make_niah_example, make_niah_training_data, niah_match, niah_tokenizer, score_niah,
 )
 from trellis_lm.eval.synthetic import (
-    INIT_VARIANTS, InlineExecutor, MQARTask, ModelSize, ModelSpec, NIAHTask, Sweep, TrainSettings, best_learning_rate,
+    INIT_VARIANTS, InlineExecutor, MQARTask, ModelSize, ModelSpec, NIAHTask, SettingBatches, Sweep, TrainSettings,
+    best_learning_rate,
     build_model, default_variants, escape_step, layer_schedule, mqar_accuracy, run_mqar, summarize, sweep_runs,
 )
 
@@ -103,6 +104,24 @@ def test_model_loss_sees_only_the_answers():
     perfect = F.one_hot(labels.roll(-1, dims=1).clamp(min=0), 97).float()  # logits at t predict t + 1
     assert answer_accuracy(perfect, labels) == (9, 9)
     assert answer_accuracy(torch.zeros(3, 24, 97).index_fill_(2, torch.tensor([0]), 1.0), labels) == (0, 9)
+
+
+def test_accuracy_by_query_position_splits_the_query_region():
+    ids, labels = make_mqar(200, 40, 4, 64, seed=5, power_a=1.0)  # uniform gaps: queries everywhere
+    answered = labels != IGNORE_INDEX
+    assert accuracy_by_query_position(answered, labels, 4) == [1.0, 1.0, 1.0, 1.0]
+    # Right only where the key sits in the first half of the 32-token query region (positions 8 .. 23).
+    rows, cols = answered.nonzero(as_tuple=True)
+    near = torch.zeros_like(answered)
+    near[rows[cols - 1 < 24], cols[cols - 1 < 24]] = True
+    assert accuracy_by_query_position(near, labels, 4) == [1.0, 1.0, 0.0, 0.0]
+    assert accuracy_by_query_position(near, labels, 4, parts=2) == [1.0, 0.0]
+    # A stretch no query reaches is None, not 0.
+    one_query = torch.full_like(labels, IGNORE_INDEX)
+    one_query[0, 9] = 50
+    assert accuracy_by_query_position(one_query != IGNORE_INDEX, one_query, 4) == [1.0, None, None, None]
+    with pytest.raises(ValueError, match="parts"):
+        accuracy_by_query_position(answered, labels, 4, parts=0)
 
 
 # ---------------------------------------------------------------- NIAH
@@ -192,7 +211,8 @@ def test_every_variant_builds_and_scores():
             "trellis-M64", "lattice-dec", "lattice-enc", "lattice-sim", "kvm", "hybrid"} <= set(names)
     for spec in default_variants():
         model = build_model(spec, TINY2, vocab_size=16, max_len=16)
-        assert 0.0 <= mqar_accuracy(model, ids, labels, batch_size=3) <= 1.0
+        correct, total = answer_accuracy(model(input_ids=ids).logits, labels)
+        assert mqar_accuracy(model, ids, labels, batch_size=3) == pytest.approx(correct / total)
         schedule = SCHEDULE_OF.get(spec.name, ["trellis"] * 2)
         assert layer_schedule(spec, 2) == schedule
         if spec.kind == "llama":
@@ -227,6 +247,53 @@ def test_run_mqar_end_to_end(name):
     # The learning curve: every eval_every steps and at the last step; its last point is val_accuracy.
     assert [step for step, _ in result["curve"]] == [2, 4, 5] and result["steps_run"] == 5
     assert all(0.0 <= acc <= 1.0 for _, acc in result["curve"]) and result["val_accuracy"] == result["curve"][-1][1]
+    assert len(result["accuracy_by_query_position"]) == 4
+    json.dumps(result)
+
+
+def test_train_mix_settings_put_the_task_first_without_repeats():
+    task = MQARTask(seq_len=32, num_kv_pairs=4, train_mix=((16, 2), (32, 4), (16, 2), (24, 3)))
+    assert task.train_settings() == ((32, 4), (16, 2), (24, 3))
+    assert MQARTask(seq_len=32, num_kv_pairs=4).train_settings() == ((32, 4),)
+
+
+def test_setting_batches_hold_one_setting_each_and_every_row_once():
+    parts = [make_mqar(10, 16, 2, 16, seed=0), make_mqar(7, 24, 3, 16, seed=1)]
+    batches = SettingBatches(parts, batch_size=4, seed=3)
+    assert len(batches) == 3 + 2  # 10 rows -> 4, 4, 2; 7 rows -> 4, 3: partial batches kept
+    seen = {16: [], 24: []}
+    for index in range(len(batches)):
+        batch = SettingBatches.collate([batches[index]])
+        assert batch["input_ids"].shape == batch["labels"].shape and batch["input_ids"].shape[0] <= 4
+        seen[batch["input_ids"].shape[1]] += batch["input_ids"].tolist()
+    for (ids, _), length in zip(parts, (16, 24)):
+        assert sorted(seen[length]) == sorted(ids.tolist())
+    with pytest.raises(ValueError, match="batch_size"):
+        SettingBatches(parts, batch_size=0, seed=0)
+
+
+def test_run_mqar_trains_on_the_mixture_and_scores_the_task_setting(monkeypatch):
+    import trellis_lm.eval.synthetic as synthetic
+
+    lengths, scored = set(), []
+    real_train, real_hits = synthetic.train_model, synthetic.answer_hits
+
+    def recording_train(model, dataset, train, evaluate=None):
+        lengths.update(dataset[i]["input_ids"].shape[-1] for i in range(len(dataset)))
+        return real_train(model, dataset, train, evaluate)
+
+    def recording_hits(model, input_ids, labels, batch_size=128):
+        scored.append(input_ids.shape[1])
+        return real_hits(model, input_ids, labels, batch_size)
+
+    monkeypatch.setattr(synthetic, "train_model", recording_train)
+    monkeypatch.setattr(synthetic, "answer_hits", recording_hits)
+    task = MQARTask(seq_len=24, num_kv_pairs=3, vocab_size=16, num_train=48, num_test=8, train_mix=((16, 2),))
+    result = run_mqar(default_variants()[1], task, TINY, TrainSettings(max_steps=4, batch_size=8, eval_every=2,
+                                                                       num_val=8))
+    # Validation every 2 steps and the test set: all at the task's own length.
+    assert lengths == {16, 24} and scored == [24, 24, 24] and result["steps_run"] == 4
+    assert result["task"]["train_mix"] == ((16, 2),)
     json.dumps(result)
 
 
@@ -396,7 +463,7 @@ def test_example_command_writes_json_tables_and_plots(tmp_path, monkeypatch):
     (md.parent / "results_notes.md").write_text("## Reading\n\nhand-written\n")
     example.main(["--preset", "cpu", "--variants", "llama,trellis,kvm", "--pairs", "2", "--seq-lens", "32",
                   "--max-steps", "2", "--lrs", "1e-3,1e-2", "--seeds", "0,1", "--out", str(tmp_path / "out"),
-                  "--results-md", str(md)])
+                  "--results-md", str(md), "--train-mix", "16x2"])
     saved = json.loads((tmp_path / "out" / "synthetic_results.json").read_text())
     mqar = saved["mqar"]
     runs = [(r["model"], r["task"]["seq_len"], r["task"]["num_kv_pairs"], r["train"]["learning_rate"],
@@ -412,6 +479,9 @@ def test_example_command_writes_json_tables_and_plots(tmp_path, monkeypatch):
     text = md.read_text()
     assert "| llama |" in text and "num_kv_pairs=2" in text and "seq_len=32" in text and "hand-written" in text
     assert "### All runs" in text and text.count("| trellis | 24 | 4 |") == 3
+    # Every unit trained on its own setting mixed with 16 tokens / 2 pairs, and scored at its own.
+    assert all(r["task"]["train_mix"] == [[16, 2]] for r in mqar["results"])
+    assert "a mixture of each row's own setting and 16 tokens / 2 pairs" in text and "near -> far" in text
     for name in ("mqar_accuracy_vs_num_kv_pairs", "mqar_accuracy_vs_seq_len", "mqar_curves_T24_P4",
                  "mqar_curves_T32_P4"):
         assert (md.parent / "figures" / f"{name}.png").stat().st_size > 0
@@ -419,7 +489,7 @@ def test_example_command_writes_json_tables_and_plots(tmp_path, monkeypatch):
     monkeypatch.setattr(example, "run_mqar", None)
     example.main(["--preset", "cpu", "--variants", "llama,trellis,kvm", "--pairs", "2", "--seq-lens", "32",
                   "--max-steps", "2", "--lrs", "1e-3,1e-2", "--seeds", "0,1", "--out", str(tmp_path / "out"),
-                  "--results-md", str(md), "--resume"])
+                  "--results-md", str(md), "--train-mix", "16x2", "--resume"])
     resumed = json.loads((tmp_path / "out" / "synthetic_results.json").read_text())["mqar"]
     assert resumed["resumed_runs"] == len(runs) and sorted(map(json.dumps, resumed["results"])) == sorted(
         map(json.dumps, mqar["results"]))
@@ -452,13 +522,15 @@ def test_markdown_renders_medians_ranges_and_verdicts(tmp_path):
                             "train": {"learning_rate": lr, "seed": 0, "num_val": 8, "max_steps": 10},
                             "size": {}, "accuracy": values[0] if lr == 1e-2 else 0.0, "val_accuracy": lr,
                             "mean_train_loss": 1.0, "train_seconds": 2.0, "curve": [[5, 0.1], [10, values[0]]],
-                            "steps_run": 10})
+                            "steps_run": 10, "accuracy_by_query_position": [values[0] / 2, values[0], None, 1.0]})
         for seed, value in enumerate(values[1:], start=1):
-            records.append({**records[-1], "train": {**records[-1]["train"], "seed": seed}, "accuracy": value})
+            records.append({**records[-1], "train": {**records[-1]["train"], "seed": seed}, "accuracy": value,
+                            "accuracy_by_query_position": [value / 2, value, None, 1.0]})
     data = {"command": "python x", "sweep": {"learning_rates": [1e-3, 1e-2], "seeds": [0, 1, 2]},
             "results": records, "wall_minutes": 3.0}
     lines = "\n".join(example.mqar_lines(data, example.PRESETS["cpu"], tmp_path / "figures", tmp_path))
-    assert "| trellis | trellis+trellis | - | 1e-2 | 0.900 [0.80, 0.95] | 0.000 | 0.800 | 2 |" in lines
+    # near -> far: the median over seeds of each quarter of the query region (no query in the third).
+    assert "| trellis | trellis+trellis | - | 1e-2 | 0.900 [0.80, 0.95] | 0.45 0.90 - 1.00 | 0.000 | 0.800 | 2 |" in lines
     assert "trellis 0.900 [0.80, 0.95] vs trellis-no-forget 0.200 [0.10, 0.30] | **yes**" in lines
     assert "trellis-C1 0.500 [0.30, 0.60] vs trellis-C64 0.450 [0.40, 0.70] | not separated: median higher" in lines
     assert "| dec vs enc |" in lines and "both at chance" in lines

@@ -125,4 +125,36 @@ def answer_accuracy(logits: torch.Tensor, labels: torch.Tensor) -> tuple[int, in
     return int((predicted[answered] == target[answered]).sum()), int(answered.sum())
 
 
-__all__ = ["FILLER_TOKEN", "IGNORE_INDEX", "answer_accuracy", "make_mqar"]
+def accuracy_by_query_position(
+    hits: torch.Tensor, labels: torch.Tensor, num_kv_pairs: int, parts: int = 4
+) -> list[float | None]:
+    """Accuracy split by where each query sits: the query region (every position after the
+    ``2 * num_kv_pairs`` context tokens) is cut into ``parts`` equal stretches, nearest the
+    context first, and each query counts in the stretch holding its key. A model that recalls
+    only the queries far from the context (or only the near ones) shows here, where the overall
+    accuracy would hide it.
+
+    Args:
+        hits: ``[N, T]`` bool, True at each answer position answered right (see ``labels``).
+        labels: ``[N, T]`` as returned by :func:`make_mqar`.
+
+    Returns:
+        ``parts`` accuracies, ``None`` for a stretch no query falls in.
+    """
+    if hits.shape != labels.shape:
+        raise ValueError(f"hits {tuple(hits.shape)} and labels {tuple(labels.shape)} must have the same shape")
+    if parts < 1:
+        raise ValueError(f"parts must be >= 1, got {parts}")
+    context = 2 * num_kv_pairs
+    region = labels.shape[1] - context
+    rows, answers = (labels != IGNORE_INDEX).nonzero(as_tuple=True)
+    # The key sits right before its answer.
+    stretch = ((answers - 1 - context).clamp(min=0) * parts) // max(region, 1)
+    scores: list[float | None] = []
+    for part in range(parts):
+        chosen = stretch == part
+        scores.append(float(hits[rows[chosen], answers[chosen]].float().mean()) if chosen.any() else None)
+    return scores
+
+
+__all__ = ["FILLER_TOKEN", "IGNORE_INDEX", "accuracy_by_query_position", "answer_accuracy", "make_mqar"]

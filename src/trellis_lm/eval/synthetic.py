@@ -31,7 +31,7 @@ from transformers import (
 
 from ..configuration_trellis import TrellisConfig
 from ..modeling_trellis import TrellisForCausalLM
-from .mqar import answer_accuracy, make_mqar
+from .mqar import IGNORE_INDEX, accuracy_by_query_position, make_mqar
 from .niah import make_niah_example, make_niah_training_data, niah_tokenizer, score_niah
 
 
@@ -67,7 +67,15 @@ class ModelSize:
 
 @dataclass(frozen=True)
 class MQARTask:
-    """The data of one MQAR setting (see :func:`trellis_lm.eval.mqar.make_mqar`)."""
+    """The data of one MQAR setting (see :func:`trellis_lm.eval.mqar.make_mqar`).
+
+    Attributes:
+        train_mix: further ``(seq_len, num_kv_pairs)`` settings whose examples are mixed into the
+            training data, as the Zoology study trains (e.g. ``((64, 4), (128, 8))`` beside 256
+            tokens and 16 pairs): ``num_train`` is split evenly over the task's own setting and
+            these, every batch holds one setting, and validation and test stay at the task's own
+            setting. Empty (the default): train on the task's setting only.
+    """
 
     seq_len: int = 64
     num_kv_pairs: int = 4
@@ -75,6 +83,12 @@ class MQARTask:
     num_train: int = 4000
     num_test: int = 500
     power_a: float = 0.01
+    train_mix: tuple[tuple[int, int], ...] = ()
+
+    def train_settings(self) -> tuple[tuple[int, int], ...]:
+        """``(seq_len, num_kv_pairs)`` of every setting trained on, the task's own first."""
+        own = (self.seq_len, self.num_kv_pairs)
+        return (own,) + tuple(dict.fromkeys(tuple(s) for s in self.train_mix if tuple(s) != own))
 
 
 @dataclass(frozen=True)
@@ -297,6 +311,35 @@ class TensorDataset(Dataset):
         return row
 
 
+class SettingBatches(Dataset):
+    """Whole training batches, each drawn from one of several same-length example sets (a mixture
+    of MQAR settings whose sequences differ in length), so no batch needs padding. Item ``i`` is a
+    batch dict ``{"input_ids": [B, T_s], "labels": [B, T_s]}``; :func:`train_model` feeds these with a
+    loader batch size of one. Each set is cut into batches after a seeded shuffle (its last partial
+    batch kept), and the order of batches is the loader's, which ``Trainer`` shuffles every epoch."""
+
+    def __init__(self, parts: list[tuple[torch.Tensor, torch.Tensor]], batch_size: int, seed: int) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        generator = torch.Generator().manual_seed(seed)
+        self.batches = []
+        for ids, labels in parts:
+            order = torch.randperm(ids.shape[0], generator=generator)
+            self.batches += [(ids[rows], labels[rows]) for rows in order.split(batch_size)]
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        ids, labels = self.batches[index]
+        return {"input_ids": ids, "labels": labels}
+
+    @staticmethod
+    def collate(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        (batch,) = items
+        return batch
+
+
 class _Curve(TrainerCallback):
     """Records ``(step, evaluate(model))`` every ``every`` steps and at the last step; stops the
     training once the score reaches ``stop_at``."""
@@ -332,16 +375,20 @@ def train_model(
         without ``evaluate`` or ``eval_every``).
     """
     curve = _Curve(evaluate, train.eval_every, train.stop_accuracy) if evaluate and train.eval_every > 0 else None
+    # A SettingBatches item is already a batch of train.batch_size rows.
+    whole_batches = isinstance(dataset, SettingBatches)
     with tempfile.TemporaryDirectory() as output_dir:
         args = TrainingArguments(
-            output_dir=output_dir, max_steps=train.max_steps, per_device_train_batch_size=train.batch_size,
+            output_dir=output_dir, max_steps=train.max_steps,
+            per_device_train_batch_size=1 if whole_batches else train.batch_size,
             learning_rate=train.learning_rate, weight_decay=train.weight_decay,
             warmup_steps=math.ceil(train.warmup_ratio * train.max_steps), lr_scheduler_type="cosine",
             logging_steps=max(1, train.max_steps // 10), save_strategy="no", report_to=[],
             disable_tqdm=True, seed=train.seed, dataloader_num_workers=0, use_cpu=not torch.cuda.is_available(),
             bf16=torch.cuda.is_available() and torch.cuda.is_bf16_supported(),
         )
-        trainer = Trainer(model=model, args=args, train_dataset=dataset, callbacks=[curve] if curve else None)
+        trainer = Trainer(model=model, args=args, train_dataset=dataset, callbacks=[curve] if curve else None,
+                          data_collator=SettingBatches.collate if whole_batches else None)
         started = time.perf_counter()
         output = trainer.train()
         return {"mean_train_loss": output.training_loss, "train_seconds": time.perf_counter() - started,
@@ -349,21 +396,32 @@ def train_model(
 
 
 @torch.no_grad()
-def mqar_accuracy(model: PreTrainedModel, input_ids: torch.Tensor, labels: torch.Tensor, batch_size: int = 128) -> float:
-    """Fraction of answer positions whose argmax prediction equals the label.
+def answer_hits(model: PreTrainedModel, input_ids: torch.Tensor, labels: torch.Tensor, batch_size: int = 128) -> torch.Tensor:
+    """``[N, T]`` bool: True at each answer position (``labels`` not -100) whose value is the
+    model's argmax prediction from the position before.
 
     Args:
         input_ids, labels: ``[N, T]`` from :func:`make_mqar`.
     """
     model.eval()
     device = next(model.parameters()).device
-    correct = total = 0
+    hits = torch.zeros(labels.shape, dtype=torch.bool)
     for start in range(0, input_ids.shape[0], batch_size):
-        ids = input_ids[start : start + batch_size].to(device)
-        logits = model(input_ids=ids, use_cache=False).logits
-        batch_correct, batch_total = answer_accuracy(logits.float().cpu(), labels[start : start + batch_size])
-        correct, total = correct + batch_correct, total + batch_total
-    return correct / total
+        rows = slice(start, start + batch_size)
+        logits = model(input_ids=input_ids[rows].to(device), use_cache=False).logits
+        target = labels[rows, 1:]
+        hits[rows, 1:] = (logits[:, :-1].argmax(-1).cpu() == target) & (target != IGNORE_INDEX)
+    return hits
+
+
+def mqar_accuracy(model: PreTrainedModel, input_ids: torch.Tensor, labels: torch.Tensor, batch_size: int = 128) -> float:
+    """Fraction of answer positions whose argmax prediction equals the label.
+
+    Args:
+        input_ids, labels: ``[N, T]`` from :func:`make_mqar`.
+    """
+    hits = answer_hits(model, input_ids, labels, batch_size)
+    return int(hits.sum()) / int((labels != IGNORE_INDEX).sum())
 
 
 # Validation data (learning curves, learning-rate choice) comes from seeds far from the train
@@ -379,14 +437,25 @@ def run_mqar(spec: ModelSpec, task: MQARTask, size: ModelSize, train: TrainSetti
 
     Returns:
         A JSON-ready record: the spec, task and settings, ``accuracy`` (test set),
+        ``accuracy_by_query_position`` (the test accuracy in each quarter of the query region,
+        nearest the context first: :func:`~trellis_lm.eval.mqar.accuracy_by_query_position`),
         ``val_accuracy`` (validation set, the last point of ``curve`` when one is recorded),
         the training loss averaged over all steps, ``steps_run``, ``curve``, the parameter
         count, the layer schedule and the wall-clock training time.
     """
-    def data(num: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return make_mqar(num, task.seq_len, task.num_kv_pairs, task.vocab_size, seed, power_a=task.power_a)
+    def data(num: int, seed: int, seq_len: int = task.seq_len, pairs: int = task.num_kv_pairs):
+        return make_mqar(num, seq_len, pairs, task.vocab_size, seed, power_a=task.power_a)
 
-    train_ids, train_labels = data(task.num_train, seed=2 * train.seed)
+    settings = task.train_settings()
+    if len(settings) == 1:
+        dataset: Dataset = TensorDataset(*data(task.num_train, seed=2 * train.seed))
+    else:
+        # The task's own setting draws from the seed an unmixed run uses; the others from seeds
+        # apart from every test (2 * seed + 1) and validation seed.
+        share = -(-task.num_train // len(settings))
+        parts = [data(share, 2 * train.seed + 2 * VALIDATION_SEED * i, seq_len, pairs)
+                 for i, (seq_len, pairs) in enumerate(settings)]
+        dataset = SettingBatches(parts, train.batch_size, seed=train.seed)
     test_ids, test_labels = data(task.num_test, seed=2 * train.seed + 1)
     val_ids, val_labels = data(train.num_val, seed=VALIDATION_SEED + train.seed)
 
@@ -394,15 +463,17 @@ def run_mqar(spec: ModelSpec, task: MQARTask, size: ModelSize, train: TrainSetti
         return mqar_accuracy(model, val_ids, val_labels, train.eval_batch_size)
 
     torch.manual_seed(train.seed)
-    model = build_model(spec, size, task.vocab_size, task.seq_len)
-    trained = train_model(model, TensorDataset(train_ids, train_labels), train, validate)
-    accuracy = mqar_accuracy(model, test_ids, test_labels, train.eval_batch_size)
+    model = build_model(spec, size, task.vocab_size, max(seq_len for seq_len, _ in settings))
+    trained = train_model(model, dataset, train, validate)
+    hits = answer_hits(model, test_ids, test_labels, train.eval_batch_size)
+    accuracy = int(hits.sum()) / int((test_labels != IGNORE_INDEX).sum())
     val_accuracy = trained["curve"][-1][1] if trained["curve"] else validate(model)
     return {
         "model": spec.name, "kind": spec.kind, "overrides": dict(spec.overrides), "init": spec.init,
         "mixer_types": layer_schedule(spec, size.num_hidden_layers),
         "task": dataclasses.asdict(task), "size": dataclasses.asdict(size), "train": dataclasses.asdict(train),
-        "accuracy": accuracy, "val_accuracy": val_accuracy, "escape_step": escape_step(trained["curve"]), **trained,
+        "accuracy": accuracy, "val_accuracy": val_accuracy, "escape_step": escape_step(trained["curve"]),
+        "accuracy_by_query_position": accuracy_by_query_position(hits, test_labels, task.num_kv_pairs), **trained,
         "num_parameters": sum(p.numel() for p in model.parameters()),
     }
 
@@ -527,7 +598,9 @@ class InlineExecutor:
 def summarize(records: list[dict[str, Any]], sweep: Sweep) -> list[dict[str, Any]]:
     """One summary per model and setting (in order of first appearance): ``best_lr``,
     ``lr_scores`` (``seeds[0]``'s test accuracy at each rate), ``seeds`` and ``accuracies`` (test
-    accuracy of each seed at the best rate), ``median``, ``min``, ``max`` and ``mean_seconds``."""
+    accuracy of each seed at the best rate), ``median``, ``min``, ``max``, ``by_query_position`` (the
+    median over those seeds of each quarter of :func:`run_mqar`'s breakdown; ``None`` when a record
+    has none) and ``mean_seconds``."""
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for record in records:
         groups.setdefault(setting_key(record), []).append(record)
@@ -539,6 +612,8 @@ def summarize(records: list[dict[str, Any]], sweep: Sweep) -> list[dict[str, Any
             best = max(first, key=lambda r: (r["val_accuracy"], -r["mean_train_loss"]))["train"]["learning_rate"]
         at_best = sorted((r for r in group if r["train"]["learning_rate"] == best), key=lambda r: r["train"]["seed"])
         accuracies = [r["accuracy"] for r in at_best]
+        # Records made before the breakdown existed have none.
+        positions = [r["accuracy_by_query_position"] for r in at_best if r.get("accuracy_by_query_position")]
         summaries.append({
             "model": group[0]["model"], "task": group[0]["task"], "overrides": group[0]["overrides"],
             "mixer_types": group[0].get("mixer_types"), "best_lr": best,
@@ -546,14 +621,18 @@ def summarize(records: list[dict[str, Any]], sweep: Sweep) -> list[dict[str, Any
                           if r["train"]["seed"] == sweep.seeds[0]},
             "seeds": [r["train"]["seed"] for r in at_best], "accuracies": accuracies,
             "median": statistics.median(accuracies), "min": min(accuracies), "max": max(accuracies),
+            "by_query_position": [
+                statistics.median(part) if (part := [p for p in column if p is not None]) else None
+                for column in zip(*positions)
+            ] if len(positions) == len(at_best) else None,
             "mean_seconds": statistics.fmean(r["train_seconds"] for r in group),
         })
     return summaries
 
 
 __all__ = [
-    "INIT_VARIANTS", "InitVariant", "InlineExecutor", "MQARTask", "ModelSize", "ModelSpec", "NIAHTask", "Sweep",
-    "TensorDataset", "TrainSettings", "apply_init", "best_learning_rate", "build_model", "default_variants",
+    "INIT_VARIANTS", "InitVariant", "InlineExecutor", "MQARTask", "ModelSize", "ModelSpec", "NIAHTask", "SettingBatches",
+    "Sweep", "TensorDataset", "TrainSettings", "answer_hits", "apply_init", "best_learning_rate", "build_model", "default_variants",
     "escape_step", "layer_schedule", "mqar_accuracy", "run_mqar",
     "run_niah", "setting_key", "summarize", "sweep_runs", "train_model",
 ]
