@@ -215,6 +215,17 @@ def chosen_variants(args: argparse.Namespace) -> list[ModelSpec]:
             for spec in variants for init in inits if spec.kind != "llama" or init == "default"]
 
 
+def parse_train_mix(text: str) -> tuple[tuple[int, int], ...]:
+    """``--train-mix``: ``"64x4,128x8"`` -> ``((64, 4), (128, 8))``; an empty string: no mixture."""
+    settings = []
+    for item in filter(None, text.split(",")):
+        parts = item.split("x")
+        if len(parts) != 2 or not all(part.isdigit() for part in parts):
+            raise SystemExit(f"--train-mix: {item!r} is not <tokens>x<pairs> with two positive integers, e.g. 64x4")
+        settings.append((int(parts[0]), int(parts[1])))
+    return tuple(settings)
+
+
 def mqar_grid(preset: Preset, args: argparse.Namespace) -> list[tuple[ModelSpec, MQARTask]]:
     """The (model, task) units of the study, in the order they run: the preset's base models at the
     base setting, and its swept models at each of ``pairs`` and ``seq_lens``."""
@@ -226,8 +237,7 @@ def mqar_grid(preset: Preset, args: argparse.Namespace) -> list[tuple[ModelSpec,
         return MQARTask(seq_len=seq_len, num_kv_pairs=num_kv_pairs, vocab_size=preset.vocab_size,
                         num_train=preset.num_train, num_test=preset.num_test, train_mix=train_mix)
 
-    train_mix = preset.train_mix if args.train_mix is None else tuple(
-        tuple(int(n) for n in item.split("x")) for item in args.train_mix.split(",") if item)
+    train_mix = preset.train_mix if args.train_mix is None else parse_train_mix(args.train_mix)
 
     settings = [(preset.base_seq_len, preset.base_pairs)]
     settings += [(preset.base_seq_len, p) for p in pairs]

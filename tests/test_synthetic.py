@@ -550,6 +550,19 @@ def test_example_command_scores_niah_on_a_checkpoint(tmp_path, tokenizer):
     assert set(scores["128"]) == {"0.0", "1.0"} and all(0 <= v <= 1 for v in scores["128"].values())
 
 
+def test_train_mix_argument_is_parsed_or_refused_by_name():
+    example = load_example()
+    assert example.parse_train_mix("64x4,128x8") == ((64, 4), (128, 8)) and example.parse_train_mix("") == ()
+    for bad in ("64-4", "64x", "x4x2", "64x4x1"):
+        with pytest.raises(SystemExit, match="--train-mix"):
+            example.parse_train_mix(bad)
+    # The goal preset mixes by default; --train-mix "" turns it off.
+    grid = example.mqar_grid(example.PRESETS["goal"], example.parse_args(["--preset", "goal"]))
+    assert [task.train_mix for _, task in grid] == [((64, 4), (128, 8))]
+    grid = example.mqar_grid(example.PRESETS["goal"], example.parse_args(["--preset", "goal", "--train-mix", ""]))
+    assert [task.train_mix for _, task in grid] == [()]
+
+
 def test_presets_cover_the_requested_rows():
     example = load_example()
     preset = example.PRESETS["cpu"]
