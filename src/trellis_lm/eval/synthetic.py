@@ -241,7 +241,7 @@ class InitVariant:
 INIT_VARIANTS: dict[str, InitVariant] = {
     "default": InitVariant("the model's own: N(0, 0.02) linears and embedding, an untied N(0, 0.02) head, "
                            "alpha_proj N(0, 1/sqrt(hidden)), forget-gate bias spread over heads"),
-    # The default until 2026-11-22: every study recorded before then (cpu.json, init_split.json's
+    # The default until 2026-11-22: every study recorded before then (cpu-tied.json, init_split.json's
     # "tied" rows) ran it; this split is why the default changed.
     "tied": InitVariant("the model's own with the head tied to the embedding (the default until 2026-11-22)",
                         tie_head=True),
