@@ -112,3 +112,15 @@ def header(threads: int) -> str:
     """The first line of a report: date, machine, threads and the load average when it starts."""
     return (f"# {date.today()} | {platform.processor() or platform.machine()} | {threads} threads | "
             f"load {os.getloadavg()[0]:.2f}")
+
+
+def start(doc: str, parts: str, threads: int, worker: Callable[[str, int, bool], None]) -> argparse.Namespace | None:
+    """A script's entry: :func:`parse_args`; in a worker process (``--worker SRC``) run
+    ``worker(src, threads, quick)`` and return None, otherwise print :func:`header` and return the
+    arguments."""
+    args = parse_args(doc, parts, threads)
+    if args.worker:
+        worker(args.worker, args.threads, args.quick)
+        return None
+    print(header(args.threads))
+    return args

@@ -28,7 +28,7 @@ from __future__ import annotations
 import os
 import sys
 
-from ab_workers import Worker, alternate, header, parse_args, serve
+from ab_workers import Worker, alternate, serve, start
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 NEW_SRC = os.path.join(os.path.dirname(HERE), "src")
@@ -163,11 +163,9 @@ def run(sources: dict, threads: int, quick: bool, rounds: int, parts: list[str])
 
 
 def main() -> None:
-    args = parse_args(__doc__, "lattice,kvm,c1,decode,count", threads=1)
-    if args.worker:
-        _worker(args.worker, args.threads, args.quick)
+    args = start(__doc__, "lattice,kvm,c1,decode,count", threads=1, worker=_worker)
+    if args is None:
         return
-    print(header(args.threads))
     sources = {"new": NEW_SRC}
     if args.old:
         sources = {"old": os.path.join(os.path.abspath(args.old), "src"), "new": NEW_SRC}

@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 import sys
 
-from ab_workers import Worker, alternate, header, parse_args, serve
+from ab_workers import Worker, alternate, serve, start
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 NEW_SRC = os.path.join(os.path.dirname(HERE), "src")
@@ -155,11 +155,9 @@ def bench_decode(threads: int, quick: bool, rounds: int) -> list[str]:
 
 
 def main() -> None:
-    args = parse_args(__doc__, "op,LM,c1,count,decode", threads=2)
-    if args.worker:
-        _worker(args.worker, args.threads, args.quick)
+    args = start(__doc__, "op,LM,c1,count,decode", threads=2, worker=_worker)
+    if args is None:
         return
-    print(header(args.threads))
     rows = []
     if args.old:
         rows += compare_old_new(os.path.join(os.path.abspath(args.old), "src"), args.threads, args.quick, args.rounds,

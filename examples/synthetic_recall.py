@@ -445,7 +445,8 @@ def mqar_lines(data: dict, preset: Preset, figures: Path, md_dir: Path) -> list[
     if mix:
         others = ", ".join(f"{seq_len} tokens / {pairs} pairs" for seq_len, pairs in mix)
         lines.append(f"- training data: a mixture of each row's own setting and {others} (Zoology's recipe; the "
-                     "train examples split evenly, one setting per batch); validation and test at the row's own setting")
+                     "train examples split evenly, one setting per batch); validation and test at the row's own "
+                     "setting")
     lines += [
         f"- runs recorded: {len(records)}",
         "",

@@ -276,7 +276,7 @@ def test_run_mqar_trains_on_the_mixture_and_scores_the_task_setting(monkeypatch)
     import trellis_lm.eval.synthetic as synthetic
 
     lengths, scored = set(), []
-    real_train, real_hits = synthetic.train_model, synthetic.answer_hits
+    real_train, real_hits = synthetic.train_model, synthetic.mqar_hits
 
     def recording_train(model, dataset, train, evaluate=None):
         lengths.update(dataset[i]["input_ids"].shape[-1] for i in range(len(dataset)))
@@ -287,7 +287,7 @@ def test_run_mqar_trains_on_the_mixture_and_scores_the_task_setting(monkeypatch)
         return real_hits(model, input_ids, labels, batch_size)
 
     monkeypatch.setattr(synthetic, "train_model", recording_train)
-    monkeypatch.setattr(synthetic, "answer_hits", recording_hits)
+    monkeypatch.setattr(synthetic, "mqar_hits", recording_hits)
     task = MQARTask(seq_len=24, num_kv_pairs=3, vocab_size=16, num_train=48, num_test=8, train_mix=((16, 2),))
     result = run_mqar(default_variants()[1], task, TINY, TrainSettings(max_steps=4, batch_size=8, eval_every=2,
                                                                        num_val=8))

@@ -109,20 +109,27 @@ def _check_args(
         )
 
 
-def answer_accuracy(logits: torch.Tensor, labels: torch.Tensor) -> tuple[int, int]:
-    """Count the answers a model got right.
+def answer_hits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Which answers a model got right.
 
     Args:
         logits: ``[N, T, V]`` next-token logits (position ``t`` predicts token ``t + 1``).
         labels: ``[N, T]`` as returned by :func:`make_mqar`.
 
     Returns:
-        ``(correct, total)`` over the positions whose label is not -100.
+        ``[N, T]`` bool on ``labels``' device: True at each answer position (label not -100)
+        whose value is the argmax of the logits one position before.
     """
-    predicted = logits[:, :-1].argmax(-1)
     target = labels[:, 1:]
-    answered = target != IGNORE_INDEX
-    return int((predicted[answered] == target[answered]).sum()), int(answered.sum())
+    hits = torch.zeros(labels.shape, dtype=torch.bool, device=labels.device)
+    hits[:, 1:] = (logits[:, :-1].argmax(-1).to(labels.device) == target) & (target != IGNORE_INDEX)
+    return hits
+
+
+def answer_accuracy(logits: torch.Tensor, labels: torch.Tensor) -> tuple[int, int]:
+    """Count the answers a model got right: ``(correct, total)`` over the positions whose label
+    is not -100 (shapes as :func:`answer_hits`)."""
+    return int(answer_hits(logits, labels).sum()), int((labels[:, 1:] != IGNORE_INDEX).sum())
 
 
 def accuracy_by_query_position(
@@ -157,4 +164,4 @@ def accuracy_by_query_position(
     return scores
 
 
-__all__ = ["FILLER_TOKEN", "IGNORE_INDEX", "accuracy_by_query_position", "answer_accuracy", "make_mqar"]
+__all__ = ["FILLER_TOKEN", "IGNORE_INDEX", "accuracy_by_query_position", "answer_accuracy", "answer_hits", "make_mqar"]

@@ -31,7 +31,7 @@ from transformers import (
 
 from ..configuration_trellis import TrellisConfig
 from ..modeling_trellis import TrellisForCausalLM
-from .mqar import IGNORE_INDEX, accuracy_by_query_position, make_mqar
+from .mqar import IGNORE_INDEX, accuracy_by_query_position, answer_hits, make_mqar
 from .niah import make_niah_example, make_niah_training_data, niah_tokenizer, score_niah
 
 
@@ -396,22 +396,22 @@ def train_model(
 
 
 @torch.no_grad()
-def answer_hits(model: PreTrainedModel, input_ids: torch.Tensor, labels: torch.Tensor, batch_size: int = 128) -> torch.Tensor:
-    """``[N, T]`` bool: True at each answer position (``labels`` not -100) whose value is the
-    model's argmax prediction from the position before.
+def mqar_hits(
+    model: PreTrainedModel, input_ids: torch.Tensor, labels: torch.Tensor, batch_size: int = 128
+) -> torch.Tensor:
+    """``[N, T]`` bool on the CPU: :func:`~trellis_lm.eval.mqar.answer_hits` of ``model``'s
+    logits, ``batch_size`` rows at a time.
 
     Args:
         input_ids, labels: ``[N, T]`` from :func:`make_mqar`.
     """
     model.eval()
     device = next(model.parameters()).device
-    hits = torch.zeros(labels.shape, dtype=torch.bool)
-    for start in range(0, input_ids.shape[0], batch_size):
-        rows = slice(start, start + batch_size)
-        logits = model(input_ids=input_ids[rows].to(device), use_cache=False).logits
-        target = labels[rows, 1:]
-        hits[rows, 1:] = (logits[:, :-1].argmax(-1).cpu() == target) & (target != IGNORE_INDEX)
-    return hits
+    # The argmax runs where the logits are; only the [rows, T] hits come back.
+    return torch.cat([
+        answer_hits(model(input_ids=input_ids[rows].to(device), use_cache=False).logits, labels[rows].to(device)).cpu()
+        for rows in (slice(start, start + batch_size) for start in range(0, input_ids.shape[0], batch_size))
+    ])
 
 
 def mqar_accuracy(model: PreTrainedModel, input_ids: torch.Tensor, labels: torch.Tensor, batch_size: int = 128) -> float:
@@ -420,7 +420,7 @@ def mqar_accuracy(model: PreTrainedModel, input_ids: torch.Tensor, labels: torch
     Args:
         input_ids, labels: ``[N, T]`` from :func:`make_mqar`.
     """
-    hits = answer_hits(model, input_ids, labels, batch_size)
+    hits = mqar_hits(model, input_ids, labels, batch_size)
     return int(hits.sum()) / int((labels != IGNORE_INDEX).sum())
 
 
@@ -465,7 +465,7 @@ def run_mqar(spec: ModelSpec, task: MQARTask, size: ModelSize, train: TrainSetti
     torch.manual_seed(train.seed)
     model = build_model(spec, size, task.vocab_size, max(seq_len for seq_len, _ in settings))
     trained = train_model(model, dataset, train, validate)
-    hits = answer_hits(model, test_ids, test_labels, train.eval_batch_size)
+    hits = mqar_hits(model, test_ids, test_labels, train.eval_batch_size)
     accuracy = int(hits.sum()) / int((test_labels != IGNORE_INDEX).sum())
     val_accuracy = trained["curve"][-1][1] if trained["curve"] else validate(model)
     return {
@@ -631,8 +631,8 @@ def summarize(records: list[dict[str, Any]], sweep: Sweep) -> list[dict[str, Any
 
 
 __all__ = [
-    "INIT_VARIANTS", "InitVariant", "InlineExecutor", "MQARTask", "ModelSize", "ModelSpec", "NIAHTask", "SettingBatches",
-    "Sweep", "TensorDataset", "TrainSettings", "answer_hits", "apply_init", "best_learning_rate", "build_model", "default_variants",
-    "escape_step", "layer_schedule", "mqar_accuracy", "run_mqar",
-    "run_niah", "setting_key", "summarize", "sweep_runs", "train_model",
+    "INIT_VARIANTS", "InitVariant", "InlineExecutor", "MQARTask", "ModelSize", "ModelSpec", "NIAHTask",
+    "SettingBatches", "Sweep", "TensorDataset", "TrainSettings", "apply_init", "best_learning_rate", "build_model",
+    "default_variants", "escape_step", "layer_schedule", "mqar_accuracy", "mqar_hits", "run_mqar", "run_niah",
+    "setting_key", "summarize", "sweep_runs", "train_model",
 ]
