@@ -400,16 +400,20 @@ def ablation_section(summaries: list[dict], preset: Preset) -> list[str]:
     lines = [f"### All models (seq_len = {preset.base_seq_len}, {preset.base_pairs} pairs)", "",
              "Test accuracy at the best learning rate: median [min, max] over seeds; then the first seed's "
              "test accuracy at each learning rate of the sweep; \"near -> far\": the best rate's median accuracy "
-             "over seeds in each quarter of the query region, the queries nearest the context first.", "",
-             "| model | layers | changed | best lr | accuracy | near -> far | "
+             "over seeds in each quarter of the query region, the queries nearest the context first; \"1st query\": "
+             "the best rate's median accuracy on each example's first query, where a model that binds no key to "
+             f"its value scores 1/{preset.base_pairs} (later queries it can answer by elimination among the values "
+             "not yet answered).", "",
+             "| model | layers | changed | best lr | accuracy | near -> far | 1st query | "
              + " | ".join(f"lr {fmt_lr(lr)}" for lr in lrs) + " | s / run |",
-             "|---|---|---|---:|---:|---|" + "---:|" * len(lrs) + "---:|"]
+             "|---|---|---|---:|---:|---|---:|" + "---:|" * len(lrs) + "---:|"]
     for name, s in base.items():
         changed = ", ".join(f"{k}={v}" for k, v in s["overrides"].items() if k != "mixer_types") or "-"
         layers = "+".join(s["mixer_types"]) if s.get("mixer_types") else "-"
         scores = " | ".join(f"{s['lr_scores'][lr]:.3f}" if lr in s["lr_scores"] else "-" for lr in lrs)
         quarters = " ".join("-" if x is None else f"{x:.2f}" for x in s.get("by_query_position") or ()) or "-"
-        lines.append(f"| {name} | {layers} | {changed} | {fmt_lr(s['best_lr'])} | {cell(s)} | {quarters} | {scores} "
+        first = "-" if s.get("first_query") is None else f"{s['first_query']:.2f}"
+        lines.append(f"| {name} | {layers} | {changed} | {fmt_lr(s['best_lr'])} | {cell(s)} | {quarters} | {first} | {scores} "
                      f"| {s['mean_seconds']:.0f} |")
 
     def compare(title: str, pairs: tuple) -> list[str]:

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from transformers import AutoModel, AutoModelForCausalLM
 
-from tiny_models import SCHEDULES, VOCAB, left_pad, random_tokens, right_pad, tiny_model
+from tiny_models import SCHEDULES, VOCAB, left_pad, random_tokens, right_pad, tiny_config, tiny_model
 from trellis_lm import TrellisForCausalLM, TrellisModel
 from trellis_lm.mixers import forget_gate_bias
 from trellis_lm.mixers.tokens import ValidTokens
@@ -354,7 +354,7 @@ def test_loading_initialises_what_the_checkpoint_lacks(tmp_path):
     attn = loaded.model.layers[1].self_attn
     torch.testing.assert_close(attn.beta_proj.bias, forget_gate_bias(2, 16.0).float())
     assert 0.6 < attn.mk0.std() < 1.4 and torch.isfinite(attn.mk0).all()
-    assert 0 < attn.q_conv.weight.abs().max() <= 0.5  # kaiming-uniform bound 1/sqrt(width)
+    torch.testing.assert_close(attn.q_conv.weight, attn.q_conv.delay_taps(0))  # the from-scratch init
     for name, tensor in model.state_dict().items():  # the rest is what was saved
         if name not in dropped:
             assert torch.equal(loaded.state_dict()[name], tensor), name
@@ -412,6 +412,31 @@ def test_short_conv_is_a_causal_depthwise_conv1d():
     y1, tail1 = conv(x[:, :5], None)
     y2, _ = conv(x[:, 5:], tail1)
     torch.testing.assert_close(torch.cat([y1, y2], dim=1), expected)
+
+
+@pytest.mark.parametrize("mixer, width", [("trellis", 4), ("lattice", 4), ("trellis", 2), ("trellis", 1)])
+def test_fresh_short_convs_pass_the_current_token_to_q_and_the_previous_to_k(mixer, width):
+    model = TrellisForCausalLM(tiny_config(mixer_types=(mixer,), num_hidden_layers=1, conv_size=width))
+    attn = model.model.layers[0].self_attn
+    x = torch.randn(2, 7, attn.k_conv.weight.shape[0])
+    q, _ = attn.q_conv(x, None)
+    k, _ = attn.k_conv(x, None)
+    torch.testing.assert_close(q, x, rtol=0, atol=0)
+    if width == 1:  # no earlier token in reach: k passes the current one too
+        torch.testing.assert_close(k, x, rtol=0, atol=0)
+    else:
+        torch.testing.assert_close(k[:, 1:], x[:, :-1], rtol=0, atol=0)
+        assert not k[:, 0].any()
+
+
+def test_delay_taps_refuse_a_lag_outside_the_conv():
+    from trellis_lm.mixers.parts import TrellisShortConv
+
+    conv = TrellisShortConv(channels=3, width=4)
+    assert conv.delay_taps(3)[..., 0].eq(1).all() and conv.delay_taps(3).sum() == 3
+    for lag in (-1, 4):
+        with pytest.raises(ValueError, match=r"lag must be in \[0, 3\]"):
+            conv.delay_taps(lag)
 
 
 def test_the_delta_rule_stays_finite_on_long_inputs():

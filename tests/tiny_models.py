@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from trellis_lm import TrellisConfig, TrellisForCausalLM
+from trellis_lm.mixers.parts import TrellisShortConv
 
 VOCAB = 97
 # Real tokens are drawn above the special ids, so a sequence never contains pad/bos/eos.
@@ -38,9 +39,19 @@ def tiny_config(schedule: str = "trellis", **overrides: Any) -> TrellisConfig:
 
 
 def tiny_model(seed: int = 0, dtype: torch.dtype = torch.float32, schedule: str = "trellis", **overrides: Any) -> TrellisForCausalLM:
-    """A randomly initialised model in eval mode."""
+    """A randomly initialised model in eval mode, with random short-conv taps.
+
+    A fresh model's convs pass one token each (q the current, k the previous one), so a test
+    of what the conv carries across calls (decode, resume, padding, packing) would not see the
+    other taps; random ones make every tap count.
+    """
     torch.manual_seed(seed)
-    return TrellisForCausalLM(tiny_config(schedule, **overrides)).to(dtype).eval()
+    model = TrellisForCausalLM(tiny_config(schedule, **overrides))
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, TrellisShortConv):
+                module.weight.normal_(std=0.5)
+    return model.to(dtype).eval()
 
 
 def random_tokens(batch: int, length: int, seed: int = 0) -> torch.Tensor:

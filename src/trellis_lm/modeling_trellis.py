@@ -12,7 +12,6 @@ This file travels with checkpoints as remote code (see :mod:`.remote_code`).
 
 from __future__ import annotations
 
-import math
 import os
 import tempfile
 from pathlib import Path
@@ -32,7 +31,7 @@ from .cache_trellis import TrellisCache
 from .configuration_trellis import TrellisConfig
 from .model_card_trellis import CARD_NAME, hub_card_text, is_generated, write_model_card
 from .mixers import Mixer, build_mixer
-from .mixers.parts import TrellisRMSNorm, TrellisShortConv
+from .mixers.parts import TrellisRMSNorm
 from .mixers.tokens import ValidTokens
 
 logger = logging.get_logger(__name__)
@@ -100,9 +99,6 @@ class TrellisPreTrainedModel(PreTrainedModel):
                 init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):
             init.normal_(module.weight, mean=0.0, std=std)
-        elif isinstance(module, TrellisShortConv):
-            # PyTorch's default for convolutions, which short convs of recurrent layers start from.
-            init.kaiming_uniform_(module.weight, a=math.sqrt(5))
         elif isinstance(module, TrellisRMSNorm):
             init.ones_(module.weight)
         elif isinstance(module, Mixer):

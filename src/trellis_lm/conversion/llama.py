@@ -594,8 +594,7 @@ def _init_gate_and_convs(attn: Union[TrellisAttention, LatticeAttention]) -> Non
     attn.g_proj.weight.zero_()
     for conv in (attn.q_conv, attn.k_conv):
         if conv is not None:
-            conv.weight.zero_()
-            conv.weight[..., -1] = 1.0
+            conv.weight.copy_(conv.delay_taps(0))
     attn.o_norm.weight.fill_(1.0)
 
 

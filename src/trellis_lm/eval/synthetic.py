@@ -30,8 +30,9 @@ from transformers import (
 )
 
 from ..configuration_trellis import TrellisConfig
+from ..mixers.parts import TrellisShortConv
 from ..modeling_trellis import TrellisForCausalLM
-from .mqar import IGNORE_INDEX, accuracy_by_query_position, answer_hits, make_mqar
+from .mqar import IGNORE_INDEX, accuracy_by_query_position, answer_hits, first_query_accuracy, make_mqar
 from .niah import make_niah_example, make_niah_training_data, niah_tokenizer, score_niah
 
 
@@ -228,6 +229,9 @@ class InitVariant:
             of every linear, weights and biases, ``alpha_proj`` and the gate biases included.
         alpha_std: re-draw every ``alpha_proj`` weight from N(0, this).
         forget_bias: set every head's ``beta_proj`` bias to this (the same for all heads).
+        kaiming_convs: re-draw every short conv's taps with PyTorch's Kaiming-uniform default
+            (the model's own until 2026-11-23) instead of the model's current-token query and
+            previous-token key taps.
     """
 
     description: str
@@ -236,11 +240,17 @@ class InitVariant:
     linears: str = "model"
     alpha_std: float | None = None
     forget_bias: float | None = None
+    kaiming_convs: bool = False
 
 
 INIT_VARIANTS: dict[str, InitVariant] = {
     "default": InitVariant("the model's own: N(0, 0.02) linears and embedding, an untied N(0, 0.02) head, "
-                           "alpha_proj N(0, 1/sqrt(hidden)), forget-gate bias spread over heads"),
+                           "alpha_proj N(0, 1/sqrt(hidden)), forget-gate bias spread over heads, short convs "
+                           "passing the current token to q and the previous one to k"),
+    # The short convs' default until 2026-11-23: every study recorded before then ran it (cpu.json,
+    # goal.json, ...); this comparison is why the default changed.
+    "conv-kaiming": InitVariant("the model's own with Kaiming-uniform short-conv taps (the default until "
+                                "2026-11-23)", kaiming_convs=True),
     # The default until 2026-11-22: every study recorded before then (cpu-tied.json, init_split.json's
     # "tied" rows) ran it; this split is why the default changed.
     "tied": InitVariant("the model's own with the head tied to the embedding (the default until 2026-11-22)",
@@ -286,6 +296,10 @@ def apply_init(model: PreTrainedModel, variant: InitVariant) -> None:
             torch.nn.init.normal_(module.weight, std=variant.alpha_std)
         if name.endswith("beta_proj") and variant.forget_bias is not None:
             module.bias.fill_(variant.forget_bias)
+    if variant.kaiming_convs:
+        for module in model.modules():
+            if isinstance(module, TrellisShortConv):
+                torch.nn.init.kaiming_uniform_(module.weight, a=math.sqrt(5))
 
 
 def escape_step(curve: list[list[float]], threshold: float = 0.1) -> float | None:
@@ -439,6 +453,8 @@ def run_mqar(spec: ModelSpec, task: MQARTask, size: ModelSize, train: TrainSetti
         A JSON-ready record: the spec, task and settings, ``accuracy`` (test set),
         ``accuracy_by_query_position`` (the test accuracy in each quarter of the query region,
         nearest the context first: :func:`~trellis_lm.eval.mqar.accuracy_by_query_position`),
+        ``first_query_accuracy`` (each test example's first query only, where guessing among
+        the values not yet answered cannot help: :func:`~trellis_lm.eval.mqar.first_query_accuracy`),
         ``val_accuracy`` (validation set, the last point of ``curve`` when one is recorded),
         the training loss averaged over all steps, ``steps_run``, ``curve``, the parameter
         count, the layer schedule and the wall-clock training time.
@@ -473,7 +489,8 @@ def run_mqar(spec: ModelSpec, task: MQARTask, size: ModelSize, train: TrainSetti
         "mixer_types": layer_schedule(spec, size.num_hidden_layers),
         "task": dataclasses.asdict(task), "size": dataclasses.asdict(size), "train": dataclasses.asdict(train),
         "accuracy": accuracy, "val_accuracy": val_accuracy, "escape_step": escape_step(trained["curve"]),
-        "accuracy_by_query_position": accuracy_by_query_position(hits, test_labels, task.num_kv_pairs), **trained,
+        "accuracy_by_query_position": accuracy_by_query_position(hits, test_labels, task.num_kv_pairs),
+        "first_query_accuracy": first_query_accuracy(hits, test_labels), **trained,
         "num_parameters": sum(p.numel() for p in model.parameters()),
     }
 
@@ -600,7 +617,8 @@ def summarize(records: list[dict[str, Any]], sweep: Sweep) -> list[dict[str, Any
     ``lr_scores`` (``seeds[0]``'s test accuracy at each rate), ``seeds`` and ``accuracies`` (test
     accuracy of each seed at the best rate), ``median``, ``min``, ``max``, ``by_query_position`` (the
     median over those seeds of each quarter of :func:`run_mqar`'s breakdown; ``None`` when a record
-    has none) and ``mean_seconds``."""
+    has none), ``first_query`` (the median of their ``first_query_accuracy``; ``None`` likewise)
+    and ``mean_seconds``."""
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for record in records:
         groups.setdefault(setting_key(record), []).append(record)
@@ -614,6 +632,7 @@ def summarize(records: list[dict[str, Any]], sweep: Sweep) -> list[dict[str, Any
         accuracies = [r["accuracy"] for r in at_best]
         # Records made before the breakdown existed have none.
         positions = [r["accuracy_by_query_position"] for r in at_best if r.get("accuracy_by_query_position")]
+        firsts = [r["first_query_accuracy"] for r in at_best if r.get("first_query_accuracy") is not None]
         summaries.append({
             "model": group[0]["model"], "task": group[0]["task"], "overrides": group[0]["overrides"],
             "mixer_types": group[0].get("mixer_types"), "best_lr": best,
@@ -625,6 +644,7 @@ def summarize(records: list[dict[str, Any]], sweep: Sweep) -> list[dict[str, Any
                 statistics.median(part) if (part := [p for p in column if p is not None]) else None
                 for column in zip(*positions)
             ] if len(positions) == len(at_best) else None,
+            "first_query": statistics.median(firsts) if len(firsts) == len(at_best) else None,
             "mean_seconds": statistics.fmean(r["train_seconds"] for r in group),
         })
     return summaries

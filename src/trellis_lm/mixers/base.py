@@ -77,6 +77,22 @@ class MemoryMixer(Mixer):
     silu_l2_qk: ClassVar[bool] = False
     _fused_out: Optional[dict] = None
 
+    def init_weights(self, init: Any) -> None:
+        """Short convs of a model built from scratch: the query passes the current token and the
+        key the one before it (the current one for a width-1 conv), an induction-head start.
+
+        The memory then starts out writing "previous token -> current token" and reading with
+        the current token, so recalling what followed an earlier occurrence needs no search
+        over the taps. With PyTorch's default (Kaiming-uniform taps) every recurrent mixer sat
+        on MQAR's elimination plateau (it guesses among the values not yet asked for, with no
+        key binding) in every seed and rate of the CPU study; with these taps Trellis bound keys
+        from the start (docs/results_notes.md). The taps are trained like any weight.
+        Conversion sets identity taps for both instead, to keep the teacher's q-k alignment.
+        """
+        if self.q_conv is not None:
+            init.copy_(self.q_conv.weight, self.q_conv.delay_taps(0))
+            init.copy_(self.k_conv.weight, self.k_conv.delay_taps(min(1, self.k_conv.weight.shape[-1] - 1)))
+
     def _build_convs(self, q_channels: int, k_channels: int, width: Optional[int] = None) -> None:
         """Short convs of ``width`` (default ``config.conv_size``; 0: none) on q and k."""
         width = self.config.conv_size if width is None else width
@@ -280,9 +296,6 @@ class MemoryMixer(Mixer):
         if final_state is not None and valid.has_documents:
             final_state = final_state.map(lambda t: t.index_select(0, valid.last_seqs.to(t.device)))
         return o, final_state
-
-    def init_weights(self, init: Any) -> None:
-        pass
 
 
 @cache

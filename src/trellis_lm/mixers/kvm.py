@@ -117,6 +117,7 @@ class KVMAttention(MemoryMixer):
         return self.o_proj(o.reshape(batch, length, -1).to(x.dtype))
 
     def init_weights(self, init: Any) -> None:
+        super().init_weights(init)
         init.zeros_(self.gate_proj.weight)  # plain sums at the start (the page; upstream: Kaiming)
         init.ones_(self.state_norm_weight)
         init.zeros_(self.state_norm_bias)

@@ -67,6 +67,7 @@ class LatticeAttention(MemoryMixer):
         )
 
     def init_weights(self, init: Any) -> None:
+        super().init_weights(init)
         heads, slots, dim = self.s0.shape
         if slots <= dim:
             # Orthonormal slots per head, as the paper starts from: rows of Q^T for a random Q.

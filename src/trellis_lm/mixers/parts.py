@@ -114,3 +114,13 @@ class TrellisShortConv(nn.Conv1d):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(y [B, T, C], new tail)``; arguments as in :func:`causal_conv`."""
         return causal_conv(x, tail, self.weight, lengths, reach)
+
+    def delay_taps(self, lag: int) -> torch.Tensor:
+        """Taps ``[C, 1, width]`` that pass every channel's input from ``lag`` tokens back
+        unchanged (``lag = 0``: the identity), on this conv's weight's device and dtype."""
+        if not 0 <= lag < self.weight.shape[-1]:
+            raise ValueError(f"lag must be in [0, {self.weight.shape[-1] - 1}] for a conv of width "
+                             f"{self.weight.shape[-1]}, got {lag}")
+        taps = torch.zeros_like(self.weight)
+        taps[..., -1 - lag] = 1.0  # the last tap multiplies the current token
+        return taps

@@ -99,6 +99,7 @@ class TrellisAttention(MemoryMixer):
         )
 
     def init_weights(self, init: Any) -> None:
+        super().init_weights(init)
         # Entries of order 1, so `MK0 k` spreads over the slots for a unit-norm k; a tiny
         # memory would make the l2norm/layernorm compressions divide by about eps.
         init.normal_(self.mk0, mean=0.0, std=1.0)
