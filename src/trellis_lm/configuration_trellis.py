@@ -67,7 +67,8 @@ class TrellisConfig(PreTrainedConfig):
         lattice_variant: Lattice's write rule, one of ``trellis_lm.ops.LATTICE_VARIANTS``
             (``"dec"``, ``"enc"``, ``"sim"``).
         conv_size: width of the causal depthwise convolution on q and k of the memory mixers;
-            0 disables it.
+            0 disables it. A model built from scratch starts with q's conv passing the current
+            token and k's the previous one (see ``MemoryMixer.init_weights``).
         use_forget_gate: learn Trellis's forget gate beta; when False, beta = 1.
         gate_logit_normalizer: log_beta = logsigmoid(beta_proj(x)) / gate_logit_normalizer.
         num_key_value_heads: key/value heads of attention layers (grouped-query attention);
