@@ -371,6 +371,8 @@ LATTICE_PAIRS = (
 # 3 seeds a side, two equal models put every seed of one above the other 1 time in 20 (10 in each
 # order), and on a shared plateau a few points are the plateau's level, not recall.
 MIN_GAP = 0.05
+# Two models whose every seed scores at least this cannot be ordered at that setting: it is too easy.
+CEILING = 0.95
 
 
 def verdict(a: dict, b: dict) -> str:
@@ -381,10 +383,12 @@ def verdict(a: dict, b: dict) -> str:
     gap = a["median"] - b["median"]
     if max(a["max"], b["max"]) < 0.05:
         return "undecided: both at chance"
+    if min(a["min"], b["min"]) >= CEILING:
+        return f"undecided: both at the ceiling (every seed >= {CEILING})"
     if a["min"] > b["max"] or b["min"] > a["max"]:
         above = a["min"] > b["max"]
         if abs(gap) < MIN_GAP:
-            return f"no clear difference: every seed {'above' if above else 'below'}, by < {MIN_GAP} (same plateau)"
+            return f"no clear difference: every seed {'above' if above else 'below'}, by < {MIN_GAP} (the same level)"
         return "**yes** (every seed above)" if above else "**no, the opposite** (every seed below)"
     order = "higher" if gap > 0 else "lower" if gap < 0 else "equal"
     return f"not separated: median {order}, ranges overlap"
@@ -424,7 +428,8 @@ def ablation_section(summaries: list[dict], preset: Preset) -> list[str]:
     lines += compare("paper's claim", PAPER_DIRECTIONS)
     lines += compare("Lattice write rule", LATTICE_PAIRS)
     return lines + ["", "A claim holds over seeds when every seed of one model scores above every seed of the "
-                    f"other (at each model's own best learning rate) and the medians differ by at least {MIN_GAP}.",
+                    f"other (at each model's own best learning rate) and the medians differ by at least {MIN_GAP}; "
+                    f"two models with every seed at {CEILING} or more are not ordered (the setting is too easy for them).",
                     ""]
 
 
@@ -554,27 +559,30 @@ def spread(values: list[float | None], digits: int, missing: str = "never") -> s
     return show(median) + (f" [{show(ordered[0])}, {show(ordered[-1])}]" if len(ordered) > 1 else "")
 
 
-def init_report(runs: list[dict], figures: Path, md_dir: Path) -> list[str]:
-    """Markdown: per setting, learning rate and init, the step each seed left chance and its final
-    test accuracy, median [min, max] over seeds, and a figure of learning curves per setting and rate."""
+def init_report(runs: list[dict], figures: Path, md_dir: Path, name: str) -> list[str]:
+    """Markdown: per setting, learning rate, model and init, the step each seed left chance and its
+    final test accuracy, median [min, max] over seeds, and a figure of learning curves per setting and
+    rate, ``<figures>/<name>_T<seq_len>_P<pairs>_lr<lr>.png`` (``name``: the study's, so that two
+    studies' figures do not overwrite each other)."""
     def setting(r: dict) -> tuple[int, int, float]:
         return r["task"]["seq_len"], r["task"]["num_kv_pairs"], r["train"]["learning_rate"]
 
     groups: dict[tuple, list[dict]] = {}
     for r in sorted(runs, key=lambda r: (setting(r)[:2], -setting(r)[2])):
         groups.setdefault((setting(r), r["model"]), []).append(r)
-    lines = ["| seq_len, pairs | init | lr | seeds | step leaving chance (val > 0.1) | final test accuracy "
-             "| per seed (step: accuracy) |", "|---|---|---:|---:|---|---|---|"]
+    lines = ["| seq_len, pairs | model | init | lr | seeds | step leaving chance (val > 0.1) | final test accuracy "
+             "| per seed (step: accuracy) |", "|---|---|---|---:|---:|---|---|---|"]
     for ((seq_len, pairs, lr), _), group in groups.items():
         group.sort(key=lambda r: r["train"]["seed"])
         steps = [escape_step(r["curve"]) for r in group]
         per_seed = ", ".join(f"{'never' if s is None else s}: {r['accuracy']:.2f}" for s, r in zip(steps, group))
-        lines.append(f"| {seq_len}, {pairs} | {group[0].get('init', 'default')} | {fmt_lr(lr)} | {len(group)} "
+        model = group[0]["model"].split("@")[0]  # an init's row is named <model>@<init>
+        lines.append(f"| {seq_len}, {pairs} | {model} | {group[0].get('init', 'default')} | {fmt_lr(lr)} | {len(group)} "
                      f"| {spread(steps, 0)} | {spread([r['accuracy'] for r in group], 3)} | {per_seed} |")
     for seq_len, pairs, lr in dict.fromkeys(key for key, _ in groups):
         at = [r for r in runs if setting(r) == (seq_len, pairs, lr)]
         summaries = summarize(at, Sweep(learning_rates=(lr,), seeds=tuple(sorted({r["train"]["seed"] for r in at}))))
-        figure = figures / f"init_curves_T{seq_len}_P{pairs}_lr{fmt_lr(lr)}.png"
+        figure = figures / f"{name}_T{seq_len}_P{pairs}_lr{fmt_lr(lr)}.png"
         title = f"MQAR, seq_len {seq_len}, {pairs} pairs, lr {fmt_lr(lr)}: initialisations"
         if plot_curves(at, summaries, title, figure):
             lines += ["", f"![{title}]({figure.relative_to(md_dir).as_posix()})"]
@@ -715,7 +723,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.init_report:
         data = json.loads(args.init_report.read_text())
         runs = data["runs"] if "runs" in data else data["mqar"]["results"]
-        print("\n".join(init_report(runs, args.results_md.parent / "figures", args.results_md.parent)))
+        print("\n".join(init_report(runs, args.results_md.parent / "figures", args.results_md.parent,
+                                     args.init_report.stem)))
         return
     preset = PRESETS[args.preset]
     args.out.mkdir(parents=True, exist_ok=True)

@@ -406,8 +406,10 @@ def test_init_option_trains_a_row_per_init_and_reports_them(tmp_path, monkeypatc
     capsys.readouterr()
     example.main(["--init-report", str(saved), "--results-md", str(md)])
     table = capsys.readouterr().out
-    assert "| 32, 4 | untied | 3e-3 | 2 |" in table and "| 32, 4 | default | 3e-3 | 2 |" in table
-    assert (md.parent / "figures" / "init_curves_T32_P4_lr3e-3.png").stat().st_size > 0
+    assert "| 32, 4 | trellis | untied | 3e-3 | 2 |" in table and "| 32, 4 | trellis | default | 3e-3 | 2 |" in table
+    assert "| 32, 4 | llama | default | 3e-3 | 2 |" in table
+    # The figure is named after the study's file.
+    assert (md.parent / "figures" / "synthetic_results_T32_P4_lr3e-3.png").stat().st_size > 0
     with pytest.raises(SystemExit, match="unknown inits"):
         example.chosen_variants(example.parse_args(["--init", "nope"]))
 
@@ -574,6 +576,8 @@ def test_markdown_renders_medians_ranges_and_verdicts(tmp_path):
     near = lambda values: {"accuracies": values, "median": sorted(values)[1], "min": min(values), "max": max(values)}
     assert example.verdict(near([0.52, 0.53, 0.54]), near([0.49, 0.5, 0.51])).startswith("no clear difference")
     assert example.verdict(near([0.6, 0.7, 0.8]), near([0.49, 0.5, 0.51])).startswith("**yes**")
+    assert example.verdict(near([0.96, 1.0, 1.0]), near([0.95, 0.99, 1.0])).startswith("undecided: both at the ceiling")
+    assert example.verdict(near([1.0, 1.0, 1.0]), near([0.51, 0.99, 1.0])).startswith("not separated")
     assert "(3 min wall clock)" in lines and (tmp_path / "figures" / "mqar_curves_T32_P4.png").stat().st_size > 0
 
 
