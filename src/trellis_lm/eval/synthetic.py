@@ -247,8 +247,8 @@ INIT_VARIANTS: dict[str, InitVariant] = {
     "default": InitVariant("the model's own: N(0, 0.02) linears and embedding, an untied N(0, 0.02) head, "
                            "alpha_proj N(0, 1/sqrt(hidden)), forget-gate bias spread over heads, short convs "
                            "passing the current token to q and the previous one to k"),
-    # The short convs' default until 2026-11-23: every study recorded before then ran it (cpu.json,
-    # goal.json, ...); this comparison is why the default changed.
+    # The short convs' default until 2026-11-23: every study recorded before then ran it
+    # (cpu-kaiming-convs.json, goal-kaiming-convs.json and older); this comparison changed the default.
     "conv-kaiming": InitVariant("the model's own with Kaiming-uniform short-conv taps (the default until "
                                 "2026-11-23)", kaiming_convs=True),
     # The default until 2026-11-22: every study recorded before then (cpu-tied.json, init_split.json's
