@@ -85,8 +85,9 @@ class MemoryMixer(Mixer):
         the current token, so recalling what followed an earlier occurrence needs no search
         over the taps. With PyTorch's default (Kaiming-uniform taps) every recurrent mixer sat
         on MQAR's elimination plateau (it guesses among the values not yet asked for, with no
-        key binding) in every seed and rate of the CPU study; with these taps Trellis bound keys
-        from the start (docs/results_notes.md). The taps are trained like any weight.
+        key binding) in every seed and rate of the CPU study; with these taps Trellis binds keys
+        in every seed measured there and at 256 tokens / 16 pairs (docs/results_notes.md). The
+        taps are trained like any weight.
         Conversion sets identity taps for both instead, to keep the teacher's q-k alignment.
         """
         if self.q_conv is not None:
