@@ -132,6 +132,11 @@ def answer_accuracy(logits: torch.Tensor, labels: torch.Tensor) -> tuple[int, in
     return int(answer_hits(logits, labels).sum()), int((labels[:, 1:] != IGNORE_INDEX).sum())
 
 
+def _check_hits(hits: torch.Tensor, labels: torch.Tensor) -> None:
+    if hits.shape != labels.shape:
+        raise ValueError(f"hits {tuple(hits.shape)} and labels {tuple(labels.shape)} must have the same shape")
+
+
 def accuracy_by_query_position(
     hits: torch.Tensor, labels: torch.Tensor, num_kv_pairs: int, parts: int = 4
 ) -> list[float | None]:
@@ -148,8 +153,7 @@ def accuracy_by_query_position(
     Returns:
         ``parts`` accuracies, ``None`` for a stretch no query falls in.
     """
-    if hits.shape != labels.shape:
-        raise ValueError(f"hits {tuple(hits.shape)} and labels {tuple(labels.shape)} must have the same shape")
+    _check_hits(hits, labels)
     if parts < 1:
         raise ValueError(f"parts must be >= 1, got {parts}")
     context = 2 * num_kv_pairs
@@ -181,8 +185,7 @@ def first_query_accuracy(hits: torch.Tensor, labels: torch.Tensor) -> float | No
     Returns:
         The accuracy over the rows that hold an answer, ``None`` if none does.
     """
-    if hits.shape != labels.shape:
-        raise ValueError(f"hits {tuple(hits.shape)} and labels {tuple(labels.shape)} must have the same shape")
+    _check_hits(hits, labels)
     answers = labels != IGNORE_INDEX
     rows = answers.any(dim=1)
     if not rows.any():

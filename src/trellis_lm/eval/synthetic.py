@@ -434,7 +434,11 @@ def mqar_accuracy(model: PreTrainedModel, input_ids: torch.Tensor, labels: torch
     Args:
         input_ids, labels: ``[N, T]`` from :func:`make_mqar`.
     """
-    hits = mqar_hits(model, input_ids, labels, batch_size)
+    return hit_rate(mqar_hits(model, input_ids, labels, batch_size), labels)
+
+
+def hit_rate(hits: torch.Tensor, labels: torch.Tensor) -> float:
+    """The fraction of answer positions (``labels`` not -100) that ``hits [N, T]`` marks right."""
     return int(hits.sum()) / int((labels != IGNORE_INDEX).sum())
 
 
@@ -482,7 +486,7 @@ def run_mqar(spec: ModelSpec, task: MQARTask, size: ModelSize, train: TrainSetti
     model = build_model(spec, size, task.vocab_size, max(seq_len for seq_len, _ in settings))
     trained = train_model(model, dataset, train, validate)
     hits = mqar_hits(model, test_ids, test_labels, train.eval_batch_size)
-    accuracy = int(hits.sum()) / int((test_labels != IGNORE_INDEX).sum())
+    accuracy = hit_rate(hits, test_labels)
     val_accuracy = trained["curve"][-1][1] if trained["curve"] else validate(model)
     return {
         "model": spec.name, "kind": spec.kind, "overrides": dict(spec.overrides), "init": spec.init,
