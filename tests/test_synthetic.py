@@ -621,6 +621,20 @@ def test_presets_cover_the_requested_rows():
     assert len(example.mqar_grid(example.PRESETS["gpu"], example.parse_args(["--preset", "gpu"]))) > len(grid)
 
 
+def test_ablation_preset_trains_every_compared_model_once_at_its_setting():
+    example = load_example()
+    preset = example.PRESETS["cpu-ablation"]
+    grid = example.mqar_grid(preset, example.parse_args(["--preset", "cpu-ablation"]))
+    names = [spec.name for spec, _ in grid]
+    compared = {name for pairs in (example.PAPER_DIRECTIONS, example.LATTICE_PAIRS) for _, *models in pairs
+                for name in models}
+    assert compared <= set(names) and len(names) == len(set(names))
+    assert {(task.seq_len, task.num_kv_pairs) for _, task in grid} == {(96, 24)}
+    # Harder than the cpu preset's setting, where every compared row is at the ceiling.
+    cpu = example.PRESETS["cpu"]
+    assert preset.base_pairs > cpu.base_pairs and preset.size == cpu.size
+
+
 def test_trellis_learns_tiny_mqar():
     """CI-sized variant of the slow test below (~8 s): the model binds keys to values."""
     task = MQARTask(seq_len=16, num_kv_pairs=2, vocab_size=16, num_train=3200, num_test=200)
