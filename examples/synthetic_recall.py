@@ -24,6 +24,7 @@ import argparse
 import dataclasses
 import datetime
 import json
+import math
 import multiprocessing
 import os
 import platform
@@ -106,8 +107,9 @@ PRESETS = {
     # them: at the cpu preset's 32 tokens / 4 pairs (and in probes at 64 / 16) every row is at the
     # ceiling. 24 pairs in 96 tokens, vocab 128: single-seed probes of Trellis reached 0.44-0.56 in
     # 1200 steps (1e-3, 3e-3), and 32 pairs in 128 tokens 0.18 (too slow to leave chance for a
-    # 3-seed CPU sweep). Same model as cpu; Llama as the attention reference. About 80 min on 2
-    # idle cores with --jobs 2 (C = 1 is ~40% of it).
+    # 3-seed CPU sweep). Same model as cpu; Llama as the attention reference. Its 60 runs took 92 min
+    # on 2 cores with --jobs 2, the last 40 min beside other runs; C = 1, the last row, trains 12-18 min
+    # a run (the others 1-2.5). Results: docs/results_ablation.md.
     "cpu-ablation": Preset(
         size=ModelSize(hidden_size=64, num_hidden_layers=2, num_heads=2, head_dim=32, intermediate_size=128,
                        num_slots=32, chunk_size=16),
@@ -394,6 +396,30 @@ MIN_GAP = 0.05
 CEILING = 0.95
 
 
+# A seed "learned" the task when it scores at least this: on a plateau that runs to a seed-dependent
+# step, each seed either escapes within the budget or not, so counts of escapes say more than ranges.
+LEARNED = 0.9
+
+
+def fisher_one_sided(hits_a: int, n_a: int, hits_b: int, n_b: int) -> float:
+    """One-sided Fisher exact test: the probability, with the margins fixed and no difference
+    between the two models, that ``a`` gets ``hits_a`` or more of all the hits."""
+    hits, total = hits_a + hits_b, n_a + n_b
+    tail = range(hits_a, min(hits, n_a) + 1)
+    return sum(math.comb(n_a, x) * math.comb(n_b, hits - x) for x in tail) / math.comb(total, hits)
+
+
+def learned_counts(a: dict, b: dict) -> str:
+    """``k/n vs k/n`` seeds at ``LEARNED`` or more, with the one-sided Fisher p that ``a``
+    learns more often than ``b``, and the other way's p when ``b`` learned more often."""
+    hits_a, hits_b = (sum(x >= LEARNED for x in s["accuracies"]) for s in (a, b))
+    n_a, n_b = len(a["accuracies"]), len(b["accuracies"])
+    text = f"{hits_a}/{n_a} vs {hits_b}/{n_b} (p = {fisher_one_sided(hits_a, n_a, hits_b, n_b):.2f}"
+    if hits_b * n_a > hits_a * n_b:
+        text += f"; the other way: {fisher_one_sided(hits_b, n_b, hits_a, n_a):.2f}"
+    return text + ")"
+
+
 def verdict(a: dict, b: dict) -> str:
     """Whether ``a`` beats ``b`` over seeds: separated when every seed of one is above every seed
     of the other and the medians are ``MIN_GAP`` apart, otherwise why not."""
@@ -440,16 +466,20 @@ def ablation_section(summaries: list[dict], preset: Preset) -> list[str]:
                      f"| {s['mean_seconds']:.0f} |")
 
     def compare(title: str, pairs: tuple) -> list[str]:
-        rows = [f"| {claim} | {w} {cell(base[w])} vs {l} {cell(base[l])} | {verdict(base[w], base[l])} |"
-                for claim, w, l in pairs if w in base and l in base]
-        return ["", f"| {title} | runs (median [min, max]) | holds over seeds? |", "|---|---|---|", *rows] if rows else []
+        rows = [f"| {claim} | {w} {cell(base[w])} vs {l} {cell(base[l])} | {verdict(base[w], base[l])} "
+                f"| {learned_counts(base[w], base[l])} |" for claim, w, l in pairs if w in base and l in base]
+        return ["", f"| {title} | runs (median [min, max]) | holds over seeds? | seeds >= {LEARNED} (p) |",
+                "|---|---|---|---|", *rows] if rows else []
 
     lines += compare("paper's claim", PAPER_DIRECTIONS)
     lines += compare("Lattice write rule", LATTICE_PAIRS)
     return lines + ["", "A claim holds over seeds when every seed of one model scores above every seed of the "
                     f"other (at each model's own best learning rate) and the medians differ by at least {MIN_GAP}; "
-                    f"two models with every seed at {CEILING} or more are not ordered (the setting is too easy for them).",
-                    ""]
+                    f"two models with every seed at {CEILING} or more are not ordered (the setting is too easy for them). "
+                    f"\"seeds >= {LEARNED}\": how many seeds of each model reached {LEARNED} (learned the task within "
+                    "the budget), and p, the one-sided Fisher exact probability of the first model's count or more "
+                    "if both learned equally often (small p: the first learns more often; \"the other way\": the same for the "
+                    "second, when it learned more often).", ""]
 
 
 def mqar_lines(data: dict, preset: Preset, figures: Path, md_dir: Path) -> list[str]:

@@ -569,7 +569,8 @@ def test_markdown_renders_medians_ranges_and_verdicts(tmp_path):
     assert ("| trellis | trellis+trellis | - | 1e-2 | 0.900 [0.80, 0.95] | 0.45 0.90 - 1.00 | 0.23 | 0.000 | 0.800 "
             "| 2 |") in lines
     assert "scores 1/4" in lines
-    assert "trellis 0.900 [0.80, 0.95] vs trellis-no-forget 0.200 [0.10, 0.30] | **yes**" in lines
+    assert ("trellis 0.900 [0.80, 0.95] vs trellis-no-forget 0.200 [0.10, 0.30] | **yes** (every seed above) "
+            "| 2/3 vs 0/3 (p = 0.20) |") in lines
     assert "trellis-C1 0.500 [0.30, 0.60] vs trellis-C64 0.450 [0.40, 0.70] | not separated: median higher" in lines
     assert "| dec vs enc |" in lines and "both at chance" in lines
     # Every seed above, but by a hair: not read as a difference.
@@ -578,6 +579,7 @@ def test_markdown_renders_medians_ranges_and_verdicts(tmp_path):
     assert example.verdict(near([0.6, 0.7, 0.8]), near([0.49, 0.5, 0.51])).startswith("**yes**")
     assert example.verdict(near([0.96, 1.0, 1.0]), near([0.95, 0.99, 1.0])).startswith("undecided: both at the ceiling")
     assert example.verdict(near([1.0, 1.0, 1.0]), near([0.51, 0.99, 1.0])).startswith("not separated")
+    assert example.learned_counts(near([0.1, 0.2, 0.3]), near([0.95, 0.99, 1.0])) == "0/3 vs 3/3 (p = 1.00; the other way: 0.05)"
     assert "(3 min wall clock)" in lines and (tmp_path / "figures" / "mqar_curves_T32_P4.png").stat().st_size > 0
 
 
@@ -619,6 +621,17 @@ def test_presets_cover_the_requested_rows():
     goal = example.PRESETS["goal"]
     assert (goal.base_seq_len, goal.base_pairs, goal.size.hidden_size, goal.size.num_hidden_layers) == (256, 16, 128, 2)
     assert len(example.mqar_grid(example.PRESETS["gpu"], example.parse_args(["--preset", "gpu"]))) > len(grid)
+
+
+def test_fisher_one_sided_matches_hand_counts():
+    example = load_example()
+    # 5 of 5 against 1 of 5: of the C(10, 6) ways to place 6 hits, C(5, 5) * C(5, 1) put 5 in the first.
+    assert example.fisher_one_sided(5, 5, 1, 5) == pytest.approx(5 / 210)
+    assert example.fisher_one_sided(3, 3, 0, 3) == pytest.approx(1 / 20)
+    # The first with fewer hits: every table at least as extreme covers almost all.
+    assert example.fisher_one_sided(1, 5, 5, 5) == pytest.approx(1.0)
+    assert example.fisher_one_sided(2, 4, 2, 4) == pytest.approx((36 + 16 + 1) / 70)
+    assert example.fisher_one_sided(0, 3, 0, 3) == 1.0 and example.fisher_one_sided(3, 3, 3, 3) == 1.0
 
 
 def test_ablation_preset_trains_every_compared_model_once_at_its_setting():
