@@ -109,7 +109,7 @@ PRESETS = {
     # 1200 steps (1e-3, 3e-3), and 32 pairs in 128 tokens 0.18 (too slow to leave chance for a
     # 3-seed CPU sweep). Same model as cpu; Llama as the attention reference. Its 60 runs took 92 min
     # on 2 cores with --jobs 2, the last 40 min beside other runs; C = 1, the last row, trains 12-18 min
-    # a run (the others 1-2.5). Results: docs/results_ablation.md.
+    # a run (the others 1-3). Results: docs/results_ablation.md.
     "cpu-ablation": Preset(
         size=ModelSize(hidden_size=64, num_hidden_layers=2, num_heads=2, head_dim=32, intermediate_size=128,
                        num_slots=32, chunk_size=16),

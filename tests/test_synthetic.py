@@ -628,7 +628,7 @@ def test_fisher_one_sided_matches_hand_counts():
     # 5 of 5 against 1 of 5: of the C(10, 6) ways to place 6 hits, C(5, 5) * C(5, 1) put 5 in the first.
     assert example.fisher_one_sided(5, 5, 1, 5) == pytest.approx(5 / 210)
     assert example.fisher_one_sided(3, 3, 0, 3) == pytest.approx(1 / 20)
-    # The first with fewer hits: every table at least as extreme covers almost all.
+    # The first with the fewest hits the margins allow (6 hits, at most 5 in the second): p = 1.
     assert example.fisher_one_sided(1, 5, 5, 5) == pytest.approx(1.0)
     assert example.fisher_one_sided(2, 4, 2, 4) == pytest.approx((36 + 16 + 1) / 70)
     assert example.fisher_one_sided(0, 3, 0, 3) == 1.0 and example.fisher_one_sided(3, 3, 3, 3) == 1.0
