@@ -106,8 +106,8 @@ PRESETS = {
     # The paper's ablation directions and Lattice's write rules at a setting hard enough to order
     # them: at the cpu preset's 32 tokens / 4 pairs (and in probes at 64 / 16) every row is at the
     # ceiling. 24 pairs in 96 tokens, vocab 128: single-seed probes of Trellis reached 0.44-0.56 in
-    # 1200 steps (1e-3, 3e-3), and 32 pairs in 128 tokens 0.18 (too slow to leave chance for a
-    # 3-seed CPU sweep). Same model as cpu; Llama as the attention reference. Its 60 runs took 92 min
+    # 1200 steps (1e-3, 3e-3); 32 pairs in 128 tokens 0.18 at 3e-3 (M = 16: 0.72), with each step a
+    # third dearer. Same model as cpu; Llama as the attention reference. Its 60 runs took 92 min
     # on 2 cores with --jobs 2, the last 40 min beside other runs; C = 1, the last row, trains 12-18 min
     # a run (the others 1-3). Results: docs/results_ablation.md.
     "cpu-ablation": Preset(
