@@ -4,6 +4,7 @@ a trained checkpoint on single-needle retrieval (S-NIAH).
     .venv/bin/python examples/synthetic_recall.py --preset cpu --jobs 2        # MQAR, see PRESETS for its time
     .venv/bin/python examples/synthetic_recall.py --task niah --preset cpu --jobs 2
     .venv/bin/python examples/synthetic_recall.py --preset goal --jobs 2       # the goal setting (hours)
+    .venv/bin/python examples/synthetic_recall.py --preset cpu-ablation --jobs 2   # the ablations at 24 pairs (~1.5 h)
     .venv/bin/python examples/synthetic_recall.py --preset gpu                 # the larger study, one GPU
     .venv/bin/python examples/synthetic_recall.py --variants llama,trellis --pairs 4 --seq-lens 64 --lrs 3e-3
     .venv/bin/python examples/synthetic_recall.py --render-only              # the page from the saved runs
