@@ -1,30 +1,50 @@
-# Developer entry points. Every target that runs code first makes sure .venv is set up.
+# Developer entry points. Every target that runs code first makes sure its venv is set up.
 
 PYTHON ?= python3
 VENV := .venv
 VENV_PYTHON := $(VENV)/bin/python
 VENV_PIP := $(VENV)/bin/pip
-# Stamp file: the venv is (re)provisioned only when it is missing or pyproject.toml changed.
+# Stamp file: the venv is (re)provisioned when it is missing, when pyproject.toml changed, or
+# when it was resolved more than a day ago (so `make test` meets new releases of transformers
+# and the rest within a day; CI starts from a clean clone and always resolves afresh).
 VENV_STAMP := $(VENV)/.installed
-# Installed on its own, before the package: a bare `torch` requirement resolved by
-# pip on Linux would otherwise pull the multi-GB CUDA build.
+$(shell find $(VENV_STAMP) -mmin +1440 -delete 2>/dev/null)
+# Installed on its own, before the package, and named again when the rest is upgraded: a bare
+# `torch` requirement resolved by pip on Linux would otherwise pull the multi-GB CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 TORCH_PIP_ARGS ?=
+# The second CI job: the oldest versions pyproject.toml allows (.ci/lowest_pins.py), on the
+# tests that touch what changes between transformers releases.
+LOWEST_VENV := .venv-lowest
+LOWEST_STAMP := $(LOWEST_VENV)/.installed
+LOWEST_TESTS := tests/test_transformers_compat.py tests/test_generation.py tests/test_cache.py \
+	tests/test_schedules.py tests/test_remote_code.py tests/test_hub_path.py tests/test_training.py \
+	tests/test_modeling.py tests/test_distributed.py tests/test_eval.py
 
 .DEFAULT_GOAL := help
-.PHONY: help venv .venv demo test test-all bench clean distclean
+.PHONY: help venv .venv demo test test-lowest test-all bench clean distclean
 
 help:
-	@echo "make demo      train, save and generate with a small Trellis model"
-	@echo "make test      run the test suite without slow checks (the CI command)"
-	@echo "make test-all  run the whole test suite, slow checks included"
-	@echo "make bench     run the CPU benchmark"
-	@echo "make clean     remove build artefacts and caches (distclean also removes .venv)"
+	@echo "make demo         train, save and generate with a small Trellis model"
+	@echo "make test         run the test suite without slow checks on the newest releases (the CI command)"
+	@echo "make test-lowest  run the version-sensitive tests on the lowest supported releases (CI's second job)"
+	@echo "make test-all     run the whole test suite, slow checks included"
+	@echo "make bench        run the CPU benchmark"
+	@echo "make clean        remove build artefacts and caches (distclean also removes the venvs)"
 
+# --upgrade-strategy eager: an existing venv moves to the newest release of every dependency,
+# not only of those that no longer satisfy pyproject.toml.
 $(VENV_STAMP): pyproject.toml
 	test -x $(VENV_PYTHON) || $(PYTHON) -m venv $(VENV)
 	$(VENV_PIP) install '$(TORCH_SPEC)' $(TORCH_PIP_ARGS)
-	$(VENV_PIP) install -e '.[test]'
+	$(VENV_PIP) install --upgrade --upgrade-strategy eager -e '.[test]' '$(TORCH_SPEC)' $(TORCH_PIP_ARGS)
+	touch $@
+
+$(LOWEST_STAMP): pyproject.toml .ci/lowest_pins.py
+	test -x $(LOWEST_VENV)/bin/python || $(PYTHON) -m venv $(LOWEST_VENV)
+	$(LOWEST_VENV)/bin/pip install '$(TORCH_SPEC)' $(TORCH_PIP_ARGS)
+	$(PYTHON) .ci/lowest_pins.py pyproject.toml > $(LOWEST_VENV)/constraints.txt
+	$(LOWEST_VENV)/bin/pip install -e '.[test]' '$(TORCH_SPEC)' -c $(LOWEST_VENV)/constraints.txt $(TORCH_PIP_ARGS)
 	touch $@
 
 venv .venv: $(VENV_STAMP)
@@ -35,6 +55,10 @@ demo: $(VENV_STAMP)
 test: $(VENV_STAMP)
 	$(VENV_PYTHON) -m pytest -m "not slow" -q
 
+test-lowest: $(LOWEST_STAMP)
+	$(LOWEST_VENV)/bin/python -m pip list 2>/dev/null | grep -iE '^(torch|transformers|peft|accelerate|tokenizers) '
+	$(LOWEST_VENV)/bin/python -m pytest -m "not slow" -q $(LOWEST_TESTS)
+
 test-all: $(VENV_STAMP)
 	$(VENV_PYTHON) -m pytest -q
 
@@ -43,7 +67,7 @@ bench: $(VENV_STAMP)
 
 clean:
 	rm -rf build dist .pytest_cache src/*.egg-info
-	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -exec rm -rf {} +
+	find . -path ./$(VENV) -prune -o -path ./$(LOWEST_VENV) -prune -o -name __pycache__ -type d -exec rm -rf {} +
 
 distclean: clean
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(LOWEST_VENV) .venv-bare

@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, get_cosine_schedul
 
 import trellis_lm
 from trellis_lm import TrellisConfig, TrellisForCausalLM, train_tokenizer
+from trellis_lm.cache_trellis import CACHE_ARG
 from trellis_lm.training import stdlib_docstrings
 
 
@@ -51,7 +52,7 @@ def measured_cache_bytes(model, tokens: int, piece: int = 4096) -> int:
     cache = None
     for start in range(0, tokens, piece):
         ids = torch.randint(0, model.config.vocab_size, (1, min(piece, tokens - start)))
-        cache = model(input_ids=ids, past_key_values=cache, use_cache=True).past_key_values
+        cache = getattr(model(input_ids=ids, use_cache=True, **{CACHE_ARG: cache}), CACHE_ARG)
     assert cache.get_seq_length() == tokens
     return cache.nbytes()
 

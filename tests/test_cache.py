@@ -7,13 +7,14 @@ import torch
 from safetensors.torch import save_file
 
 from tiny_models import left_pad, random_tokens, tiny_model
+from transformers_names import cache_of
 from trellis_lm import TrellisCache
 
 TOL = dict(rtol=1e-4, atol=1e-4)
 
 
 def prefilled(model, ids, mask=None) -> TrellisCache:
-    return model(ids, attention_mask=mask, use_cache=True).past_key_values
+    return cache_of(model(ids, attention_mask=mask, use_cache=True))
 
 
 def test_size_does_not_depend_on_tokens_seen():

@@ -11,6 +11,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from tiny_models import left_pad, random_tokens, tiny_model
+from transformers_names import cache_of
 from trellis_lm import TrellisCache, TrellisForCausalLM
 from trellis_lm.mixers.base import compiled_mix
 from trellis_lm.ops import COMPRESS_FNS, MIX_FNS
@@ -203,7 +204,7 @@ def test_generate_returns_and_continues_from_its_cache():
     model = tiny_model(seed=10)
     ids, mask = left_pad(prompts())
     first = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
-    cache = first.past_key_values
+    cache = cache_of(first)
     assert isinstance(cache, TrellisCache)
     assert cache.get_seq_length() == first.sequences.shape[1] - 1  # the last token is not fed yet
     mask_so_far = torch.cat([mask, torch.ones(3, 4, dtype=torch.long)], dim=1)
@@ -221,7 +222,7 @@ def test_continuing_a_conversation_with_new_user_tokens():
     follow_up = torch.cat([first.sequences, random_tokens(3, 4, seed=99)], dim=1)
     follow_mask = torch.cat([mask, torch.ones(3, 7, dtype=torch.long)], dim=1)
     resumed = model.generate(
-        follow_up, attention_mask=follow_mask, past_key_values=first.past_key_values, max_new_tokens=4, do_sample=False
+        follow_up, attention_mask=follow_mask, past_key_values=cache_of(first), max_new_tokens=4, do_sample=False
     )
     assert torch.equal(resumed, model.generate(follow_up, attention_mask=follow_mask, max_new_tokens=4, do_sample=False))
 
@@ -238,14 +239,14 @@ def test_a_returned_cache_feeds_several_return_sequences():
             first.sequences, attention_mask=mask_so_far, max_new_tokens=4, do_sample=True, num_return_sequences=2, **kwargs
         )
 
-    assert torch.equal(sample(past_key_values=first.past_key_values), sample(use_cache=False))
+    assert torch.equal(sample(past_key_values=cache_of(first)), sample(use_cache=False))
 
 
 def test_a_returned_cache_feeds_beam_search():
     model = tiny_model(seed=13, eos_token_id=None)
     row = prompts()[0]
     first = model.generate(row[None], max_new_tokens=2, do_sample=False, return_dict_in_generate=True)
-    resumed = model.generate(first.sequences, past_key_values=first.past_key_values, max_new_tokens=4, num_beams=3)
+    resumed = model.generate(first.sequences, past_key_values=cache_of(first), max_new_tokens=4, num_beams=3)
     assert torch.equal(resumed[0], reference_beam_search(model, first.sequences[0], beams=3, steps=4))
 
 

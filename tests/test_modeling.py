@@ -9,9 +9,10 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModel, AutoModelForCausalLM
 
 from tiny_models import SCHEDULES, VOCAB, left_pad, random_tokens, right_pad, tiny_config, tiny_model
+from transformers_names import cache_of, enable_checkpointing, is_checkpointing
 from trellis_lm import TrellisForCausalLM, TrellisModel
 from trellis_lm.mixers import forget_gate_bias
-from trellis_lm.mixers.tokens import ValidTokens
+from trellis_lm.mixers.tokens import ValidTokens, document_starts
 
 TOL = dict(rtol=1e-4, atol=1e-4)
 
@@ -26,10 +27,10 @@ def test_forward_outputs():
     assert out.logits.shape == (2, 7, VOCAB)
     assert len(out.hidden_states) == model.config.num_hidden_layers + 1
     assert torch.equal(out.hidden_states[-1], model.model(ids).last_hidden_state)
-    assert out.past_key_values.get_seq_length() == 7
+    assert cache_of(out).get_seq_length() == 7
     logits, cache = model(ids, return_dict=False)
     torch.testing.assert_close(logits, out.logits)
-    assert model(ids, use_cache=False).past_key_values is None
+    assert cache_of(model(ids, use_cache=False)) is None
 
 
 def test_inputs_embeds_equal_input_ids():
@@ -102,9 +103,10 @@ def test_mask_forms():
     expected = model(ids, attention_mask=mask).logits
     torch.testing.assert_close(model(ids, attention_mask={"linear_attention": mask}).logits, expected)
     torch.testing.assert_close(model(ids, attention_mask=mask.bool()).logits, expected)
-    # A longer mask covers past tokens too: the last T columns belong to the input.
+    # A mask covers the cache's past tokens and the input, no more and no fewer.
     longer = torch.cat([torch.ones(2, 4, dtype=torch.long), mask], dim=1)
-    torch.testing.assert_close(model(ids, attention_mask=longer).logits, expected)
+    with pytest.raises(ValueError, match=r"attention_mask must be a 2-D padding mask \[B = 2, past \+ T = 0 \+ 5\]"):
+        model(ids, attention_mask=longer)
     torch.testing.assert_close(model(ids, attention_mask={"linear_attention": None}).logits, model(ids).logits)
     with pytest.raises(ValueError, match="2-D padding mask"):
         model(ids, attention_mask=mask[:, :2])
@@ -177,7 +179,7 @@ def test_packed_rows_with_padding_and_a_cache():
             torch.testing.assert_close(piece, model(doc[None]).logits[0], **TOL)
     # The cache continues each row's last document.
     nxt = random_tokens(2, 2, seed=99)
-    cont = model(nxt, attention_mask=torch.cat([mask, torch.ones_like(nxt)], 1), past_key_values=out.past_key_values)
+    cont = model(nxt, attention_mask=torch.cat([mask, torch.ones_like(nxt)], 1), past_key_values=cache_of(out))
     for i, docs in enumerate((first, second)):
         alone = model(torch.cat([docs[-1], nxt[i]])[None]).logits[0, -2:]
         torch.testing.assert_close(cont.logits[i], alone, **TOL)
@@ -188,7 +190,7 @@ def test_position_ids_without_restarts_change_nothing():
     model = tiny_model()
     ids, mask = left_pad([random_tokens(1, 7)[0], random_tokens(1, 4, seed=1)[0]])
     positions = (mask.cumsum(1) - 1).masked_fill(mask == 0, 1)
-    assert ValidTokens.from_attention_mask(mask, 2, 7, positions).has_documents is False
+    assert ValidTokens.from_attention_mask(mask, 2, 7, starts=document_starts(2, 7, positions)).has_documents is False
     torch.testing.assert_close(model(ids, attention_mask=mask, position_ids=positions).logits,
                                model(ids, attention_mask=mask).logits, rtol=0, atol=0)
     with pytest.raises(ValueError, match="position_ids must be 2-D"):
@@ -254,8 +256,8 @@ def test_activation_checkpointing_gives_the_same_gradients(schedule):
     model = tiny_model(schedule=schedule).train()
     ids, mask = left_pad([random_tokens(1, 9)[0], random_tokens(1, 6, seed=1)[0]])
     plain = _gradients(model, ids, mask)
-    model.activation_checkpointing_enable()
-    assert model.is_activation_checkpointing
+    enable_checkpointing(model)
+    assert is_checkpointing(model)
     checkpointed = _gradients(model, ids, mask)
     assert plain.keys() == checkpointed.keys()
     # A parameter that only the op reads gets its gradient through the checkpointed op too.
@@ -270,7 +272,7 @@ def test_bfloat16_forward_and_generate():
     ids, mask = left_pad([random_tokens(1, 7)[0], random_tokens(1, 5, seed=1)[0]])
     out = model(ids, attention_mask=mask)
     assert out.logits.dtype == torch.bfloat16 and torch.isfinite(out.logits).all()
-    state = out.past_key_values.layers[0].state
+    state = cache_of(out).layers[0].state
     assert state.m_k.dtype == torch.float32  # the memories stay float32
     generated = model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
     assert generated.shape == (2, 10)

@@ -184,32 +184,37 @@ def uploads(monkeypatch) -> FakeHub:
 
     sent = FakeHub()
 
-    class FakeApi:
-        def create_repo(self, repo_id, **kwargs):
-            return type("Repo", (), {"repo_id": repo_id})()
+    def fake_create_repo(self, repo_id, **kwargs):
+        return type("Repo", (), {"repo_id": repo_id})()
 
     class FakeCard:
         def save(self, path):
             pass
 
-    def fake_upload(self, working_dir, repo_id, files_timestamps, **kwargs):
-        sent[repo_id] = {
-            f for f in os.listdir(working_dir)
-            if f not in files_timestamps or os.path.getmtime(os.path.join(working_dir, f)) > files_timestamps[f]
-        }
+    def record(repo_id, folder, changed):
+        sent[repo_id] = {f for f in os.listdir(folder) if changed(f)}
         if "README.md" in sent[repo_id]:
-            sent.cards[repo_id] = open(os.path.join(working_dir, "README.md"), encoding="utf-8").read()
+            sent.cards[repo_id] = open(os.path.join(folder, "README.md"), encoding="utf-8").read()
+
+    def fake_upload_folder(self, *, repo_id, folder_path, **kwargs):  # the model's push (public API)
+        record(repo_id, folder_path, lambda f: True)
+
+    def fake_upload_modified(self, working_dir, repo_id, files_timestamps, **kwargs):  # transformers' own (the config's)
+        record(repo_id, working_dir, lambda f: f not in files_timestamps
+               or os.path.getmtime(os.path.join(working_dir, f)) > files_timestamps[f])
 
     def fake_card_load(repo_id, **kwargs):
         if repo_id not in sent.existing_cards:
             raise EntryNotFoundError(f"{repo_id} has no README.md")
         return huggingface_hub.ModelCard(sent.existing_cards[repo_id])
 
+    monkeypatch.setattr(huggingface_hub.HfApi, "create_repo", fake_create_repo)
+    monkeypatch.setattr(huggingface_hub.HfApi, "upload_folder", fake_upload_folder)
     for module in (hub, modeling_utils, configuration_utils):
-        monkeypatch.setattr(module, "hf_api", lambda: FakeApi())
+        monkeypatch.setattr(module, "hf_api", lambda: huggingface_hub.HfApi())
     for module in (hub, modeling_utils):
         monkeypatch.setattr(module, "create_and_tag_model_card", lambda *args, **kwargs: FakeCard())
-    monkeypatch.setattr(hub.PushToHubMixin, "_upload_modified_files", fake_upload)
+    monkeypatch.setattr(hub.PushToHubMixin, "_upload_modified_files", fake_upload_modified)
     monkeypatch.setattr(huggingface_hub.ModelCard, "load", staticmethod(fake_card_load))
     return sent
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tiny_models import SCHEDULES, left_pad, random_tokens, right_pad, tiny_config, tiny_model
+from transformers_names import cache_of
 from trellis_lm import TrellisCache, TrellisConfig, TrellisForCausalLM
 from trellis_lm.mixers import AttentionMixer, LatticeAttention, TrellisAttention
 
@@ -167,7 +168,7 @@ def test_a_new_packed_document_after_a_cache_starts_afresh(schedule):
     # The row's first document continues the cache; the second starts from nothing.
     model = tiny_model(seed=6, dtype=torch.float64, schedule=schedule)
     a, b, c = (random_tokens(1, n, seed=n)[0] for n in (4, 3, 5))
-    cache = model(a[None]).past_key_values
+    cache = cache_of(model(a[None]))
     ids = torch.cat([b, c])[None]
     positions = torch.cat([torch.arange(4, 7), torch.arange(5)])[None]
     out = model(ids, position_ids=positions, past_key_values=cache).logits[0]
@@ -192,8 +193,8 @@ def attention_bytes_per_token(config) -> int:
 def test_cache_size_grows_only_by_the_attention_keys_and_values(schedule):
     model = tiny_model(schedule=schedule)
     ids = random_tokens(2, 40)
-    short = model(ids[:, :9]).past_key_values
-    long = model(ids).past_key_values
+    short = cache_of(model(ids[:, :9]))
+    long = cache_of(model(ids))
     assert long.nbytes() - short.nbytes() == 2 * 31 * attention_bytes_per_token(model.config)
     for _ in range(3):
         model(ids[:, :1], past_key_values=long)
@@ -208,7 +209,7 @@ def test_a_kvm_cache_is_bounded_by_its_window_and_state():
     config = model.config
     window = config.kvm_window_chunks * config.kvm_chunk_size
     ids = random_tokens(1, 300, seed=3)
-    assert model(ids).past_key_values.nbytes() == model(ids[:, : window + 1]).past_key_values.nbytes()
+    assert cache_of(model(ids)).nbytes() == cache_of(model(ids[:, : window + 1])).nbytes()
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
@@ -216,7 +217,7 @@ def test_save_load_and_beam_reorder_for_every_schedule(tmp_path, schedule):
     model = tiny_model(seed=7, dtype=torch.float64, schedule=schedule)
     ids, mask = left_pad([random_tokens(1, 8)[0], random_tokens(1, 5, seed=1)[0]])
     expected = model(ids, attention_mask=mask).logits[:, 6:]
-    cache = model(ids[:, :6], attention_mask=mask[:, :6]).past_key_values
+    cache = cache_of(model(ids[:, :6], attention_mask=mask[:, :6]))
     cache.save(tmp_path / "cache.safetensors")
     loaded = TrellisCache.load(tmp_path / "cache.safetensors", config=model.config)
     assert loaded.kinds == model.config.layer_kinds
@@ -228,7 +229,7 @@ def test_save_load_and_beam_reorder_for_every_schedule(tmp_path, schedule):
 
 def test_a_cache_refuses_a_model_of_another_schedule(tmp_path):
     hybrid = tiny_model(schedule="hybrid")
-    cache = hybrid(random_tokens(1, 5)).past_key_values
+    cache = cache_of(hybrid(random_tokens(1, 5)))
     cache.save(tmp_path / "cache.safetensors")
     other = tiny_model(schedule="hybrid", mixer_types=["trellis", "attention", "attention", "lattice"])
     with pytest.raises(ValueError, match=r"made for layers \['trellis', 'trellis', 'attention', 'lattice'\]"):
@@ -255,7 +256,7 @@ def test_generate_modes_for_every_schedule(schedule):
     out = model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0,
                          return_dict_in_generate=True)
     cont = model.generate(out.sequences, attention_mask=torch.cat([mask, torch.ones(2, 3, dtype=mask.dtype)], 1),
-                          past_key_values=out.past_key_values, max_new_tokens=2, do_sample=False, pad_token_id=0)
+                          past_key_values=cache_of(out), max_new_tokens=2, do_sample=False, pad_token_id=0)
     fresh = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
     assert cont.tolist() == fresh.tolist()
 
@@ -285,4 +286,4 @@ def test_generate_refuses_a_cache_that_has_seen_more_than_the_input():
     ids = random_tokens(1, 5)
     out = model.generate(ids, max_new_tokens=3, do_sample=False, return_dict_in_generate=True, pad_token_id=0)
     with pytest.raises(ValueError, match=r"has already taken in 7 tokens, but input_ids holds 2"):
-        model.generate(random_tokens(1, 2, seed=4), past_key_values=out.past_key_values, max_new_tokens=2)
+        model.generate(random_tokens(1, 2, seed=4), past_key_values=cache_of(out), max_new_tokens=2)

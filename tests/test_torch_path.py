@@ -10,6 +10,7 @@ from torch import nn
 
 from op_inputs import make_inputs, make_state
 from tiny_models import random_tokens, tiny_model
+from transformers_names import cache_of
 from trellis_lm.mixers.base import FUSE_MIN_TOKENS
 from trellis_lm.ops import trellis_attention
 from trellis_lm.ops.trellis.functions import COMPRESS_FNS, MIX_FNS
@@ -91,7 +92,7 @@ def test_short_inputs_run_the_projections_one_by_one(monkeypatch):
         out = model(ids[:, :FUSE_MIN_TOKENS], use_cache=True)  # fused: exactly FUSE_MIN_TOKENS
         assert all(r is not None for r in ran)
         ran.clear()
-        last = model(ids[:, -1:], past_key_values=out.past_key_values).logits
+        last = model(ids[:, -1:], past_key_values=cache_of(out)).logits
     assert ran and all(r is None for r in ran)
     torch.testing.assert_close(last[:, -1], full[:, -1], rtol=1e-12, atol=1e-12)
 
@@ -141,12 +142,12 @@ def test_mixer_skips_the_range_checks_on_single_tokens_only(monkeypatch):
     ids = random_tokens(2, 6)
     with torch.no_grad():
         out = model(ids[:, :5], use_cache=True)
-        model(ids[:, 5:], past_key_values=out.past_key_values)
+        model(ids[:, 5:], past_key_values=cache_of(out))
         assert set(seen) == {(5, True), (1, False)}
         seen.clear()
         # A padded step packs the real tokens (one here) with cu_seqlens: checked.
-        mask = torch.tensor([[1] * 6, [1] * 5 + [0]])
-        model(ids[:, 5:], attention_mask=mask, past_key_values=out.past_key_values)
+        mask = torch.tensor([[1] * 7, [1] * 6 + [0]])  # the cache has taken in 6 tokens
+        model(ids[:, 5:], attention_mask=mask, past_key_values=cache_of(out))
     assert set(seen) == {(1, True)}
 
 
@@ -154,7 +155,7 @@ def test_cached_conv_tails_do_not_keep_the_prefill_alive():
     """After a prefill the cache holds the last conv inputs, not views of the whole sequence."""
     model = tiny_model()
     with torch.no_grad():
-        cache = model(random_tokens(1, 40), use_cache=True).past_key_values
+        cache = cache_of(model(random_tokens(1, 40), use_cache=True))
     for name in ("q_tail", "k_tail"):
         tail = getattr(cache.layers[0], name)
         assert tail.untyped_storage().nbytes() <= 2 * tail.numel() * tail.element_size(), name

@@ -11,6 +11,7 @@ from transformers.utils import is_torch_bf16_available_on_device
 
 from tiny_models import SCHEDULES
 from trainer_helpers import ROWS, sgd_trainer, trained_parameters
+from transformers_names import CHECKPOINTING_ARG
 from trellis_lm import TrellisForCausalLM, train_tokenizer
 from trellis_lm.training import (
     FinetuneArguments,
@@ -49,7 +50,7 @@ def test_gradient_accumulation_equals_one_big_batch(tmp_path, schedule):
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_trainer_activation_checkpointing_gives_the_same_update(tmp_path, schedule):
     plain = one_sgd_step(tmp_path, per_device_train_batch_size=4, schedule=schedule)
-    checkpointed = one_sgd_step(tmp_path, per_device_train_batch_size=4, activation_checkpointing=True, schedule=schedule)
+    checkpointed = one_sgd_step(tmp_path, per_device_train_batch_size=4, schedule=schedule, **{CHECKPOINTING_ARG: True})
     assert_same_updates(checkpointed, plain, rtol=1e-5, atol=1e-6)
 
 

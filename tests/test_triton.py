@@ -18,10 +18,10 @@ ON_GPU = torch.cuda.is_available()  # without a GPU, conftest.py switches triton
 
 from op_inputs import make_inputs, make_state  # noqa: E402
 from trellis_lm.ops import TrellisState, trellis_attention  # noqa: E402
-from trellis_lm.ops.trellis.dispatch import BACKENDS, HAVE_TRITON, _pick_backend  # noqa: E402
+from trellis_lm.ops.trellis.dispatch import BACKENDS, _pick_backend, triton_available  # noqa: E402
 from triton_mirror import mirror_op  # noqa: E402
 
-needs_triton = pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
+needs_triton = pytest.mark.skipif(not triton_available(), reason="triton is not installed")
 DEVICE = "cuda" if ON_GPU else "cpu"
 NAMES = ["q", "k", "v", "alpha", "log_beta", "gamma", "m_k", "m_v", "anchor_k", "anchor_v"]
 
@@ -123,7 +123,7 @@ def test_mirror_full_forget_float64():
 
 
 def test_auto_picks_triton_for_cuda_tensors():
-    if not HAVE_TRITON:
+    if not triton_available():
         pytest.skip("triton is not installed")
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert _pick_backend("auto", 100, False, cuda) is BACKENDS["triton"]
@@ -209,7 +209,7 @@ def test_low_precision_inputs_keep_float32_state():
 
 
 def test_float64_runs_the_torch_path():
-    if not HAVE_TRITON:
+    if not triton_available():
         pytest.skip("triton is not installed")
     x, state = _inputs(1, 7, 1, 3, 3, 4, 3, dtype=torch.float64)
     o, _ = run("triton", x, initial_state=state, chunk_size=3)

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from .cache_trellis import CACHE_ARG
 from .configuration_trellis import TrellisConfig
 from .modeling_trellis import TrellisForCausalLM
 from .ops import trellis_attention
@@ -96,8 +97,8 @@ class DecodeStepper:
         ids = torch.randint(0, model.config.vocab_size, (batch, context), generator=gen, device=device)
         self.cache = None
         for start in range(0, context, prefill_piece):
-            out = model(input_ids=ids[:, start : start + prefill_piece], past_key_values=self.cache, use_cache=True)
-            self.cache = out.past_key_values
+            out = model(input_ids=ids[:, start : start + prefill_piece], use_cache=True, **{CACHE_ARG: self.cache})
+            self.cache = getattr(out, CACHE_ARG)
         self.token = out.logits[:, -1:].argmax(-1)
 
     @torch.no_grad()
@@ -105,10 +106,10 @@ class DecodeStepper:
         """Seconds for one decode step."""
         self.sync()
         start = time.perf_counter()
-        out = self.model(input_ids=self.token, past_key_values=self.cache, use_cache=True)
+        out = self.model(input_ids=self.token, use_cache=True, **{CACHE_ARG: self.cache})
         self.sync()
         elapsed = time.perf_counter() - start
-        self.cache, self.token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        self.cache, self.token = getattr(out, CACHE_ARG), out.logits[:, -1:].argmax(-1)
         return elapsed
 
 

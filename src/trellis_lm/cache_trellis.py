@@ -23,8 +23,16 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers.cache_utils import Cache
+from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from .ops import KVMState, LatticeState, OpState, TrellisState
+
+# The name transformers gives the generation cache, as an argument of `forward` and
+# `prepare_inputs_for_generation`, a key of `generate()`'s model kwargs and a field of model
+# outputs: `past_key_values` up to 5.23, `cache` from 5.24 on (read off the output classes, so
+# no version number is compared). The models accept both names and write this one.
+CACHE_ARG = "cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__ else "past_key_values"
+CACHE_NAMES = ("cache", "past_key_values")
 
 FORMAT = "trellis-cache"
 # Version 1 (one kind of layer, no record of the model) is not read: its layer count could not
@@ -177,7 +185,7 @@ LAYER_CACHES: dict[str, type[LayerCache]] = {
 class TrellisCache(Cache):
     """The cache of a Trellis-family model: one entry per layer, of the layer's kind.
 
-    ``generate()`` builds one by itself; pass one as ``past_key_values`` to continue a
+    ``generate()`` builds one by itself; pass one as ``cache`` (or ``past_key_values``) to continue a
     sequence, including one returned by an earlier ``generate(..., return_dict_in_generate=True)``
     or read back with :meth:`load`. Memory layers hold a fixed size whatever the context;
     attention layers grow by their keys and values.
@@ -215,6 +223,12 @@ class TrellisCache(Cache):
         """Each layer's kind, in order."""
         return [layer.kind for layer in self.layers]
 
+    @property
+    def is_croppable(self) -> bool:
+        """False: the memory layers cannot take tokens back, which assisted decoding needs
+        (transformers reads this; stated here for versions whose ``Cache`` lacks it)."""
+        return False
+
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Tokens (columns of ``input_ids``, padding included) the cache has taken in."""
         return self.seen_tokens
@@ -244,7 +258,7 @@ class TrellisCache(Cache):
         wrong (same shapes, another function) or fail deep inside a layer."""
         if self.kinds != config.layer_kinds:
             raise ValueError(
-                f"past_key_values was made for layers {self.kinds}, the model has {config.layer_kinds} "
+                f"the cache was made for layers {self.kinds}, the model has {config.layer_kinds} "
                 "(config.mixer_types)"
             )
         if self.signature is None:
@@ -252,7 +266,7 @@ class TrellisCache(Cache):
         for name, value in config.layer_signature().items():
             if self.signature.get(name) != value:
                 raise ValueError(
-                    f"past_key_values was made by a model with {name}={self.signature.get(name)!r}, "
+                    f"the cache was made by a model with {name}={self.signature.get(name)!r}, "
                     f"this model has {name}={value!r}"
                 )
 
@@ -304,6 +318,14 @@ class TrellisCache(Cache):
         return cache
 
 
+def one_cache(cache: Any, past_key_values: Any) -> Any:
+    """The cache given under either of its names (:data:`CACHE_NAMES`), or ``None``; both at
+    once is a ``ValueError`` (which one should win is not ours to guess)."""
+    if cache is not None and past_key_values is not None:
+        raise ValueError("pass the cache once, as `cache` or as `past_key_values` (the same argument), not both")
+    return cache if cache is not None else past_key_values
+
+
 def _read_header(metadata: Mapping[str, str], path: Any) -> tuple[list[str], int, Optional[dict]]:
     """``(layer kinds, seen tokens, signature)`` from a cache file's metadata, checked."""
     if metadata.get("format") != FORMAT:
@@ -345,5 +367,5 @@ def _read_header(metadata: Mapping[str, str], path: Any) -> tuple[list[str], int
 
 
 __all__ = [
-    "AttentionLayerCache", "KVMLayerCache", "LatticeLayerCache", "LayerCache", "MemoryLayerCache", "TrellisCache", "TrellisLayerCache",
+    "CACHE_ARG", "CACHE_NAMES", "one_cache", "AttentionLayerCache", "KVMLayerCache", "LatticeLayerCache", "LayerCache", "MemoryLayerCache", "TrellisCache", "TrellisLayerCache",
 ]

@@ -108,7 +108,7 @@ class TrellisConfig(PreTrainedConfig):
     """
 
     model_type: ClassVar[str] = "trellis"
-    keys_to_ignore_at_inference: ClassVar[list[str]] = ["past_key_values"]
+    keys_to_ignore_at_inference: ClassVar[list[str]] = ["cache", "past_key_values"]  # the name before and after transformers 5.24
     # Tools written for attention models read `num_attention_heads`.
     attribute_map: ClassVar[dict[str, str]] = {"num_attention_heads": "num_heads"}
 

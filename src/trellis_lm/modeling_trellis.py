@@ -12,6 +12,7 @@ This file travels with checkpoints as remote code (see :mod:`.remote_code`).
 
 from __future__ import annotations
 
+import inspect
 import os
 import tempfile
 from pathlib import Path
@@ -24,15 +25,14 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
-from transformers.modeling_utils import slice_logits_to_keep
 from transformers.utils import logging
 
-from .cache_trellis import TrellisCache
+from .cache_trellis import CACHE_ARG, CACHE_NAMES, TrellisCache, one_cache
 from .configuration_trellis import TrellisConfig
 from .model_card_trellis import CARD_NAME, hub_card_text, is_generated, write_model_card
 from .mixers import Mixer, build_mixer
 from .mixers.parts import TrellisRMSNorm
-from .mixers.tokens import ValidTokens
+from .mixers.tokens import ValidTokens, document_starts
 
 logger = logging.get_logger(__name__)
 
@@ -67,11 +67,12 @@ class TrellisDecoderLayer(GradientCheckpointingLayer):
         self,
         hidden_states: torch.Tensor,
         valid: Optional[ValidTokens] = None,
-        past_key_values: Optional[TrellisCache] = None,
+        cache: Optional[TrellisCache] = None,
     ) -> torch.Tensor:
-        # `hidden_states` stays positional and the cache a keyword named `past_key_values`:
-        # that is what activation checkpointing expects.
-        hidden_states = hidden_states + self.self_attn(self.input_layernorm(hidden_states), valid, past_key_values)
+        # `hidden_states` stays positional (activation checkpointing expects it). The cache is
+        # None under checkpointing: TrellisModel drops it itself, whatever transformers' layer
+        # wrapper calls the argument.
+        hidden_states = hidden_states + self.self_attn(self.input_layernorm(hidden_states), valid, cache)
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
 
 
@@ -82,12 +83,12 @@ class TrellisPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["TrellisDecoderLayer"]
-    _skip_keys_device_placement = ["past_key_values"]
+    _skip_keys_device_placement = list(CACHE_NAMES)
     # Attention layers compute through transformers' attention functions.
     _supports_sdpa = True
     _supports_flash_attn = True
     _supports_attention_backend = True
-    # The cache cannot be rolled back, which assisted decoding needs.
+    # The cache cannot be rolled back, which assisted decoding needs (see `generate`).
     _is_stateful = True
 
     @torch.no_grad()
@@ -149,9 +150,10 @@ class TrellisPreTrainedModel(PreTrainedModel):
         generic one, this uploads the model's own (naming ``repo_id`` in its usage example),
         unless the repository already holds a hand-written card, which is left as it is.
         """
-        from transformers.utils import hub  # looked up at call time, so tests can stand in for the Hub
+        from huggingface_hub import HfApi
 
-        repo_id = hub.hf_api().create_repo(repo_id, private=private, token=token, exist_ok=True).repo_id
+        api = HfApi(token=token)
+        repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
         keep_remote_card = not is_generated(hub_card_text(repo_id, token))
         with tempfile.TemporaryDirectory() as work_dir:
             self.save_pretrained(work_dir, max_shard_size=max_shard_size)
@@ -159,10 +161,56 @@ class TrellisPreTrainedModel(PreTrainedModel):
                 (Path(work_dir) / CARD_NAME).unlink()
             else:
                 write_model_card(work_dir, self, name=repo_id, tags=tuple(tags or ()) + tuple(self.model_tags or ()))
-            return self._upload_modified_files(
-                work_dir, repo_id, files_timestamps={}, commit_message=commit_message or "Upload model", token=token,
-                create_pr=create_pr, revision=revision, commit_description=commit_description,
+            return api.upload_folder(
+                repo_id=repo_id, folder_path=work_dir, commit_message=commit_message or "Upload model",
+                commit_description=commit_description, revision=revision, create_pr=create_pr,
             )
+
+
+# Keyword arguments that transformers, the Trainer and data collators pass besides the named
+# ones, each with what `forward` does with it; any other name is a TypeError, not dropped.
+# Flash-attention packing (DataCollatorWithFlattening): read as document boundaries.
+PACKING_ARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
+# Requests the model can only answer one way: accepted with that answer (or None), else a ValueError.
+FIXED_ANSWERS = {"output_attentions": False, "output_router_logits": False, "is_causal": True}
+# Read by the loss (the Trainer passes it with gradient accumulation).
+LOSS_ARGS = ("num_items_in_batch",)
+
+
+def _check_extra_kwargs(owner: str, kwargs: dict[str, Any], allowed: tuple[str, ...]) -> None:
+    """Refuse the keyword arguments ``forward`` would otherwise drop without a word."""
+    unknown = sorted(set(kwargs) - set(allowed) - set(FIXED_ANSWERS))
+    if unknown:
+        raise TypeError(
+            f"{owner}.forward() got unexpected keyword arguments {unknown}; besides its named arguments it "
+            f"takes {sorted(set(allowed) | set(FIXED_ANSWERS))}"
+        )
+    for name, answer in FIXED_ANSWERS.items():
+        if kwargs.get(name) not in (None, answer):
+            raise ValueError(f"{name}={kwargs[name]!r} is not available: a Trellis model has {name}={answer}")
+
+
+def keep_positions(hidden_states: torch.Tensor, logits_to_keep: Union[int, torch.Tensor]) -> torch.Tensor:
+    """The positions of ``hidden_states [B, T, D]`` whose logits are wanted.
+
+    ``logits_to_keep`` is an int (the last that many positions; 0 keeps all), a 1-D tensor of
+    positions (the same for every row, ``[B, P, D]`` out), a 2-D integer tensor ``[B, P]`` of
+    positions per row (``[B, P, D]`` out) or a 2-D bool mask ``[B, T]`` (``[kept, D]`` out), as
+    transformers' own models read it.
+    """
+    if isinstance(logits_to_keep, torch.Tensor):
+        if logits_to_keep.dim() == 2 and logits_to_keep.dtype == torch.bool:
+            return hidden_states[logits_to_keep]
+        if logits_to_keep.dim() == 2:
+            return hidden_states.gather(1, logits_to_keep[..., None].expand(-1, -1, hidden_states.shape[-1]))
+        if logits_to_keep.dim() == 1:
+            return hidden_states[:, logits_to_keep]
+    elif isinstance(logits_to_keep, int) and not isinstance(logits_to_keep, bool) and logits_to_keep >= 0:
+        return hidden_states[:, hidden_states.shape[1] - logits_to_keep if logits_to_keep else 0 :]
+    raise ValueError(
+        "logits_to_keep must be an int >= 0, a 1-D tensor of positions, a 2-D tensor of positions per row or a "
+        f"2-D bool mask, got {logits_to_keep!r}"
+    )
 
 
 class TrellisModel(TrellisPreTrainedModel):
@@ -180,30 +228,42 @@ class TrellisModel(TrellisPreTrainedModel):
         self,
         input_ids: Optional[torch.LongTensor] = None,
         attention_mask: Union[torch.Tensor, dict, None] = None,
-        past_key_values: Optional[TrellisCache] = None,
+        cache: Optional[TrellisCache] = None,
         inputs_embeds: Optional[torch.Tensor] = None,
         use_cache: Optional[bool] = None,
         output_hidden_states: Optional[bool] = None,
         return_dict: Optional[bool] = None,
         position_ids: Optional[torch.LongTensor] = None,
+        past_key_values: Optional[TrellisCache] = None,
         **kwargs: Any,
     ) -> Union[BaseModelOutputWithPast, tuple]:
         """Run the stack on ``input_ids [B, T]`` or ``inputs_embeds [B, T, D]``.
 
         Args:
             attention_mask: ``[B, past + T]`` with 0 at padding (left, right or anywhere),
-                a dict holding one, or ``None`` (no padding).
-            past_key_values: a :class:`TrellisCache` to continue from; it is updated in place.
+                a dict holding one, or ``None`` (no padding). ``past`` is the number of
+                tokens the cache has taken in (0 without one); another length is a ``ValueError``.
+            cache: a :class:`TrellisCache` to continue from; it is updated in place.
+            past_key_values: the same argument under the name transformers used before 5.24
+                (either name, not both). Outputs carry the cache under the running transformers'
+                name (``cache`` from 5.24 on, ``past_key_values`` before).
             use_cache: create a cache when none is given (default: ``config.use_cache``).
             output_hidden_states: also return the embeddings and every block's output (the
                 last one after the final norm).
-            position_ids: ``[B or 1, past + T]``, only read for packed documents: a real token
-                numbered 0 that is not its row's first real token starts a new document, from the
-                initial memories and with a fresh short conv (transformers' packing convention, as
-                ``DataCollatorWithFlattening`` makes it). Order itself comes from the recurrence.
-            kwargs: accepted and ignored (e.g. the ``cu_seq_lens_*`` of flash-attention packing:
-                documents are read from ``position_ids``).
+            position_ids: ``[B or 1, past + T]`` or ``[B or 1, T]``, only read for packed
+                documents: a real token numbered 0 that is not its row's first real token starts
+                a new document, from the initial memories and with a fresh short conv
+                (transformers' packing convention, as ``DataCollatorWithFlattening`` makes it).
+                Order itself comes from the recurrence.
+            kwargs: only what transformers passes: the flash-attention packing arguments
+                (``cu_seq_lens_q``, ``cu_seq_lens_k``, ``max_length_q``, ``max_length_k``,
+                ``seq_idx``), read as document boundaries like ``position_ids`` (all that are
+                given must agree); ``output_attentions``, ``output_router_logits`` (False or
+                None: there are none) and ``is_causal`` (True or None). Any other name is a
+                ``TypeError``.
         """
+        _check_extra_kwargs(type(self).__name__, kwargs, PACKING_ARGS)
+        cache = one_cache(cache, past_key_values)
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids or inputs_embeds")
         if input_ids is not None and input_ids.dim() != 2:
@@ -218,13 +278,15 @@ class TrellisModel(TrellisPreTrainedModel):
         batch, length = inputs_embeds.shape[:2]
         if use_cache is None:
             use_cache = self.config.use_cache
-        cache = self._checked_cache(past_key_values, use_cache, batch)
-        valid = ValidTokens.from_attention_mask(attention_mask, batch, length, position_ids)
+        past = cache.get_seq_length() if isinstance(cache, TrellisCache) else 0
+        cache = self._checked_cache(cache, use_cache, batch)
+        starts = document_starts(batch, length, position_ids, **{name: kwargs.get(name) for name in PACKING_ARGS})
+        valid = ValidTokens.from_attention_mask(attention_mask, batch, length, past, starts)
 
         hidden_states = inputs_embeds
         all_hidden_states = (hidden_states,) if output_hidden_states else None
         for layer in self.layers:
-            hidden_states = layer(hidden_states, valid=valid, past_key_values=cache)
+            hidden_states = layer(hidden_states, valid=valid, cache=cache)
             if output_hidden_states:
                 all_hidden_states += (hidden_states,)
         hidden_states = self.norm(hidden_states)
@@ -234,7 +296,7 @@ class TrellisModel(TrellisPreTrainedModel):
             cache.add_seen_tokens(length)
 
         output = BaseModelOutputWithPast(
-            last_hidden_state=hidden_states, past_key_values=cache, hidden_states=all_hidden_states
+            last_hidden_state=hidden_states, hidden_states=all_hidden_states, **{CACHE_ARG: cache}
         )
         return output if (return_dict if return_dict is not None else self.config.return_dict) else output.to_tuple()
 
@@ -247,10 +309,10 @@ class TrellisModel(TrellisPreTrainedModel):
         if cache is None:
             return TrellisCache(self.config) if use_cache else None
         if not isinstance(cache, TrellisCache):
-            raise ValueError(f"past_key_values must be a TrellisCache, got {type(cache).__name__}")
+            raise ValueError(f"the cache (cache / past_key_values) must be a TrellisCache, got {type(cache).__name__}")
         cache.check_compatible(self.config)
         if cache.batch_size not in (None, batch):
-            raise ValueError(f"past_key_values holds {cache.batch_size} rows, the input {batch}")
+            raise ValueError(f"the cache holds {cache.batch_size} rows, the input {batch}")
         return cache
 
 
@@ -269,7 +331,7 @@ class TrellisForCausalLM(TrellisPreTrainedModel, GenerationMixin):
         self,
         input_ids: Optional[torch.LongTensor] = None,
         attention_mask: Union[torch.Tensor, dict, None] = None,
-        past_key_values: Optional[TrellisCache] = None,
+        cache: Optional[TrellisCache] = None,
         inputs_embeds: Optional[torch.Tensor] = None,
         labels: Optional[torch.LongTensor] = None,
         use_cache: Optional[bool] = None,
@@ -278,43 +340,79 @@ class TrellisForCausalLM(TrellisPreTrainedModel, GenerationMixin):
         return_dict: Optional[bool] = None,
         token_type_ids: Optional[torch.LongTensor] = None,
         position_ids: Optional[torch.LongTensor] = None,
+        past_key_values: Optional[TrellisCache] = None,
         **kwargs: Any,
     ) -> Union[CausalLMOutputWithPast, tuple]:
-        """Logits ``[B, T, V]`` (or of the positions ``logits_to_keep`` selects) and the cache.
+        """Logits ``[B, T, V]`` (or of the positions ``logits_to_keep`` selects, see
+        :func:`keep_positions`) and the cache.
 
-        ``labels [B, T]`` (-100 to ignore) give the next-token loss; ``kwargs`` go to
-        ``loss_function``, e.g. ``num_items_in_batch`` (the Trainer passes it with gradient
-        accumulation). ``token_type_ids`` is accepted and ignored (there are no segments), so
-        that ``generate(**tokenizer(...))`` works with tokenizers that return it. Other
-        arguments as in :meth:`TrellisModel.forward`.
+        ``labels [B, T]`` (-100 to ignore) give the next-token loss; ``num_items_in_batch``
+        (the Trainer passes it with gradient accumulation) goes to ``loss_function``.
+        ``token_type_ids`` is accepted only as all zeros (there are no segments), so that
+        ``generate(**tokenizer(...))`` works with tokenizers that return it. Other arguments,
+        ``kwargs`` included, as in :meth:`TrellisModel.forward`; an unknown name is a ``TypeError``.
         """
+        _check_extra_kwargs(type(self).__name__, kwargs, PACKING_ARGS + LOSS_ARGS)
+        if token_type_ids is not None and bool(token_type_ids.any()):
+            raise ValueError("token_type_ids must be all zeros or None: Trellis models have no segment embeddings")
+        loss_kwargs = {name: kwargs.pop(name) for name in LOSS_ARGS if name in kwargs}
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
-            past_key_values=past_key_values,
+            cache=one_cache(cache, past_key_values),
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             output_hidden_states=output_hidden_states,
             return_dict=True,
             position_ids=position_ids,
+            **kwargs,
         )
-        logits = self.lm_head(slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep))
+        logits = self.lm_head(keep_positions(outputs.last_hidden_state, logits_to_keep))
         loss = None
         if labels is not None:
-            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **loss_kwargs)
         output = CausalLMOutputWithPast(
-            loss=loss, logits=logits, past_key_values=outputs.past_key_values, hidden_states=outputs.hidden_states
+            loss=loss, logits=logits, hidden_states=outputs.hidden_states, **{CACHE_ARG: getattr(outputs, CACHE_ARG)}
         )
         return output if (return_dict if return_dict is not None else self.config.return_dict) else output.to_tuple()
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        """transformers' ``generate``, taking the cache as ``cache`` or ``past_key_values`` with any
+        transformers version, and refusing what needs a cache that can be rolled back.
+
+        Assisted generation (``assistant_model=``) and prompt-lookup decoding
+        (``prompt_lookup_num_tokens=``, also from the generation config) verify drafted tokens
+        and take back the rejected ones; a :class:`TrellisCache` cannot take tokens back yet,
+        so they raise a ``ValueError`` saying so (transformers would refuse them too, with a
+        message about stateful models).
+        """
+        bound = inspect.signature(GenerationMixin.generate).bind(self, *args, **kwargs).arguments
+        options = {**bound, **bound.pop("kwargs", {})}
+        config = options.get("generation_config") or self.generation_config
+        drafting = [
+            name for name in ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit")
+            if options.get(name, getattr(config, name, None)) is not None
+        ]
+        if drafting:
+            raise ValueError(
+                f"{drafting[0]} asks for assisted / prompt-lookup decoding, which needs a cache that can be cropped "
+                "back to the accepted draft tokens; a TrellisCache cannot be cropped yet (its memory layers fold every "
+                "token in). Decode without it (greedy, sampling and beam search all work)."
+            )
+        cache = one_cache(kwargs.pop("cache", None), kwargs.pop("past_key_values", None))
+        if cache is not None:
+            kwargs[CACHE_ARG] = cache
+        return super().generate(*args, **kwargs)
 
     def prepare_inputs_for_generation(
         self,
         input_ids: torch.LongTensor,
         next_sequence_length: Optional[int] = None,
-        past_key_values: Optional[TrellisCache] = None,
+        cache: Optional[TrellisCache] = None,
         attention_mask: Optional[torch.Tensor] = None,
         inputs_embeds: Optional[torch.Tensor] = None,
         is_first_iteration: Optional[bool] = False,
+        past_key_values: Optional[TrellisCache] = None,
         **kwargs: Any,
     ) -> dict[str, Any]:
         """Inputs of one ``generate`` step: only the tokens the cache has not taken in.
@@ -322,11 +420,13 @@ class TrellisForCausalLM(TrellisPreTrainedModel, GenerationMixin):
         ``generate`` says how many those are in ``next_sequence_length`` (the prompt's unseen
         part at prefill, 1 afterwards, ``None`` to feed everything). Prompt embeddings are
         used on the first step only. The 2-D mask is passed whole; ``forward`` reads its tail.
+        The cache comes under either name and goes on under the running transformers' name.
         """
-        seen = past_key_values.get_seq_length() if isinstance(past_key_values, TrellisCache) else 0
+        cache = one_cache(cache, past_key_values)
+        seen = cache.get_seq_length() if isinstance(cache, TrellisCache) else 0
         if is_first_iteration and seen and seen >= input_ids.shape[1]:
             raise ValueError(
-                f"past_key_values has already taken in {seen} tokens, but input_ids holds {input_ids.shape[1]}: "
+                f"the cache has already taken in {seen} tokens, but input_ids holds {input_ids.shape[1]}: "
                 "generate() continues a cache from the whole sequence, the tokens the cache has seen followed by "
                 "the new ones (e.g. torch.cat([output.sequences, new_ids], dim=1)); a cache that generate() "
                 "already extended cannot be reused for a shorter input"
@@ -339,10 +439,12 @@ class TrellisForCausalLM(TrellisPreTrainedModel, GenerationMixin):
             model_inputs: dict[str, Any] = {"input_ids": None, "inputs_embeds": unseen(inputs_embeds)}
         else:
             model_inputs = {"input_ids": unseen(input_ids).contiguous()}
-        model_inputs["past_key_values"] = past_key_values
+        model_inputs[CACHE_ARG] = cache
         model_inputs["attention_mask"] = attention_mask
+        # `cache_position` (what transformers before 5.x's later releases pass) restates the
+        # cache's own token count, which the model reads from the cache.
         for key, value in kwargs.items():
-            if key != "labels":
+            if key not in ("labels", "cache_position"):
                 model_inputs.setdefault(key, value)
         # generate() may keep its bookkeeping on the host and leaves the move to this method.
         return {
@@ -353,20 +455,26 @@ class TrellisForCausalLM(TrellisPreTrainedModel, GenerationMixin):
     def _prepare_cache_for_generation(
         self, generation_config: Any, model_kwargs: dict, generation_mode: Any, batch_size: int, max_cache_length: int
     ) -> None:
-        """Give ``generate`` a :class:`TrellisCache` (the default would build a key-value cache).
+        """Give ``generate`` a :class:`TrellisCache` (the default would build a key-value cache),
+        under the running transformers' name for it.
 
         A cache passed by the user is grown to the beams / returned sequences when it still
         holds one row per prompt, so a conversation can continue with ``num_beams`` or
         ``num_return_sequences`` > 1.
         """
-        cache = model_kwargs.get("past_key_values")
+        cache = one_cache(*(model_kwargs.pop(name, None) for name in CACHE_NAMES))
         if cache is not None:
             if not isinstance(cache, TrellisCache):
-                raise ValueError(f"past_key_values must be a TrellisCache, got {type(cache).__name__}")
+                raise ValueError(f"the cache (cache / past_key_values) must be a TrellisCache, got {type(cache).__name__}")
+            # What transformers' own version of this hook marks on a user's cache: generate() then
+            # never runs a step past the stop (its deferred stop check on MPS), which a cache
+            # that cannot be cropped would keep. Private; tests/test_transformers_internals.py
+            # fails when transformers stops reading it.
             cache._is_user_defined = True
             expand = max(generation_config.num_beams, generation_config.num_return_sequences)
             if expand > 1 and cache.batch_size == batch_size:
                 cache.batch_repeat_interleave(expand)
+            model_kwargs[CACHE_ARG] = cache
             return
         if generation_config.use_cache is False:
             return
@@ -375,7 +483,7 @@ class TrellisForCausalLM(TrellisPreTrainedModel, GenerationMixin):
                 f"cache_implementation={generation_config.cache_implementation!r} is ignored: Trellis models "
                 "always use their fixed-size TrellisCache."
             )
-        model_kwargs["past_key_values"] = TrellisCache(self.config)
+        model_kwargs[CACHE_ARG] = TrellisCache(self.config)
 
 
 __all__ = ["TrellisForCausalLM", "TrellisModel", "TrellisPreTrainedModel"]

@@ -74,39 +74,33 @@ class ValidTokens:
 
     @classmethod
     def from_attention_mask(
-        cls, attention_mask: Any, batch: int, length: int, position_ids: Optional[torch.Tensor] = None
+        cls, attention_mask: Any, batch: int, length: int, past: int = 0, starts: Optional[torch.Tensor] = None
     ) -> Optional["ValidTokens"]:
         """Read the current ``length`` tokens' validity and documents; ``None`` when all tokens
         are real and form one document per row.
 
-        ``attention_mask`` is ``None``, a ``[B, past + T]`` tensor (its last T columns are
-        the current tokens), or a dict holding such a tensor (``generate`` passes masks as
-        ``{"<layer type>": mask}`` for some caches). ``position_ids`` (``[B or 1, past + T]``)
-        mark document starts: a real token numbered 0 that is not its row's first real
-        token starts a new document.
+        ``attention_mask`` is ``None``, a ``[B, past + T]`` tensor (its last T columns are the
+        current tokens; ``past`` is what the cache has taken in, and another width is a
+        ``ValueError``), or a dict holding such a tensor (``generate`` passes masks as
+        ``{"<layer type>": mask}`` for some caches). ``starts`` (``[B or 1, T]`` bool, from
+        :func:`document_starts`) marks tokens that open a packed document; it counts only at a
+        real token that is not its row's first real token.
         """
         if isinstance(attention_mask, dict):
             attention_mask = next((m for m in attention_mask.values() if isinstance(m, torch.Tensor)), None)
-        if attention_mask is None and position_ids is None:
+        if attention_mask is None and starts is None:
             return None
         if attention_mask is not None and (
-            attention_mask.dim() != 2 or attention_mask.shape[0] != batch or attention_mask.shape[1] < length
+            attention_mask.dim() != 2 or attention_mask.shape[0] != batch or attention_mask.shape[1] != past + length
         ):
             raise ValueError(
-                f"attention_mask must be a 2-D padding mask [B = {batch}, past + T >= {length}] with 0 at "
-                f"padding, got shape {tuple(attention_mask.shape)}"
-            )
-        if position_ids is not None and (
-            position_ids.dim() != 2 or position_ids.shape[0] not in (1, batch) or position_ids.shape[1] < length
-        ):
-            raise ValueError(
-                f"position_ids must be 2-D [B = {batch} or 1, past + T >= {length}], restarting at 0 where a "
-                f"packed document starts, got shape {tuple(position_ids.shape)}"
+                f"attention_mask must be a 2-D padding mask [B = {batch}, past + T = {past} + {length}] with 0 at "
+                f"padding (past: the tokens the cache has taken in), got shape {tuple(attention_mask.shape)}"
             )
         if attention_mask is None:
-            mask = torch.ones(batch, length, dtype=torch.bool, device=position_ids.device)
+            mask = torch.ones(batch, length, dtype=torch.bool, device=starts.device)
         else:
-            current = attention_mask[:, -length:]
+            current = attention_mask[:, past:]
             if current.dtype != torch.bool and bool(((current != 0) & (current != 1)).any()):
                 # -1, 0.5 or NaN would silently count as real tokens.
                 raise ValueError(
@@ -115,9 +109,8 @@ class ValidTokens:
                 )
             mask = current.bool()
         doc_starts = None
-        if position_ids is not None:
-            positions = position_ids[:, -length:].to(mask.device).expand(batch, -1)
-            doc_starts = mask & (positions == 0) & (mask.cumsum(dim=1) > 1)
+        if starts is not None:
+            doc_starts = mask & starts.to(mask.device) & (mask.cumsum(dim=1) > 1)
             doc_starts = doc_starts if bool(doc_starts.any()) else None
         if doc_starts is None and bool(mask.all()):
             return None
@@ -145,6 +138,63 @@ class ValidTokens:
 
     def _index_like(self, x: torch.Tensor) -> torch.Tensor:
         return self.order.view(self.order.shape + (1,) * (x.dim() - 2)).expand_as(x)
+
+
+def document_starts(
+    batch: int,
+    length: int,
+    position_ids: Optional[torch.Tensor] = None,
+    cu_seq_lens_q: Optional[torch.Tensor] = None,
+    cu_seq_lens_k: Optional[torch.Tensor] = None,
+    max_length_q: Optional[int] = None,
+    max_length_k: Optional[int] = None,
+    seq_idx: Optional[torch.Tensor] = None,
+) -> Optional[torch.Tensor]:
+    """``[B or 1, T]`` bool, True where a packed document starts among the current ``length``
+    tokens, from whichever of transformers' packing conventions the caller gave; ``None``
+    when none was given. Several given must agree, else a ``ValueError``: a disagreement means
+    the documents are not what one of them says.
+
+    * ``position_ids`` ``[B or 1, T]`` or ``[B or 1, past + T]``: a 0 starts a document;
+    * ``cu_seq_lens_q`` / ``cu_seq_lens_k`` ``[N + 1]`` (flash-attention packing, batch 1):
+      document offsets from 0 to T, and ``max_length_q`` / ``max_length_k`` the longest one;
+    * ``seq_idx`` ``[B or 1, T]``: each token's document index; a change starts a document.
+    """
+    candidates: dict[str, torch.Tensor] = {}
+    if position_ids is not None:
+        if position_ids.dim() != 2 or position_ids.shape[0] not in (1, batch) or position_ids.shape[1] < length:
+            raise ValueError(
+                f"position_ids must be 2-D [B = {batch} or 1, T = {length} or past + T], restarting at 0 where a "
+                f"packed document starts, got shape {tuple(position_ids.shape)}"
+            )
+        candidates["position_ids"] = position_ids[:, -length:] == 0
+    for name, offsets, longest in (("cu_seq_lens_q", cu_seq_lens_q, max_length_q), ("cu_seq_lens_k", cu_seq_lens_k, max_length_k)):
+        if offsets is None:
+            if longest is not None:
+                raise ValueError(f"max_length_{name[-1]} is only read with {name} (flash-attention packing)")
+            continue
+        bounds = offsets.tolist() if isinstance(offsets, torch.Tensor) and offsets.dim() == 1 else None
+        if batch != 1 or not bounds or bounds[0] != 0 or bounds[-1] != length or any(b < a for a, b in zip(bounds, bounds[1:])):
+            raise ValueError(
+                f"{name} must be a 1-D tensor of document offsets rising from 0 to T = {length} with a batch of 1, "
+                f"got {bounds if bounds is not None else offsets!r} with a batch of {batch}"
+            )
+        if longest is not None and int(longest) != max(b - a for a, b in zip(bounds, bounds[1:])):
+            raise ValueError(f"max_length_{name[-1]} = {longest} is not the longest document of {name} ({bounds})")
+        flags = torch.zeros(1, length, dtype=torch.bool, device=offsets.device)
+        flags[0, [b for b in bounds[:-1] if b < length]] = True
+        candidates[name] = flags
+    if seq_idx is not None:
+        if seq_idx.dim() != 2 or seq_idx.shape[0] not in (1, batch) or seq_idx.shape[1] != length:
+            raise ValueError(f"seq_idx must be 2-D [B = {batch} or 1, T = {length}], got shape {tuple(seq_idx.shape)}")
+        candidates["seq_idx"] = F.pad(seq_idx[:, 1:] != seq_idx[:, :-1], (1, 0), value=True)
+    if not candidates:
+        return None
+    (first, starts), *others = candidates.items()
+    for name, flags in others:
+        if not torch.equal(starts.expand(batch, -1), flags.to(starts.device).expand(batch, -1)):
+            raise ValueError(f"{name} and {first} describe different packed documents")
+    return starts
 
 
 def token_positions(valid: Optional[ValidTokens], past: torch.Tensor, length: int) -> torch.Tensor:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
+import functools
 import math
 import sys
 from typing import Optional, Sequence, Union
@@ -20,10 +20,21 @@ from .state import TrellisState
 from .step import step_forward
 
 
+@functools.cache
+def triton_available() -> bool:
+    """Whether triton imports here. Tried on first need only (importing triton is slow), inside
+    a try block (where transformers' check of a Hub checkpoint's imports does not look)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def _triton_forward(*args):
     """Backend ``"triton"``: imported on first use, since importing triton is slow and the
     package is optional (checkpoints loaded as remote code may run without it)."""
-    if not HAVE_TRITON:
+    if not triton_available():
         raise ValueError("backend 'triton' needs the triton package (pip install triton); use backend 'torch'")
     from .triton_chunk import triton_forward
 
@@ -32,7 +43,6 @@ def _triton_forward(*args):
 
 # The names are fixed whatever is installed, so a config naming a backend loads everywhere.
 BACKENDS = {"reference": reference_forward, "torch": chunked_forward, "triton": _triton_forward}
-HAVE_TRITON = importlib.util.find_spec("triton") is not None
 
 InitialState = Union[None, TrellisState, Sequence[torch.Tensor]]
 
@@ -69,7 +79,7 @@ def _initial_state(
 
 
 def _pick_backend(backend: str, length: int, packed: bool, device: torch.device):
-    if backend == "auto" and device.type == "cuda" and HAVE_TRITON:
+    if backend == "auto" and device.type == "cuda" and triton_available():
         return BACKENDS["triton"]  # on GPUs, decode steps (T == 1) included
     return pick_backend(backend, BACKENDS, step_forward, length, packed)
 

@@ -44,8 +44,14 @@ import os
 from typing import Optional
 
 import torch
-import triton
-import triton.language as tl
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError as error:
+    # A try block: transformers' import check of remote code skips it, so a checkpoint's code
+    # loads where triton is absent; the dispatcher imports this module only where it imports.
+    raise ImportError("backend 'triton' needs the triton package (pip install triton); use backend 'torch'") from error
 
 from .chunked import chunked_forward
 from .functions import COMPRESS_FNS, EPS, MIX_FNS

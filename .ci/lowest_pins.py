@@ -1,0 +1,32 @@
+"""Print pip constraints pinning every dependency with a lower bound in pyproject.toml to that
+bound, so `make test-lowest` runs against the oldest versions the package says it supports.
+
+torch is left out: on CI's machines the only CPU build pip can install is the one the Makefile
+pins (every other release is a multi-GB CUDA build), so its lower bound is not tested here.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import tomllib
+from pathlib import Path
+
+UNTESTED = {"torch"}
+
+
+def lowest_pins(pyproject: Path) -> list[str]:
+    project = tomllib.loads(pyproject.read_text(encoding="utf-8"))["project"]
+    requirements = project["dependencies"] + [r for extra in project.get("optional-dependencies", {}).values() for r in extra]
+    pins = []
+    for requirement in requirements:
+        match = re.match(r"^([A-Za-z0-9_.\-]+)\s*(?:\[[^\]]*\])?\s*([^;]*)", requirement)
+        name, specifiers = match[1], match[2]
+        lower = re.search(r">=\s*([\w.]+)", specifiers)
+        if lower and name.lower() not in UNTESTED:
+            pins.append(f"{name}=={lower[1]}")
+    return pins
+
+
+if __name__ == "__main__":
+    print("\n".join(lowest_pins(Path(sys.argv[1]) if len(sys.argv) > 1 else Path("pyproject.toml"))))
