@@ -224,6 +224,15 @@ def test_logits_to_keep():
     full = model(ids).logits
     torch.testing.assert_close(model(ids, logits_to_keep=1).logits, full[:, -1:])
     torch.testing.assert_close(model(ids, logits_to_keep=torch.tensor([0, 5])).logits, full[:, [0, 5]])
+    torch.testing.assert_close(model(ids, logits_to_keep=20).logits, full)  # more than there are: all
+    per_row = torch.tensor([[1, 7], [3, 2]])
+    torch.testing.assert_close(model(ids, logits_to_keep=per_row).logits, torch.stack([full[0, [1, 7]], full[1, [3, 2]]]))
+    chosen = torch.zeros(2, 8, dtype=torch.bool)
+    chosen[0, 2], chosen[1, 4:6] = True, True
+    torch.testing.assert_close(model(ids, logits_to_keep=chosen).logits, full[chosen])
+    for bad in (-1, True, 1.5, torch.zeros(2, 2, 2, dtype=torch.long)):
+        with pytest.raises(ValueError, match="logits_to_keep must be"):
+            model(ids, logits_to_keep=bad)
 
 
 # ----------------------------------------------------------------------------- training

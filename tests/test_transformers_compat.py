@@ -202,6 +202,20 @@ def test_generate_still_marks_a_users_cache_where_it_defers_its_stop_check():
     )
 
 
+def test_the_remote_code_loader_follows_every_import_we_flatten(tmp_path):
+    # remote_code.py rewrites relative imports to flat names with its own pattern; transformers'
+    # loader finds them with another. Where they disagree, a checkpoint lacks a file it imports.
+    from transformers.dynamic_module_utils import get_relative_imports
+
+    from trellis_lm.remote_code import export_code, relative_imports
+
+    for path in export_code(tmp_path):
+        ours = set(relative_imports(path.read_text(encoding="utf-8"), ""))
+        assert set(get_relative_imports(path)) == ours, (
+            f"transformers.dynamic_module_utils.get_relative_imports reads {path.name}'s relative imports differently"
+        )
+
+
 def test_the_generation_cache_hook_keeps_its_signature():
     expected = ["self", "generation_config", "model_kwargs", "generation_mode", "batch_size", "max_cache_length"]
     got = list(inspect.signature(GenerationMixin._prepare_cache_for_generation).parameters)

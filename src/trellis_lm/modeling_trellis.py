@@ -206,7 +206,7 @@ def keep_positions(hidden_states: torch.Tensor, logits_to_keep: Union[int, torch
         if logits_to_keep.dim() == 1:
             return hidden_states[:, logits_to_keep]
     elif isinstance(logits_to_keep, int) and not isinstance(logits_to_keep, bool) and logits_to_keep >= 0:
-        return hidden_states[:, hidden_states.shape[1] - logits_to_keep if logits_to_keep else 0 :]
+        return hidden_states[:, -logits_to_keep:] if logits_to_keep else hidden_states
     raise ValueError(
         "logits_to_keep must be an int >= 0, a 1-D tensor of positions, a 2-D tensor of positions per row or a "
         f"2-D bool mask, got {logits_to_keep!r}"
