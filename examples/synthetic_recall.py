@@ -77,15 +77,15 @@ class Preset:
 # Models trained at the base setting of the cpu preset, in the order they run: every row of the
 # issue (l2_silu mixing, not one of the paper's directions, only in the larger presets). The exact
 # recurrence (C = 1) is last: it costs as much as five other rows.
-CPU_ROWS = ("llama", "trellis", "trellis-delta", "trellis-no-forget", "lattice-dec", "kvm", "hybrid", "trellis-M16",
-            "trellis-M64", "trellis-C64", "trellis-mix-softmax", "lattice-enc", "lattice-sim", "trellis-C1")
+CPU_ROWS = ("llama", "trellis", "trellis-delta", "trellis-no-forget", "lattice-dec", "kvm", "kvm-merge", "hybrid",
+            "trellis-M16", "trellis-M64", "trellis-C64", "trellis-mix-softmax", "lattice-enc", "lattice-sim", "trellis-C1")
 
 # Every model of PAPER_DIRECTIONS and LATTICE_PAIRS, after the Llama reference; C = 1 last (cost).
 ABLATION_ROWS = ("llama", "trellis", "trellis-no-forget", "trellis-mix-softmax", "trellis-delta", "trellis-M16",
                  "trellis-M64", "trellis-C64", "lattice-dec", "lattice-enc", "lattice-sim", "trellis-C1")
 
 PRESETS = {
-    # Sized for about 45 minutes on 2 idle CPU cores with --jobs 2: 14 models x 5 runs at one short
+    # Sized for about 45 minutes on 2 idle CPU cores with --jobs 2: 15 models x 5 runs at one short
     # setting (32 tokens, 4 pairs; at 64 tokens Trellis was still at chance after 600 steps at lr 3e-3).
     # trellis-C1, the exact recurrence, costs ~7x a chunked run per step: a third of the total.
     # C = 64 is then one chunk of the whole sequence. The time measured is in docs/results.md.

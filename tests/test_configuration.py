@@ -19,7 +19,8 @@ DEFAULTS = dict(
     tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2, use_cache=True,
     op_backend="auto", compile_decode=False, mixer_types=None, lattice_variant="dec", num_key_value_heads=None,
     rope_theta=10000.0, attention_bias=False, kvm_chunk_size=256, kvm_window_chunks=2, kvm_rope_dims=None, kvm_sinks=1,
-    kvm_state_size=256, kvm_budget="fixed",
+    kvm_state_size=256, kvm_budget="fixed", kvm_budget_scale=16.0, kvm_budget_exponent=0.5, kvm_budget_saturation=1024.0,
+    kvm_budget_min=None,
 )
 
 

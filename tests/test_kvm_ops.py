@@ -271,6 +271,9 @@ def _call(**changes):
     return kvm_attention(args.pop("q"), args.pop("k"), args.pop("v"), args.pop("gate"), **args, **kw)
 
 
+WINDOW = ("window_k", "window_v", "window_g")
+
+
 def _state(**changes):
     return lambda: _made_state(**changes)
 
@@ -301,16 +304,120 @@ def _made_state(**changes):
     (dict(backend="triton"), "backend must be"),
     (dict(cu_seqlens=torch.tensor([0, 5])), "cu_seqlens needs a batch of 1"),
     (dict(initial_state=(torch.zeros(2, 2, 2, 6),)), "initial_state must be None or a KVMState"),
-    (dict(initial_state=_state(keys=lambda s: s.keys[:, :, :1])), "initial_state.keys must have shape"),
+    (dict(initial_state=_state(keys=lambda s: s.keys[..., :5])), "initial_state.keys must have shape"),
+    (dict(initial_state=_state(radii=lambda s: s.radii[:, :, :1])), "initial_state.radii must have shape"),
+    (dict(initial_state=_state(keys=lambda s: s.keys[:, :, :1], values=lambda s: s.values[:, :, :1],
+                               radii=lambda s: s.radii[:, :, :1])), r"initial_state.used must .* \(R = 1"),
+    (dict(initial_state=_state(**{name: (lambda s, n=name: getattr(s, n)[:, :, :0]) for name in WINDOW})),
+     "initial_state.window_k must hold the window's seen - covered tokens"),
+    (dict(chunk_size=1, sinks=0, initial_state=_state()), r"initial_state.window_k must have shape .* W' <= "),
     (dict(initial_state=_state(window_g=lambda s: s.window_g[:1])), "initial_state.window_g must have shape"),
     (dict(initial_state=_state(seen=lambda s: s.seen.double())), "initial_state.seen must hold integers"),
     (dict(initial_state=_state(covered=lambda s: s.covered + 2)), "initial_state.seen and initial_state.covered"),
     (dict(initial_state=_state(used=lambda s: s.used + 1)), "initial_state.used must"),
-    (dict(window_chunks=2, initial_state=_state()), "initial_state.window_k must have shape"),
+    (dict(window_chunks=2, initial_state=_state()), "initial_state.seen and initial_state.covered disagree"),
 ])
 def test_bad_input_raises_a_clear_error(changes, match):
     with pytest.raises(ValueError, match=match):
         _call(**changes)
+
+
+def _one(t, value):
+    """``t`` with one element set to ``value``."""
+    t = t.clone()
+    t.view(-1)[t.numel() // 2] = value
+    return t
+
+
+@pytest.mark.parametrize("value", [-1e-30, -0.5, float("nan"), float("inf")])
+def test_gate_out_of_range_raises(value):
+    """The page's merge gate is > 0; NaN or inf would spread through the state. 0, the underflow
+    of a very negative logit, is allowed: it only leaves a row empty."""
+    with pytest.raises(ValueError, match=r"gate must be finite and >= 0, got values in"):
+        _call(gate=lambda a: _one(a["gate"], value))
+    _call(gate=lambda a: _one(a["gate"], 0.0))
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_temperature_raises(value):
+    with pytest.raises(ValueError, match=r"temperature must be finite, got values in"):
+        _call(temperature=lambda a: _one(a["temperature"], value))
+    _call(temperature=lambda a: -a["temperature"])  # the page sets no sign: learned from 1
+
+
+def test_odd_rope_dims_raises():
+    with pytest.raises(ValueError, match=r"rope_dims must be even \(RoPE turns channel pairs"):
+        _call(rope_dims=3)
+
+
+def test_rope_dims_equal_to_dk_raises_and_says_why():
+    with pytest.raises(ValueError, match=r"rope_dims must be less than Dk = 6: .*every state key is the same vector "
+                                         r"and nothing can be found by content; got 6"):
+        _call(rope_dims=6)
+
+
+@pytest.mark.parametrize("budget", ["power_law", "saturation"])
+def test_budget_min_above_state_size_raises_for_growable_budgets(budget):
+    with pytest.raises(ValueError, match=r"budget_min must be an integer in \[0, 2\] \(at most state_size"):
+        _call(budget=budget, budget_min=3)
+    _call(budget=budget, budget_min=2)
+    _call(budget="fixed", budget_min=3)  # the fixed budget has no floor: its default 256 goes with any state_size
+
+
+def test_check_values_false_skips_only_the_value_checks(monkeypatch):
+    """``check_values=False`` (decode steps) reads no gate, temperature or counter back; shapes
+    are still checked, and the default rejects a bad gate on a single token too."""
+    from trellis_lm.ops.kvm import dispatch
+
+    one_token = dict(q=lambda a: a["q"][:, :1], k=lambda a: a["k"][:, :1], v=lambda a: a["v"][:, :1],
+                     gate=lambda a: _one(a["gate"][:, :1], float("nan")))
+    with pytest.raises(ValueError, match="gate must be finite and >= 0"):
+        _call(**one_token, initial_state=_state())
+    with pytest.raises(ValueError, match="gate must have shape"):
+        _call(gate=lambda a: a["gate"][..., :1], check_values=False)
+
+    def no_read(*args):
+        raise AssertionError("values read back")
+
+    state = _made_state()
+    monkeypatch.setattr(dispatch, "expect_in_range_and_read", no_read)
+    o, _ = _call(**one_token, initial_state=state, temperature=lambda a: _one(a["temperature"], float("inf")),
+                 check_values=False)
+    assert o.shape == (2, 1, 2, 4)
+
+
+# ---------------------------------------------------------------------------------------------
+# Work and memory follow the tokens present, not the sizes asked for.
+
+HUGE = 10**9
+
+
+def _rooms(state: KVMState) -> dict[str, tuple[int, ...]]:
+    return {name: tuple(t.shape) for name, t in state.tensors().items()}
+
+
+@pytest.mark.parametrize("huge,small", [
+    # Nothing folds: one chunk as wide as the tokens, no state rows.
+    (dict(chunk_size=HUGE, state_size=HUGE), dict(chunk_size=40, state_size=40)),
+    (dict(chunk_size=3, window_chunks=HUGE), dict(chunk_size=3, window_chunks=14)),
+    # Folds from the 7th token on, every chunk appended: rows only for the tokens folded.
+    (dict(chunk_size=3, window_chunks=2, state_size=HUGE), dict(chunk_size=3, window_chunks=2, state_size=40)),
+])
+@pytest.mark.parametrize("backend", ["reference", "torch"])
+def test_memory_follows_the_tokens_not_the_sizes_asked_for(huge, small, backend):
+    """A 40-token call at C, B or S = 10**9 is the call at sizes that just hold it (the
+    preallocated state would need hundreds of GB), in one piece, resumed, and decoded."""
+    x, p = make_kvm_inputs(2, 40, 2, 6, 4, seed=4)
+    kw = dict(sinks=1, rope_dims=2)
+    o, s = run(backend, x, p, **huge, **kw)
+    o_small, s_small = run(backend, x, p, **small, **kw)
+    torch.testing.assert_close(o, o_small, **TOL)
+    assert_states_close(s, s_small)
+    assert s.keys.shape[2] <= int(s.covered.max()) and s.window_k.shape[2] <= 40
+    o_resumed, s_resumed = _run_pieces(backend, x, p, [0, 17, 38, 39, 40], **huge, **kw)
+    torch.testing.assert_close(o_resumed, o_small, **TOL)
+    assert_states_close(s_resumed, s_small)
+    assert _rooms(s_resumed) == _rooms(s)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -410,6 +410,64 @@ def test_bad_input_raises_a_clear_error(changes, match):
         _call(**changes)
 
 
+@pytest.fixture
+def seeded():
+    """A seeded, forked RNG: the test is deterministic, and tests after it that draw unseeded
+    numbers get the stream they would get without it."""
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        yield
+
+
+def _one(t, value):
+    """``t`` with one element set to ``value``."""
+    t = t.clone()
+    t.view(-1)[t.numel() // 2] = value
+    return t
+
+
+@pytest.mark.parametrize("value", [-0.1, float("nan"), float("inf")])
+def test_gamma_out_of_range_raises(value, seeded):
+    """As the Trellis op's gamma: finite and >= 0 (a negative step climbs the loss)."""
+    with pytest.raises(ValueError, match=r"gamma must be finite and >= 0, got values in"):
+        _call(gamma=lambda x: _one(x["gamma"], value))
+    _call(gamma=lambda x: torch.zeros_like(x["gamma"]))  # 0 writes nothing
+
+
+def test_initial_memory_with_a_zero_row_raises(seeded):
+    """A slot without a direction normalises to NaN, and every output with it."""
+    s0 = torch.randn(2, 2, 6, 4, dtype=torch.float64)
+    s0[1, 0, 3] = 0.0
+    with pytest.raises(ValueError, match=r"initial_state must be a memory of rows with finite, nonzero norms .*"
+                                         r"got values in \[0.0, "):
+        _call(initial_state=s0)
+    state = LatticeState(s0, F.normalize(torch.randn(2, 2, 6, 4, dtype=torch.float64), dim=-1), torch.tensor([1, 2]))
+    with pytest.raises(ValueError, match=r"initial_state.memory must be a memory of rows with finite, nonzero norms"):
+        _call(initial_state=state)
+
+
+def test_check_values_false_skips_only_the_value_checks(monkeypatch, seeded):
+    """``check_values=False`` (decode steps) reads nothing back: no gamma, memory norm or offset
+    check; shapes are still checked, and the default checks a single token too."""
+    from trellis_lm.ops.lattice import dispatch
+
+    x = make_inputs(2, 1, 2, 6, 4)
+    bad_gamma = _one(x[3], -1.0)
+    state = mid_chunk_state(2, 2, 6, 4, chunk_size=4)
+    with pytest.raises(ValueError, match="gamma must be finite and >= 0"):
+        lattice_attention(*x[:3], bad_gamma, initial_state=state, chunk_size=4)
+    with pytest.raises(ValueError, match="gamma must have shape"):
+        lattice_attention(*x[:3], x[3][..., :1], initial_state=state, chunk_size=4, check_values=False)
+
+    def no_read(*args, **kwargs):
+        raise AssertionError("values read back")
+
+    monkeypatch.setattr(dispatch, "expect_in_range", no_read)
+    monkeypatch.setattr(dispatch, "check_offsets", no_read)
+    o, _ = lattice_attention(*x[:3], bad_gamma, initial_state=state, chunk_size=4, check_values=False)
+    assert o.shape == (2, 1, 2, 4)
+
+
 def test_bad_cu_seqlens_and_state_counts():
     x = make_inputs(1, 6, 2, 3, 3)
     s0 = torch.randn(2, 2, 3, 3, dtype=torch.float64)

@@ -385,6 +385,8 @@ def test_lora_adapters_train_save_load_generate_and_merge(tmp_path, schedule):
             block_part = layer.mlp if target in ("gate_proj", "up_proj", "down_proj") else layer.self_attn
             if target in ("q_proj", "k_proj", "v_proj", "o_proj") or hasattr(block_part, target):
                 assert isinstance(getattr(block_part, target), peft.tuners.lora.LoraLayer), target
+        if hasattr(layer.self_attn, "merge_proj"):  # KVM's merge gate is not a target (nor named as the MLP's)
+            assert not isinstance(layer.self_attn.merge_proj, peft.tuners.lora.LoraLayer)
     assert all("lora_" in name for name, p in lora.named_parameters() if p.requires_grad)
     torch.testing.assert_close(lora(input_ids=ids, attention_mask=mask).logits, base_logits)  # B starts at zero
 

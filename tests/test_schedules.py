@@ -52,7 +52,11 @@ def test_mixer_types_default_to_trellis_and_set_layer_types():
         (dict(num_key_value_heads=3), r"num_key_value_heads must be None or an integer >= 1 that divides num_heads = 2"),
         (dict(rope_theta=0.0), r"rope_theta must be a finite number > 0"),
         (dict(attention_bias=1), r"attention_bias must be True or False"),
-        (dict(kvm_rope_dims=3), r"kvm_rope_dims must be None or an even integer in \[0, head_dim = 8\]"),
+        (dict(kvm_rope_dims=3), r"kvm_rope_dims must be None or an even integer in \[0, head_dim = 8\)"),
+        (dict(kvm_rope_dims=8), r"kvm_rope_dims must be .* the state keys .* would all be one vector"),
+        (dict(kvm_budget_scale=0.0), r"kvm_budget_scale must be a finite number > 0"),
+        (dict(kvm_budget_saturation=float("inf")), r"kvm_budget_saturation must be a finite number > 0"),
+        (dict(kvm_budget_min=5), r"kvm_budget_min must be None \(kvm_chunk_size\) or an integer in \[0, kvm_state_size = 4\]"),
         (dict(kvm_state_size=2), r"kvm_state_size must be an integer in \[kvm_chunk_size = 3, 65536\]"),
         (dict(kvm_sinks=3), r"kvm_sinks must be an integer in \[0, kvm_chunk_size = 3\)"),
         (dict(kvm_budget="grow"), r"kvm_budget must be one of"),
@@ -111,6 +115,25 @@ def test_fields_a_layer_uses_change_the_model(schedule, field, value):
     ids = random_tokens(1, 11)
     changed = tiny_model(schedule=schedule, **{field: value})(ids).logits
     assert not torch.allclose(changed, tiny_model(schedule=schedule)(ids).logits)
+
+
+def test_kvm_budgets_differ_at_small_sizes():
+    # Chunks of 3, a window of one chunk and a cap of 12 rows: after 36 tokens the fixed budget
+    # holds all 12, the growable ones what their laws allow (floors 3 = the chunk, by default).
+    ids = random_tokens(1, 36)
+
+    def rows_used(**budget):
+        model = tiny_model(schedule="kvm", kvm_state_size=12, **budget)
+        return cache_of(model(ids)).layers[0].state.used.item()
+
+    used = {
+        "fixed": rows_used(),
+        "power_law": rows_used(kvm_budget="power_law", kvm_budget_scale=1.0),   # floor(sqrt(t))
+        "saturation": rows_used(kvm_budget="saturation", kvm_budget_saturation=8.0),  # floor(8t / (8 + t))
+        "power_law, floor 12": rows_used(kvm_budget="power_law", kvm_budget_scale=1.0, kvm_budget_min=12),
+    }
+    assert used["fixed"] == 12 == used["power_law, floor 12"]
+    assert len({used["fixed"], used["power_law"], used["saturation"]}) == 3, used
 
 
 # ----------------------------------------------------------------------------- equivalences
@@ -203,13 +226,17 @@ def test_cache_size_grows_only_by_the_attention_keys_and_values(schedule):
         assert long.nbytes() == short.nbytes()
 
 
-def test_a_kvm_cache_is_bounded_by_its_window_and_state():
-    # What the cache holds after the window first fills (W + 1 tokens) is all it ever holds.
+def test_a_kvm_cache_grows_to_its_window_and_state_then_stays():
     model = tiny_model(schedule="kvm")
-    config = model.config
-    window = config.kvm_window_chunks * config.kvm_chunk_size
+    c = model.config
+    window, size, d = c.kvm_window_chunks * c.kvm_chunk_size, c.kvm_state_size, c.head_dim
     ids = random_tokens(1, 300, seed=3)
-    assert cache_of(model(ids)).nbytes() == cache_of(model(ids[:, : window + 1])).nbytes()
+    full = cache_of(model(ids)).nbytes()
+    # Per layer: S rows and W slots of key, value and radius / gate (float32), three int64 counters.
+    assert full == c.num_hidden_layers * (4 * c.num_heads * (size + window) * (2 * d + 1) + 3 * 8)
+    # Full once S tokens have been folded (they left the window); a short input holds only what it needs.
+    assert cache_of(model(ids[:, : size + window])).nbytes() == full
+    assert cache_of(model(ids[:, :2])).nbytes() < full
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)

@@ -224,7 +224,7 @@ TINY = ModelSize(hidden_size=32, num_hidden_layers=1, num_heads=2, head_dim=8, i
 TINY2 = dataclasses.replace(TINY, num_hidden_layers=2)
 # The layer schedule each row must build at 2 layers.
 SCHEDULE_OF = {"llama": ["attention"] * 2, "lattice-dec": ["lattice"] * 2, "lattice-enc": ["lattice"] * 2,
-               "lattice-sim": ["lattice"] * 2, "kvm": ["kvm"] * 2, "hybrid": ["trellis", "attention"]}
+               "lattice-sim": ["lattice"] * 2, "kvm": ["kvm"] * 2, "kvm-merge": ["kvm"] * 2, "hybrid": ["trellis", "attention"]}
 
 
 def test_every_variant_builds_and_scores():
@@ -253,7 +253,8 @@ def test_every_variant_builds_and_scores():
     kvm = build_model(next(s for s in default_variants() if s.name == "kvm"), TINY2, 16, 64).config
     # A fixed state and a window shorter than the sequences, so the state matters.
     assert kvm.kvm_budget == "fixed" and kvm.kvm_chunk_size * kvm.kvm_window_chunks < 64
-    assert kvm.kvm_rope_dims == TINY2.head_dim
+    # Half the channels rotated (the authors' ratio): with all of them, state keys carry no content.
+    assert kvm.kvm_rope_dims is None and kvm.kvm_rotary_dims == TINY2.head_dim // 4 * 2
     assert build_model(next(s for s in default_variants() if s.name == "lattice-enc"), TINY2, 16, 16
                        ).config.lattice_variant == "enc"
     # A pattern repeats over deeper models.

@@ -25,7 +25,8 @@ MIXER_FIELDS = {
     "lattice": ("hidden_size", "num_heads", "head_dim", "num_slots", "chunk_size", "lattice_variant", "conv_size"),
     "attention": ("hidden_size", "num_heads", "head_dim", "num_key_value_heads", "rope_theta", "attention_bias"),
     "kvm": ("hidden_size", "num_heads", "head_dim", "rope_theta", "kvm_chunk_size", "kvm_window_chunks", "kvm_rope_dims",
-            "kvm_sinks", "kvm_state_size", "kvm_budget"),
+            "kvm_sinks", "kvm_state_size", "kvm_budget", "kvm_budget_scale", "kvm_budget_exponent",
+            "kvm_budget_saturation", "kvm_budget_min"),
 }
 MIXER_TYPES = tuple(MIXER_FIELDS)
 # Largest sizes the model accepts. Work and memory follow the tokens present, not these numbers,
@@ -79,15 +80,25 @@ class TrellisConfig(PreTrainedConfig):
         kvm_chunk_size: C of KVM layers (a chunk is folded into the state as a whole).
         kvm_window_chunks: KVM's window, in chunks: the most recent ``kvm_window_chunks * C``
             tokens are attended to exactly.
-        kvm_rope_dims: channels of q and k (even, at most ``head_dim``) that KVM rotates; its
+        kvm_rope_dims: channels of q and k (even, fewer than ``head_dim``) that KVM rotates; its
             RoPE pairs channels (2i, 2i + 1) as the official code does, with ``rope_theta``.
             ``None`` (default): half of ``head_dim``, rounded down to even (the official 64 of 128).
+            ``head_dim`` itself is refused: state keys are the keys with their rotated channels
+            zeroed, so every state key would be the same vector, and nothing that has left the
+            window could be found by its content.
         kvm_sinks: KVM state rows that never take merges (attention sinks), < ``kvm_chunk_size``.
         kvm_state_size: KVM state rows: the budget for ``kvm_budget="fixed"``, the cap for the
             growable budgets; at least ``kvm_chunk_size``.
         kvm_budget: ``"fixed"`` (a constant-size cache), ``"power_law"`` or ``"saturation"``
-            (growing with the tokens seen up to ``kvm_state_size``, with the op's default
-            parameters).
+            (growing with the tokens seen up to ``kvm_state_size``; design page ``kvm.md``, section 1).
+        kvm_budget_scale, kvm_budget_exponent: ``"power_law"`` allows
+            ``floor(kvm_budget_scale * t ** kvm_budget_exponent)`` state rows after t tokens
+            (upstream 16 and 0.5).
+        kvm_budget_saturation: ``"saturation"`` allows ``floor(N t / (N + t))`` rows, N this field
+            (upstream 1024).
+        kvm_budget_min: the growable budgets' floor, in rows; ``None`` (default) means
+            ``kvm_chunk_size``, what the first fold seeds (upstream: 256 rows with chunks of 256).
+            A floor at or above ``kvm_state_size`` makes them equal to ``"fixed"``.
         intermediate_size: hidden width of the SwiGLU MLP.
         rms_norm_eps: epsilon of every RMSNorm.
         initializer_range: standard deviation of the linear and embedding weights at init.
@@ -135,6 +146,10 @@ class TrellisConfig(PreTrainedConfig):
     kvm_sinks: int = 1
     kvm_state_size: int = 256
     kvm_budget: str = "fixed"
+    kvm_budget_scale: float = 16.0
+    kvm_budget_exponent: float = 0.5
+    kvm_budget_saturation: float = 1024.0
+    kvm_budget_min: int | None = None
     intermediate_size: int = 2048
     rms_norm_eps: float = 1e-6
     initializer_range: float = 0.02
@@ -168,6 +183,11 @@ class TrellisConfig(PreTrainedConfig):
     def kvm_rotary_dims(self) -> int:
         """Channels KVM layers rotate: ``kvm_rope_dims``, or half of ``head_dim`` (even)."""
         return self.head_dim // 4 * 2 if self.kvm_rope_dims is None else self.kvm_rope_dims
+
+    @property
+    def kvm_budget_floor(self) -> int:
+        """The growable KVM budgets' floor in rows: ``kvm_budget_min``, or ``kvm_chunk_size``."""
+        return self.kvm_chunk_size if self.kvm_budget_min is None else self.kvm_budget_min
 
     @property
     def key_value_heads(self) -> int:
@@ -216,13 +236,18 @@ class TrellisConfig(PreTrainedConfig):
         check("attention_bias", lambda v: isinstance(v, bool), "True or False")
         for name in ("kvm_chunk_size", "kvm_window_chunks"):
             check(name, lambda v: _is_int(v) and 1 <= v <= MAX_SIZES[name], f"an integer in [1, {MAX_SIZES[name]}]")
-        check("kvm_rope_dims", lambda v: v is None or (_is_int(v) and 0 <= v <= self.head_dim and v % 2 == 0),
-              f"None or an even integer in [0, head_dim = {self.head_dim}]")
+        check("kvm_rope_dims", lambda v: v is None or (_is_int(v) and 0 <= v < self.head_dim and v % 2 == 0),
+              f"None or an even integer in [0, head_dim = {self.head_dim}): with every channel rotated, the "
+              "state keys (rotated channels zeroed) would all be one vector, unable to tell tokens apart")
         check("kvm_sinks", lambda v: _is_int(v) and 0 <= v < self.kvm_chunk_size,
               f"an integer in [0, kvm_chunk_size = {self.kvm_chunk_size})")
         check("kvm_state_size", lambda v: _is_int(v) and self.kvm_chunk_size <= v <= MAX_SIZES["kvm_state_size"],
               f"an integer in [kvm_chunk_size = {self.kvm_chunk_size}, {MAX_SIZES['kvm_state_size']}]")
         check("kvm_budget", lambda v: v in KVM_BUDGETS, f"one of {KVM_BUDGETS}")
+        for name in ("kvm_budget_scale", "kvm_budget_exponent", "kvm_budget_saturation"):
+            check(name, lambda v: _is_real(v) and 0 < v < math.inf, "a finite number > 0")
+        check("kvm_budget_min", lambda v: v is None or (_is_int(v) and 0 <= v <= self.kvm_state_size),
+              f"None (kvm_chunk_size) or an integer in [0, kvm_state_size = {self.kvm_state_size}]")
         check("mix_fn", lambda v: v in MIX_FNS, f"one of {MIX_FNS}")
         check("op_backend", lambda v: v in OP_BACKENDS, f"one of {OP_BACKENDS}")
         for name in ("gate_logit_normalizer", "rms_norm_eps", "initializer_range"):

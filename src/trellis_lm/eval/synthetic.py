@@ -165,6 +165,9 @@ def default_variants() -> list[ModelSpec]:
         ModelSpec("lattice-enc", overrides={"mixer_types": ("lattice",), "lattice_variant": "enc"}),
         ModelSpec("lattice-sim", overrides={"mixer_types": ("lattice",), "lattice_variant": "sim"}),
         ModelSpec("kvm", overrides=dict(KVM_OVERRIDES)),
+        # The merge rule itself: a window of 4 tokens and 8 state rows, so at 32 tokens 28 tokens
+        # leave the window into 8 rows (20 of them merged), every key-value pair among them.
+        ModelSpec("kvm-merge", overrides=dict(KVM_OVERRIDES, kvm_chunk_size=4, kvm_state_size=8)),
         # One attention layer per Trellis layer: ["trellis", "attention"] at 2 layers.
         ModelSpec("hybrid", overrides={"mixer_types": ("trellis", "attention")}),
     ]
@@ -198,7 +201,7 @@ def build_model(spec: ModelSpec, size: ModelSize, vocab_size: int, max_len: int)
     fields = dict(
         vocab_size=vocab_size, hidden_size=size.hidden_size, num_hidden_layers=size.num_hidden_layers,
         num_heads=size.num_heads, head_dim=size.head_dim, intermediate_size=size.intermediate_size,
-        num_slots=size.num_slots, chunk_size=size.chunk_size, kvm_rope_dims=size.head_dim,
+        num_slots=size.num_slots, chunk_size=size.chunk_size,
         # MQAR's filler is token 0; the model must see it as an ordinary token, never as padding.
         pad_token_id=None, bos_token_id=None, eos_token_id=None,
     )

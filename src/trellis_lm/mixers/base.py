@@ -136,6 +136,18 @@ class MemoryMixer(Mixer):
         """Call the op on ``inputs`` with the config's settings."""
         raise NotImplementedError
 
+    @staticmethod
+    def checks_values(inputs: tuple[torch.Tensor, ...], cu_seqlens: Optional[torch.Tensor]) -> bool:
+        """The ops' ``check_values``: False on decode steps (one token per row, unpacked).
+
+        Their range checks read values back from the device, a host sync per layer and token.
+        A step's gates come from sigmoids and exponentials of activations, so only NaN
+        activations could leave their ranges, and those make the output NaN whatever the check;
+        its state is what the op returned. Longer or packed inputs keep the checks, which name
+        NaN activations at their first layer.
+        """
+        return inputs[0].shape[1] > 1 or cu_seqlens is not None
+
     def forward(self, x: torch.Tensor, valid: Optional[ValidTokens] = None, cache: Optional[TrellisCache] = None) -> torch.Tensor:
         entry = cache.layers[self.layer_idx] if cache is not None else None
         if entry is None:
@@ -270,6 +282,9 @@ class MemoryMixer(Mixer):
         if carried is None:
             return fresh
         per_seq = carried.map(lambda t: t.index_select(0, valid.seq_rows.to(t.device)))
+        # One layout for both (KVM's buffers grow with the tokens seen): `cat` aligns them.
+        both = self.state_class.cat([per_seq, fresh])
+        per_seq, fresh = both.map(lambda t: t[: per_seq.rows]), both.map(lambda t: t[per_seq.rows :])
         keep = valid.continues_row.to(carried.tensors()[carried.field_names()[0]].device)
         return self.state_class(**{
             name: torch.where(keep.view(-1, *(1,) * (t.dim() - 1)), t, fresh.tensors()[name])

@@ -6,7 +6,6 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..cache_trellis import KVMLayerCache
@@ -38,11 +37,13 @@ def kvm_rotary(x: torch.Tensor, positions: torch.Tensor, rope_dims: int, theta: 
 
 class KVMAttention(MemoryMixer):
     """The KVM mixer: projections, per-head q/k LayerNorm (affine shared by the heads), partial
-    RoPE, merge gate ``1 + elu(gate_proj(x))``, the op, ``o_proj`` (no output norm or gate: it
+    RoPE, merge gate ``1 + elu(merge_proj(x))``, the op, ``o_proj`` (no output norm or gate: it
     is attention).
 
     Parameters: ``q_proj, k_proj, v_proj: D -> H d``, ``q_norm, k_norm`` (LayerNorm over d),
-    ``gate_proj: D -> H`` (no bias, zero at init: plain sums at the start), the state LayerNorm
+    ``merge_proj: D -> H`` (the merge gate's logits; no bias, zero at init: plain sums at the
+    start; not named ``gate_proj``, the MLP's name, so LoRA recipes that target the MLP leave
+    it alone), the state LayerNorm
     ``state_norm_weight, state_norm_bias [H, d]``, ``temperature [H, 2]`` (t_s, t_w; 1 at init),
     ``o_proj: H d -> D``. Settings: ``config.kvm_*`` and ``rope_theta``. ``config.op_backend``
     ``"triton"`` runs the torch path (KVM has no custom kernels).
@@ -58,7 +59,7 @@ class KVMAttention(MemoryMixer):
         self.q_proj = nn.Linear(hidden, heads * dim, bias=False)
         self.k_proj = nn.Linear(hidden, heads * dim, bias=False)
         self.v_proj = nn.Linear(hidden, heads * dim, bias=False)
-        self.gate_proj = nn.Linear(hidden, heads, bias=False)
+        self.merge_proj = nn.Linear(hidden, heads, bias=False)
         self.o_proj = nn.Linear(heads * dim, hidden, bias=False)
         self.q_norm = nn.LayerNorm(dim, eps=LN_EPS)
         self.k_norm = nn.LayerNorm(dim, eps=LN_EPS)
@@ -81,15 +82,20 @@ class KVMAttention(MemoryMixer):
                           self.k_norm(k.view(batch, length, heads, dim))])
         q, k = kvm_rotary(qk, positions, rope, self.config.rope_theta).unbind(0)
         v = self.v_proj(x).view(batch, length, heads, dim)
-        gate = 1.0 + F.elu(self.gate_proj(x))
+        # 1 + elu(z), as x + 1 for z > 0 and exp(z) below, whose small values survive bf16 (1 +
+        # elu rounds to 0 there from z <= -7; exp only from z < -87); exp of z clamped at 0, so
+        # the branch not taken cannot overflow into a NaN gradient.
+        logits = self.merge_proj(x)
+        gate = torch.where(logits > 0, logits + 1.0, logits.clamp(max=0.0).exp())
         return q, k, v, gate
 
     def fresh_state(self, rows: int) -> KVMState:
         config = self.config
         dtype = torch.float64 if self.o_proj.weight.dtype == torch.float64 else torch.float32
+        # Empty buffers: the op grows them with the tokens, up to kvm_state_size rows and the
+        # window, so a short input never pays for the configured sizes.
         return KVMState.empty(
-            rows, config.num_heads, config.kvm_state_size, config.kvm_window_chunks * config.kvm_chunk_size,
-            config.head_dim, config.head_dim, dtype=dtype, device=self.o_proj.weight.device,
+            rows, config.num_heads, 0, 0, config.head_dim, config.head_dim, dtype=dtype, device=self.o_proj.weight.device,
         )
 
     def run_op(self, inputs: tuple[torch.Tensor, ...], initial_state: KVMState, keep_state: bool,
@@ -107,9 +113,14 @@ class KVMAttention(MemoryMixer):
             sinks=config.kvm_sinks,
             state_size=config.kvm_state_size,
             budget=config.kvm_budget,
+            budget_scale=config.kvm_budget_scale,
+            budget_exponent=config.kvm_budget_exponent,
+            budget_saturation=config.kvm_budget_saturation,
+            budget_min=config.kvm_budget_floor,
             output_final_state=keep_state,
             cu_seqlens=cu_seqlens,
             backend=config.op_backend if config.op_backend in KVM_BACKENDS else "auto",
+            check_values=self.checks_values(inputs, cu_seqlens),  # gates are exponentials
         )
 
     def read_out(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
@@ -118,7 +129,7 @@ class KVMAttention(MemoryMixer):
 
     def init_weights(self, init: Any) -> None:
         super().init_weights(init)
-        init.zeros_(self.gate_proj.weight)  # plain sums at the start (the page; upstream: Kaiming)
+        init.zeros_(self.merge_proj.weight)  # plain sums at the start (the page; upstream: Kaiming)
         init.ones_(self.state_norm_weight)
         init.zeros_(self.state_norm_bias)
         init.ones_(self.temperature)

@@ -64,6 +64,7 @@ class LatticeAttention(MemoryMixer):
             output_final_state=keep_state,
             cu_seqlens=cu_seqlens,
             backend=backend,
+            check_values=self.checks_values(inputs, cu_seqlens),  # gamma is a sigmoid
         )
 
     def init_weights(self, init: Any) -> None:

@@ -89,13 +89,10 @@ class TrellisAttention(MemoryMixer):
             output_final_state=keep_state,
             cu_seqlens=cu_seqlens,
             backend=self.config.op_backend,
-            # Decode steps (one token per row, the op's single-token step) skip the op's range
-            # checks, a host read per layer and token: the gates are a log-sigmoid over a
-            # positive normalizer and a sigmoid, so only NaN activations could leave their
-            # ranges, and those make the output NaN whatever the gates; the step only compares
-            # the state's offset with 0 and reduces it modulo C. Longer or packed inputs keep
-            # the checks, which name NaN activations at their first layer.
-            check_values=inputs[0].shape[1] > 1 or cu_seqlens is not None,
+            # Decode steps skip the range checks (see `checks_values`): the gates are a
+            # log-sigmoid over a positive normalizer and a sigmoid; the step only compares the
+            # state's offset with 0 and reduces it modulo C.
+            check_values=self.checks_values(inputs, cu_seqlens),
         )
 
     def init_weights(self, init: Any) -> None:

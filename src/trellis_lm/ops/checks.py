@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -85,6 +85,38 @@ def expect_in_range(bounds: dict[str, tuple[torch.Tensor, float, float, str]]) -
         return
     with torch.no_grad():
         extremes = torch.stack([x for t, *_ in bounds.values() for x in torch.aminmax(t)]).tolist()
+    _raise_out_of_range(bounds, extremes)
+
+
+def expect_in_range_and_read(
+    bounds: dict[str, tuple[torch.Tensor, float, float, str]], read: Sequence[torch.Tensor],
+) -> Optional[list[list[int]]]:
+    """:func:`expect_in_range`, also reading the integer tensors ``read`` (on the checked
+    tensors' device) back in the same transfer: a caller that checks values and needs counters
+    on the host waits on the device once, not twice.
+
+    Returns the values of each tensor of ``read`` as a flat list of ints (exact below 2**53:
+    they travel as float64, like the extremes), or ``None`` inside a compiled graph, which
+    reads nothing back and so checks nothing.
+    """
+    if torch.compiler.is_compiling():
+        return None
+    bounds = {name: b for name, b in bounds.items() if b[0].numel()}
+    with torch.no_grad():
+        parts = [x.to(torch.float64).view(1) for t, *_ in bounds.values() for x in torch.aminmax(t)]
+        parts += [t.to(torch.float64).flatten() for t in read]
+        values = torch.cat(parts).tolist() if parts else []
+    _raise_out_of_range(bounds, values[: 2 * len(bounds)])
+    out, start = [], 2 * len(bounds)
+    for t in read:
+        out.append([int(x) for x in values[start : start + t.numel()]])
+        start += t.numel()
+    return out
+
+
+def _raise_out_of_range(bounds: dict[str, tuple[torch.Tensor, float, float, str]], extremes: list[float]) -> None:
+    """The ``ValueError`` of :func:`expect_in_range` for the first tensor whose ``(min, max)``
+    (consecutive in ``extremes``) leaves its range."""
     for (name, (_, low, high, meaning)), lowest, highest in zip(bounds.items(), extremes[0::2], extremes[1::2]):
         if not (low <= lowest and highest <= high):  # also true for NaN
             raise ValueError(f"{name} must be {meaning}, got values in [{lowest}, {highest}]")

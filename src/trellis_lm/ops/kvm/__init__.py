@@ -4,7 +4,7 @@
 per-token loop of the page), :mod:`.chunked` (the chunked form through
 ``scaled_dot_product_attention``), :mod:`.step` (one token per row: what the torch backend runs
 for decoding), :mod:`.functions` (the budget and the call's options) and
-:mod:`.state` (the carried, preallocated state).
+:mod:`.state` (the carried state, whose buffers grow with the tokens up to their caps).
 """
 
 from .dispatch import BACKENDS, kvm_attention

@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Optional
 
 import torch
 
 from ..checks import (
-    as_dtype, check_chunk_size, check_cu_seqlens, compute_dtype, expect_dims, expect_float_inputs, expect_shape,
-    in_compute_dtype, pick_backend,
+    as_dtype, check_chunk_size, check_cu_seqlens, compute_dtype, expect_dims, expect_float_inputs,
+    expect_in_range_and_read, expect_shape, in_compute_dtype, pick_backend,
 )
 from .chunked import chunked_forward
 from .functions import BUDGETS, KVMConfig
 from .reference import reference_forward
-from .state import KVMState
+from .state import KVMState, covered_after
 from .step import step_forward
 
 BACKENDS = {"reference": reference_forward, "torch": chunked_forward}
@@ -40,50 +41,61 @@ def _expect_positive(name: str, value: object) -> float:
 
 def _initial_state(initial_state: Optional[KVMState], rows: int, heads: int, dk: int, dv: int,
                    config: KVMConfig, dtype: torch.dtype, device: torch.device) -> KVMState:
-    """``None`` or a :class:`KVMState`, checked against the call and converted to ``dtype``."""
-    if initial_state is None:
-        return KVMState.empty(rows, heads, config.state_size, config.window, dk, dv, dtype=dtype, device=device)
+    """``None`` or a :class:`KVMState`, its shapes checked against the call (values are checked
+    by :func:`_check_counters`), converted to ``dtype``."""
+    if initial_state is None:  # empty buffers: the backends grow them as the tokens need
+        return KVMState.empty(rows, heads, 0, 0, dk, dv, dtype=dtype, device=device)
     if not isinstance(initial_state, KVMState):
         raise ValueError(f"initial_state must be None or a KVMState, got {type(initial_state).__name__}")
-    size, window = config.state_size, config.window
+    expect_dims("initial_state.keys", initial_state.keys, 4, "[N, H, R, Dk]")
+    expect_dims("initial_state.window_k", initial_state.window_k, 4, "[N, H, W', Dk]")
+    # Buffers of any size up to (S, W) hold a state (KVMState); keys and window_k give theirs.
+    size = min(initial_state.keys.shape[2], config.state_size)
+    window = min(initial_state.window_k.shape[2], config.window)
     n = f"N = {rows} sequences"
+    rows_like, slots_like = f"R = {size} like initial_state.keys", f"W' = {window} like initial_state.window_k"
     for name, shape, meaning in (
-        ("keys", (rows, heads, size, dk), f"[N, H, S, Dk] with {n}, S = state_size"),
-        ("values", (rows, heads, size, dv), f"[N, H, S, Dv] with {n}, S = state_size"),
-        ("radii", (rows, heads, size), f"[N, H, S] with {n}, S = state_size"),
-        ("window_k", (rows, heads, window, dk), f"[N, H, W, Dk] with {n}, W = window_chunks * chunk_size"),
-        ("window_v", (rows, heads, window, dv), f"[N, H, W, Dv] with {n}, W = window_chunks * chunk_size"),
-        ("window_g", (rows, heads, window), f"[N, H, W] with {n}, W = window_chunks * chunk_size"),
+        ("keys", (rows, heads, size, dk), f"[N, H, R, Dk] with {n}, R <= state_size = {config.state_size}"),
+        ("values", (rows, heads, size, dv), f"[N, H, R, Dv] with {n}, {rows_like}"),
+        ("radii", (rows, heads, size), f"[N, H, R] with {n}, {rows_like}"),
+        ("window_k", (rows, heads, window, dk),
+         f"[N, H, W', Dk] with {n}, W' <= window_chunks * chunk_size = {config.window}"),
+        ("window_v", (rows, heads, window, dv), f"[N, H, W', Dv] with {n}, {slots_like}"),
+        ("window_g", (rows, heads, window), f"[N, H, W'] with {n}, {slots_like}"),
         ("used", (rows,), f"[N] with {n}"), ("seen", (rows,), f"[N] with {n}"), ("covered", (rows,), f"[N] with {n}"),
     ):
         expect_shape(f"initial_state.{name}", getattr(initial_state, name), shape, meaning)
-    for name in ("used", "seen", "covered"):
+    counters = ("used", "seen", "covered")
+    for name in counters:
         if getattr(initial_state, name).is_floating_point():
             raise ValueError(f"initial_state.{name} must hold integers, got {getattr(initial_state, name).dtype}")
-    counters = ("used", "seen", "covered")
-    state = KVMState(**{
+    return KVMState(**{
         name: as_dtype(tensor, torch.long if name in counters else dtype, device)
         for name, tensor in initial_state.tensors().items()
     })
-    # Reading values back cannot be compiled; a compiled call is fed states this op made. The
-    # counters are read back at once and checked on the host: a decode step pays two operations
-    # for the check, not twenty.
-    if rows and not torch.compiler.is_compiling():
-        seen, covered, used = torch.stack([state.seen, state.covered, state.used]).tolist()
-        chunk, blocks = config.chunk_size, config.window_chunks
-        # The window starts at `covered`: nothing has left it before chunk B started.
-        expected = [max((s - 1) // chunk + 1 - blocks, 0) * chunk if s > 0 else 0 for s in seen]
-        if any(s < 0 for s in seen) or covered != expected:
-            raise ValueError(
-                "initial_state.seen and initial_state.covered disagree with chunk_size and window_chunks: "
-                f"seen {seen}, covered {covered}"
-            )
-        if any(u > size or (u < chunk if c > 0 else u != 0) for u, c in zip(used, covered)):
-            raise ValueError(
-                "initial_state.used must be 0 before the first fold and in [chunk_size, state_size] after it, "
-                f"got {used}"
-            )
-    return state
+
+
+def _check_counters(seen: list[int], covered: list[int], used: list[int], room: tuple[int, int],
+                    config: KVMConfig) -> None:
+    """The initial state's counters, read back, against each other, the call's sizes and the
+    state's buffers ``room = (R, W')``."""
+    # The window starts at `covered`: nothing has left it before chunk B started.
+    if any(s < 0 for s in seen) or covered != [covered_after(s, config) for s in seen]:
+        raise ValueError(
+            "initial_state.seen and initial_state.covered disagree with chunk_size and window_chunks: "
+            f"seen {seen}, covered {covered}"
+        )
+    size, window = room
+    if any(u > size or (u < config.chunk_size if c > 0 else u != 0) for u, c in zip(used, covered)):
+        raise ValueError(
+            "initial_state.used must be 0 before the first fold and in [chunk_size, R] after it "
+            f"(R = {size}, the rows of initial_state.keys), got {used}"
+        )
+    if any(s - c > window for s, c in zip(seen, covered)):
+        raise ValueError(
+            f"initial_state.window_k must hold the window's seen - covered tokens, got {window} slots "
+            f"for {[s - c for s, c in zip(seen, covered)]} tokens"
+        )
 
 
 def kvm_attention(
@@ -110,6 +122,7 @@ def kvm_attention(
     output_final_state: bool = False,
     cu_seqlens: Optional[torch.Tensor] = None,
     backend: str = "auto",
+    check_values: bool = True,
 ) -> tuple[torch.Tensor, Optional[KVMState]]:
     """Key-Value Means attention (design page ``kvm.md``, sections 1-3).
 
@@ -119,30 +132,51 @@ def kvm_attention(
     appended as new rows, as the budget allows, and the others are merged, winner take all,
     into their most similar non-sink row.
 
+    Work and memory follow the tokens present and carried, not the sizes asked for: the
+    state's buffers grow with the tokens up to ``state_size`` rows and ``W`` window slots
+    (:class:`KVMState`), so a short call costs the same at ``chunk_size``, ``window_chunks`` or
+    ``state_size`` = 10**9 as at sizes that just hold it.
+
     Args:
         q, k: ``[B, T, H, Dk]`` as the layer prepared them: LayerNormed, RoPE on the first
             ``rope_dims`` channels.
         v: ``[B, T, H, Dv]``.
-        gate: ``[B, T, H]`` merge gates; must be > 0 (not checked: a precondition).
+        gate: ``[B, T, H]`` merge gates, finite and >= 0 (the page's ``g`` is > 0; 0 is what a
+            very negative logit underflows to, in bf16 or float32, and only leaves a row empty).
         norm_weight, norm_bias: ``[H, Dk]`` the affine of ``LN_s``, the state's LayerNorm.
-        temperature: ``[H, 2]`` per-head ``(t_s, t_w)``, multiplying state and window keys.
+        temperature: ``[H, 2]`` per-head ``(t_s, t_w)``, multiplying state and window keys;
+            finite (the page sets no sign: they are learned from 1).
+            A gate or temperature out of range (NaN included) raises a ``ValueError``; the
+            check reads values back from the device (see ``check_values``).
         initial_state: ``None`` (no tokens seen) or the :class:`KVMState` of an earlier call,
-            with ``N = B`` rows, or one per sequence of ``cu_seqlens``.
+            with ``N = B`` rows, or one per sequence of ``cu_seqlens``. Its counters must agree
+            with each other, with ``chunk_size`` and ``window_chunks``, and with its buffers
+            (a ``ValueError`` otherwise), buffers of at most ``state_size`` rows and ``W`` slots.
         chunk_size: C >= 1. window_chunks: B >= 1, the window holds W = B C tokens at most.
-        rope_dims: R in ``[0, Dk]``, the rotated channels, zeroed in state keys.
+        rope_dims: R, the rotated channels, zeroed in state keys: even (RoPE turns channel
+            pairs) and in ``[0, Dk)``. ``R = Dk`` is refused: every state key would be LN_s of
+            a zero vector, the same for every row, and nothing could be found by content.
         sinks: the first ``sinks`` state rows never take merges; ``0 <= sinks < chunk_size``.
-        state_size: rows preallocated in the state, ``>= chunk_size``: the budget M of
-            ``"fixed"``, the cap of the growable budgets.
+        state_size: S >= chunk_size, the most state rows: the budget M of ``"fixed"``, the cap
+            of the growable budgets.
         budget: ``"fixed"``; or ``"power_law"`` (``floor(budget_scale * t ** budget_exponent)``
             rows at position t) or ``"saturation"`` (``floor(budget_saturation * t /
             (budget_saturation + t))``), rounded down to a multiple of ``budget_round``, at least
             ``budget_min``; every budget is capped by the tokens covered and by ``state_size``.
+            ``budget_scale``, ``budget_exponent``, ``budget_saturation`` > 0; ``budget_round``
+            >= 1; ``budget_min`` >= 0, and at most ``state_size`` for the growable budgets (the
+            fixed one ignores it).
         output_final_state: also return the state after the last token.
         cu_seqlens: ``[N + 1]`` int, with B = 1: N sequences packed along T, each from its own
             initial state (a zero-length sequence hands its state back).
         backend: ``"reference"`` (per-token loop), ``"torch"`` (chunked; one token per
             row without ``cu_seqlens`` runs the single-token step of :mod:`.step`, the same
             function) or ``"auto"`` (torch).
+        check_values: read the gates, the temperatures and ``initial_state``'s counters back
+            (one transfer) to check them (the ``ValueError`` above; skipped inside
+            ``torch.compile``). ``False`` skips that read for callers whose values are right by
+            construction: the mixer's decode steps, whose gates are ``1 + elu`` of activations
+            and whose state this op returned. Shapes are checked either way.
 
     Returns:
         ``o [B, T, H, Dv]`` in q's dtype, and the final :class:`KVMState` (float32, or float64
@@ -167,6 +201,14 @@ def kvm_attention(
     check_chunk_size(chunk_size)
     _expect_int("window_chunks", window_chunks, 1)
     _expect_int("rope_dims", rope_dims, 0, dk, " (at most Dk)")
+    if rope_dims == dk:
+        raise ValueError(
+            f"rope_dims must be less than Dk = {dk}: state keys are LN_s of the key with its rotated channels "
+            "zeroed, so with every channel rotated every state key is the same vector and nothing can be "
+            f"found by content; got {rope_dims}"
+        )
+    if rope_dims % 2:
+        raise ValueError(f"rope_dims must be even (RoPE turns channel pairs (2i, 2i + 1)), got {rope_dims}")
     _expect_int("sinks", sinks, 0, chunk_size - 1, " (fewer than chunk_size)")
     _expect_int("state_size", state_size, chunk_size, why=" (at least chunk_size)")
     if budget not in BUDGETS:
@@ -175,7 +217,10 @@ def kvm_attention(
     _expect_positive("budget_exponent", budget_exponent)
     _expect_positive("budget_saturation", budget_saturation)
     _expect_int("budget_round", budget_round, 1)
-    _expect_int("budget_min", budget_min, 0)
+    # A growable budget's floor above its cap would make it the fixed budget in disguise.
+    growable = budget != "fixed"
+    _expect_int("budget_min", budget_min, 0, state_size if growable else None,
+                " (at most state_size, the cap of the growable budgets)" if growable else "")
     forward = _pick_backend(backend, length, cu_seqlens is not None)
     config = KVMConfig(
         chunk_size, window_chunks, rope_dims, sinks, state_size, budget, float(budget_scale), float(budget_exponent),
@@ -188,6 +233,15 @@ def kvm_attention(
         rows = cu_seqlens.numel() - 1
     dtype = compute_dtype(q)
     state = _initial_state(initial_state, rows, heads, dk, dv, config, dtype, q.device)
+    if check_values:
+        # Out-of-range gates or temperatures make the state or the softmax NaN; one read-back
+        # checks them and the carried counters together.
+        counters = expect_in_range_and_read({
+            "gate": (gate, 0.0, sys.float_info.max, "finite and >= 0"),
+            "temperature": (temperature, -sys.float_info.max, sys.float_info.max, "finite"),
+        }, (state.seen, state.covered, state.used) if initial_state is not None else ())
+        if counters:
+            _check_counters(*counters, state.room, config)
     inputs = [as_dtype(t, dtype, q.device) for t in (q, k, v, gate, norm_weight, norm_bias, temperature)]
     with in_compute_dtype(q.device):
         o, final = forward(*inputs, state, config, cu_seqlens)

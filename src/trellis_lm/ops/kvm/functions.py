@@ -16,8 +16,8 @@ VALUE_EPS = 1e-12
 class KVMConfig:
     """The hyper-parameters of one call, as validated by :func:`~.dispatch.kvm_attention`.
 
-    ``state_size`` is the number of preallocated state rows: the budget ``M`` when ``budget ==
-    "fixed"``, the cap otherwise.
+    ``state_size`` is the most state rows a sequence holds: the budget ``M`` when ``budget ==
+    "fixed"``, the cap otherwise (the buffers grow to it with the tokens folded).
     """
 
     chunk_size: int

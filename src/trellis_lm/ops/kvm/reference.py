@@ -2,7 +2,7 @@
 
 One sequence at a time, vectorised over heads only; the state is kept as it is written on the
 page (rows that grow by concatenation, the window as a list of tokens) and packed into the
-preallocated :class:`~.state.KVMState` only at the end. The fold ranks and assigns tokens with
+buffers of a :class:`~.state.KVMState` only at the end. The fold ranks and assigns tokens with
 Python loops, one head and one token at a time.
 """
 
@@ -14,7 +14,7 @@ import torch
 
 from ..varlen import per_sequence
 from .functions import LN_EPS, VALUE_EPS, KVMConfig, appended_rows
-from .state import KVMState
+from .state import KVMState, room_for
 
 
 def _ln_s(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
@@ -111,7 +111,7 @@ def _run_sequence(q, k, v, gate, state: KVMState, config: KVMConfig, weight, bia
         outputs.append((torch.softmax(logits, dim=-1)[:, None, :] @ values)[:, 0])
     o = torch.stack(outputs) if outputs else v.new_zeros(v.shape)
 
-    heads, size, window = state.keys.shape[1], config.state_size, config.window
+    heads, (size, window) = state.keys.shape[1], state.room
 
     def pad(x: torch.Tensor, n: int) -> torch.Tensor:  # [H, L, *] -> [1, H, n, *], zeros after L
         return torch.cat([x, x.new_zeros((heads, n - x.shape[1]) + tuple(x.shape[2:]))], dim=1)[None]
@@ -130,6 +130,9 @@ def _run_sequence(q, k, v, gate, state: KVMState, config: KVMConfig, weight, bia
 
 def reference_forward(q, k, v, gate, norm_weight, norm_bias, temperature, state, config, cu_seqlens):
     """Backend ``"reference"``; arguments as validated by :func:`trellis_lm.ops.kvm_attention`."""
+    lengths = [q.shape[1]] * q.shape[0] if cu_seqlens is None else (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+    # Every sequence's final state in buffers enough for all of them, so they stack.
+    state = state.with_room(*room_for(config, [s + n for s, n in zip(state.seen.tolist(), lengths)]))
 
     def run(q, k, v, gate, state):
         outputs, finals = [], []

@@ -14,7 +14,8 @@ differentiable where the page says gradients flow, so gradients match the refere
 
 Like the other backends the step returns a new state and never writes the caller's: appending
 the token copies the window (``O(W d)``, the size of what the attention reads anyway). The
-host reads one flag per step (does any row fold?), so the step runs eagerly.
+host reads one flag per step (does any row fold?, with the rows' positions while the state's
+buffers are still growing, see :class:`~.state.KVMState`), so the step runs eagerly.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch
 
 from .chunked import _fold, _ln_s
 from .functions import LN_EPS, VALUE_EPS, KVMConfig
-from .state import KVMState
+from .state import KVMState, room_for
 
 
 def _shift_window(x: torch.Tensor, chunk: int) -> torch.Tensor:
@@ -79,11 +80,16 @@ def step_forward(q, k, v, gate, norm_weight, norm_bias, temperature, state: KVMS
     after the token.
     """
     assert cu_seqlens is None and q.shape[1] == 1, "the step takes one token per row"
-    window, chunk = config.window, config.chunk_size
     # The page folds when the token starts chunk j >= B; then, and only then, the window holds
-    # all W tokens of chunks j-B .. j-1 (dispatch checks that `covered` agrees with `seen`).
-    folds = state.seen - state.covered == window
-    if bool(folds.any()):
+    # all W tokens of chunks j-B .. j-1 (dispatch checks that `covered` agrees with `seen`,
+    # unless its caller vouches for the state with check_values=False).
+    folds = state.seen - state.covered == config.window
+    if state.room == (config.state_size, config.window):
+        any_fold = bool(folds.any())
+    else:  # buffers still growing: their sizes come from the positions, read with the flag
+        any_fold, *seen = torch.cat([folds.any().view(1).long(), state.seen]).tolist()
+        state = state.with_room(*room_for(config, [s + 1 for s in seen]))
+    if any_fold:
         state = _fold_rows(state, folds, config, norm_weight, norm_bias)
 
     # Append the token's k, v, g at its slot (position seen, slot seen - covered < W), by one
@@ -108,15 +114,15 @@ def step_forward(q, k, v, gate, norm_weight, norm_bias, temperature, state: KVMS
     inv_std = (centred.square().mean(dim=-1) + LN_EPS).rsqrt()[:, :, None]  # [N, H, 1, S]
     bias = (q_s * norm_bias[:, None, :]).sum(-1, keepdim=True)  # [N, H, 1, 1]
     state_logits = ((q_s * norm_weight[:, None, :]) @ centred.transpose(-1, -2)) * inv_std + bias  # [N, H, 1, S]
-    window_logits = (query * t_w) @ win_k.transpose(-1, -2)  # [N, H, 1, W]
+    window_logits = (query * t_w) @ win_k.transpose(-1, -2)  # [N, H, 1, W']
     # Visible: state rows < used, window slots <= the token's (masks of [N, 1, 1, *]).
-    size = state.keys.shape[2]
+    size, window = state.room
     hidden_rows = (torch.arange(size, device=q.device) >= state.used[:, None])[:, None, None]
     logits = torch.cat([
         state_logits.masked_fill(hidden_rows, -math.inf),
         window_logits.masked_fill((torch.arange(window, device=q.device) > slot[:, None])[:, None, None], -math.inf),
     ], dim=-1)
-    weights = torch.softmax(logits, dim=-1)  # [N, H, 1, S + W]
+    weights = torch.softmax(logits, dim=-1)  # [N, H, 1, R + W']
     # A state row reads as r SV / |SV|: the per-row factor r / |SV| goes onto its weight.
     sv = state.values
     factor = state.radii / sv.norm(dim=-1).clamp_min(VALUE_EPS)  # [N, H, S]

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import math
+import sys
 from typing import Optional, Union
 
 import torch
 
 from ..checks import (
     as_dtype, check_chunk_size, check_cu_seqlens, check_offsets, compute_dtype, in_compute_dtype, expect_dims,
-    expect_float_inputs, expect_shape, pick_backend,
+    expect_float_inputs, expect_in_range, expect_shape, pick_backend,
 )
 from .chunked import chunked_forward
 from .reference import reference_forward
@@ -25,9 +27,10 @@ InitialState = Union[torch.Tensor, LatticeState]
 
 def _initial_state(
     initial_state: Optional[InitialState], rows: int, heads: int, slots: int, dim: int,
-    chunk_size: int, dtype: torch.dtype, device: torch.device,
+    chunk_size: int, dtype: torch.dtype, device: torch.device, check_values: bool = True,
 ) -> LatticeState:
-    """Turn a memory tensor or a :class:`LatticeState` into a checked state in ``dtype``."""
+    """Turn a memory tensor or a :class:`LatticeState` into a checked state in ``dtype`` (its
+    offsets' range read back only with ``check_values``)."""
     shape, meaning = (rows, heads, slots, dim), f"[N, H, M, D] with N = {rows} sequences"
     if initial_state is None:
         raise ValueError(
@@ -46,7 +49,8 @@ def _initial_state(
     state = initial_state
     expect_shape("initial_state.memory", state.memory, shape, meaning)
     expect_shape("initial_state.anchor", state.anchor, shape, meaning)
-    check_offsets("initial_state.offset", state.offset, rows, chunk_size)
+    if check_values:
+        check_offsets("initial_state.offset", state.offset, rows, chunk_size)
     return state.map(lambda t: as_dtype(t, torch.long if t is state.offset else dtype, device))
 
 
@@ -66,6 +70,7 @@ def lattice_attention(
     output_final_state: bool = False,
     cu_seqlens: Optional[torch.Tensor] = None,
     backend: str = "auto",
+    check_values: bool = True,
 ) -> tuple[torch.Tensor, Optional[LatticeState]]:
     """The Lattice memory op (design page ``lattice.md``, sections 1-3).
 
@@ -76,11 +81,15 @@ def lattice_attention(
         q: ``[B, T, H, M]`` read coefficients over the slots (the layer L2-normalises them).
         k: ``[B, T, H, M]`` write coefficients (the layer L2-normalises them).
         v: ``[B, T, H, D]`` values.
-        gamma: ``[B, T, H]`` step sizes, > 0 (not checked: reading values would wait on the device).
+        gamma: ``[B, T, H]`` step sizes, finite and >= 0 (the page's gamma > 0; 0 writes nothing).
         initial_state: required. A memory tensor ``[N, H, M, D]`` (its rows are normalised here;
             it means "at a chunk boundary") or a :class:`LatticeState` returned by an earlier
             call (resumes exactly, also mid-chunk). ``N = B``, or the number of sequences in
-            ``cu_seqlens``. ``None`` raises: a zero memory has no direction.
+            ``cu_seqlens``. ``None`` raises: a zero memory has no direction. So does a memory
+            (the tensor, or the state's ``memory``) with a row of zero or non-finite norm: the
+            normalised slot, and every output of its head, would be NaN.
+            Out-of-range values (gamma, the memory's rows, the state's offset) raise a
+            ``ValueError``; the check reads values back from the device (see ``check_values``).
         chunk_size: C >= 1; the model is defined by it (1 is the paper's exact recurrence).
         variant: the inner loss, one of ``LATTICE_VARIANTS``: ``"dec"`` ``|S^T k - v|^2``
             (default), ``"enc"`` ``|S v - k|^2`` or ``"sim"`` ``-(S v) . k``.
@@ -90,6 +99,11 @@ def lattice_attention(
         backend: ``"reference"`` (per-token loop), ``"torch"`` (chunk-parallel) or ``"auto"``
             (``"torch"``, on CUDA too: there are no Lattice Triton kernels). With T == 1 and no
             ``cu_seqlens``, ``"auto"`` and ``"torch"`` run the single-token step of :mod:`.step`.
+        check_values: read gamma, the memory's row norms and ``initial_state.offset`` back to
+            check them (the ``ValueError`` above; skipped inside ``torch.compile``). ``False``
+            skips those reads (host syncs, and a pass over the memory) for callers whose values
+            are right by construction: the mixer's decode steps, whose gamma is a sigmoid and
+            whose state this op returned. Shapes are checked either way.
 
     Returns:
         ``o [B, T, H, D]`` in q's dtype, and the final :class:`LatticeState` (float32, or
@@ -114,7 +128,23 @@ def lattice_attention(
         cu_seqlens = check_cu_seqlens(cu_seqlens, batch, length)
         rows = cu_seqlens.numel() - 1
     dtype = compute_dtype(q)
-    state = _initial_state(initial_state, rows, heads, slots, dim, chunk_size, dtype, q.device)
+    state = _initial_state(initial_state, rows, heads, slots, dim, chunk_size, dtype, q.device, check_values)
+    if check_values:
+        # A negative or NaN step size makes the slots diverge, as in the Trellis op; a memory row
+        # without a direction makes its slot, and every read of it, NaN. A plain tensor is
+        # checked before the op normalises it, so a zero row reads as 0, not as NaN.
+        name, memory = (
+            ("initial_state", as_dtype(initial_state, dtype, q.device)) if isinstance(initial_state, torch.Tensor)
+            else ("initial_state.memory", state.memory)
+        )
+        with torch.no_grad():
+            norms = torch.linalg.vector_norm(memory, dim=-1)
+        expect_in_range({
+            "gamma": (gamma, 0.0, sys.float_info.max, "finite and >= 0"),
+            name: (norms, math.nextafter(0.0, 1.0), sys.float_info.max,
+                   "a memory of rows with finite, nonzero norms (each row is normalised onto the unit sphere); "
+                   "its row norms"),
+        })
     inputs = [as_dtype(t, dtype, q.device) for t in (q, k, v, gamma)]
     with in_compute_dtype(q.device):
         o, final = forward(*inputs, state, chunk_size, variant, cu_seqlens)
