@@ -287,6 +287,14 @@ def fmt_lr(lr: float) -> str:
     return f"{lr:.0e}".replace("e-0", "e-")
 
 
+def command_line(data: dict) -> str:
+    """The page's line for a study's command: its wall clock, and the runs it took from the
+    saved file (``--resume``) rather than trained."""
+    ran = f"{data['wall_minutes']:.0f} min wall clock" if data.get("wall_minutes") else "did not finish"
+    reused = data.get("resumed_runs")
+    return f"Command: `{data['command']}` ({ran}" + (f"; {reused} runs reused from the saved file)" if reused else ")")
+
+
 def cell(summary: dict) -> str:
     """``median [min, max]`` of a summary's seeds, with the seed count when it is not 3."""
     n = len(summary["accuracies"])
@@ -489,8 +497,7 @@ def mqar_lines(data: dict, preset: Preset, figures: Path, md_dir: Path) -> list[
     size, train = records[0]["size"], records[0]["train"]
     shown = {k: v for k, v in train.items() if k not in ("learning_rate", "seed")}
     lines = [
-        "## MQAR", "", f"Command: `{data['command']}`" + (f" ({data['wall_minutes']:.0f} min wall clock)"
-                                                         if data.get("wall_minutes") else " (did not finish)"), "",
+        "## MQAR", "", command_line(data), "",
         f"- model size: {size}",
         f"- training: {shown} (transformers.Trainer, AdamW, warm-up then cosine)",
         f"- sweep: learning rates {[fmt_lr(x) for x in sweep.learning_rates]} with seed {sweep.seeds[0]}, then seeds "
@@ -559,8 +566,7 @@ def niah_lines(data: dict, figures: Path, md_dir: Path) -> list[str]:
         return sum(scores.values()) / len(scores)
 
     lines = [
-        "## Single-needle retrieval (S-NIAH)", "", f"Command: `{data['command']}`"
-        + (f" ({data['wall_minutes']:.0f} min wall clock)" if data.get("wall_minutes") else " (did not finish)"), "",
+        "## Single-needle retrieval (S-NIAH)", "", command_line(data), "",
         f"- trained from scratch on {task['num_train']} prompts of {task['train_context']} tokens (noise haystack, a "
         "7-digit number needle at a uniform depth; loss on the answer only), then scored with greedy `generate()` on "
         f"unseen needles: {task['samples']} prompts per (context, depth), depths {task['depths']}",
