@@ -361,7 +361,8 @@ def test_budget_min_above_state_size_raises_for_growable_budgets(budget):
     with pytest.raises(ValueError, match=r"budget_min must be an integer in \[0, 2\] \(at most state_size"):
         _call(budget=budget, budget_min=3)
     _call(budget=budget, budget_min=2)
-    _call(budget="fixed", budget_min=3)  # the fixed budget has no floor: its default 256 goes with any state_size
+    _call(budget="fixed", budget_min=3)  # the fixed budget has no floor: any budget_min goes with it
+    _call(budget=budget)  # the default floor is one chunk, never above state_size (>= chunk_size)
 
 
 def test_check_values_false_skips_only_the_value_checks(monkeypatch):

@@ -185,11 +185,6 @@ class TrellisConfig(PreTrainedConfig):
         return self.head_dim // 4 * 2 if self.kvm_rope_dims is None else self.kvm_rope_dims
 
     @property
-    def kvm_budget_floor(self) -> int:
-        """The growable KVM budgets' floor in rows: ``kvm_budget_min``, or ``kvm_chunk_size``."""
-        return self.kvm_chunk_size if self.kvm_budget_min is None else self.kvm_budget_min
-
-    @property
     def key_value_heads(self) -> int:
         """Key/value heads of attention layers (``num_key_value_heads``, or ``num_heads``)."""
         return self.num_heads if self.num_key_value_heads is None else self.num_key_value_heads

@@ -116,7 +116,7 @@ class KVMAttention(MemoryMixer):
             budget_scale=config.kvm_budget_scale,
             budget_exponent=config.kvm_budget_exponent,
             budget_saturation=config.kvm_budget_saturation,
-            budget_min=config.kvm_budget_floor,
+            budget_min=config.kvm_budget_min,  # None: one chunk, in the op as in the config
             output_final_state=keep_state,
             cu_seqlens=cu_seqlens,
             backend=config.op_backend if config.op_backend in KVM_BACKENDS else "auto",

@@ -118,7 +118,7 @@ def kvm_attention(
     budget_exponent: float = 0.5,
     budget_saturation: float = 1024.0,
     budget_round: int = 1,
-    budget_min: int = 256,
+    budget_min: Optional[int] = None,
     output_final_state: bool = False,
     cu_seqlens: Optional[torch.Tensor] = None,
     backend: str = "auto",
@@ -165,7 +165,8 @@ def kvm_attention(
             ``budget_min``; every budget is capped by the tokens covered and by ``state_size``.
             ``budget_scale``, ``budget_exponent``, ``budget_saturation`` > 0; ``budget_round``
             >= 1; ``budget_min`` >= 0, and at most ``state_size`` for the growable budgets (the
-            fixed one ignores it).
+            fixed one ignores it); ``None`` means ``chunk_size``, what the first fold seeds
+            (upstream: 256 with chunks of 256), as ``TrellisConfig.kvm_budget_min`` does.
         output_final_state: also return the state after the last token.
         cu_seqlens: ``[N + 1]`` int, with B = 1: N sequences packed along T, each from its own
             initial state (a zero-length sequence hands its state back).
@@ -219,6 +220,7 @@ def kvm_attention(
     _expect_int("budget_round", budget_round, 1)
     # A growable budget's floor above its cap would make it the fixed budget in disguise.
     growable = budget != "fixed"
+    budget_min = chunk_size if budget_min is None else budget_min
     _expect_int("budget_min", budget_min, 0, state_size if growable else None,
                 " (at most state_size, the cap of the growable budgets)" if growable else "")
     forward = _pick_backend(backend, length, cu_seqlens is not None)
