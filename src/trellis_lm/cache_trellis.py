@@ -2,8 +2,9 @@
 
 * A memory layer (``"trellis"``, ``"lattice"``, ``"kvm"``) carries the short-conv tails of q
   and k (the last ``conv_size - 1`` projected inputs of every row; KVM has none) and its op's
-  state: a fixed size, whatever the number of tokens seen (design pages, section 6; KVM with a
-  growable budget grows up to its cap).
+  state: a fixed size, whatever the number of tokens seen (design pages, section 6). KVM's
+  buffers grow with its first tokens up to ``kvm_state_size`` rows and its window, and stay at
+  that size from then on.
 * An attention layer (``"attention"``) carries every key and value it has seen, as attention
   must, with which columns later tokens may see and how many real tokens each row holds.
 
