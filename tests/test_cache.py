@@ -140,8 +140,9 @@ def test_row_operations_act_like_running_the_rows():
 def test_reset_and_what_the_cache_cannot_do():
     model = tiny_model()
     cache = prefilled(model, random_tokens(2, 5))
+    # Without a rollback window a cache keeps nothing to roll back (tests/test_rollback.py has the rest).
     assert cache.is_compileable is False and cache.is_croppable is False
-    with pytest.raises(NotImplementedError, match="cannot be cropped"):
+    with pytest.raises(ValueError, match="rollback_window = 0; 0 keeps nothing to roll back"):
         cache.crop(-1)
     cache.reset()
     assert cache.get_seq_length() == 0 and cache.nbytes() == 0

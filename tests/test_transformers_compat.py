@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from transformers import DataCollatorWithFlattening, GenerationConfig, GenerationMixin
+from transformers import DataCollatorWithFlattening, GenerationMixin
 
 from tiny_models import left_pad, random_tokens, tiny_model
 from trainer_helpers import ROWS, sgd_trainer
@@ -154,22 +154,6 @@ def test_an_attention_mask_must_cover_the_cache_and_the_input():
     model(ids[:, 5:], attention_mask=torch.ones(1, 6, dtype=torch.long), past_key_values=cache)
 
 
-# ----------------------------------------------------------------------------- assisted decoding
-
-
-@pytest.mark.parametrize("how", ["assistant_model", "prompt_lookup_num_tokens", "generation_config"])
-def test_assisted_and_prompt_lookup_decoding_say_the_cache_cannot_be_cropped(how):
-    model = tiny_model()
-    ids = random_tokens(1, 6)
-    options = {
-        "assistant_model": {"assistant_model": tiny_model(seed=1)},
-        "prompt_lookup_num_tokens": {"prompt_lookup_num_tokens": 3},
-        "generation_config": {"generation_config": GenerationConfig(prompt_lookup_num_tokens=2, max_new_tokens=3)},
-    }[how]
-    with pytest.raises(ValueError, match="a TrellisCache cannot be cropped yet"):
-        model.generate(ids, max_new_tokens=3, **options)
-
-
 # ----------------------------------------------------------------------------- private transformers names
 
 # Names without a public equivalent that the models rely on, each with the transformers module
@@ -177,7 +161,6 @@ def test_assisted_and_prompt_lookup_decoding_say_the_cache_cannot_be_cropped(how
 PRIVATE_NAMES = [
     ("_prepare_cache_for_generation", "generation.utils", "generate() would build a key-value cache, not a TrellisCache"),
 
-    ("_is_stateful", "generation.utils", "generate() would try assisted decoding with a cache that cannot roll back"),
     ("_skip_keys_device_placement", "modeling_utils", "accelerate would try to move the cache between devices"),
     ("_no_split_modules", "modeling_utils", "device_map='auto' and FSDP could split a block"),
     ("_tied_weights_keys", "modeling_utils", "tie_word_embeddings=True would stop sharing the embedding"),

@@ -15,8 +15,10 @@ by another model (:meth:`TrellisCache.check_compatible`).
 
 from __future__ import annotations
 
+import copy
 import json
 import os
+import weakref
 from dataclasses import dataclass, fields
 from typing import Any, Callable, ClassVar, Mapping, Optional, Sequence, Union
 
@@ -36,6 +38,9 @@ CACHE_ARG = "cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__ e
 CACHE_NAMES = ("cache", "past_key_values")
 
 FORMAT = "trellis-cache"
+# The rollback window a cache gets when transformers asks it to record its past (assisted
+# decoding): more than the drafts a verification feeds by default (20 and one token).
+DEFAULT_ROLLBACK_WINDOW = 64
 # Version 1 (one kind of layer, no record of the model) is not read: its layer count could not
 # be checked against anything before allocating.
 FORMAT_VERSION = "2"
@@ -90,11 +95,6 @@ class LayerCache:
     def reset(self) -> None:
         for f in fields(self):
             setattr(self, f.name, None)
-
-    def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError(
-            "a Trellis cache cannot be cropped: its memory layers fold every token in and keep no per-token history"
-        )
 
     def get_max_length(self) -> int:
         return -1  # no limit on the tokens it can take
@@ -177,6 +177,57 @@ class AttentionLayerCache(LayerCache):
         """Inverse of :meth:`tensors`; raises ``ValueError`` when the entry is incomplete."""
         return cls(**(_all_or_none([f.name for f in fields(cls)], tensors, "an attention layer's entry") or {}))
 
+    def drop_last(self, count: int) -> None:
+        """Forget the last ``count`` columns, as ``DynamicCache`` crops (the real tokens among
+        them leave the rows' position counts too)."""
+        if self.keys is None or count == 0:
+            return
+        self.positions = self.positions - self.visible[:, -count:].sum(dim=1)
+        self.keys, self.values = self.keys[:, :, :-count], self.values[:, :, :-count]
+        self.visible = self.visible[:, :-count]
+
+
+@dataclass
+class StepRecord:
+    """What a memory layer needs to redo one of the cache's recent forward calls: the mixer
+    (weakly referenced, so that a copied cache does not copy the model), the call's inputs and
+    the layer's entry before it (the tensors themselves: the mixers replace an entry's tensors
+    rather than writing into them, so keeping them costs no copy).
+
+    Attributes:
+        mixer: ``weakref.ref`` to the layer's mixer.
+        x: ``[B, T, D]`` the mixer's input in that call.
+        mask: ``[B, T]`` bool, the real tokens, or ``None`` when all are real.
+        before: the entry's ``(q_tail, k_tail, state)`` before the call.
+    """
+
+    mixer: Callable[[], Any]
+    x: torch.Tensor
+    mask: Optional[torch.Tensor]
+    before: tuple[Any, Any, Any]
+
+    @classmethod
+    def joined(cls, records: Sequence["StepRecord"]) -> "StepRecord":
+        """Consecutive calls as one: the first one's entry before, the inputs end to end."""
+        masks = [r.mask if r.mask is not None else torch.ones(r.x.shape[:2], dtype=torch.bool, device=r.x.device)
+                 for r in records]
+        any_padding = any(r.mask is not None for r in records)
+        return cls(records[0].mixer, torch.cat([r.x for r in records], dim=1),
+                   torch.cat(masks, dim=1) if any_padding else None, records[0].before)
+
+    def first(self, count: int) -> "StepRecord":
+        """The record of the call's first ``count`` tokens."""
+        return StepRecord(self.mixer, self.x[:, :count], None if self.mask is None else self.mask[:, :count], self.before)
+
+
+@dataclass
+class CallRecords:
+    """One forward call that a crop may take back: its length and each memory layer's record
+    (``None`` where the layer read packed documents, which are not replayed)."""
+
+    length: int
+    layers: dict[int, Optional[StepRecord]]
+
 
 LAYER_CACHES: dict[str, type[LayerCache]] = {
     c.kind: c for c in (TrellisLayerCache, LatticeLayerCache, KVMLayerCache, AttentionLayerCache)
@@ -191,17 +242,27 @@ class TrellisCache(Cache):
     or read back with :meth:`load`. Memory layers hold a fixed size whatever the context;
     attention layers grow by their keys and values.
 
+    **Rolling back** (:meth:`crop`, what assisted and prompt-lookup decoding call after each
+    verification) needs ``rollback_window`` > 0: the cache then keeps, for the last forward
+    call, each memory layer's entry before the call and the call's layer inputs, and a crop
+    recomputes the kept tokens from there. A call longer than the window is run by the model
+    as two, the last one ``rollback_window`` tokens long, so what is kept never grows with the
+    context: one state and at most ``rollback_window`` inputs per memory layer.
+
     Args:
         config: the model's configuration (its ``layer_kinds`` give the entries, and the cache
             remembers the fields that define the layers, see :meth:`check_compatible`), or a
             plain sequence of layer kinds (no fields remembered).
+        rollback_window: the most tokens a crop can take back (0: none, the cache is then not
+            croppable and keeps nothing extra). ``generate()`` sets it for assisted and
+            prompt-lookup decoding.
     """
 
     # The ops run Python control flow per call; `generate()` must not try to compile them, and
     # with a compileable cache it would also hand `forward` its masks as dicts.
     is_compileable = False
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, rollback_window: int = 0) -> None:
         if hasattr(config, "layer_signature"):
             kinds, signature = config.layer_kinds, config.layer_signature()
         else:
@@ -212,6 +273,19 @@ class TrellisCache(Cache):
         super().__init__(layers=[LAYER_CACHES[kind]() for kind in kinds])
         self.signature: Optional[dict[str, Any]] = signature
         self.seen_tokens = 0
+        self.rollback_window = rollback_window
+        # The recent forward calls a crop can take back, oldest first (see `crop`).
+        self._calls: list[CallRecords] = []
+
+    @property
+    def rollback_window(self) -> int:
+        return self._rollback_window
+
+    @rollback_window.setter
+    def rollback_window(self, value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"rollback_window must be an integer >= 0 (0: no rollback), got {value!r}")
+        self._rollback_window = value
 
     def __repr__(self) -> str:
         return (
@@ -226,9 +300,107 @@ class TrellisCache(Cache):
 
     @property
     def is_croppable(self) -> bool:
-        """False: the memory layers cannot take tokens back, which assisted decoding needs
-        (transformers reads this; stated here for versions whose ``Cache`` lacks it)."""
-        return False
+        """Whether :meth:`crop` can take tokens back (``rollback_window`` > 0); assisted
+        decoding reads it (stated here too for transformers versions whose ``Cache`` lacks it)."""
+        return self.rollback_window > 0
+
+    def copy(self) -> "TrellisCache":
+        """An independent copy (``copy.deepcopy`` does the same): e.g. a long prompt's cache, read
+        once, then one copy per continuation. Its tensors are detached from autograd: a copy
+        carries the state's values, not the graph that computed them."""
+        return copy.deepcopy(self)
+
+    def __deepcopy__(self, memo: dict) -> "TrellisCache":
+        # Tensors built under autograd cannot be deep-copied as they are; their values can.
+        held = [t for layer in self.layers for t in layer.tensors().values()]
+        for call in self._calls:
+            for record in filter(None, call.layers.values()):
+                held += [record.x, record.mask, *record.before[:2]]
+                held += list(record.before[2].tensors().values()) if record.before[2] is not None else []
+        for tensor in held:
+            if isinstance(tensor, torch.Tensor):
+                memo.setdefault(id(tensor), tensor.detach().clone())
+        copied = type(self).__new__(type(self))
+        memo[id(self)] = copied
+        for name, value in self.__dict__.items():
+            setattr(copied, name, copy.deepcopy(value, memo))
+        return copied
+
+    def activate_past_recording(self) -> None:
+        """transformers' request that the cache be able to roll back (assisted decoding calls it
+        before its first step): a cache without a rollback window gets the default one."""
+        self.rollback_window = self.rollback_window or DEFAULT_ROLLBACK_WINDOW
+
+    def begin_step(self, length: int) -> None:
+        """Called by the model before its layers run on ``length`` new tokens (at most
+        ``rollback_window``). The oldest calls are forgotten once the newer ones hold the
+        window: a crop takes back at most ``rollback_window`` tokens, so what is kept is one
+        entry per call and the inputs of about ``rollback_window`` tokens per memory layer."""
+        self._calls.append(CallRecords(length, {}))
+        while len(self._calls) > 1 and sum(c.length for c in self._calls[1:]) >= self.rollback_window:
+            self._calls.pop(0)
+
+    def record_step(self, layer_idx: int, mixer: Any, x: torch.Tensor, mask: Optional[torch.Tensor],
+                    before: tuple[Any, Any, Any], replayable: bool = True) -> None:
+        """Called by a memory layer before it updates its entry, when ``rollback_window`` > 0.
+        ``replayable=False`` (packed documents) makes a crop into this call raise."""
+        self._calls[-1].layers[layer_idx] = StepRecord(weakref.ref(mixer), x, mask, before) if replayable else None
+
+    def crop(self, max_length: int) -> None:
+        """Go back to the state after ``max_length`` tokens (> 0), or take ``-max_length``
+        tokens back (<= 0, as transformers 5.24 calls it; 0 takes nothing back).
+
+        Attention layers drop the columns; memory layers (their states and short-conv tails)
+        are recomputed on the kept tokens from their entry before the earliest call the crop
+        reaches into. Taking back more than the recorded calls hold (about ``rollback_window``
+        tokens), or any when ``rollback_window`` is 0, is a ``ValueError``.
+        """
+        remove = -max_length if max_length <= 0 else self.seen_tokens - max_length
+        if remove <= 0:
+            return
+        held = sum(c.length for c in self._calls)
+        start, reached = len(self._calls), 0  # the earliest call the crop reaches into
+        while reached < remove and start > 0:
+            start -= 1
+            reached += self._calls[start].length
+        memory_layers = [i for i, layer in enumerate(self.layers) if layer.kind != "attention"]
+        calls = self._calls[start:]
+        if not self.is_croppable or remove > held or any(c.layers.get(i) is None for c in calls for i in memory_layers):
+            raise ValueError(
+                f"cannot take back {remove} tokens: a TrellisCache rolls back its last {held} tokens "
+                f"(rollback_window = {self.rollback_window}"
+                + (", packed documents are not replayed)" if self.is_croppable else "; 0 keeps nothing to roll back)")
+            )
+        keep = reached - remove
+        kept = {}
+        for index, layer in enumerate(self.layers):
+            if layer.kind == "attention":
+                layer.drop_last(remove)
+                continue
+            record = StepRecord.joined([c.layers[index] for c in calls]).first(keep)
+            mixer = record.mixer()
+            if mixer is None:
+                raise ValueError("cannot roll back: the model that filled this cache no longer exists")
+            layer.q_tail, layer.k_tail, layer.state = mixer.replay(record)
+            kept[index] = record
+        self._calls[start:] = [CallRecords(keep, kept)] if keep else []
+        self.seen_tokens -= remove
+
+    def _forget_steps(self) -> None:
+        # Row operations (beams, selections) change what the records would replay.
+        self._calls = []
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        self._forget_steps()
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        super().batch_select_indices(indices)
+        self._forget_steps()
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
+        self._forget_steps()
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Tokens (columns of ``input_ids``, padding included) the cache has taken in."""
@@ -247,6 +419,7 @@ class TrellisCache(Cache):
     def reset(self) -> None:
         super().reset()
         self.seen_tokens = 0
+        self._forget_steps()
 
     def nbytes(self) -> int:
         """Bytes held by the cache's tensors (constant in the tokens seen unless the model has

@@ -12,7 +12,6 @@ This file travels with checkpoints as remote code (see :mod:`.remote_code`).
 
 from __future__ import annotations
 
-import inspect
 import os
 import tempfile
 from pathlib import Path
@@ -88,8 +87,6 @@ class TrellisPreTrainedModel(PreTrainedModel):
     _supports_sdpa = True
     _supports_flash_attn = True
     _supports_attention_backend = True
-    # The cache cannot be rolled back, which assisted decoding needs (see `generate`).
-    _is_stateful = True
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
@@ -280,6 +277,12 @@ class TrellisModel(TrellisPreTrainedModel):
             use_cache = self.config.use_cache
         past = cache.get_seq_length() if isinstance(cache, TrellisCache) else 0
         cache = self._checked_cache(cache, use_cache, batch)
+        if cache is not None and cache.rollback_window:
+            if length > cache.rollback_window:
+                return self._forward_in_two(
+                    inputs_embeds, attention_mask, cache, position_ids, output_hidden_states, return_dict, kwargs
+                )
+            cache.begin_step(length)
         starts = document_starts(batch, length, position_ids, **{name: kwargs.get(name) for name in PACKING_ARGS})
         valid = ValidTokens.from_attention_mask(attention_mask, batch, length, past, starts)
 
@@ -297,6 +300,43 @@ class TrellisModel(TrellisPreTrainedModel):
 
         output = BaseModelOutputWithPast(
             last_hidden_state=hidden_states, hidden_states=all_hidden_states, **{CACHE_ARG: cache}
+        )
+        return output if (return_dict if return_dict is not None else self.config.return_dict) else output.to_tuple()
+
+    def _forward_in_two(
+        self, inputs_embeds: torch.Tensor, attention_mask: Any, cache: TrellisCache, position_ids: Any,
+        output_hidden_states: Optional[bool], return_dict: Optional[bool], kwargs: dict[str, Any],
+    ) -> Union[BaseModelOutputWithPast, tuple]:
+        """A call longer than the cache's ``rollback_window``, run as two (the same function):
+        the last ``rollback_window`` tokens on their own, so that what the cache keeps to roll
+        back stays bounded by the window, not by the call."""
+        if any(kwargs.get(name) is not None for name in PACKING_ARGS):
+            raise ValueError(
+                "packed documents (cu_seq_lens_*, max_length_*, seq_idx) cannot be read with a cache that keeps a "
+                "rollback window; give them one call without a cache"
+            )
+        if isinstance(attention_mask, dict):
+            attention_mask = next((m for m in attention_mask.values() if isinstance(m, torch.Tensor)), None)
+        tail = cache.rollback_window
+        cut = inputs_embeds.shape[1] - tail
+
+        def before_tail(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+            # Masks and positions end with the current tokens: drop the tail's columns.
+            return None if x is None else x[:, : x.shape[1] - tail]
+
+        parts = [
+            self(inputs_embeds=inputs_embeds[:, :cut], attention_mask=before_tail(attention_mask), cache=cache,
+                 use_cache=True, output_hidden_states=output_hidden_states, return_dict=True,
+                 position_ids=before_tail(position_ids)),
+            self(inputs_embeds=inputs_embeds[:, cut:], attention_mask=attention_mask, cache=cache, use_cache=True,
+                 output_hidden_states=output_hidden_states, return_dict=True, position_ids=position_ids),
+        ]
+        hidden = None
+        if output_hidden_states:
+            hidden = tuple(torch.cat(pair, dim=1) for pair in zip(*(part.hidden_states for part in parts)))
+        output = BaseModelOutputWithPast(
+            last_hidden_state=torch.cat([part.last_hidden_state for part in parts], dim=1), hidden_states=hidden,
+            **{CACHE_ARG: cache},
         )
         return output if (return_dict if return_dict is not None else self.config.return_dict) else output.to_tuple()
 
@@ -378,27 +418,9 @@ class TrellisForCausalLM(TrellisPreTrainedModel, GenerationMixin):
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:
         """transformers' ``generate``, taking the cache as ``cache`` or ``past_key_values`` with any
-        transformers version, and refusing what needs a cache that can be rolled back.
-
-        Assisted generation (``assistant_model=``) and prompt-lookup decoding
-        (``prompt_lookup_num_tokens=``, also from the generation config) verify drafted tokens
-        and take back the rejected ones; a :class:`TrellisCache` cannot take tokens back yet,
-        so they raise a ``ValueError`` saying so (transformers would refuse them too, with a
-        message about stateful models).
-        """
-        bound = inspect.signature(GenerationMixin.generate).bind(self, *args, **kwargs).arguments
-        options = {**bound, **bound.pop("kwargs", {})}
-        config = options.get("generation_config") or self.generation_config
-        drafting = [
-            name for name in ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit")
-            if options.get(name, getattr(config, name, None)) is not None
-        ]
-        if drafting:
-            raise ValueError(
-                f"{drafting[0]} asks for assisted / prompt-lookup decoding, which needs a cache that can be cropped "
-                "back to the accepted draft tokens; a TrellisCache cannot be cropped yet (its memory layers fold every "
-                "token in). Decode without it (greedy, sampling and beam search all work)."
-            )
+        transformers version. Assisted (``assistant_model=``) and prompt-lookup
+        (``prompt_lookup_num_tokens=``) decoding work too: the cache rolls back the rejected draft
+        tokens (see ``TrellisCache.rollback_window``)."""
         cache = one_cache(kwargs.pop("cache", None), kwargs.pop("past_key_values", None))
         if cache is not None:
             kwargs[CACHE_ARG] = cache
@@ -424,6 +446,10 @@ class TrellisForCausalLM(TrellisPreTrainedModel, GenerationMixin):
         """
         cache = one_cache(cache, past_key_values)
         seen = cache.get_seq_length() if isinstance(cache, TrellisCache) else 0
+        if isinstance(cache, TrellisCache) and cache.rollback_window and next_sequence_length and not is_first_iteration:
+            # A verification of assisted decoding feeds its drafts at once and takes the rejected
+            # ones back: the window follows the drafts when their number grows (its schedule).
+            cache.rollback_window = max(cache.rollback_window, next_sequence_length)
         if is_first_iteration and seen and seen >= input_ids.shape[1]:
             raise ValueError(
                 f"the cache has already taken in {seen} tokens, but input_ids holds {input_ids.shape[1]}: "
@@ -460,16 +486,30 @@ class TrellisForCausalLM(TrellisPreTrainedModel, GenerationMixin):
 
         A cache passed by the user is grown to the beams / returned sequences when it still
         holds one row per prompt, so a conversation can continue with ``num_beams`` or
-        ``num_return_sequences`` > 1.
+        ``num_return_sequences`` > 1. For assisted and prompt-lookup decoding (and for the draft
+        model's own ``generate``) the cache keeps a rollback window of the drafts asked for and
+        two tokens, which follows the drafts' schedule when it grows: each verification feeds the
+        drafts and takes the rejected ones back, and keeps no more than one verification's layer
+        inputs and entries.
         """
         cache = one_cache(*(model_kwargs.pop(name, None) for name in CACHE_NAMES))
+        window = 0
+        # The main model of assisted decoding, and its draft model (generate() with is_assistant):
+        # the candidate generator crops the draft's cache back to the accepted tokens too.
+        if (getattr(generation_mode, "value", generation_mode) == "assisted_generation"
+                or getattr(generation_config, "is_assistant", False)):
+            drafts = generation_config.prompt_lookup_num_tokens or generation_config.num_assistant_tokens or 0
+            # A verification feeds the drafts and one token and takes back at most the drafts;
+            # a draft model's crops reach over as many one-token calls.
+            window = drafts + 2
         if cache is not None:
             if not isinstance(cache, TrellisCache):
                 raise ValueError(f"the cache (cache / past_key_values) must be a TrellisCache, got {type(cache).__name__}")
+            cache.rollback_window = max(cache.rollback_window, window)
             # What transformers' own version of this hook marks on a user's cache: generate() then
-            # never runs a step past the stop (its deferred stop check on MPS), which a cache
-            # that cannot be cropped would keep. Private; tests/test_transformers_internals.py
-            # fails when transformers stops reading it.
+            # never runs a step past the stop (its deferred stop check on MPS) into a cache that
+            # cannot be cropped. Private; tests/test_transformers_compat.py fails when
+            # transformers stops reading it.
             cache._is_user_defined = True
             expand = max(generation_config.num_beams, generation_config.num_return_sequences)
             if expand > 1 and cache.batch_size == batch_size:
@@ -483,7 +523,7 @@ class TrellisForCausalLM(TrellisPreTrainedModel, GenerationMixin):
                 f"cache_implementation={generation_config.cache_implementation!r} is ignored: Trellis models "
                 "always use their fixed-size TrellisCache."
             )
-        model_kwargs[CACHE_ARG] = TrellisCache(self.config)
+        model_kwargs[CACHE_ARG] = TrellisCache(self.config, rollback_window=window)
 
 
 __all__ = ["TrellisForCausalLM", "TrellisModel", "TrellisPreTrainedModel"]

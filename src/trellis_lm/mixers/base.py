@@ -158,12 +158,34 @@ class MemoryMixer(Mixer):
         if (self.compilable and self.config.compile_decode and x.shape[1] == 1 and x.device.type == "cpu"
                 and valid is None and entry.state is not None):
             mix = partial(compiled_mix(type(self)), self)
+        if cache.rollback_window:
+            packed = valid is not None and valid.has_documents
+            cache.record_step(self.layer_idx, self, x, None if valid is None else valid.mask,
+                              (entry.q_tail, entry.k_tail, entry.state), replayable=not packed)
         out, q_tail, k_tail, state = mix(x, valid, entry.q_tail, entry.k_tail, entry.state, keep_state=True)
-        if self.q_conv is not None:
-            entry.q_tail, entry.k_tail = q_tail, k_tail
-        if state is not None:
-            entry.state = state
+        entry.q_tail, entry.k_tail, entry.state = self._carried(entry.q_tail, entry.k_tail, entry.state,
+                                                                q_tail, k_tail, state)
         return out
+
+    def _carried(self, q_tail: Any, k_tail: Any, state: Any, new_q_tail: Any, new_k_tail: Any,
+                 new_state: Any) -> tuple[Any, Any, Any]:
+        """What the entry carries after a call: the new tails (when there is a conv) and the
+        new state (``None`` when no row had a real token: the old one stands)."""
+        if self.q_conv is not None:
+            q_tail, k_tail = new_q_tail, new_k_tail
+        return q_tail, k_tail, (state if new_state is None else new_state)
+
+    @torch.no_grad()
+    def replay(self, record: Any) -> tuple[Any, Any, Any]:
+        """The entry ``(q_tail, k_tail, state)`` after the tokens of ``record``
+        (:class:`~trellis_lm.cache_trellis.StepRecord`) from its entry before them: what
+        :meth:`TrellisCache.crop` puts back. The same function as the calls that first ran them."""
+        if record.x.shape[1] == 0:
+            return record.before
+        mask = record.mask
+        valid = None if mask is None or bool(mask.all()) else ValidTokens.from_mask(mask)
+        _, q_tail, k_tail, state = self.mix(record.x, valid, *record.before, keep_state=True)
+        return self._carried(*record.before, q_tail, k_tail, state)
 
     def mix(
         self,

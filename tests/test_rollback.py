@@ -1,0 +1,107 @@
+"""A cache that rolls back: crop, assisted and prompt-lookup decoding, reusable prompt states."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from tiny_models import SCHEDULES, random_tokens, tiny_model
+from transformers_names import cache_of
+from trellis_lm import TrellisCache
+
+
+def next_logits_after(model, ids: torch.Tensor, cache: TrellisCache) -> torch.Tensor:
+    """Feed the tokens of ``ids`` the cache has not seen; the logits of the last one."""
+    seen = cache.get_seq_length()
+    return model(ids[:, seen:], cache=cache).logits[:, -1]
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_crop_to_every_length_in_the_window_equals_a_fresh_run(schedule):
+    model = tiny_model(seed=1, schedule=schedule, dtype=torch.float64)
+    ids = random_tokens(2, 20, seed=2)
+    with torch.no_grad():
+        for keep in range(9, 17):
+            cache = TrellisCache(model.config, rollback_window=6)
+            # A prefill longer than the window (run as two calls), two decode steps, a 3-token call.
+            for start, end in ((0, 11), (11, 12), (12, 13), (13, 16)):
+                model(ids[:, start:end], cache=cache)
+            cache.crop(keep)
+            assert cache.get_seq_length() == keep
+            fresh = model(ids[:, : keep + 1]).logits[:, -1]
+            torch.testing.assert_close(next_logits_after(model, ids[:, : keep + 1], cache), fresh, rtol=1e-9, atol=1e-9)
+
+
+def test_crop_counts_back_with_a_negative_number_and_refuses_what_it_does_not_hold():
+    model = tiny_model(seed=3, schedule="hybrid")
+    ids = random_tokens(1, 12)
+    cache = TrellisCache(model.config, rollback_window=4)
+    with torch.no_grad():
+        model(ids[:, :10], cache=cache)
+        cache.crop(0)  # takes nothing back
+        cache.crop(-2)
+        assert cache.get_seq_length() == 8
+        with pytest.raises(ValueError, match="cannot take back 3 tokens: a TrellisCache rolls back its last 2 tokens"):
+            cache.crop(5)
+        cache.crop(6)
+        assert cache.get_seq_length() == 6
+    plain = TrellisCache(model.config)
+    model(ids[:, :3], cache=plain)
+    assert not plain.is_croppable and cache.is_croppable
+    with pytest.raises(ValueError, match="rollback_window = 0; 0 keeps nothing to roll back"):
+        plain.crop(-1)
+    with pytest.raises(ValueError, match="rollback_window must be an integer >= 0"):
+        TrellisCache(model.config, rollback_window=-1)
+
+
+def test_what_the_rollback_keeps_is_bounded_by_the_window():
+    model = tiny_model(seed=4)
+    ids = random_tokens(1, 70)
+    cache = TrellisCache(model.config, rollback_window=5)
+    with torch.no_grad():
+        model(ids[:, :40], cache=cache)  # the prompt: only its last 5 tokens are kept
+        assert [c.length for c in cache._calls] == [5]
+        for i in range(40, 70):
+            model(ids[:, i : i + 1], cache=cache)
+    lengths = [c.length for c in cache._calls]
+    assert sum(lengths) == 5 and all(r.x.shape[1] == 1 for c in cache._calls for r in c.layers.values())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_assisted_and_prompt_lookup_decoding_give_the_greedy_tokens(schedule, dtype):
+    # (An EOS id is set: transformers 5.10's prompt lookup fails without one.)
+    model = tiny_model(seed=5, schedule=schedule, dtype=dtype)
+    draft = tiny_model(seed=6, schedule="trellis", dtype=dtype)
+    # A prompt that repeats itself, so prompt lookup finds drafts (some accepted, some not).
+    ids = torch.cat([random_tokens(1, 6, seed=7)] * 3 + [random_tokens(1, 3, seed=8)], dim=1)
+    greedy = model.generate(ids, max_new_tokens=24, do_sample=False)
+    assert torch.equal(model.generate(ids, max_new_tokens=24, do_sample=False, prompt_lookup_num_tokens=4), greedy)
+    assert torch.equal(model.generate(ids, max_new_tokens=24, do_sample=False, assistant_model=draft), greedy)
+    # The model as its own draft: every draft is accepted, the rollback takes back none.
+    assert torch.equal(model.generate(ids, max_new_tokens=24, do_sample=False, assistant_model=model), greedy)
+
+
+def test_sampling_with_an_assistant_runs():
+    model = tiny_model(seed=9, eos_token_id=None)
+    ids = random_tokens(1, 8)
+    torch.manual_seed(0)
+    out = model.generate(ids, max_new_tokens=10, do_sample=True, assistant_model=tiny_model(seed=10))
+    assert out.shape == (1, 18) and torch.equal(out[:, :8], ids)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_a_copied_prompt_state_serves_many_continuations(schedule):
+    model = tiny_model(seed=11, schedule=schedule, eos_token_id=None)
+    prompt = random_tokens(1, 12)
+    with torch.no_grad():
+        read_once = cache_of(model(prompt, use_cache=True))
+        for seed in range(3):
+            question = random_tokens(1, 4, seed=20 + seed)
+            cache = copy.deepcopy(read_once)
+            logits = model(question, cache=cache).logits
+            torch.testing.assert_close(logits, model(torch.cat([prompt, question], dim=1)).logits[:, 12:],
+                                       rtol=1e-5, atol=1e-5)
+        assert read_once.get_seq_length() == 12  # the copies did not touch it
