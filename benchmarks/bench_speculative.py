@@ -1,6 +1,6 @@
 """Prompt-lookup decoding and reused prompt states on CPU, Trellis against a same-size Llama.
 
-    PYTHONPATH=src .venv/bin/python benchmarks/bench_speculative.py           # about 3 minutes
+    PYTHONPATH=src .venv/bin/python benchmarks/bench_speculative.py           # about 4 minutes
     PYTHONPATH=src .venv/bin/python benchmarks/bench_speculative.py --quick   # a smoke run
 
 1. **An input-grounded task**: each example is L random tokens, a separator, and the same L
@@ -99,15 +99,15 @@ def rollback_bytes(cache) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small sizes, few prompts")
-    parser.add_argument("--length", type=int, default=None, help="tokens to copy (default 32; 16 with --quick)")
-    parser.add_argument("--steps", type=int, default=None, help="training steps (default 800; 40 with --quick)")
+    parser.add_argument("--length", type=int, default=None, help="tokens to copy (default 24; 16 with --quick)")
+    parser.add_argument("--steps", type=int, default=None, help="training steps (default 1500; 40 with --quick)")
     parser.add_argument("--prompts", type=int, default=None, help="prompts timed (default 8; 2 with --quick)")
     parser.add_argument("--lookup", type=int, default=10, help="prompt_lookup_num_tokens")
     parser.add_argument("--document", type=int, default=None, help="document tokens (default 4096; 256 with --quick)")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    length = args.length or (16 if args.quick else 32)
-    steps = args.steps or (40 if args.quick else 800)
+    length = args.length or (16 if args.quick else 24)
+    steps = args.steps or (40 if args.quick else 1500)
     prompts = args.prompts or (2 if args.quick else 8)
     document = args.document or (256 if args.quick else 4096)
 
