@@ -60,9 +60,12 @@ def test_what_the_rollback_keeps_is_bounded_by_the_window():
     model = tiny_model(seed=4)
     ids = random_tokens(1, 70)
     cache = TrellisCache(model.config, rollback_window=5)
+    calls = []
+    handle = model.model.register_forward_pre_hook(lambda *_: calls.append(1))
     with torch.no_grad():
-        model(ids[:, :40], cache=cache)  # the prompt: only its last 5 tokens are kept
-        assert [c.length for c in cache._calls] == [5]
+        model(ids[:, :40], cache=cache)  # the prompt: run as two calls, only its last 5 tokens kept
+        assert [c.length for c in cache._calls] == [5] and len(calls) == 3  # the call itself, its head, its tail
+        handle.remove()
         for i in range(40, 70):
             model(ids[:, i : i + 1], cache=cache)
     lengths = [c.length for c in cache._calls]

@@ -386,21 +386,22 @@ class TrellisCache(Cache):
         self._calls[start:] = [CallRecords(keep, kept)] if keep else []
         self.seen_tokens -= remove
 
-    def _forget_steps(self) -> None:
-        # Row operations (beams, selections) change what the records would replay.
+    def forget_steps(self) -> None:
+        """Drop what a crop would replay: after row operations (beams, selections), which change
+        it, and before a call that is not recorded (the model's head of a long call)."""
         self._calls = []
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         super().reorder_cache(beam_idx)
-        self._forget_steps()
+        self.forget_steps()
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         super().batch_select_indices(indices)
-        self._forget_steps()
+        self.forget_steps()
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         super().batch_repeat_interleave(repeats)
-        self._forget_steps()
+        self.forget_steps()
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Tokens (columns of ``input_ids``, padding included) the cache has taken in."""
@@ -419,7 +420,7 @@ class TrellisCache(Cache):
     def reset(self) -> None:
         super().reset()
         self.seen_tokens = 0
-        self._forget_steps()
+        self.forget_steps()
 
     def nbytes(self) -> int:
         """Bytes held by the cache's tensors (constant in the tokens seen unless the model has

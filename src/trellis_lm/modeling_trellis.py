@@ -324,13 +324,19 @@ class TrellisModel(TrellisPreTrainedModel):
             # Masks and positions end with the current tokens: drop the tail's columns.
             return None if x is None else x[:, : x.shape[1] - tail]
 
-        parts = [
-            self(inputs_embeds=inputs_embeds[:, :cut], attention_mask=before_tail(attention_mask), cache=cache,
-                 use_cache=True, output_hidden_states=output_hidden_states, return_dict=True,
-                 position_ids=before_tail(position_ids)),
-            self(inputs_embeds=inputs_embeds[:, cut:], attention_mask=attention_mask, cache=cache, use_cache=True,
-                 output_hidden_states=output_hidden_states, return_dict=True, position_ids=position_ids),
-        ]
+        # The head is never taken back: it runs whole and unrecorded, and what was recorded
+        # before it could no longer be replayed.
+        cache.forget_steps()
+        cache.rollback_window = 0
+        try:
+            head = self(inputs_embeds=inputs_embeds[:, :cut], attention_mask=before_tail(attention_mask), cache=cache,
+                        use_cache=True, output_hidden_states=output_hidden_states, return_dict=True,
+                        position_ids=before_tail(position_ids))
+        finally:
+            cache.rollback_window = tail
+        parts = [head, self(inputs_embeds=inputs_embeds[:, cut:], attention_mask=attention_mask, cache=cache,
+                            use_cache=True, output_hidden_states=output_hidden_states, return_dict=True,
+                            position_ids=position_ids)]
         hidden = None
         if output_hidden_states:
             hidden = tuple(torch.cat(pair, dim=1) for pair in zip(*(part.hidden_states for part in parts)))
