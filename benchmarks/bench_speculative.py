@@ -85,17 +85,6 @@ def timed_generate(model: torch.nn.Module, prompt: torch.Tensor, new: int, **opt
     return seconds, out, calls[0]
 
 
-def rollback_bytes(cache) -> int:
-    """Bytes a TrellisCache keeps to roll back: recorded layer inputs and the entries before its calls."""
-    held = {}
-    for call in cache._calls:
-        for record in filter(None, call.layers.values()):
-            tensors = [record.x, record.mask, *record.before[:2]]
-            tensors += list(record.before[2].tensors().values()) if record.before[2] is not None else []
-            held.update({id(t): t for t in tensors if isinstance(t, torch.Tensor)})
-    return sum(t.numel() * t.element_size() for t in held.values())
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small sizes, few prompts")
@@ -133,7 +122,7 @@ def main() -> None:
                 lookup_s.append(t_lookup)
                 verifications.append(length / max(calls - 1, 1))  # after the prefill call
                 if name == "trellis":
-                    kept.append(rollback_bytes(lookup.cache if hasattr(lookup, "cache") else lookup.past_key_values))
+                    kept.append((lookup.cache if hasattr(lookup, "cache") else lookup.past_key_values).rollback_nbytes())
             plain_tps, lookup_tps = length / statistics.median(plain_s), length / statistics.median(lookup_s)
             rates[name] = lookup_tps / plain_tps
             print(f"  {name:8s} plain {plain_tps:7.1f} tokens/s   prompt lookup {lookup_tps:7.1f} tokens/s   "

@@ -66,8 +66,12 @@ def test_what_the_rollback_keeps_is_bounded_by_the_window():
         model(ids[:, :40], cache=cache)  # the prompt: run as two calls, only its last 5 tokens kept
         assert [c.length for c in cache._calls] == [5] and len(calls) == 3  # the call itself, its head, its tail
         handle.remove()
+        kept = []
         for i in range(40, 70):
             model(ids[:, i : i + 1], cache=cache)
+            kept.append(cache.rollback_nbytes())
+    assert kept[10] > 0 and len(set(kept[10:])) == 1  # constant once the window holds one-token calls
+    assert TrellisCache(model.config).rollback_nbytes() == 0
     lengths = [c.length for c in cache._calls]
     assert sum(lengths) == 5 and all(r.x.shape[1] == 1 for c in cache._calls for r in c.layers.values())
 

@@ -243,11 +243,12 @@ class TrellisCache(Cache):
     attention layers grow by their keys and values.
 
     **Rolling back** (:meth:`crop`, what assisted and prompt-lookup decoding call after each
-    verification) needs ``rollback_window`` > 0: the cache then keeps, for the last forward
-    call, each memory layer's entry before the call and the call's layer inputs, and a crop
-    recomputes the kept tokens from there. A call longer than the window is run by the model
-    as two, the last one ``rollback_window`` tokens long, so what is kept never grows with the
-    context: one state and at most ``rollback_window`` inputs per memory layer.
+    verification) needs ``rollback_window`` > 0: the cache then keeps, for its recent forward
+    calls (about ``rollback_window`` tokens of them), each memory layer's entry before each call
+    and the calls' layer inputs, and a crop recomputes the kept tokens from the earliest entry it
+    reaches. A call longer than the window is run by the model as an unrecorded head and a
+    ``rollback_window``-token tail, so what is kept never grows with the context
+    (:meth:`rollback_nbytes`).
 
     Args:
         config: the model's configuration (its ``layer_kinds`` give the entries, and the cache
@@ -310,16 +311,26 @@ class TrellisCache(Cache):
         carries the state's values, not the graph that computed them."""
         return copy.deepcopy(self)
 
-    def __deepcopy__(self, memo: dict) -> "TrellisCache":
-        # Tensors built under autograd cannot be deep-copied as they are; their values can.
-        held = [t for layer in self.layers for t in layer.tensors().values()]
+    def _rollback_tensors(self) -> dict[int, torch.Tensor]:
+        """Every tensor the rollback records hold (inputs, masks, entries before), by id."""
+        held: dict[int, torch.Tensor] = {}
         for call in self._calls:
             for record in filter(None, call.layers.values()):
-                held += [record.x, record.mask, *record.before[:2]]
-                held += list(record.before[2].tensors().values()) if record.before[2] is not None else []
+                q_tail, k_tail, state = record.before
+                tensors = [record.x, record.mask, q_tail, k_tail, *(state.tensors().values() if state is not None else ())]
+                held.update({id(t): t for t in tensors if isinstance(t, torch.Tensor)})
+        return held
+
+    def rollback_nbytes(self) -> int:
+        """Bytes held by the rollback records: the recorded layer inputs and the entries before
+        the recorded calls (0 without a rollback window)."""
+        return sum(t.numel() * t.element_size() for t in self._rollback_tensors().values())
+
+    def __deepcopy__(self, memo: dict) -> "TrellisCache":
+        # Tensors built under autograd cannot be deep-copied as they are; their values can.
+        held = [t for layer in self.layers for t in layer.tensors().values()] + list(self._rollback_tensors().values())
         for tensor in held:
-            if isinstance(tensor, torch.Tensor):
-                memo.setdefault(id(tensor), tensor.detach().clone())
+            memo.setdefault(id(tensor), tensor.detach().clone())
         copied = type(self).__new__(type(self))
         memo[id(self)] = copied
         for name, value in self.__dict__.items():

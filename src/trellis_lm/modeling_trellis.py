@@ -473,10 +473,8 @@ class TrellisForCausalLM(TrellisPreTrainedModel, GenerationMixin):
             model_inputs = {"input_ids": unseen(input_ids).contiguous()}
         model_inputs[CACHE_ARG] = cache
         model_inputs["attention_mask"] = attention_mask
-        # `cache_position` (what transformers before 5.x's later releases pass) restates the
-        # cache's own token count, which the model reads from the cache.
         for key, value in kwargs.items():
-            if key not in ("labels", "cache_position"):
+            if key != "labels":
                 model_inputs.setdefault(key, value)
         # generate() may keep its bookkeeping on the host and leaves the move to this method.
         return {

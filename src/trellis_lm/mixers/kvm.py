@@ -82,9 +82,9 @@ class KVMAttention(MemoryMixer):
                           self.k_norm(k.view(batch, length, heads, dim))])
         q, k = kvm_rotary(qk, positions, rope, self.config.rope_theta).unbind(0)
         v = self.v_proj(x).view(batch, length, heads, dim)
-        # 1 + elu(z), as x + 1 for z > 0 and exp(z) below, whose small values survive bf16 (1 +
-        # elu rounds to 0 there from z <= -7; exp only from z < -87); exp of z clamped at 0, so
-        # the branch not taken cannot overflow into a NaN gradient.
+        # 1 + elu(z), computed as z + 1 for z > 0 and exp(z) below: exp's small values survive
+        # bf16 (1 + elu rounds to 0 there from z <= -7, exp only below -87); z is clamped at 0
+        # for exp, so the branch not taken cannot overflow into a NaN gradient.
         logits = self.merge_proj(x)
         gate = torch.where(logits > 0, logits + 1.0, logits.clamp(max=0.0).exp())
         return q, k, v, gate
