@@ -30,6 +30,33 @@ from .tokens import ValidTokens
 FUSE_MIN_TOKENS = 64
 
 
+class Projections:
+    """A mixer's input ``x [B, T, D]`` with its linear projections, looked up by module name.
+
+    ``fused`` holds the projections that one stacked matmul computed (see
+    :meth:`MemoryMixer._fused_projections`); any other name calls the module on ``x``. Passed
+    from step to step of a call as a value, so a mixer keeps no per-call state on itself.
+    """
+
+    def __init__(self, mixer: nn.Module, x: torch.Tensor, fused: Optional[dict[str, torch.Tensor]] = None) -> None:
+        self.mixer, self.x, self.fused = mixer, x, fused or {}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        """``getattr(mixer, name)(x)``, or its slice of the fused matmul."""
+        if name in self.fused:
+            return self.fused[name]
+        return getattr(self.mixer, name)(self.x)
+
+    def side_by_side(self, first: str, second: str) -> tuple[torch.Tensor, list[int]]:
+        """The two projections concatenated on the last dim (one slice of the fused matmul when
+        it holds both, adjacent), and their widths."""
+        joined = self.fused.get(f"{first}+{second}")
+        if joined is not None:
+            return joined, [self.fused[first].shape[-1], self.fused[second].shape[-1]]
+        a, b = self[first], self[second]
+        return torch.cat([a, b], dim=-1), [a.shape[-1], b.shape[-1]]
+
+
 class Mixer(nn.Module):
     """Base of the token mixers.
 
@@ -75,7 +102,12 @@ class MemoryMixer(Mixer):
     # Whether op_inputs takes q and k through SiLU and a per-head L2 norm: then both are done
     # here, in one call each on q and k side by side, and op_inputs receives them done.
     silu_l2_qk: ClassVar[bool] = False
-    _fused_out: Optional[dict] = None
+
+    def __init__(self, config: Any, layer_idx: int) -> None:
+        super().__init__(config, layer_idx)
+        # No short convs unless the subclass builds them (:meth:`_build_convs`).
+        self.q_conv: Optional[TrellisShortConv] = None
+        self.k_conv: Optional[TrellisShortConv] = None
 
     def init_weights(self, init: Any) -> None:
         """Short convs of a model built from scratch: the query passes the current token and the
@@ -94,9 +126,9 @@ class MemoryMixer(Mixer):
             init.copy_(self.q_conv.weight, self.q_conv.delay_taps(0))
             init.copy_(self.k_conv.weight, self.k_conv.delay_taps(min(1, self.k_conv.weight.shape[-1] - 1)))
 
-    def _build_convs(self, q_channels: int, k_channels: int, width: Optional[int] = None) -> None:
-        """Short convs of ``width`` (default ``config.conv_size``; 0: none) on q and k."""
-        width = self.config.conv_size if width is None else width
+    def _build_convs(self, q_channels: int, k_channels: int) -> None:
+        """Short convs of ``config.conv_size`` taps (0: none) on q and k."""
+        width = self.config.conv_size
         has_conv = width > 0
         self.q_conv = TrellisShortConv(q_channels, width) if has_conv else None
         self.k_conv = TrellisShortConv(k_channels, width) if has_conv else None
@@ -108,11 +140,12 @@ class MemoryMixer(Mixer):
         self.o_proj = nn.Linear(heads * dim, hidden, bias=False)
         self.o_norm = TrellisRMSNorm(dim, self.config.rms_norm_eps)
 
-    def op_inputs(self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, valid: Optional[ValidTokens],
+    def op_inputs(self, proj: "Projections", q: torch.Tensor, k: torch.Tensor, valid: Optional[ValidTokens],
                   state: Optional[OpState]) -> tuple[torch.Tensor, ...]:
         """The op's per-token inputs ``[B, T, H, *]``, q first, k second, the value third (its
-        shape is the output's), from ``x [B, T, D]`` and the convolved projections ``q``, ``k``
-        (``valid`` and the carried ``state`` for mixers whose inputs depend on positions)."""
+        shape is the output's), from the projections of ``proj.x [B, T, D]`` and the convolved
+        ``q``, ``k`` (``valid`` and the carried ``state`` for mixers whose inputs depend on
+        positions)."""
         raise NotImplementedError
 
     def fresh_state(self, rows: int) -> OpState:
@@ -120,12 +153,13 @@ class MemoryMixer(Mixer):
         memories, expanded)."""
         raise NotImplementedError
 
-    def read_out(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+    def read_out(self, proj: "Projections", o: torch.Tensor) -> torch.Tensor:
         """``[B, T, D]`` from the op's output ``o [B, T, H, d]``: per-head RMSNorm, times
         GELU(g_proj(x)), then ``o_proj``."""
+        x = proj.x
         batch, length, _ = x.shape
         heads, dim = self.config.num_heads, self.config.head_dim
-        gate = F.gelu(self._project("g_proj", x)).view(batch, length, heads, dim)
+        gate = F.gelu(proj["g_proj"]).view(batch, length, heads, dim)
         normed = self.o_norm(o)
         # Without autograd, into `gate` (this method's own tensor): one [B, T, H d] allocation less.
         gated = gate.mul_(normed) if not torch.is_grad_enabled() else normed * gate
@@ -184,7 +218,7 @@ class MemoryMixer(Mixer):
             return record.before
         mask = record.mask
         valid = None if mask is None or bool(mask.all()) else ValidTokens.from_mask(mask)
-        _, q_tail, k_tail, state = self.mix(record.x, valid, *record.before, keep_state=True)
+        _, q_tail, k_tail, state = self.mix(record.x, valid, *record.before, keep_state=True, with_output=False)
         return self._carried(*record.before, q_tail, k_tail, state)
 
     def mix(
@@ -195,33 +229,22 @@ class MemoryMixer(Mixer):
         k_tail: Optional[torch.Tensor],
         state: Optional[OpState],
         keep_state: bool,
-    ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor], Optional[OpState]]:
+        with_output: bool = True,
+    ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor], Optional[OpState]]:
         """The mixer as a function of what a cache carries: ``x [B, T, D]`` after the short-conv
         tails (``[B, conv_size - 1, channels]``, ``None`` for zeros) and the op ``state``
         (``None``: the learned initial memories). Returns ``(y [B, T, D], q_tail, k_tail, final
-        state)``, the state ``None`` when not ``keep_state`` or when no row had a real token."""
-        batch = x.shape[0]
-        fused = self._fused_projections(x)
-        if fused is not None:
-            self._fused_out = fused
-        try:
-            q, k, q_tail, k_tail = self._queries_keys(x, valid, q_tail, k_tail)
-            inputs = self.op_inputs(x, q, k, valid, state)
-            o, state = self._attend(inputs, self._initial_state(state, valid, batch), valid, keep_state)
-            return self.read_out(x, o), q_tail, k_tail, state
-        finally:
-            if fused is not None:
-                self._fused_out = None
-
-    def _project(self, name: str, x: torch.Tensor) -> torch.Tensor:
-        """``getattr(self, name)(x)``, or its slice of the fused projections when they ran."""
-        fused = self._fused_out
-        if fused is not None and name in fused:
-            return fused[name]
-        return getattr(self, name)(x)
+        state)``, the state ``None`` when not ``keep_state`` or when no row had a real token, and
+        ``y`` ``None`` when not ``with_output`` (a replay wants the state only: the read-out's
+        projections are skipped)."""
+        proj = Projections(self, x, self._fused_projections(x))
+        q, k, q_tail, k_tail = self._queries_keys(proj, valid, q_tail, k_tail)
+        inputs = self.op_inputs(proj, q, k, valid, state)
+        o, state = self._attend(inputs, self._initial_state(state, valid, x.shape[0]), valid, keep_state)
+        return (self.read_out(proj, o) if with_output else None), q_tail, k_tail, state
 
     def _queries_keys(
-        self, x: torch.Tensor, valid: Optional[ValidTokens], q_tail: Optional[torch.Tensor],
+        self, proj: "Projections", valid: Optional[ValidTokens], q_tail: Optional[torch.Tensor],
         k_tail: Optional[torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
         """``(q, k, q_tail, k_tail)``: the projections through the short convs (and, with
@@ -231,11 +254,8 @@ class MemoryMixer(Mixer):
         halves the operations of the part a decode step spends most of its calls on.
         """
         if self.q_conv is None and not self.silu_l2_qk:
-            return self._project("q_proj", x), self._project("k_proj", x), q_tail, k_tail
-        q, k = self._project("q_proj", x), self._project("k_proj", x)
-        split = [q.shape[-1], k.shape[-1]]
-        fused = self._fused_out
-        qk = fused["q_proj+k_proj"] if fused is not None and "q_proj+k_proj" in fused else torch.cat([q, k], dim=-1)
+            return proj["q_proj"], proj["k_proj"], q_tail, k_tail
+        qk, split = proj.side_by_side("q_proj", "k_proj")
         if self.q_conv is not None:
             taps = torch.cat([self.q_conv.weight, self.k_conv.weight])
             tail = None if q_tail is None else torch.cat([q_tail, k_tail], dim=-1)
@@ -248,7 +268,7 @@ class MemoryMixer(Mixer):
         if not self.silu_l2_qk:
             q, k = qk.split(split, dim=-1)
             return q, k, q_tail, k_tail
-        batch, length, _ = x.shape
+        batch, length, _ = proj.x.shape
         heads = self.config.num_heads
         # Without autograd in place: qk is this method's own (the conv's output, the fused
         # projections' or a cat).

@@ -11,7 +11,7 @@ from torch import nn
 from ..cache_trellis import KVMLayerCache
 from ..ops import KVMState, kvm_attention
 from ..ops.kvm import BACKENDS as KVM_BACKENDS
-from .base import MemoryMixer
+from .base import MemoryMixer, Projections
 from .tokens import ValidTokens, token_positions
 
 LN_EPS = 1e-5  # every LayerNorm of the design page
@@ -66,12 +66,12 @@ class KVMAttention(MemoryMixer):
         self.state_norm_weight = nn.Parameter(torch.ones(heads, dim))
         self.state_norm_bias = nn.Parameter(torch.zeros(heads, dim))
         self.temperature = nn.Parameter(torch.ones(heads, 2))
-        self._build_convs(0, 0, width=0)
 
-    def op_inputs(self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, valid: Optional[ValidTokens] = None,
+    def op_inputs(self, proj: Projections, q: torch.Tensor, k: torch.Tensor, valid: Optional[ValidTokens] = None,
                   state: Optional[KVMState] = None) -> tuple[torch.Tensor, ...]:
         """``(q, k, v, gate)`` as :func:`~trellis_lm.ops.kvm_attention` takes them; RoPE positions
         count each row's real tokens, continuing the carried state's."""
+        x = proj.x
         batch, length, _ = x.shape
         heads, dim = self.config.num_heads, self.config.head_dim
         past = state.seen.to(x.device) if state is not None else torch.zeros(batch, dtype=torch.long, device=x.device)
@@ -81,11 +81,11 @@ class KVMAttention(MemoryMixer):
         qk = torch.stack([self.q_norm(q.view(batch, length, heads, dim)),
                           self.k_norm(k.view(batch, length, heads, dim))])
         q, k = kvm_rotary(qk, positions, rope, self.config.rope_theta).unbind(0)
-        v = self.v_proj(x).view(batch, length, heads, dim)
+        v = proj["v_proj"].view(batch, length, heads, dim)
         # 1 + elu(z), computed as z + 1 for z > 0 and exp(z) below: exp's small values survive
         # bf16 (1 + elu rounds to 0 there from z <= -7, exp only below -87); z is clamped at 0
         # for exp, so the branch not taken cannot overflow into a NaN gradient.
-        logits = self.merge_proj(x)
+        logits = proj["merge_proj"]
         gate = torch.where(logits > 0, logits + 1.0, logits.clamp(max=0.0).exp())
         return q, k, v, gate
 
@@ -123,9 +123,9 @@ class KVMAttention(MemoryMixer):
             check_values=self.checks_values(inputs, cu_seqlens),  # gates are exponentials
         )
 
-    def read_out(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
-        batch, length, _ = x.shape
-        return self.o_proj(o.reshape(batch, length, -1).to(x.dtype))
+    def read_out(self, proj: Projections, o: torch.Tensor) -> torch.Tensor:
+        batch, length, _ = proj.x.shape
+        return self.o_proj(o.reshape(batch, length, -1).to(proj.x.dtype))
 
     def init_weights(self, init: Any) -> None:
         super().init_weights(init)

@@ -11,7 +11,7 @@ from torch import nn
 from ..cache_trellis import LatticeLayerCache
 from ..ops import LatticeState, lattice_attention
 from ..ops.lattice import BACKENDS as LATTICE_BACKENDS
-from .base import MemoryMixer
+from .base import MemoryMixer, Projections
 from .parts import at_least_float32, l2_normalize
 
 
@@ -40,14 +40,14 @@ class LatticeAttention(MemoryMixer):
         self._build_convs(heads * slots, heads * slots)
         self.s0 = nn.Parameter(torch.empty(heads, slots, dim))
 
-    def op_inputs(self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, valid: Any = None,
+    def op_inputs(self, proj: Projections, q: torch.Tensor, k: torch.Tensor, valid: Any = None,
                   state: Any = None) -> tuple[torch.Tensor, ...]:
         """``(q, k, v, gamma)`` as :func:`~trellis_lm.ops.lattice_attention` takes them;
         ``q``, ``k`` arrive through SiLU and the per-head L2 norm (``silu_l2_qk``), ``[B, T, H, M]``."""
-        batch, length, _ = x.shape
+        batch, length, _ = proj.x.shape
         heads, dim = self.config.num_heads, self.config.head_dim
-        v = l2_normalize(at_least_float32(self.v_proj(x)).view(batch, length, heads, dim))
-        gamma = torch.sigmoid(at_least_float32(self.gamma_proj(x)))
+        v = l2_normalize(at_least_float32(proj["v_proj"]).view(batch, length, heads, dim))
+        gamma = torch.sigmoid(at_least_float32(proj["gamma_proj"]))
         return q, k, v, gamma
 
     def fresh_state(self, rows: int) -> LatticeState:

@@ -11,7 +11,7 @@ from torch import nn
 
 from ..cache_trellis import TrellisLayerCache
 from ..ops import TrellisState, trellis_attention
-from .base import MemoryMixer
+from .base import MemoryMixer, Projections
 from .parts import at_least_float32, l2_normalize
 
 
@@ -60,19 +60,19 @@ class TrellisAttention(MemoryMixer):
         self.mk0 = nn.Parameter(torch.empty(heads, slots, dim))
         self.mv0 = nn.Parameter(torch.empty(heads, slots, dim))
 
-    def op_inputs(self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, valid: Any = None,
+    def op_inputs(self, proj: Projections, q: torch.Tensor, k: torch.Tensor, valid: Any = None,
                   state: Any = None) -> tuple[torch.Tensor, ...]:
         """``(q, k, v, alpha, log_beta, gamma)`` as :func:`~trellis_lm.ops.trellis_attention` takes them;
         ``q``, ``k`` arrive through SiLU and the L2 norm (``silu_l2_qk``), ``[B, T, H, d]``."""
-        batch, length, _ = x.shape
+        batch, length, _ = proj.x.shape
         heads, dim = self.config.num_heads, self.config.head_dim
-        v = l2_normalize(at_least_float32(self._project("v_proj", x)).view(batch, length, heads, dim))
-        alpha = at_least_float32(self._project("alpha_proj", x)).view(batch, length, heads, -1)
+        v = l2_normalize(at_least_float32(proj["v_proj"]).view(batch, length, heads, dim))
+        alpha = at_least_float32(proj["alpha_proj"]).view(batch, length, heads, -1)
         if self.beta_proj is not None:
-            log_beta = F.logsigmoid(at_least_float32(self._project("beta_proj", x))) / self.config.gate_logit_normalizer
+            log_beta = F.logsigmoid(at_least_float32(proj["beta_proj"])) / self.config.gate_logit_normalizer
         else:
             log_beta = alpha.new_zeros(batch, length, heads)
-        gamma = torch.sigmoid(at_least_float32(self._project("gamma_proj", x)))
+        gamma = torch.sigmoid(at_least_float32(proj["gamma_proj"]))
         return q, k, v, alpha, log_beta, gamma
 
     def fresh_state(self, rows: int) -> TrellisState:
