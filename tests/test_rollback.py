@@ -100,6 +100,21 @@ def test_sampling_with_an_assistant_runs():
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
+def test_speculative_sampling_keeps_the_model_s_distribution(schedule):
+    """Sampling with an assistant accepts a draft token with probability min(1, p / q) and
+    resamples a rejected one from the model's residual distribution. With ``top_k=1`` the model's
+    distribution is its argmax, so the sampled tokens must be exactly greedy decoding's: any draft
+    the rollback failed to take back would show as a different token."""
+    model = tiny_model(seed=9, schedule=schedule, eos_token_id=None)
+    draft = tiny_model(seed=10, schedule=schedule, eos_token_id=None)
+    ids = random_tokens(1, 8)
+    greedy = model.generate(ids, max_new_tokens=16, do_sample=False)
+    torch.manual_seed(0)
+    sampled = model.generate(ids, max_new_tokens=16, do_sample=True, top_k=1, assistant_model=draft)
+    assert torch.equal(sampled, greedy)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
 def test_a_copied_prompt_state_serves_many_continuations(schedule):
     model = tiny_model(seed=11, schedule=schedule, eos_token_id=None)
     prompt = random_tokens(1, 12)
