@@ -105,3 +105,13 @@ def test_auto_classes_pick_the_trellis_classes():
     assert type(AutoConfig.for_model("trellis", num_slots=6)) is TrellisConfig
     assert type(AutoModel.from_config(config)) is TrellisModel
     assert type(AutoModelForCausalLM.from_config(config)) is TrellisForCausalLM
+
+
+def test_op_backend_must_be_one_every_layer_s_op_has():
+    """No silent substitution: the Lattice and KVM ops have no Triton kernels, so a model with
+    such layers refuses op_backend="triton" rather than running them on another backend."""
+    assert tiny_config(op_backend="triton").op_backend == "triton"  # Trellis layers only
+    for kinds, op in ((["trellis", "lattice"], "lattice_attention"), (["kvm", "trellis"], "kvm_attention")):
+        with pytest.raises(ValueError, match=f"op_backend .*{op}.*got 'triton'"):
+            tiny_config(mixer_types=kinds, op_backend="triton")
+        assert tiny_config(mixer_types=kinds, op_backend="reference").op_backend == "reference"

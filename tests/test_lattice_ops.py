@@ -309,13 +309,16 @@ def test_varlen_gradients_match_reference():
 def test_single_token_step_matches_reference(variant):
     """The decode step (``torch``/``auto`` with T == 1) against the loop, values and gradients;
     rows at a chunk start (offset 0: U and the anchor renormalised) and mid-chunk."""
-    from trellis_lm.ops.lattice.dispatch import _pick_backend
     from trellis_lm.ops.lattice.step import step_forward
+    from trellis_lm.ops.registry import OpCall
 
-    assert _pick_backend("auto", 1, False) is step_forward
-    assert _pick_backend("torch", 1, False) is step_forward
-    assert _pick_backend("auto", 2, False) is BACKENDS["torch"]
-    assert _pick_backend("auto", 1, True) is BACKENDS["torch"]
+    def picked(backend: str, length: int, packed: bool):
+        return BACKENDS.function(backend, OpCall(torch.device("cpu"), torch.float64, length, packed))
+
+    assert picked("auto", 1, False) is step_forward
+    assert picked("torch", 1, False) is step_forward
+    assert picked("auto", 2, False) is BACKENDS["torch"].forward
+    assert picked("auto", 1, True) is BACKENDS["torch"].forward
     x = make_inputs(3, 1, 2, 5, 3, requires_grad=True)
     state = mid_chunk_state(3, 2, 5, 3, chunk_size=4, requires_grad=True)
     state.offset.copy_(torch.tensor([0, 2, 3]))
@@ -449,6 +452,7 @@ def test_initial_memory_with_a_zero_row_raises(seeded):
 def test_check_values_false_skips_only_the_value_checks(monkeypatch, seeded):
     """``check_values=False`` (decode steps) reads nothing back: no gamma, memory norm or offset
     check; shapes are still checked, and the default checks a single token too."""
+    from trellis_lm.ops import checks
     from trellis_lm.ops.lattice import dispatch
 
     x = make_inputs(2, 1, 2, 6, 4)
@@ -463,7 +467,7 @@ def test_check_values_false_skips_only_the_value_checks(monkeypatch, seeded):
         raise AssertionError("values read back")
 
     monkeypatch.setattr(dispatch, "expect_in_range", no_read)
-    monkeypatch.setattr(dispatch, "check_offsets", no_read)
+    monkeypatch.setattr(checks, "check_offsets", no_read)  # through checks.checked_offsets_state
     o, _ = lattice_attention(*x[:3], bad_gamma, initial_state=state, chunk_size=4, check_values=False)
     assert o.shape == (2, 1, 2, 4)
 

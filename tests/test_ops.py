@@ -9,10 +9,19 @@ import torch
 import torch.nn.functional as F
 
 from op_inputs import make_inputs, make_state
-from trellis_lm.ops import COMPRESS_FNS, MIX_FNS, TrellisState, trellis_attention
+from trellis_lm.ops import BACKENDS, COMPRESS_FNS, MIX_FNS, TrellisState, trellis_attention
+from trellis_lm.ops.registry import OpCall
 from trellis_lm.ops.trellis.functions import EPS, compress, compress_residual_vjp, mix
 
-FAST_BACKENDS = ["torch"]
+# Every registered backend besides the loop that runs float64 CPU calls of every setting here
+# (a new backend gets these tests by registering; Triton's kernels are float32: tests/test_triton.py).
+FAST_BACKENDS = [
+    name for name, backend in BACKENDS.items()
+    if name != "reference" and all(
+        backend.refusal(OpCall(torch.device("cpu"), torch.float64, 8, False, {"compress_fn": cf, "chunk_size": 4})) is None
+        for cf in COMPRESS_FNS
+    )
+]
 TOL = dict(rtol=1e-9, atol=1e-9)
 
 
@@ -224,10 +233,10 @@ def test_gradients_match_reference(backend, C, cf, mf):
 def test_single_token_step_matches_reference(cf, mf):
     """The decode step (``torch``/``auto`` with T == 1) against the loop, values and gradients;
     rows at a chunk start (offset 0: anchors replaced) and mid-chunk (anchors kept)."""
-    from trellis_lm.ops.trellis.dispatch import _pick_backend
     from trellis_lm.ops.trellis.step import step_forward
 
-    assert _pick_backend("torch", 1, False, torch.device("cpu")) is step_forward
+    one_token = OpCall(torch.device("cpu"), torch.float64, 1, False, {"compress_fn": cf, "chunk_size": 4})
+    assert BACKENDS.function("torch", one_token) is step_forward
     x = make_inputs(3, 1, 2, 3, 5, 7, requires_grad=True)
     state = make_state(3, 2, 3, 5, 7, chunk_size=4, requires_grad=True)
     state.offset.copy_(torch.tensor([0, 2, 3]))

@@ -131,13 +131,13 @@ def test_mixer_skips_the_range_checks_on_single_tokens_only(monkeypatch):
     import trellis_lm.mixers.trellis as trellis_mixer
 
     seen = []
-    op = trellis_mixer.trellis_attention
+    op = trellis_mixer.TrellisAttention.op
 
     def recording(*args, **kwargs):
         seen.append((args[0].shape[1], kwargs["check_values"]))
         return op(*args, **kwargs)
 
-    monkeypatch.setattr(trellis_mixer, "trellis_attention", recording)
+    monkeypatch.setattr(trellis_mixer.TrellisAttention, "op", staticmethod(recording))
     model = tiny_model()
     ids = random_tokens(2, 6)
     with torch.no_grad():

@@ -18,12 +18,15 @@ ON_GPU = torch.cuda.is_available()  # without a GPU, conftest.py switches triton
 
 from op_inputs import make_inputs, make_state  # noqa: E402
 from trellis_lm.ops import TrellisState, trellis_attention  # noqa: E402
-from trellis_lm.ops.trellis.dispatch import BACKENDS, _pick_backend, triton_available  # noqa: E402
-from triton_mirror import mirror_op  # noqa: E402
+from trellis_lm.ops.registry import Backend, OpCall  # noqa: E402
+from trellis_lm.ops.trellis.dispatch import BACKENDS, triton_available  # noqa: E402
+from trellis_lm.ops.trellis.kernel_mirror import mirror_op  # noqa: E402
 
 needs_triton = pytest.mark.skipif(not triton_available(), reason="triton is not installed")
 DEVICE = "cuda" if ON_GPU else "cpu"
 NAMES = ["q", "k", "v", "alpha", "log_beta", "gamma", "m_k", "m_v", "anchor_k", "anchor_v"]
+# The kernels' decomposition in PyTorch (float64 capable), registered for the tests that use it.
+MIRROR = Backend("mirror", mirror_op, priority=-1)
 
 
 def _inputs(B, T, H, Dk, Dv, M, C, *, seed=0, dtype=torch.float32, grad=False, rows=None):
@@ -73,7 +76,7 @@ def _grads(backend, x, state, cu_seqlens=None, **kw):
 def test_mirror_matches_reference_autograd_float64(C, cf, mf):
     x = make_inputs(2, 11, 2, 3, 4, 5, requires_grad=True, seed=C)
     state = make_state(2, 2, 3, 4, 5, chunk_size=C, requires_grad=True)
-    BACKENDS["mirror"] = mirror_op
+    BACKENDS.register(MIRROR)
     try:
         o, s = run("mirror", x, initial_state=state, chunk_size=C, compress_fn=cf, mix_fn=mf)
         o_ref, s_ref = run("reference", x, initial_state=state, chunk_size=C, compress_fn=cf, mix_fn=mf)
@@ -81,7 +84,7 @@ def test_mirror_matches_reference_autograd_float64(C, cf, mf):
         got = _grads("mirror", x, state, chunk_size=C, compress_fn=cf, mix_fn=mf)
         expected = _grads("reference", x, state, chunk_size=C, compress_fn=cf, mix_fn=mf)
     finally:
-        del BACKENDS["mirror"]
+        BACKENDS.unregister("mirror")
     for name, g, e in zip(NAMES, got, expected):
         torch.testing.assert_close(g, e, rtol=1e-8, atol=1e-9, msg=lambda m: f"d/d{name}: {m}")
 
@@ -91,12 +94,12 @@ def test_mirror_varlen_gradients_float64():
     x = make_inputs(1, sum(lengths), 2, 3, 3, 4, requires_grad=True, seed=3)
     state = make_state(4, 2, 3, 3, 4, chunk_size=3, requires_grad=True)
     cu = torch.tensor([0] + lengths).cumsum(0)
-    BACKENDS["mirror"] = mirror_op
+    BACKENDS.register(MIRROR)
     try:
         got = _grads("mirror", x, state, cu, chunk_size=3)
         expected = _grads("reference", x, state, cu, chunk_size=3)
     finally:
-        del BACKENDS["mirror"]
+        BACKENDS.unregister("mirror")
     for name, g, e in zip(NAMES, got, expected):
         torch.testing.assert_close(g, e, rtol=1e-8, atol=1e-9, msg=lambda m: f"d/d{name}: {m}")
 
@@ -109,7 +112,7 @@ def test_mirror_full_forget_float64():
     x[4][0, 0], x[4][0, 4], x[4][1, 6, 1] = float("-inf"), float("-inf"), float("-inf")
     x = [t.requires_grad_() for t in x]
     state = make_state(2, 2, 3, 4, 5, chunk_size=4, requires_grad=True)
-    BACKENDS["mirror"] = mirror_op
+    BACKENDS.register(MIRROR)
     try:
         o, _ = run("mirror", x, initial_state=state, chunk_size=4)
         o_ref, _ = run("reference", x, initial_state=state, chunk_size=4)
@@ -117,21 +120,52 @@ def test_mirror_full_forget_float64():
         got = _grads("mirror", x, state, chunk_size=4)
         expected = _grads("reference", x, state, chunk_size=4)
     finally:
-        del BACKENDS["mirror"]
+        BACKENDS.unregister("mirror")
     for name, g, e in zip(NAMES, got, expected):
         torch.testing.assert_close(g, e, rtol=1e-8, atol=1e-9, msg=lambda m: f"d/d{name}: {m}")
+
+
+def _call(device: str, length: int = 100, dtype=torch.float32, compress_fn: str = "layernorm") -> OpCall:
+    return OpCall(torch.device(device), dtype, length, False, {"compress_fn": compress_fn, "chunk_size": 4})
 
 
 def test_auto_picks_triton_for_cuda_tensors():
     if not triton_available():
         pytest.skip("triton is not installed")
-    cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    assert _pick_backend("auto", 100, False, cuda) is BACKENDS["triton"]
-    assert _pick_backend("auto", 1, False, cuda) is BACKENDS["triton"]
-    assert _pick_backend("auto", 100, False, cpu) is BACKENDS["torch"]
+    assert BACKENDS.function("auto", _call("cuda")) is BACKENDS["triton"].forward
+    assert BACKENDS.function("auto", _call("cuda", 1)) is BACKENDS["triton"].forward
+    assert BACKENDS.function("auto", _call("cpu")) is BACKENDS["torch"].forward
     from trellis_lm.ops.trellis.step import step_forward
 
-    assert _pick_backend("auto", 1, False, cpu) is step_forward
+    assert BACKENDS.function("auto", _call("cpu", 1)) is step_forward
+
+
+def test_auto_gives_triton_only_what_its_kernels_compute():
+    """identity (residuals at the current memory) and float64 go to the PyTorch path under
+    auto; named, the Triton backend refuses them, saying why (no silent substitution)."""
+    if not triton_available():
+        pytest.skip("triton is not installed")
+    for call in (_call("cuda", compress_fn="identity"), _call("cuda", dtype=torch.float64)):
+        assert BACKENDS.choose("auto", call).name == "torch"
+    with pytest.raises(ValueError, match="compress_fn='identity'"):
+        BACKENDS.choose("triton", _call("cuda", compress_fn="identity"))
+    with pytest.raises(ValueError, match="float64"):
+        BACKENDS.choose("triton", _call("cuda", dtype=torch.float64))
+    x, state = _inputs(1, 5, 1, 3, 3, 4, 3)
+    with pytest.raises(ValueError, match="backend 'triton' cannot run this trellis_attention call"):
+        run("triton", x, initial_state=state, chunk_size=3, compress_fn="identity")
+
+
+@needs_triton
+def test_the_custom_op_refuses_identity():
+    """``trellis_lm::triton_chunk_fwd`` is callable without the dispatcher (torch.ops): its
+    chunk kernels compute anchor residuals, so it refuses identity itself."""
+    import trellis_lm.ops.trellis.triton_chunk  # noqa: F401  (registers the op)
+
+    x, state = _inputs(1, 5, 1, 3, 3, 4, 3)
+    with pytest.raises(ValueError, match="identity"):
+        torch.ops.trellis_lm.triton_chunk_fwd(
+            *x, state.m_k, state.m_v, state.anchor_k, state.anchor_v, state.offset, None, 3, "identity", "ln_silu")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -142,7 +176,6 @@ def test_auto_picks_triton_for_cuda_tensors():
 @pytest.mark.parametrize("C,cf,mf,T", [
     (4, "layernorm", "ln_silu", 13),
     (4, "l2norm", "softmax", 13),
-    (3, "identity", "l2_silu", 13),
     (1, "layernorm", "ln_silu", 13),   # the exact recurrence (token-by-token kernel)
     (1, "l2norm", "softmax", 6),
     (16, "layernorm", "ln_silu", 13),  # one chunk longer than the input
@@ -208,13 +241,14 @@ def test_low_precision_inputs_keep_float32_state():
     assert ((o.float() - o_ref).norm() / o_ref.norm()) < 1e-2
 
 
-def test_float64_runs_the_torch_path():
-    if not triton_available():
-        pytest.skip("triton is not installed")
+def test_float64_is_refused_by_name_and_runs_torch_under_auto():
     x, state = _inputs(1, 7, 1, 3, 3, 4, 3, dtype=torch.float64)
-    o, _ = run("triton", x, initial_state=state, chunk_size=3)
+    o, _ = run("auto", x, initial_state=state, chunk_size=3)
     o_ref, _ = run("reference", x, initial_state=state, chunk_size=3)
     torch.testing.assert_close(o, o_ref, rtol=1e-9, atol=1e-9)
+    if triton_available():
+        with pytest.raises(ValueError, match="float64"):
+            run("triton", x, initial_state=state, chunk_size=3)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -225,7 +259,6 @@ def test_float64_runs_the_torch_path():
 @pytest.mark.parametrize("C,cf,mf,T", [
     (4, "layernorm", "ln_silu", 13),
     (5, "l2norm", "softmax", 13),
-    (3, "identity", "l2_silu", 13),
     (1, "layernorm", "ln_silu", 6),  # token-by-token forward; the backward rebuilds the chunk starts
 ])
 def test_gradients_match_reference(C, cf, mf, T):
@@ -451,15 +484,15 @@ def test_huge_chunk_size_uses_tiles_the_size_of_the_input():
 
 @needs_triton
 def test_identity_is_the_same_function_at_every_chunk_size():
-    """identity runs the PyTorch path (documented) and the decode kernel reads the current
-    memory: both equal the per-token loop at C = 1."""
+    """identity's chunk form (the PyTorch path: the chunk kernels refuse it) and the decode
+    kernel, which reads the current memory, both equal the per-token loop at C = 1."""
     from trellis_lm.ops.trellis.triton_decode import trellis_decode_step_
 
     x, state = _inputs(2, 9, 2, 5, 7, 6, 4, seed=21)
     kw = dict(compress_fn="identity", mix_fn="ln_silu")
     start = TrellisState(state.m_k, state.m_v, state.anchor_k, state.anchor_v, torch.zeros_like(state.offset))
     o_1, s_1 = run("reference", x, initial_state=start, chunk_size=1, **kw)
-    o, s = run("triton", x, initial_state=state, chunk_size=4, **kw)
+    o, s = run("torch", x, initial_state=state, chunk_size=4, **kw)
     assert_close_f32(o, o_1, "o")
     assert_states_close(s, run("reference", x, initial_state=state, chunk_size=4, **kw)[1])
     live = state.map(lambda t: t.detach().clone())

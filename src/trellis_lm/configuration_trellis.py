@@ -12,35 +12,26 @@ from typing import Any, Callable, ClassVar
 
 from transformers import PreTrainedConfig
 
-from .ops import BACKENDS, COMPRESS_FNS, LATTICE_VARIANTS, MIX_FNS
-from .ops.kvm import BUDGETS as KVM_BUDGETS
+from .mixers import MIXERS
+from .mixers.fields import is_int, is_real
 from .remote_code import AUTO_MAP, code_is_packaged, export_code
 
-OP_BACKENDS = ("auto",) + tuple(sorted(BACKENDS))
-# The fields that define each kind of mixer's function (besides the layer's own weights): the
-# validation reads them, and a cache remembers those of the kinds its model has.
-MIXER_FIELDS = {
-    "trellis": ("hidden_size", "num_heads", "head_dim", "num_slots", "chunk_size", "compress_fn", "mix_fn",
-                "conv_size", "use_forget_gate", "gate_logit_normalizer"),
-    "lattice": ("hidden_size", "num_heads", "head_dim", "num_slots", "chunk_size", "lattice_variant", "conv_size"),
-    "attention": ("hidden_size", "num_heads", "head_dim", "num_key_value_heads", "rope_theta", "attention_bias"),
-    "kvm": ("hidden_size", "num_heads", "head_dim", "rope_theta", "kvm_chunk_size", "kvm_window_chunks", "kvm_rope_dims",
-            "kvm_sinks", "kvm_state_size", "kvm_budget", "kvm_budget_scale", "kvm_budget_exponent",
-            "kvm_budget_saturation", "kvm_budget_min"),
-}
-MIXER_TYPES = tuple(MIXER_FIELDS)
-# Largest sizes the model accepts. Work and memory follow the tokens present, not these numbers,
-# but a training chunk of L = min(C, T) tokens takes L x L blocks per head: beyond 2**16 one
-# block is 16 GiB. The other bounds keep weights and per-row states far from the int32 index
-# range the kernels use and name the field before any allocation fails.
+# Built from the mixers' own declarations (see mixers/fields.py): the kinds a layer can be, the
+# fields that define each kind's function (a cache remembers those of its model's kinds), their
+# checks (each field once, in the mixers' order), transformers' name for each kind, and each
+# memory mixer's op backends.
+MIXER_TYPES = tuple(MIXERS)
+MIXER_FIELDS = {kind: mixer.signature_fields() for kind, mixer in MIXERS.items()}
+FIELD_CHECKS = tuple({f.name: f for mixer in MIXERS.values() for f in mixer.config_fields}.values())
+STANDARD_LAYER_TYPES = {kind: mixer.layer_type for kind, mixer in MIXERS.items()}
+OP_REGISTRIES = {kind: mixer.backends for kind, mixer in MIXERS.items() if mixer.backends is not None}
+OP_BACKENDS = ("auto",) + tuple(sorted({name for registry in OP_REGISTRIES.values() for name in registry}))
+# Largest model-level sizes (the mixers bound their own). Work and memory follow the tokens
+# present, not these numbers; the bounds keep weights far from the int32 index range the
+# kernels use and name the field before any allocation fails.
 MAX_SIZES = {
     "vocab_size": 2**24, "hidden_size": 2**18, "intermediate_size": 2**20, "num_hidden_layers": 2**12,
-    "num_heads": 2**12, "head_dim": 2**12, "num_slots": 2**12, "chunk_size": 2**16, "conv_size": 2**10,
-    "kvm_chunk_size": 2**16, "kvm_window_chunks": 2**10, "kvm_state_size": 2**16,
-}
-# transformers' own names for the schedule, in the standard `layer_types` field.
-STANDARD_LAYER_TYPES = {
-    "trellis": "linear_attention", "lattice": "linear_attention", "kvm": "linear_attention", "attention": "full_attention",
+    "num_heads": 2**12, "head_dim": 2**12,
 }
 
 
@@ -109,8 +100,11 @@ class TrellisConfig(PreTrainedConfig):
             plateau"). Converted checkpoints keep their source's choice.
         pad_token_id, bos_token_id, eos_token_id: special token ids (generation reads them).
         use_cache: return a :class:`TrellisCache` from ``forward`` by default.
-        op_backend: ``"auto"`` or a backend of ``trellis_lm.ops.BACKENDS`` (e.g. ``"reference"``
-            to run the per-token loop); passed as ``backend=`` to the op.
+        op_backend: ``"auto"`` or a backend that every op of the model's layers has (the registry
+            ``BACKENDS`` of each op: ``"reference"`` runs the per-token loop everywhere,
+            ``"torch"`` the chunked PyTorch form, ``"triton"`` the Trellis kernels, which only
+            the Trellis op has); passed as ``backend=`` to the ops. A named backend that cannot
+            run a call (triton on a CPU tensor) raises a ``ValueError`` saying why.
         compile_decode: on CPUs, run each Trellis layer's single-token decode step through
             ``torch.compile`` (compiled once per process and batch size, about 10 s for a small
             model on 2 cores; needs a C++ compiler). Same function, fewer and fused operations:
@@ -206,13 +200,10 @@ class TrellisConfig(PreTrainedConfig):
                 raise ValueError(f"TrellisConfig.{name} must be {expected}, got {value!r}")
 
         def is_token_id(value: Any) -> bool:
-            return _is_int(value) and 0 <= value < self.vocab_size
+            return is_int(value) and 0 <= value < self.vocab_size
 
-        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_heads", "head_dim", "num_slots",
-                     "chunk_size", "intermediate_size"):
-            check(name, lambda v: _is_int(v) and 1 <= v <= MAX_SIZES[name], f"an integer in [1, {MAX_SIZES[name]}]")
-        check("conv_size", lambda v: _is_int(v) and 0 <= v <= MAX_SIZES["conv_size"],
-              f"an integer in [0, {MAX_SIZES['conv_size']}] (0 disables the conv)")
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_heads", "head_dim", "intermediate_size"):
+            check(name, lambda v: is_int(v) and 1 <= v <= MAX_SIZES[name], f"an integer in [1, {MAX_SIZES[name]}]")
         layers = self.num_hidden_layers
         if self.mixer_types is not None:
             if not isinstance(self.mixer_types, (list, tuple)) or len(self.mixer_types) != layers:
@@ -223,32 +214,22 @@ class TrellisConfig(PreTrainedConfig):
             for index, kind in enumerate(self.mixer_types):
                 if kind not in MIXER_TYPES:
                     raise ValueError(f"TrellisConfig.mixer_types[{index}] must be one of {MIXER_TYPES}, got {kind!r}")
-        check("compress_fn", lambda v: v in COMPRESS_FNS, f"one of {COMPRESS_FNS}")
-        check("lattice_variant", lambda v: v in LATTICE_VARIANTS, f"one of {LATTICE_VARIANTS}")
-        check("num_key_value_heads", lambda v: v is None or (_is_int(v) and v >= 1 and self.num_heads % v == 0),
-              f"None or an integer >= 1 that divides num_heads = {self.num_heads}")
-        check("rope_theta", lambda v: _is_real(v) and 0 < v < math.inf, "a finite number > 0")
-        check("attention_bias", lambda v: isinstance(v, bool), "True or False")
-        for name in ("kvm_chunk_size", "kvm_window_chunks"):
-            check(name, lambda v: _is_int(v) and 1 <= v <= MAX_SIZES[name], f"an integer in [1, {MAX_SIZES[name]}]")
-        check("kvm_rope_dims", lambda v: v is None or (_is_int(v) and 0 <= v < self.head_dim and v % 2 == 0),
-              f"None or an even integer in [0, head_dim = {self.head_dim}): with every channel rotated, the "
-              "state keys (rotated channels zeroed) would all be one vector, unable to tell tokens apart")
-        check("kvm_sinks", lambda v: _is_int(v) and 0 <= v < self.kvm_chunk_size,
-              f"an integer in [0, kvm_chunk_size = {self.kvm_chunk_size})")
-        check("kvm_state_size", lambda v: _is_int(v) and self.kvm_chunk_size <= v <= MAX_SIZES["kvm_state_size"],
-              f"an integer in [kvm_chunk_size = {self.kvm_chunk_size}, {MAX_SIZES['kvm_state_size']}]")
-        check("kvm_budget", lambda v: v in KVM_BUDGETS, f"one of {KVM_BUDGETS}")
-        for name in ("kvm_budget_scale", "kvm_budget_exponent", "kvm_budget_saturation"):
-            check(name, lambda v: _is_real(v) and 0 < v < math.inf, "a finite number > 0")
-        check("kvm_budget_min", lambda v: v is None or (_is_int(v) and 0 <= v <= self.kvm_state_size),
-              f"None (kvm_chunk_size) or an integer in [0, kvm_state_size = {self.kvm_state_size}]")
-        check("mix_fn", lambda v: v in MIX_FNS, f"one of {MIX_FNS}")
+        # Every mixer's fields, whether or not a layer uses them: a saved config stays loadable
+        # when its schedule changes.
+        for field in FIELD_CHECKS:
+            check(field.name, lambda v: field.valid(v, self), field.describe(self))
         check("op_backend", lambda v: v in OP_BACKENDS, f"one of {OP_BACKENDS}")
-        for name in ("gate_logit_normalizer", "rms_norm_eps", "initializer_range"):
-            # inf passes "> 0" but zeroes every gate or norm: the model would output constants.
-            check(name, lambda v: _is_real(v) and 0 < v < math.inf, "a finite number > 0")
-        for name in ("use_forget_gate", "tie_word_embeddings", "use_cache", "compile_decode"):
+        for kind in dict.fromkeys(self.layer_kinds):
+            registry = OP_REGISTRIES.get(kind)
+            if registry is not None and self.op_backend != "auto" and self.op_backend not in registry:
+                raise ValueError(
+                    f"TrellisConfig.op_backend must be 'auto' or a backend of every op the layers run; "
+                    f"{registry.op} (the {kind!r} layers) has {sorted(registry)}, got {self.op_backend!r}"
+                )
+        for name in ("rms_norm_eps", "initializer_range"):
+            # inf passes "> 0" but zeroes every norm: the model would output constants.
+            check(name, lambda v: is_real(v) and 0 < v < math.inf, "a finite number > 0")
+        for name in ("tie_word_embeddings", "use_cache", "compile_decode"):
             check(name, lambda v: isinstance(v, bool), "True or False")
         token_id = f"None or a token id in [0, vocab_size = {self.vocab_size})"
         for name in ("pad_token_id", "bos_token_id"):
@@ -276,14 +257,6 @@ class TrellisConfig(PreTrainedConfig):
             hub_keys = ("commit_message", "private", "token", "create_pr", "revision")
             repo_id = kwargs.get("repo_id", os.path.basename(os.path.normpath(save_directory)))
             self.push_to_hub(repo_id, **{key: kwargs[key] for key in hub_keys if key in kwargs})
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_real(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 __all__ = ["TrellisConfig"]

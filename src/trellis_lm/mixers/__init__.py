@@ -14,7 +14,7 @@ from .kvm import KVMAttention
 from .lattice import LatticeAttention
 from .trellis import TrellisAttention, forget_gate_bias
 
-MIXERS: dict[str, type[Mixer]] = {cls.kind: cls for cls in (TrellisAttention, LatticeAttention, KVMAttention, AttentionMixer)}
+MIXERS: dict[str, type[Mixer]] = {cls.kind: cls for cls in (TrellisAttention, LatticeAttention, AttentionMixer, KVMAttention)}
 
 
 def build_mixer(config: Any, layer_idx: int) -> Mixer:

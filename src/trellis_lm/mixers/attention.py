@@ -24,6 +24,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, eager
 
 from ..cache_trellis import AttentionLayerCache, TrellisCache
 from .base import Mixer
+from .fields import ROPE_THETA, ConfigField, flag, is_int
 from .tokens import ValidTokens, last_document, token_positions
 
 
@@ -44,6 +45,13 @@ class AttentionMixer(Mixer):
 
     kind = "attention"
     cache_class = AttentionLayerCache
+    layer_type = "full_attention"
+    config_fields = (
+        ConfigField("num_key_value_heads", lambda v, c: v is None or (is_int(v) and v >= 1 and c.num_heads % v == 0),
+                    lambda c: f"None or an integer >= 1 that divides num_heads = {c.num_heads}"),
+        ROPE_THETA,
+        flag("attention_bias"),
+    )
     is_causal = True  # read by transformers' attention functions
 
     def __init__(self, config: Any, layer_idx: int) -> None:

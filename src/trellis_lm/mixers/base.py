@@ -21,6 +21,8 @@ from torch import nn
 
 from ..cache_trellis import LayerCache, MemoryLayerCache, TrellisCache
 from ..ops import OpState
+from ..ops.registry import BackendRegistry
+from .fields import MODEL_FIELDS, ConfigField
 from .parts import TrellisRMSNorm, TrellisShortConv, at_least_float32, causal_conv, l2_normalize
 from .tokens import ValidTokens
 
@@ -67,6 +69,18 @@ class Mixer(nn.Module):
 
     kind: ClassVar[str]
     cache_class: ClassVar[type[LayerCache]]
+    # transformers' name for the layer in the standard `layer_types` config field.
+    layer_type: ClassVar[str] = "linear_attention"
+    # The config fields the mixer's function depends on besides MODEL_FIELDS, with their checks
+    # (see .fields): the configuration validates them and a cache remembers them.
+    config_fields: ClassVar[tuple[ConfigField, ...]] = ()
+    # The backends of the op the mixer runs (None: no op); config.op_backend must be one of them.
+    backends: ClassVar[Optional[BackendRegistry]] = None
+
+    @classmethod
+    def signature_fields(cls) -> tuple[str, ...]:
+        """The names of every config field that defines this mixer's function."""
+        return MODEL_FIELDS + tuple(f.name for f in cls.config_fields)
 
     def __init__(self, config: Any, layer_idx: int) -> None:
         super().__init__()
@@ -88,11 +102,13 @@ class MemoryMixer(Mixer):
 
     Subclasses set ``state_class`` and ``cache_class``, create ``q_proj``, ``k_proj`` and
     ``o_proj``, call :meth:`_build_convs` (and :meth:`_build_output` for the gated read-out),
-    and implement :meth:`op_inputs`, :meth:`fresh_state` and :meth:`run_op`.
+    and implement :meth:`op_inputs`, :meth:`fresh_state` and :meth:`op_settings`.
     """
 
     state_class: ClassVar[type[OpState]]
     cache_class: ClassVar[type[MemoryLayerCache]]
+    # The op's public function (trellis_lm.ops), called by run_op.
+    op: ClassVar[Callable[..., tuple[torch.Tensor, Optional[OpState]]]]
     # Whether `config.compile_decode` may compile this mixer's single-token step (it must then
     # be free of data-dependent Python control flow).
     compilable: ClassVar[bool] = False
@@ -165,20 +181,29 @@ class MemoryMixer(Mixer):
         gated = gate.mul_(normed) if not torch.is_grad_enabled() else normed * gate
         return self.o_proj(gated.reshape(batch, length, heads * dim).to(x.dtype))
 
+    def op_settings(self) -> dict[str, Any]:
+        """The op's keyword arguments besides the per-call ones: its settings from the config,
+        and parameters of the layer the op takes as arguments."""
+        raise NotImplementedError
+
     def run_op(self, inputs: tuple[torch.Tensor, ...], initial_state: OpState, keep_state: bool,
                cu_seqlens: Optional[torch.Tensor]) -> tuple[torch.Tensor, Optional[OpState]]:
-        """Call the op on ``inputs`` with the config's settings."""
-        raise NotImplementedError
+        """Call the op (``op``) on ``inputs`` with :meth:`op_settings` and ``config.op_backend``."""
+        return type(self).op(
+            *inputs, initial_state=initial_state, output_final_state=keep_state, cu_seqlens=cu_seqlens,
+            backend=self.config.op_backend, check_values=self.checks_values(inputs, cu_seqlens), **self.op_settings(),
+        )
 
     @staticmethod
     def checks_values(inputs: tuple[torch.Tensor, ...], cu_seqlens: Optional[torch.Tensor]) -> bool:
         """The ops' ``check_values``: False on decode steps (one token per row, unpacked).
 
         Their range checks read values back from the device, a host sync per layer and token.
-        A step's gates come from sigmoids and exponentials of activations, so only NaN
-        activations could leave their ranges, and those make the output NaN whatever the check;
-        its state is what the op returned. Longer or packed inputs keep the checks, which name
-        NaN activations at their first layer.
+        A step's gates come from sigmoids, log-sigmoids over a positive normalizer and
+        exponentials of activations, so only NaN activations could leave their ranges, and those
+        make the output NaN whatever the check; its state is what the op returned (a Trellis
+        step only compares its offset with 0 and reduces it modulo C). Longer or packed inputs
+        keep the checks, which name NaN activations at their first layer.
         """
         return inputs[0].shape[1] > 1 or cu_seqlens is not None
 

@@ -10,8 +10,9 @@ from torch import nn
 
 from ..cache_trellis import KVMLayerCache
 from ..ops import KVMState, kvm_attention
-from ..ops.kvm import BACKENDS as KVM_BACKENDS
+from ..ops.kvm import BACKENDS, BUDGETS
 from .base import MemoryMixer, Projections
+from .fields import ROPE_THETA, ConfigField, choice, integer, is_int, positive
 from .tokens import ValidTokens, token_positions
 
 LN_EPS = 1e-5  # every LayerNorm of the design page
@@ -46,12 +47,34 @@ class KVMAttention(MemoryMixer):
     it alone), the state LayerNorm
     ``state_norm_weight, state_norm_bias [H, d]``, ``temperature [H, 2]`` (t_s, t_w; 1 at init),
     ``o_proj: H d -> D``. Settings: ``config.kvm_*`` and ``rope_theta``. ``config.op_backend``
-    ``"triton"`` runs the torch path (KVM has no custom kernels).
+    is passed to the op as it is (the config refuses ``"triton"``: KVM has no custom kernels).
     """
 
     kind = "kvm"
     state_class = KVMState
     cache_class = KVMLayerCache
+    backends = BACKENDS
+    op = staticmethod(kvm_attention)
+    config_fields = (
+        ROPE_THETA,
+        integer("kvm_chunk_size", 1, 2**16),
+        integer("kvm_window_chunks", 1, 2**10),
+        ConfigField(
+            "kvm_rope_dims", lambda v, c: v is None or (is_int(v) and 0 <= v < c.head_dim and v % 2 == 0),
+            lambda c: f"None or an even integer in [0, head_dim = {c.head_dim}): with every channel rotated, the "
+                      "state keys (rotated channels zeroed) would all be one vector, unable to tell tokens apart",
+        ),
+        ConfigField("kvm_sinks", lambda v, c: is_int(v) and 0 <= v < c.kvm_chunk_size,
+                    lambda c: f"an integer in [0, kvm_chunk_size = {c.kvm_chunk_size})"),
+        ConfigField("kvm_state_size", lambda v, c: is_int(v) and c.kvm_chunk_size <= v <= 2**16,
+                    lambda c: f"an integer in [kvm_chunk_size = {c.kvm_chunk_size}, {2**16}]"),
+        choice("kvm_budget", BUDGETS),
+        positive("kvm_budget_scale"),
+        positive("kvm_budget_exponent"),
+        positive("kvm_budget_saturation"),
+        ConfigField("kvm_budget_min", lambda v, c: v is None or (is_int(v) and 0 <= v <= c.kvm_state_size),
+                    lambda c: f"None (kvm_chunk_size) or an integer in [0, kvm_state_size = {c.kvm_state_size}]"),
+    )
 
     def __init__(self, config: Any, layer_idx: int) -> None:
         super().__init__(config, layer_idx)
@@ -98,29 +121,15 @@ class KVMAttention(MemoryMixer):
             rows, config.num_heads, 0, 0, config.head_dim, config.head_dim, dtype=dtype, device=self.o_proj.weight.device,
         )
 
-    def run_op(self, inputs: tuple[torch.Tensor, ...], initial_state: KVMState, keep_state: bool,
-               cu_seqlens: Optional[torch.Tensor]) -> tuple[torch.Tensor, Optional[KVMState]]:
+    def op_settings(self) -> dict[str, Any]:
         config = self.config
-        return kvm_attention(
-            *inputs,
-            norm_weight=self.state_norm_weight,
-            norm_bias=self.state_norm_bias,
-            temperature=self.temperature,
-            initial_state=initial_state,
-            chunk_size=config.kvm_chunk_size,
-            window_chunks=config.kvm_window_chunks,
-            rope_dims=config.kvm_rotary_dims,
-            sinks=config.kvm_sinks,
-            state_size=config.kvm_state_size,
-            budget=config.kvm_budget,
-            budget_scale=config.kvm_budget_scale,
-            budget_exponent=config.kvm_budget_exponent,
+        return dict(
+            norm_weight=self.state_norm_weight, norm_bias=self.state_norm_bias, temperature=self.temperature,
+            chunk_size=config.kvm_chunk_size, window_chunks=config.kvm_window_chunks, rope_dims=config.kvm_rotary_dims,
+            sinks=config.kvm_sinks, state_size=config.kvm_state_size, budget=config.kvm_budget,
+            budget_scale=config.kvm_budget_scale, budget_exponent=config.kvm_budget_exponent,
             budget_saturation=config.kvm_budget_saturation,
             budget_min=config.kvm_budget_min,  # None: one chunk, in the op as in the config
-            output_final_state=keep_state,
-            cu_seqlens=cu_seqlens,
-            backend=config.op_backend if config.op_backend in KVM_BACKENDS else "auto",
-            check_values=self.checks_values(inputs, cu_seqlens),  # gates are exponentials
         )
 
     def read_out(self, proj: Projections, o: torch.Tensor) -> torch.Tensor:

@@ -3,15 +3,16 @@ each written only orthogonally to itself."""
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import nn
 
 from ..cache_trellis import LatticeLayerCache
-from ..ops import LatticeState, lattice_attention
-from ..ops.lattice import BACKENDS as LATTICE_BACKENDS
+from ..ops import LATTICE_VARIANTS, LatticeState, lattice_attention
+from ..ops.lattice import BACKENDS
 from .base import MemoryMixer, Projections
+from .fields import CHUNK_SIZE, CONV_SIZE, NUM_SLOTS, choice
 from .parts import at_least_float32, l2_normalize
 
 
@@ -21,12 +22,16 @@ class LatticeAttention(MemoryMixer):
     Parameters: ``q_proj, k_proj: D -> H M`` (slot coefficients), ``v_proj, g_proj: D -> H d``,
     ``gamma_proj: D -> H`` (bias zero at init), ``o_proj: H d -> D``, ``s0 [H, M, d]`` (the
     learned initial memory, used as ``rownorm(s0)``), short convs on q and k, ``o_norm``.
-    ``config.op_backend`` ``"triton"`` runs the torch path: Lattice has no Triton kernels.
+    ``config.op_backend`` is passed to the op as it is (the config refuses ``"triton"`` for a
+    model with Lattice layers: the op has no Triton kernels).
     """
 
     kind = "lattice"
     state_class = LatticeState
     cache_class = LatticeLayerCache
+    backends = BACKENDS
+    op = staticmethod(lattice_attention)
+    config_fields = (NUM_SLOTS, CHUNK_SIZE, choice("lattice_variant", LATTICE_VARIANTS), CONV_SIZE)
     silu_l2_qk = True
 
     def __init__(self, config: Any, layer_idx: int) -> None:
@@ -53,20 +58,8 @@ class LatticeAttention(MemoryMixer):
     def fresh_state(self, rows: int) -> LatticeState:
         return LatticeState.at_chunk_start(self.s0.expand(rows, -1, -1, -1))
 
-    def run_op(self, inputs: tuple[torch.Tensor, ...], initial_state: LatticeState, keep_state: bool,
-               cu_seqlens: Optional[torch.Tensor]) -> tuple[torch.Tensor, Optional[LatticeState]]:
-        backend = self.config.op_backend if self.config.op_backend in LATTICE_BACKENDS else "auto"
-        return lattice_attention(
-            *inputs,
-            initial_state=initial_state,
-            chunk_size=self.config.chunk_size,
-            variant=self.config.lattice_variant,
-            output_final_state=keep_state,
-            cu_seqlens=cu_seqlens,
-            backend=backend,
-            check_values=self.checks_values(inputs, cu_seqlens),  # gamma is a sigmoid
-        )
-
+    def op_settings(self) -> dict[str, Any]:
+        return dict(chunk_size=self.config.chunk_size, variant=self.config.lattice_variant)
     def init_weights(self, init: Any) -> None:
         super().init_weights(init)
         heads, slots, dim = self.s0.shape

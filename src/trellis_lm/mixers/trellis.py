@@ -3,15 +3,17 @@ online-gradient step per token, with a forget gate."""
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..cache_trellis import TrellisLayerCache
-from ..ops import TrellisState, trellis_attention
+from ..ops import COMPRESS_FNS, MIX_FNS, TrellisState, trellis_attention
+from ..ops.trellis import BACKENDS
 from .base import MemoryMixer, Projections
+from .fields import CHUNK_SIZE, CONV_SIZE, NUM_SLOTS, choice, flag, positive
 from .parts import at_least_float32, l2_normalize
 
 
@@ -42,6 +44,12 @@ class TrellisAttention(MemoryMixer):
     kind = "trellis"
     state_class = TrellisState
     cache_class = TrellisLayerCache
+    backends = BACKENDS
+    op = staticmethod(trellis_attention)
+    config_fields = (
+        NUM_SLOTS, CHUNK_SIZE, choice("compress_fn", COMPRESS_FNS), choice("mix_fn", MIX_FNS), CONV_SIZE,
+        flag("use_forget_gate"), positive("gate_logit_normalizer"),
+    )
     compilable = True
     silu_l2_qk = True
     fusable_projections = ("q_proj", "k_proj", "v_proj", "alpha_proj", "g_proj", "beta_proj", "gamma_proj")
@@ -78,23 +86,9 @@ class TrellisAttention(MemoryMixer):
     def fresh_state(self, rows: int) -> TrellisState:
         return TrellisState.at_chunk_start(self.mk0.expand(rows, -1, -1, -1), self.mv0.expand(rows, -1, -1, -1))
 
-    def run_op(self, inputs: tuple[torch.Tensor, ...], initial_state: TrellisState, keep_state: bool,
-               cu_seqlens: Optional[torch.Tensor]) -> tuple[torch.Tensor, Optional[TrellisState]]:
-        return trellis_attention(
-            *inputs,
-            initial_state=initial_state,
-            chunk_size=self.config.chunk_size,
-            compress_fn=self.config.compress_fn,
-            mix_fn=self.config.mix_fn,
-            output_final_state=keep_state,
-            cu_seqlens=cu_seqlens,
-            backend=self.config.op_backend,
-            # Decode steps skip the range checks (see `checks_values`): the gates are a
-            # log-sigmoid over a positive normalizer and a sigmoid; the step only compares the
-            # state's offset with 0 and reduces it modulo C.
-            check_values=self.checks_values(inputs, cu_seqlens),
-        )
-
+    def op_settings(self) -> dict[str, Any]:
+        config = self.config
+        return dict(chunk_size=config.chunk_size, compress_fn=config.compress_fn, mix_fn=config.mix_fn)
     def init_weights(self, init: Any) -> None:
         super().init_weights(init)
         # Entries of order 1, so `MK0 k` spreads over the slots for a unit-norm k; a tiny

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -20,6 +20,34 @@ def expect_dims(name: str, tensor: object, dims: int, meaning: str) -> None:
     if not isinstance(tensor, torch.Tensor) or tensor.dim() != dims:
         got = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
         raise ValueError(f"{name} must be a {dims}-D tensor {meaning}, got {got}")
+
+
+def expect_qkv(q: object, k: object, v: object, key_dim: str = "Dk", value_dim: str = "Dv") -> tuple[int, ...]:
+    """``q``, ``k`` of shape ``[B, T, H, key_dim]`` and ``v`` of ``[B, T, H, value_dim]`` (a
+    ``ValueError`` names the first that is not); returns ``(B, T, H, Dk, Dv)``."""
+    expect_dims("q", q, 4, f"[B, T, H, {key_dim}]")
+    batch, length, heads, dk = q.shape
+    expect_dims("v", v, 4, f"[B, T, H, {value_dim}]")
+    dv = v.shape[-1]
+    expect_shape("k", k, (batch, length, heads, dk), f"[B, T, H, {key_dim}] like q")
+    expect_shape("v", v, (batch, length, heads, dv), f"[B, T, H, {value_dim}]")
+    return batch, length, heads, dk, dv
+
+
+def expect_per_token_head(tensors: dict[str, object], batch: int, length: int, heads: int) -> None:
+    """Each of ``tensors`` (gates and step sizes, by name) of shape ``[B, T, H]``."""
+    for name, tensor in tensors.items():
+        expect_shape(name, tensor, (batch, length, heads), "[B, T, H]")
+
+
+def checked_offsets_state(state, rows: int, chunk_size: int, dtype: torch.dtype, device: torch.device,
+                          check_values: bool):
+    """A chunk-anchored state (its ``offset`` within the chunk, float tensors otherwise) whose
+    shapes the caller checked: its offsets' range read back only with ``check_values``, then
+    every float tensor in ``dtype`` on ``device``."""
+    if check_values:
+        check_offsets("initial_state.offset", state.offset, rows, chunk_size)
+    return state.map(lambda t: as_dtype(t, torch.long if t is state.offset else dtype, device))
 
 
 def expect_float_inputs(tensors: dict[str, torch.Tensor], device: torch.device) -> None:
@@ -120,19 +148,6 @@ def _raise_out_of_range(bounds: dict[str, tuple[torch.Tensor, float, float, str]
     for (name, (_, low, high, meaning)), lowest, highest in zip(bounds.items(), extremes[0::2], extremes[1::2]):
         if not (low <= lowest and highest <= high):  # also true for NaN
             raise ValueError(f"{name} must be {meaning}, got values in [{lowest}, {highest}]")
-
-
-def pick_backend(backend: str, backends: dict[str, Callable], step: Callable, length: int, packed: bool) -> Callable:
-    """The forward function an op runs: ``backends[backend]``, ``"auto"`` meaning ``"torch"``.
-
-    One token per row (``length == 1``, not packed) under ``"auto"`` or ``"torch"`` runs the op's
-    single-token ``step``: a decode step, for which the chunk form would do a chunk's work.
-    """
-    if backend != "auto" and backend not in backends:
-        raise ValueError(f"backend must be 'auto' or one of {sorted(backends)}, got {backend!r}")
-    if backend in ("auto", "torch") and length == 1 and not packed:
-        return step
-    return backends["torch" if backend == "auto" else backend]
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:

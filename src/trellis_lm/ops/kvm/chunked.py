@@ -25,13 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from ..varlen import from_chunks, stream_grid_positions, to_chunks
-from .functions import LN_EPS, VALUE_EPS, KVMConfig, appended_rows
+from .functions import VALUE_EPS, KVMConfig, appended_rows, ln_s
 from .state import KVMState, room_for
-
-
-def _ln_s(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """LN_s of ``x [N, H, L, Dk]`` with per-head affine ``[H, Dk]``."""
-    return F.layer_norm(x, x.shape[-1:], eps=LN_EPS) * weight[:, None, :] + bias[:, None, :]
 
 
 def _lay_out(x: torch.Tensor, carried: torch.Tensor, n_win: torch.Tensor, flat_index, rows: int, grid: int, width: int):
@@ -74,7 +69,7 @@ def _fold(sk, sv, radii, used, covered, ln_old, kp, vc, gc, position, config: KV
         sk1 = (sk * keep).scatter_add_(2, slot[..., None].expand_as(gk), gk * appended[..., None])
         # Winners among the rows after appending, sinks excluded; argmax keeps the first on ties.
         target = (row >= config.sinks) & (row < (used + n_app)[:, None])
-        sims = (kp @ _ln_s(sk1, weight, bias).transpose(-1, -2)).masked_fill_(~target[:, None, None, :], float("-inf"))
+        sims = (kp @ ln_s(sk1, weight, bias).transpose(-1, -2)).masked_fill_(~target[:, None, None, :], float("-inf"))
         to = torch.where(appended, slot, sims.argmax(-1))[..., None]  # [N, H, C, 1]
     sk_new = (sk * keep).scatter_add(2, to.expand_as(gk), gk)
     sv_new = (sv * keep).scatter_add(2, to.expand_as(gv), gv)
@@ -114,13 +109,13 @@ def chunked_forward(q, k, v, gate, norm_weight, norm_bias, temperature, state: K
     gg = lay_out(gate, state.window_g)  # [N, H, grid]
     qg = to_chunks(q.reshape(batch * length, heads, dk), flat_index, rows, chunks, width)  # [N, H, chunks, L, Dk]
     zeroed = torch.cat([torch.zeros_like(kg[..., : config.rope_dims]), kg[..., config.rope_dims :]], dim=-1)
-    kp_all = _ln_s(zeroed, norm_weight, norm_bias)
+    kp_all = ln_s(zeroed, norm_weight, norm_bias)
 
     # Fold chunk by chunk; keep every chunk's read-out of the state for the attention below.
     sk, sv, radii, used, covered = state.keys, state.values, state.radii, state.used, state.covered
     first_chunk = min(n // width for n in n_win_h) if rows else 0  # earlier chunks hold no new query
     t_s, t_w = temperature[:, 0, None, None], temperature[:, 1, None, None]
-    ln_cur = _ln_s(sk, norm_weight, norm_bias)
+    ln_cur = ln_s(sk, norm_weight, norm_bias)
     read_k, read_v, read_live = [], [], []
     row = torch.arange(sk.shape[2], device=sk.device)
     # Per-chunk views by one unbind each: slicing in the loop would give every fold backward
@@ -146,7 +141,7 @@ def chunked_forward(q, k, v, gate, norm_weight, norm_bias, temperature, state: K
                 radii = torch.where(folds[:, None, None], new[2], radii)
                 used = torch.where(folds, new[3], used)
                 covered = torch.where(folds, covered + chunk, covered)
-            ln_cur = _ln_s(sk, norm_weight, norm_bias)
+            ln_cur = ln_s(sk, norm_weight, norm_bias)
         read_k.append(t_s * ln_cur)
         read_v.append(radii[..., None] * sv / sv.norm(dim=-1, keepdim=True).clamp_min(VALUE_EPS))
         read_live.append(row < used[:, None])

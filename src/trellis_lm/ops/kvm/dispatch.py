@@ -8,20 +8,22 @@ from typing import Optional
 import torch
 
 from ..checks import (
-    as_dtype, check_chunk_size, check_cu_seqlens, compute_dtype, expect_dims, expect_float_inputs,
-    expect_in_range_and_read, expect_shape, in_compute_dtype, pick_backend,
+    as_dtype, check_chunk_size, check_cu_seqlens, compute_dtype, expect_dims, expect_float_inputs, expect_per_token_head, expect_qkv,
+    expect_in_range_and_read, expect_shape, in_compute_dtype,
 )
+from ..registry import Backend, BackendRegistry, OpCall
 from .chunked import chunked_forward
 from .functions import BUDGETS, KVMConfig
 from .reference import reference_forward
 from .state import KVMState, covered_after
 from .step import step_forward
 
-BACKENDS = {"reference": reference_forward, "torch": chunked_forward}
+BACKENDS = BackendRegistry(
+    "kvm_attention",
+    Backend("reference", reference_forward, priority=0),
+    Backend("torch", chunked_forward, priority=1, step=step_forward),
+)
 
-
-def _pick_backend(backend: str, length: int, packed: bool):
-    return pick_backend(backend, BACKENDS, step_forward, length, packed)
 
 
 def _expect_int(name: str, value: object, low: int, high: Optional[int] = None, why: str = "") -> int:
@@ -183,13 +185,8 @@ def kvm_attention(
         ``o [B, T, H, Dv]`` in q's dtype, and the final :class:`KVMState` (float32, or float64
         for float64 inputs) when ``output_final_state`` else ``None``.
     """
-    expect_dims("q", q, 4, "[B, T, H, Dk]")
-    batch, length, heads, dk = q.shape
-    expect_dims("v", v, 4, "[B, T, H, Dv]")
-    dv = v.shape[-1]
-    expect_shape("k", k, (batch, length, heads, dk), "[B, T, H, Dk] like q")
-    expect_shape("v", v, (batch, length, heads, dv), "[B, T, H, Dv]")
-    expect_shape("gate", gate, (batch, length, heads), "[B, T, H]")
+    batch, length, heads, dk, dv = expect_qkv(q, k, v)
+    expect_per_token_head({"gate": gate}, batch, length, heads)
     expect_shape("norm_weight", norm_weight, (heads, dk), "[H, Dk]")
     expect_shape("norm_bias", norm_bias, (heads, dk), "[H, Dk]")
     expect_shape("temperature", temperature, (heads, 2), "[H, 2] (t_s, t_w)")
@@ -223,7 +220,7 @@ def kvm_attention(
     budget_min = chunk_size if budget_min is None else budget_min
     _expect_int("budget_min", budget_min, 0, state_size if growable else None,
                 " (at most state_size, the cap of the growable budgets)" if growable else "")
-    forward = _pick_backend(backend, length, cu_seqlens is not None)
+    forward = BACKENDS.function(backend, OpCall(q.device, compute_dtype(q), length, cu_seqlens is not None))
     config = KVMConfig(
         chunk_size, window_chunks, rope_dims, sinks, state_size, budget, float(budget_scale), float(budget_exponent),
         float(budget_saturation), budget_round, budget_min,

@@ -5,11 +5,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 BUDGETS = ("fixed", "power_law", "saturation")
 LN_EPS = 1e-5  # every LayerNorm of the design page
 # The page reads a value row as r * SV / |SV|; the clamp only keeps an all-zero sum finite.
 VALUE_EPS = 1e-12
+
+
+def ln_s(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """The state LayerNorm ``LN_s`` (design page, section 1) over the last axis of ``x [..., H,
+    L, Dk]``, with the per-head affine ``weight``, ``bias [H, Dk]``."""
+    return F.layer_norm(x, x.shape[-1:], eps=LN_EPS) * weight[:, None, :] + bias[:, None, :]
 
 
 @dataclass(frozen=True)

@@ -13,20 +13,13 @@ import math
 import torch
 
 from ..varlen import per_sequence
-from .functions import LN_EPS, VALUE_EPS, KVMConfig, appended_rows
+from .functions import VALUE_EPS, KVMConfig, appended_rows, ln_s
 from .state import KVMState, room_for
-
-
-def _ln_s(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """LN_s over the last axis of ``x [H, L, Dk]`` with per-head affine ``[H, Dk]``."""
-    centred = x - x.mean(dim=-1, keepdim=True)
-    var = centred.pow(2).mean(dim=-1, keepdim=True)
-    return centred / torch.sqrt(var + LN_EPS) * weight[:, None, :] + bias[:, None, :]
 
 
 def _prep(k: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, rope_dims: int) -> torch.Tensor:
     """``LN_s([0 ... 0, k[R:]])`` for ``k [H, L, Dk]``."""
-    return _ln_s(torch.cat([torch.zeros_like(k[..., :rope_dims]), k[..., rope_dims:]], dim=-1), weight, bias)
+    return ln_s(torch.cat([torch.zeros_like(k[..., :rope_dims]), k[..., rope_dims:]], dim=-1), weight, bias)
 
 
 def _fold(sk, sv, radii, wk, wv, wg, position, covered, config: KVMConfig, weight, bias):
@@ -45,7 +38,7 @@ def _fold(sk, sv, radii, wk, wv, wg, position, covered, config: KVMConfig, weigh
     # Append: the n_app tokens least like any current row, in their chunk order.
     appended = []
     with torch.no_grad():
-        ln_old = _ln_s(sk, weight, bias)
+        ln_old = ln_s(sk, weight, bias)
         for h in range(heads):
             score = [max((kp[h, m] * ln_old[h, i]).sum().item() for i in range(used)) for m in range(chunk)]
             ranked = sorted(range(chunk), key=lambda m: score[m])  # Python's sort is stable
@@ -57,7 +50,7 @@ def _fold(sk, sv, radii, wk, wv, wg, position, covered, config: KVMConfig, weigh
     # Merge: every other token into its most similar non-sink row of the state after appending.
     sk2, sv2 = [], []
     with torch.no_grad():
-        ln_new = _ln_s(sk1, weight, bias)
+        ln_new = ln_s(sk1, weight, bias)
     for h in range(heads):
         merged = [m for m in range(chunk) if m not in appended[h]]
         winners = []
@@ -100,7 +93,7 @@ def _run_sequence(q, k, v, gate, state: KVMState, config: KVMConfig, weight, bia
             covered += chunk
             read_k = None
         if read_k is None:  # the state's read-out changes only at folds
-            read_k = t_s * _ln_s(sk, weight, bias)
+            read_k = t_s * ln_s(sk, weight, bias)
             read_v = radii[..., None] * sv / sv.norm(dim=-1, keepdim=True).clamp_min(VALUE_EPS)
         win_k.append(k[i])
         win_v.append(v[i])

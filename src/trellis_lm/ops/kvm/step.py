@@ -24,8 +24,8 @@ import math
 
 import torch
 
-from .chunked import _fold, _ln_s
-from .functions import LN_EPS, VALUE_EPS, KVMConfig
+from .chunked import _fold
+from .functions import LN_EPS, VALUE_EPS, KVMConfig, ln_s
 from .state import KVMState, room_for
 
 
@@ -55,9 +55,9 @@ def _fold_rows(state: KVMState, folds: torch.Tensor, config: KVMConfig, weight: 
     sk, sv, radii, used, covered = (pick(t) for t in (state.keys, state.values, state.radii, state.used, state.covered))
     wk, wv, wg = (pick(t) for t in (state.window_k, state.window_v, state.window_g))
     zeroed = torch.cat([torch.zeros_like(wk[:, :, :chunk, : config.rope_dims]), wk[:, :, :chunk, config.rope_dims :]], -1)
-    kp = _ln_s(zeroed, weight, bias)  # prep(k) of the chunk leaving the window, [n, H, C, Dk]
+    kp = ln_s(zeroed, weight, bias)  # prep(k) of the chunk leaving the window, [n, H, C, Dk]
     with torch.no_grad():  # only ranks and picks winners (piecewise constant)
-        ln_old = _ln_s(sk, weight, bias)
+        ln_old = ln_s(sk, weight, bias)
     # The token about to be processed sits at position `seen`, the `t` of the page's fold.
     sk, sv, radii, used = _fold(
         sk, sv, radii, used, covered, ln_old, kp, wv[:, :, :chunk], wg[:, :, :chunk], pick(state.seen), config,

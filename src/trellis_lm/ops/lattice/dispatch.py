@@ -9,9 +9,10 @@ from typing import Optional, Union
 import torch
 
 from ..checks import (
-    as_dtype, check_chunk_size, check_cu_seqlens, check_offsets, compute_dtype, in_compute_dtype, expect_dims,
-    expect_float_inputs, expect_in_range, expect_shape, pick_backend,
+    as_dtype, check_chunk_size, check_cu_seqlens, checked_offsets_state, compute_dtype, expect_float_inputs,
+    expect_in_range, expect_per_token_head, expect_qkv, expect_shape, in_compute_dtype,
 )
+from ..registry import Backend, BackendRegistry, OpCall
 from .chunked import chunked_forward
 from .reference import reference_forward
 from .state import LatticeState
@@ -20,7 +21,11 @@ from .terms import check_variant
 
 # No Triton kernels exist for Lattice: the chunk form's few large matmuls per chunk already run
 # well through PyTorch on GPUs, so "torch" serves CUDA tensors too.
-BACKENDS = {"reference": reference_forward, "torch": chunked_forward}
+BACKENDS = BackendRegistry(
+    "lattice_attention",
+    Backend("reference", reference_forward, priority=0),
+    Backend("torch", chunked_forward, priority=1, step=step_forward),
+)
 
 InitialState = Union[torch.Tensor, LatticeState]
 
@@ -49,13 +54,7 @@ def _initial_state(
     state = initial_state
     expect_shape("initial_state.memory", state.memory, shape, meaning)
     expect_shape("initial_state.anchor", state.anchor, shape, meaning)
-    if check_values:
-        check_offsets("initial_state.offset", state.offset, rows, chunk_size)
-    return state.map(lambda t: as_dtype(t, torch.long if t is state.offset else dtype, device))
-
-
-def _pick_backend(backend: str, length: int, packed: bool):
-    return pick_backend(backend, BACKENDS, step_forward, length, packed)
+    return checked_offsets_state(state, rows, chunk_size, dtype, device, check_values)
 
 
 def lattice_attention(
@@ -109,19 +108,14 @@ def lattice_attention(
         ``o [B, T, H, D]`` in q's dtype, and the final :class:`LatticeState` (float32, or
         float64 for float64 inputs) when ``output_final_state`` else ``None``.
     """
-    expect_dims("q", q, 4, "[B, T, H, M]")
-    batch, length, heads, slots = q.shape
-    expect_dims("v", v, 4, "[B, T, H, D]")
-    dim = v.shape[-1]
-    expect_shape("k", k, (batch, length, heads, slots), "[B, T, H, M] like q")
-    expect_shape("v", v, (batch, length, heads, dim), "[B, T, H, D]")
-    expect_shape("gamma", gamma, (batch, length, heads), "[B, T, H]")
+    batch, length, heads, slots, dim = expect_qkv(q, k, v, key_dim="M", value_dim="D")
+    expect_per_token_head({"gamma": gamma}, batch, length, heads)
     expect_float_inputs({"q": q, "k": k, "v": v, "gamma": gamma}, q.device)
     if length == 0:
         raise ValueError("the inputs must hold at least one token (T >= 1)")
     check_chunk_size(chunk_size)
     check_variant(variant)
-    forward = _pick_backend(backend, length, cu_seqlens is not None)
+    forward = BACKENDS.function(backend, OpCall(q.device, compute_dtype(q), length, cu_seqlens is not None))
 
     rows = batch
     if cu_seqlens is not None:

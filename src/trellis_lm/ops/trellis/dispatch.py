@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import sys
 from typing import Optional, Sequence, Union
 
 import torch
 
 from ..checks import (
-    as_dtype, check_chunk_size, check_cu_seqlens, check_offsets, compute_dtype, in_compute_dtype, expect_dims,
-    expect_float_inputs, expect_in_range, expect_nonzero_sizes, expect_shape, pick_backend,
+    as_dtype, check_chunk_size, check_cu_seqlens, checked_offsets_state, compute_dtype, expect_dims,
+    expect_float_inputs, expect_in_range, expect_nonzero_sizes, expect_per_token_head, expect_qkv, expect_shape,
+    in_compute_dtype,
 )
+from ..registry import Backend, BackendRegistry, OpCall
 from .chunked import chunked_forward
 from .functions import check_names
 from .reference import reference_forward
@@ -34,15 +37,39 @@ def triton_available() -> bool:
 def _triton_forward(*args):
     """Backend ``"triton"``: imported on first use, since importing triton is slow and the
     package is optional (checkpoints loaded as remote code may run without it)."""
-    if not triton_available():
-        raise ValueError("backend 'triton' needs the triton package (pip install triton); use backend 'torch'")
     from .triton_chunk import triton_forward
 
     return triton_forward(*args)
 
 
-# The names are fixed whatever is installed, so a config naming a backend loads everywhere.
-BACKENDS = {"reference": reference_forward, "torch": chunked_forward, "triton": _triton_forward}
+def _triton_unavailable(call: OpCall) -> Optional[str]:
+    if not triton_available():
+        return "it needs the triton package (pip install triton)"
+    if call.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return (f"it runs on CUDA tensors, got {call.device} (on CPU set TRITON_INTERPRET=1 before importing "
+                "triton: slow, for tests)")
+    return None
+
+
+def _triton_unsupported(call: OpCall) -> Optional[str]:
+    if call.dtype == torch.float64:
+        return "its kernels compute in float32, the inputs are float64"
+    if call.settings["compress_fn"] == "identity":
+        # identity's residual is taken at the current memory: its chunk form needs a triangular
+        # solve per chunk (design page, section 2) that the kernels and their backward lack.
+        return "its chunk kernels take each write's residual at the chunk's anchor, compress_fn='identity' at the current memory"
+    return None
+
+
+# Every name is registered whatever is installed, so a config naming a backend loads everywhere;
+# whether it can run is asked per call.
+BACKENDS = BackendRegistry(
+    "trellis_attention",
+    Backend("reference", reference_forward, priority=0),
+    Backend("torch", chunked_forward, priority=1, step=step_forward),
+    Backend("triton", _triton_forward, priority=2, unavailable=_triton_unavailable, unsupported=_triton_unsupported,
+            auto_devices=("cuda",)),
+)
 
 InitialState = Union[None, TrellisState, Sequence[torch.Tensor]]
 
@@ -73,15 +100,7 @@ def _initial_state(
         ("m_v", v_shape, v_meaning), ("anchor_v", v_shape, v_meaning),
     ):
         expect_shape(f"initial_state.{name}", getattr(state, name), shape, f"{meaning} with N = {rows} sequences")
-    if check_values:
-        check_offsets("initial_state.offset", state.offset, rows, chunk_size)
-    return state.map(lambda t: as_dtype(t, torch.long if t is state.offset else dtype, device))
-
-
-def _pick_backend(backend: str, length: int, packed: bool, device: torch.device):
-    if backend == "auto" and device.type == "cuda" and triton_available():
-        return BACKENDS["triton"]  # on GPUs, decode steps (T == 1) included
-    return pick_backend(backend, BACKENDS, step_forward, length, packed)
+    return checked_offsets_state(state, rows, chunk_size, dtype, device, check_values)
 
 
 def trellis_attention(
@@ -122,11 +141,13 @@ def trellis_attention(
         output_final_state: also return the state after the last token.
         cu_seqlens: ``[N + 1]`` int, with B = 1: N sequences packed along T, each starting
             from its own initial state (zero length allowed: its state passes through).
-        backend: ``"reference"`` (per-token loop), ``"torch"`` (chunk-parallel), ``"triton"``
-            (GPU kernels; registered when triton is installed) or ``"auto"`` (``"triton"`` for
-            CUDA tensors when available, else ``"torch"``). With T == 1 (and no ``cu_seqlens``),
-            ``"torch"`` runs the single-token step of :mod:`.step`. ``"triton"`` hands
-            ``compress_fn="identity"`` (and float64) to the PyTorch path (see :mod:`.triton_chunk`).
+        backend: a name of :data:`BACKENDS` or ``"auto"``: ``"reference"`` (per-token loop),
+            ``"torch"`` (chunk-parallel; with T == 1 and no ``cu_seqlens``, the single-token step
+            of :mod:`.step`), ``"triton"`` (GPU kernels: CUDA tensors, or CPU ones under
+            ``TRITON_INTERPRET=1``; not float64, not ``compress_fn="identity"``). ``"auto"``
+            takes the best backend that can run the call (``"triton"`` for CUDA tensors where it
+            imports and supports the call, else ``"torch"``); a named backend that cannot run it
+            raises a ``ValueError`` saying why (see :mod:`trellis_lm.ops.registry`).
         check_values: read the gates and ``initial_state.offset`` back to check their ranges (the
             ``ValueError`` above). ``False`` skips that read (a host sync, and a third of a
             decode step's argument checks) for callers whose values are in range by
@@ -137,16 +158,11 @@ def trellis_attention(
         ``o [B, T, H, Dv]`` in q's dtype, and the final :class:`TrellisState` (float32, or
         float64 for float64 inputs) when ``output_final_state`` else ``None``.
     """
-    expect_dims("q", q, 4, "[B, T, H, Dk]")
-    batch, length, heads, dk = q.shape
-    expect_dims("v", v, 4, "[B, T, H, Dv]")
+    batch, length, heads, dk, dv = expect_qkv(q, k, v)
     expect_dims("alpha", alpha, 4, "[B, T, H, M]")
-    dv, slots = v.shape[-1], alpha.shape[-1]
-    expect_shape("k", k, (batch, length, heads, dk), "[B, T, H, Dk] like q")
-    expect_shape("v", v, (batch, length, heads, dv), "[B, T, H, Dv]")
+    slots = alpha.shape[-1]
     expect_shape("alpha", alpha, (batch, length, heads, slots), "[B, T, H, M]")
-    expect_shape("log_beta", log_beta, (batch, length, heads), "[B, T, H]")
-    expect_shape("gamma", gamma, (batch, length, heads), "[B, T, H]")
+    expect_per_token_head({"log_beta": log_beta, "gamma": gamma}, batch, length, heads)
     expect_float_inputs({"q": q, "k": k, "v": v, "alpha": alpha, "log_beta": log_beta, "gamma": gamma}, q.device)
     if length == 0:
         raise ValueError("the inputs must hold at least one token (T >= 1)")
@@ -161,13 +177,15 @@ def trellis_attention(
         })
     check_chunk_size(chunk_size)
     check_names(compress_fn, mix_fn)
-    forward = _pick_backend(backend, length, cu_seqlens is not None, q.device)
+    BACKENDS.check_name(backend)
 
     rows = batch
     if cu_seqlens is not None:
         cu_seqlens = check_cu_seqlens(cu_seqlens, batch, length)
         rows = cu_seqlens.numel() - 1
     dtype = compute_dtype(q)
+    call = OpCall(q.device, dtype, length, cu_seqlens is not None, {"compress_fn": compress_fn, "chunk_size": chunk_size})
+    forward = BACKENDS.function(backend, call)
     state = _initial_state(initial_state, rows, heads, slots, dk, dv, chunk_size, dtype, q.device, check_values)
     if rows == 0:  # an empty batch: nothing to compute, and the (empty) state passes through
         return q.new_zeros(v.shape), (state if output_final_state else None)

@@ -1,6 +1,6 @@
 """Backend ``"triton"``: Triton kernels for the Trellis op, forward and hand-derived backward.
 
-The math, piece by piece, is stated in plain PyTorch in ``tests/triton_mirror.py`` (read its
+The math, piece by piece, is stated in plain PyTorch in :mod:`.kernel_mirror` (read its
 docstring first); every kernel here computes one of those pieces for one head:
 
 forward
@@ -33,9 +33,10 @@ Shared memory, from ahead-of-time compiles for sm_90 with tf32x3 at C = M = 64 (
 available to run them): every kernel fits the H100's 227 KB at D = 64 and D = 128 with the
 ``num_stages`` chosen in ``_stages``; the chain kernels do not fit with 3 stages.
 
-Float64 inputs and ``compress_fn="identity"`` are not run by these kernels: the backend hands
-them to the PyTorch backend (same function, autograd backward; identity's chunk form needs a
-triangular solve the kernels lack). CPU tensors need ``TRITON_INTERPRET=1``.
+Float64 inputs and ``compress_fn="identity"`` are not computed by these kernels (identity's chunk
+form needs a triangular solve they lack): the registry of :mod:`.dispatch` refuses both for
+``backend="triton"`` and gives them to ``"torch"`` under ``"auto"``, and the custom op refuses
+identity too. CPU tensors need ``TRITON_INTERPRET=1``.
 """
 
 from __future__ import annotations
@@ -53,10 +54,8 @@ except ImportError as error:
     # loads where triton is absent; the dispatcher imports this module only where it imports.
     raise ImportError("backend 'triton' needs the triton package (pip install triton); use backend 'torch'") from error
 
-from .chunked import chunked_forward
 from .functions import COMPRESS_FNS, EPS, MIX_FNS
 from .state import TrellisState
-from .step import step_forward
 from ..varlen import chunk_slots, make_plan
 
 DOT_PRECISION = os.environ.get("TRELLIS_TRITON_DOT_PRECISION", "tf32x3")
@@ -93,7 +92,7 @@ def _residual_vjp(z, a, cm, M, CF: tl.constexpr):
 
 @triton.jit
 def _residual_vjp_bwd(z, a, gu, cm, M, CF: tl.constexpr):
-    """(dz, da) of u = _residual_vjp(z, a) for cotangent gu (see tests/triton_mirror.py: residual_vjp_backward)."""
+    """(dz, da) of u = _residual_vjp(z, a) for cotangent gu (see .kernel_mirror.residual_vjp_backward)."""
     gu = tl.where(cm, gu, 0.0)
     if CF == 0:
         gz = gu
@@ -458,7 +457,7 @@ def _local_bwd_kernel(
     BT: tl.constexpr, BM: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr,
     CF: tl.constexpr, MF: tl.constexpr, PREC: tl.constexpr,
 ):
-    """tests/triton_mirror.py: chunk_local_backward for one chunk and head."""
+    """:mod:`.kernel_mirror`: chunk_local_backward for one chunk and head."""
     j = tl.program_id(0)
     h = tl.program_id(1)
     n = tl.load(cseq_ptr + j)
@@ -518,7 +517,7 @@ def _chain_bwd_kernel(
     BT: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, BDR: tl.constexpr,
     CF: tl.constexpr, ADD_ALPHA: tl.constexpr, FINISH: tl.constexpr, PREC: tl.constexpr,
 ):
-    """tests/triton_mirror.py: chunk_chain_backward over one sequence's chunks in reverse, one pass.
+    """:mod:`.kernel_mirror`: chunk_chain_backward over one sequence's chunks in reverse, one pass.
 
     Adds into dx, dg, dc (written by the local kernel) and into dal when ADD_ALPHA; with
     FINISH (the last pass) also writes dlb, the reverse cumulative sum of dc in each chunk.
@@ -745,12 +744,21 @@ def _fwd_op(
     gamma: torch.Tensor, m_k: torch.Tensor, m_v: torch.Tensor, anchor_k: torch.Tensor, anchor_v: torch.Tensor,
     offset: torch.Tensor, cu_seqlens: Optional[torch.Tensor], chunk_size: int, compress_fn: str, mix_fn: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    _refuse_identity(compress_fn)
     return _forward_impl(q, k, v, alpha, log_beta, gamma, m_k, m_v, anchor_k, anchor_v, offset, cu_seqlens,
                          chunk_size, compress_fn, mix_fn)
 
 
+def _refuse_identity(compress_fn: str) -> None:
+    """The chunk kernels take every write's residual at the chunk's anchor; identity's is at the
+    current memory (design page, section 2), a different function for C > 1."""
+    if compress_fn == "identity":
+        raise ValueError("trellis_lm::triton_chunk_fwd does not compute compress_fn='identity' (run backend 'torch')")
+
+
 @_fwd_op.register_fake
 def _(q, k, v, alpha, log_beta, gamma, m_k, m_v, anchor_k, anchor_v, offset, cu_seqlens, chunk_size, compress_fn, mix_fn):
+    _refuse_identity(compress_fn)
     batch, length = q.shape[:2]
     news = [torch.empty_like(t) for t in (m_k, m_v, anchor_k, anchor_v)]
     if _use_recurrent(length, chunk_size):
@@ -812,17 +820,8 @@ def _check_device(q: torch.Tensor) -> None:
 
 
 def triton_forward(q, k, v, alpha, log_beta, gamma, state: TrellisState, chunk_size, compress_fn, mix_fn, cu_seqlens):
-    """Backend ``"triton"``; arguments as validated by :func:`trellis_lm.ops.trellis_attention`.
-
-    ``compress_fn="identity"`` runs the PyTorch backend (:mod:`.chunked`, or :mod:`.step` for
-    one token per row): its residuals are taken at the current state, whose chunk form needs a
-    triangular solve per chunk (design page, section 2) that these kernels and their
-    hand-derived backward do not implement. The in-place decode step of :mod:`.triton_decode`
-    does run identity on the GPU (its per-token kernel reads the current memory).
-    """
-    if compress_fn == "identity" or q.dtype == torch.float64:
-        forward = step_forward if q.shape[1] == 1 and cu_seqlens is None else chunked_forward
-        return forward(q, k, v, alpha, log_beta, gamma, state, chunk_size, compress_fn, mix_fn, cu_seqlens)
+    """Backend ``"triton"``; arguments as validated by :func:`trellis_lm.ops.trellis_attention`,
+    whose registry sends it only what the kernels compute (float32 or lower, not identity)."""
     _check_device(q)
     f32 = lambda t: t.to(torch.float32).contiguous()  # noqa: E731
     offset = state.offset.to(torch.long).contiguous()

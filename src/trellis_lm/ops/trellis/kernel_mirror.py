@@ -30,15 +30,12 @@ Backward (hand-derived; ``D[r,i] = gamma_i e^{c_r - c_i}``, ``w_i = gamma_i e^{c
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
-
 import torch
 
-from trellis_lm.ops.trellis.chunked import chunked_forward, log_decays
-from trellis_lm.ops.trellis.functions import EPS, compress_residual_vjp, mix
-from trellis_lm.ops.trellis.state import TrellisState
-from trellis_lm.ops.varlen import ChunkPlan, make_plan
+from ..varlen import ChunkPlan, make_plan
+from .chunked import chunked_forward, log_decays
+from .functions import EPS, compress_residual_vjp, mix
+from .state import TrellisState
 
 # ---------------------------------------------------------------------------------------------
 # Row-wise closed forms (last axis = the M slots).
