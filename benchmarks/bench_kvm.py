@@ -11,8 +11,10 @@ Shape: H = 4, Dk = Dv = 64, C = 256, a window of 2 chunks, 256 state rows, batch
    a chunk) from each prefilled state, ms/token averaged over all of them; the step's cost must
    not follow the context.
 3. The step against the prefill: the forward's ms/token (its time / T), the median plain step,
-   the median folding step (the difference is the fold) and, for scale, one-token calls through
-   the chunked form (what decoding ran before the step existed).
+   the median folding step (the difference is the fold), for scale one-token calls through the
+   chunked form (what decoding ran before the step existed), and the floor of any step: one read
+   of the state rows and window slots per token (``softmax(q K^T) V`` on tensors laid out
+   beforehand, nothing else).
 
 Every side runs in alternating rounds in one process, so a noisy machine slows all alike; the
 figures are medians over rounds, and comparisons are ratios. One torch thread by default: on a
@@ -34,7 +36,7 @@ import torch.nn.functional as F
 
 from trellis_lm.ops import KVMState, kvm_attention
 from trellis_lm.ops.kvm.chunked import chunked_forward
-from trellis_lm.ops.kvm.functions import KVMConfig
+from trellis_lm.ops.kvm.functions import KVMConfig, ln_s
 
 H, D, C, BLOCKS, S = 4, 64, 256, 2, 256
 
@@ -62,6 +64,24 @@ def decode_round(tokens: tuple[torch.Tensor, ...], state: KVMState) -> tuple[lis
                                  check_values=False)
         times.append(time.perf_counter() - start)
     return times, folds
+
+
+def floor_round(tokens: tuple[torch.Tensor, ...], state: KVMState) -> list[float]:
+    """The least any decode step must do, per token: read every state row and window slot once
+    (one softmax over ``[state rows ; window]`` and the weighted sum of their values), on tensors
+    laid out for it beforehand (the state rows as the step reads them: ``LN_s(SK)`` and
+    ``r SV / |SV|``), with no state update, fold, masking or temperatures."""
+    read_keys = ln_s(state.keys, PARAMS["norm_weight"], PARAMS["norm_bias"])
+    read_values = state.radii[..., None] * state.values / state.values.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+    keys = torch.cat([read_keys, state.window_k], dim=2)  # [1, H, S + W, D]
+    values = torch.cat([read_values, state.window_v], dim=2)
+    times = []
+    for i in range(tokens[0].shape[1]):
+        query = tokens[0][:, i].unsqueeze(2) * D**-0.5  # [1, H, 1, D], scaled as the step scales it
+        start = time.perf_counter()
+        torch.softmax(query @ keys.transpose(-1, -2), dim=-1) @ values
+        times.append(time.perf_counter() - start)
+    return times
 
 
 def chunked_round(tokens: tuple[torch.Tensor, ...], state: KVMState) -> list[float]:
@@ -103,7 +123,7 @@ def main() -> None:
     def full():
         return F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
 
-    times: dict[str, list] = {"kvm": [], "sdpa": [], "chunked": []}
+    times: dict[str, list] = {"kvm": [], "sdpa": [], "chunked": [], "floor": []}
     decode: dict[int, list] = {n: [] for n in contexts}
     with torch.inference_mode():
         prefilled = {}
@@ -127,6 +147,7 @@ def main() -> None:
             times["chunked"].extend(
                 chunked_round(tuple(t[:, : args.chunked_steps] for t in tokens), prefilled[contexts[0]])
             )
+            times["floor"].extend(floor_round(tokens, prefilled[contexts[0]]))
 
     kvm_s, sdpa_s = statistics.median(times["kvm"]), statistics.median(times["sdpa"])
     print(f"\nH={H} Dk=Dv={D} C={C} window={BLOCKS} chunks state={S} B=1 float32 CPU, "
@@ -166,6 +187,11 @@ def main() -> None:
           f"prefill share + fold / C = {prefill + fold / C:.4f} ms")
     print(f"  one-token call through the chunked form (before): median {chunked:.2f} ms = "
           f"{chunked / plain[lo]:.1f}x the plain step, {chunked / (prefill * C):.2f}x a prefill chunk")
+    floor = statistics.median(times["floor"]) * 1e3
+    rows = prefilled[lo].room
+    print(f"  floor: one read of the {rows[0]} state rows and {rows[1]} window slots per token (softmax(q K^T) V on "
+          f"laid-out tensors, nothing else): median {floor:.4f} ms = {floor / prefill:.2f}x the prefill's "
+          f"ms/token; the plain step is {plain[lo] / floor:.1f}x the floor")
 
 
 if __name__ == "__main__":
