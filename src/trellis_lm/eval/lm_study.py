@@ -1,0 +1,388 @@
+"""Language modelling on real local text: same-size models, perplexity, length, passkey retrieval.
+
+The pieces of ``examples/lm_study.py`` (which runs them and writes ``docs/results_lm.md``):
+
+* :func:`stdlib_corpus`: the Python standard library's source files of the running interpreter
+  (code with its comments and docstrings), split **by file** into train / validation / test by
+  a hash of each file's path, so held-out files are never seen in training. The tokenizer is
+  trained on the train split only (:func:`encode_corpus`).
+* :func:`build_study_model`: every architecture at one parameter count: the MLP width of each
+  model is chosen so that its total parameters (embeddings included) match the Llama's.
+* :func:`train_lm`: AdamW, linear warm-up then cosine decay, gradient clipping, batches of
+  random training windows; the same recipe for every model.
+* Measures: :func:`perplexity` at the training length, :func:`perplexity_by_position` on long
+  held-out files read in one pass, :func:`passkey_accuracy` (a number placed in held-out code at
+  a depth, asked for at the end), :func:`decode_cost` (ms per token and cache bytes after a long
+  context).
+
+Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import random
+import statistics
+import sys
+import sysconfig
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
+
+from ..cache_trellis import CACHE_ARG
+from ..configuration_trellis import TrellisConfig
+from ..modeling_trellis import TrellisForCausalLM
+from ..tokenization_trellis import train_tokenizer
+
+SPLITS = ("train", "validation", "test")
+
+
+# ----------------------------------------------------------------------------- data
+
+
+@dataclass
+class Corpus:
+    """Files of the standard library by split, and what they are.
+
+    Attributes:
+        files: split name -> sorted list of paths.
+        root: the standard library's folder.
+        python: the interpreter's version string.
+    """
+
+    files: dict[str, list[Path]]
+    root: Path
+    python: str
+
+    def describe(self) -> dict[str, Any]:
+        return {"python": self.python, "root": str(self.root),
+                "files": {split: len(paths) for split, paths in self.files.items()},
+                "bytes": {split: sum(p.stat().st_size for p in paths) for split, paths in self.files.items()}}
+
+
+def stdlib_corpus(held_out_percent: int = 5, root: Optional[Path] = None) -> Corpus:
+    """The ``.py`` files under the standard library (``site-packages`` excluded), each assigned to
+    a split by the SHA-1 of its path relative to the root: ``held_out_percent`` each to validation
+    and test, the rest to train. The assignment depends only on the path, so it is the same on
+    every machine with the same Python."""
+    if not 0 < held_out_percent < 50:
+        raise ValueError(f"held_out_percent must be in (0, 50), got {held_out_percent}")
+    root = Path(root or sysconfig.get_paths()["stdlib"])
+    files: dict[str, list[Path]] = {split: [] for split in SPLITS}
+    for path in sorted(root.rglob("*.py")):
+        relative = path.relative_to(root)
+        if "site-packages" in relative.parts or not path.is_file():
+            continue
+        bucket = int(hashlib.sha1(str(relative).encode()).hexdigest(), 16) % 100
+        split = "validation" if bucket < held_out_percent else "test" if bucket < 2 * held_out_percent else "train"
+        files[split].append(path)
+    if not all(files.values()):
+        raise ValueError(f"the standard library at {root} is too small to split: {[len(v) for v in files.values()]}")
+    return Corpus(files, root, sys.version.split()[0])
+
+
+def read_text(path: Path) -> str:
+    return path.read_text(encoding="utf-8", errors="replace")
+
+
+@dataclass
+class EncodedCorpus:
+    """Token ids of every file (``eos`` after each), by split, and the tokenizer.
+
+    Attributes:
+        tokenizer: byte-level BPE trained on the train split.
+        tokens: split -> 1-D int32 tensor of that split's files end to end.
+        files: split -> list of each file's token ids (int32), for per-file evaluation.
+    """
+
+    tokenizer: Any
+    tokens: dict[str, torch.Tensor]
+    files: dict[str, list[torch.Tensor]]
+
+
+def encode_corpus(corpus: Corpus, vocab_size: int, max_train_files: Optional[int] = None) -> EncodedCorpus:
+    """Train the tokenizer on the train split (only), then encode every split."""
+    train_paths = corpus.files["train"][:max_train_files] if max_train_files else corpus.files["train"]
+    tokenizer = train_tokenizer((read_text(p) for p in train_paths), vocab_size)
+    tokens, files = {}, {}
+    for split, paths in corpus.files.items():
+        paths = train_paths if split == "train" else paths
+        ids = [torch.tensor(tokenizer(read_text(p), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id],
+                            dtype=torch.int32) for p in paths]
+        files[split] = ids
+        tokens[split] = torch.cat(ids)
+    return EncodedCorpus(tokenizer, tokens, files)
+
+
+def random_windows(tokens: torch.Tensor, batch: int, length: int, generator: torch.Generator) -> torch.Tensor:
+    """``[batch, length + 1]`` windows at random offsets of ``tokens`` (inputs and next tokens)."""
+    starts = torch.randint(0, tokens.numel() - length - 1, (batch,), generator=generator)
+    return torch.stack([tokens[s : s + length + 1] for s in starts.tolist()]).long()
+
+
+# ----------------------------------------------------------------------------- models
+
+
+@dataclass(frozen=True)
+class StudyModel:
+    """One architecture of the study.
+
+    Attributes:
+        name: label in tables and plots.
+        kind: ``"llama"`` or ``"trellis"`` (a :class:`TrellisConfig` with ``overrides``).
+        overrides: config fields that differ from the Trellis defaults of :class:`StudySize`
+            (``mixer_types`` as a pattern repeated over the layers).
+    """
+
+    name: str
+    kind: str = "trellis"
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class StudySize:
+    """The width every model shares; each model's MLP width is then fitted to ``Llama``'s count."""
+
+    hidden_size: int = 128
+    num_hidden_layers: int = 4
+    num_heads: int = 4
+    head_dim: int = 32
+    intermediate_size: int = 352
+    num_slots: int = 32
+    chunk_size: int = 32
+
+
+def study_models(train_length: int) -> list[StudyModel]:
+    """The issue's comparison: Llama (RoPE), Trellis, the gated delta rule, Trellis without the
+    forget gate, with softmax mixing, at C = 1, Lattice (dec), KVM (a window of half the training
+    length, state rows a quarter of it) and a hybrid with one attention layer in four."""
+    kvm_chunk = max(train_length // 8, 2)
+    return [
+        StudyModel("llama", kind="llama"),
+        StudyModel("trellis"),
+        StudyModel("delta-rule", overrides={"compress_fn": "identity"}),
+        StudyModel("trellis-no-forget", overrides={"use_forget_gate": False}),
+        StudyModel("trellis-mix-softmax", overrides={"mix_fn": "softmax"}),
+        StudyModel("trellis-C1", overrides={"chunk_size": 1}),
+        StudyModel("lattice", overrides={"mixer_types": ("lattice",), "lattice_variant": "dec"}),
+        StudyModel("kvm", overrides={"mixer_types": ("kvm",), "kvm_chunk_size": kvm_chunk, "kvm_window_chunks": 4,
+                                     "kvm_state_size": 2 * kvm_chunk}),
+        StudyModel("hybrid", overrides={"mixer_types": ("trellis", "trellis", "trellis", "attention")}),
+    ]
+
+
+def _make(spec: StudyModel, size: StudySize, vocab_size: int, intermediate: int, max_len: int) -> PreTrainedModel:
+    special = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    if spec.kind == "llama":
+        return LlamaForCausalLM(LlamaConfig(
+            vocab_size=vocab_size, hidden_size=size.hidden_size, intermediate_size=intermediate,
+            num_hidden_layers=size.num_hidden_layers, num_attention_heads=size.num_heads,
+            num_key_value_heads=size.num_heads, head_dim=size.head_dim, max_position_embeddings=max_len, **special,
+        ))
+    if spec.kind != "trellis":
+        raise ValueError(f"unknown model kind {spec.kind!r}; expected 'trellis' or 'llama'")
+    fields = dict(vocab_size=vocab_size, hidden_size=size.hidden_size, num_hidden_layers=size.num_hidden_layers,
+                  num_heads=size.num_heads, head_dim=size.head_dim, intermediate_size=intermediate,
+                  num_slots=size.num_slots, chunk_size=size.chunk_size, **special)
+    fields.update(spec.overrides)
+    pattern = fields.pop("mixer_types", None) or ("trellis",)
+    fields["mixer_types"] = [pattern[i % len(pattern)] for i in range(size.num_hidden_layers)]
+    return TrellisForCausalLM(TrellisConfig(**fields))
+
+
+def num_parameters(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def build_study_model(spec: StudyModel, size: StudySize, vocab_size: int, max_len: int,
+                      target: Optional[int] = None) -> PreTrainedModel:
+    """``spec`` at ``size`` with the MLP width (a multiple of 8) whose total parameter count is
+    nearest ``target`` (the Llama's at ``size`` when ``None``)."""
+    if target is None:
+        target = num_parameters(_make(StudyModel("llama", kind="llama"), size, vocab_size, size.intermediate_size, max_len))
+    base = num_parameters(_make(spec, size, vocab_size, 8, max_len))
+    per_unit = (num_parameters(_make(spec, size, vocab_size, 16, max_len)) - base) / 8
+    intermediate = max(8, 8 * round((8 + (target - base) / per_unit) / 8))
+    return _make(spec, size, vocab_size, intermediate, max_len)
+
+
+# ----------------------------------------------------------------------------- training
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """The training recipe every model gets (only the learning rate is swept)."""
+
+    train_length: int = 128
+    batch_size: int = 16
+    tokens: int = 1_000_000
+    warmup_fraction: float = 0.05
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+
+    @property
+    def steps(self) -> int:
+        return max(1, self.tokens // (self.batch_size * self.train_length))
+
+
+def train_lm(model: PreTrainedModel, data: torch.Tensor, recipe: Recipe, learning_rate: float, seed: int,
+             progress: Optional[Callable[[int, float], None]] = None) -> dict[str, Any]:
+    """Train ``model`` in place on random windows of ``data``; returns the loss curve (every
+    5% of the steps, each point the mean of the steps since the last), tokens/s and seconds."""
+    torch.manual_seed(seed)
+    generator = torch.Generator().manual_seed(seed)
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embed" not in n]
+    other = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "embed" not in n)]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": recipe.weight_decay},
+                                   {"params": other, "weight_decay": 0.0}], lr=learning_rate, betas=(0.9, 0.95))
+    steps, warmup = recipe.steps, max(1, int(recipe.warmup_fraction * recipe.steps))
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
+
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    model.train()
+    curve, pending, every = [], [], max(1, steps // 20)
+    started = time.perf_counter()
+    for step in range(steps):
+        batch = random_windows(data, recipe.batch_size, recipe.train_length, generator)
+        logits = model(input_ids=batch[:, :-1]).logits
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"the loss became {loss.item()} at step {step} (lr {learning_rate})")
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.grad_clip)
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad(set_to_none=True)
+        pending.append(loss.item())
+        if (step + 1) % every == 0 or step + 1 == steps:
+            curve.append([step + 1, statistics.fmean(pending)])
+            pending = []
+        if progress is not None:
+            progress(step + 1, loss.item())
+    seconds = time.perf_counter() - started
+    model.eval()
+    return {"curve": curve, "train_seconds": seconds, "tokens_per_s": steps * recipe.batch_size * recipe.train_length / seconds}
+
+
+# ----------------------------------------------------------------------------- measures
+
+
+@torch.no_grad()
+def perplexity(model: PreTrainedModel, files: Sequence[torch.Tensor], length: int, max_windows: int,
+               batch_size: int = 16) -> float:
+    """exp(mean next-token loss) over non-overlapping windows of ``length + 1`` tokens taken from
+    each file in turn (at most ``max_windows`` windows; every token predicted from its window's
+    earlier tokens only)."""
+    windows = [f[s : s + length + 1] for f in files for s in range(0, f.numel() - length - 1, length)]
+    windows = windows[:max_windows]
+    if not windows:
+        raise ValueError(f"no held-out file holds a window of {length + 1} tokens")
+    total, count = 0.0, 0
+    for i in range(0, len(windows), batch_size):
+        batch = torch.stack(windows[i : i + batch_size]).long()
+        logits = model(input_ids=batch[:, :-1]).logits
+        total += F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten(), reduction="sum").item()
+        count += batch[:, 1:].numel()
+    return math.exp(total / count)
+
+
+def position_buckets(length: int, train_length: int) -> list[tuple[int, int]]:
+    """``[0, L), [L, 2L), [2L, 4L), ...`` up to ``length`` (L the training length)."""
+    buckets, start, end = [], 0, train_length
+    while start < length:
+        buckets.append((start, min(end, length)))
+        start, end = end, 2 * end
+    return buckets
+
+
+@torch.no_grad()
+def perplexity_by_position(model: PreTrainedModel, files: Sequence[torch.Tensor], length: int, train_length: int,
+                           max_files: int) -> dict[str, float]:
+    """Each of up to ``max_files`` held-out files of at least ``length + 1`` tokens read in one
+    pass over its first ``length + 1`` tokens; perplexity per position bucket
+    (:func:`position_buckets`), keyed ``"start-end"``."""
+    long_files = [f[: length + 1].long() for f in files if f.numel() > length][:max_files]
+    if not long_files:
+        raise ValueError(f"no held-out file holds {length + 1} tokens")
+    losses = torch.zeros(length)
+    for tokens in long_files:
+        logits = model(input_ids=tokens[None, :-1], use_cache=False).logits[0]
+        losses += F.cross_entropy(logits.float(), tokens[1:], reduction="none")
+    losses /= len(long_files)
+    return {f"{a}-{b}": math.exp(losses[a:b].mean().item()) for a, b in position_buckets(length, train_length)}
+
+
+PASSKEY_LINE = "# The pass key is {key}. Remember it: {key}.\n"
+PASSKEY_QUESTION = "\n# What is the pass key? The pass key is"
+
+
+@torch.no_grad()
+def passkey_accuracy(model: PreTrainedModel, tokenizer: Any, files: Sequence[torch.Tensor], length: int,
+                     depths: Sequence[float], trials: int, seed: int) -> float:
+    """Fraction of trials in which greedy decoding after :data:`PASSKEY_QUESTION` starts with the
+    5-digit key that :data:`PASSKEY_LINE` placed at ``depth`` (a fraction of ``length``) in
+    ``length`` tokens of held-out code (lines cut at token boundaries)."""
+    rng = random.Random(seed)
+    pool = [f for f in files if f.numel() >= length]
+    if not pool:
+        raise ValueError(f"no held-out file holds {length} tokens")
+    hits = total = 0
+    for depth in depths:
+        for _ in range(trials):
+            key = str(rng.randrange(10_000, 100_000))
+            source = rng.choice(pool)
+            needle = tokenizer(PASSKEY_LINE.format(key=key), add_special_tokens=False)["input_ids"]
+            question = tokenizer(PASSKEY_QUESTION, add_special_tokens=False)["input_ids"]
+            filler = max(1, length - len(needle) - len(question))
+            haystack = source[:filler].tolist()
+            at = int(depth * len(haystack))
+            ids = torch.tensor([haystack[:at] + needle + haystack[at:] + question])
+            out = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+            answer = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
+            hits += answer.startswith(key)
+            total += 1
+    return hits / total
+
+
+@torch.no_grad()
+def decode_cost(model: PreTrainedModel, context: torch.Tensor, steps: int = 16) -> dict[str, float]:
+    """ms per generated token (greedy, batch 1) after reading ``context`` (1-D ids) in one call,
+    and the bytes of the model's cache then."""
+    out = model(input_ids=context[None].long(), use_cache=True)
+    cache = getattr(out, CACHE_ARG)
+    token = out.logits[:, -1:].argmax(-1)
+    started = time.perf_counter()
+    for _ in range(steps):
+        out = model(input_ids=token, use_cache=True, **{CACHE_ARG: cache})
+        cache = getattr(out, CACHE_ARG)
+        token = out.logits[:, -1:].argmax(-1)
+    ms = (time.perf_counter() - started) / steps * 1e3
+    return {"ms_per_token": ms, "cache_bytes": cache_nbytes(cache)}
+
+
+def cache_nbytes(cache: Any) -> int:
+    """Bytes of every tensor a cache holds (a :class:`TrellisCache` or transformers' own)."""
+    if hasattr(cache, "nbytes") and callable(cache.nbytes):
+        return int(cache.nbytes())
+    total = 0
+    for layer in getattr(cache, "layers", []):
+        for value in vars(layer).values():
+            if isinstance(value, torch.Tensor):
+                total += value.numel() * value.element_size()
+    return total
+
+
+def mean_and_spread(values: Iterable[float]) -> tuple[float, float, float]:
+    """(mean, min, max)."""
+    values = list(values)
+    return statistics.fmean(values), min(values), max(values)
