@@ -26,7 +26,6 @@ import argparse
 import dataclasses
 import datetime
 import json
-import math
 import os
 import platform
 import shlex
@@ -85,7 +84,7 @@ def append_record(path: Path, record: dict[str, Any]) -> None:
 
 def evaluate_full(model, encoded, preset: dict[str, Any], seed: int) -> dict[str, Any]:
     """The measures of a full-budget run (see the module doc of trellis_lm.eval.lm_study)."""
-    recipe, length = preset["recipe"], preset["recipe"].train_length
+    length = preset["recipe"].train_length
     longest = length * max(preset["multiples"])
     by_position = perplexity_by_position(model, encoded.files["test"], longest, length, preset["long_files"])
     buckets = dict(zip([f"{a}-{b}" for a, b in position_buckets(longest, length)], by_position.values()))
