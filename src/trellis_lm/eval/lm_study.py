@@ -280,11 +280,12 @@ def train_lm(model: PreTrainedModel, data: torch.Tensor, recipe: Recipe, learnin
 @torch.no_grad()
 def perplexity(model: PreTrainedModel, files: Sequence[torch.Tensor], length: int, max_windows: int,
                batch_size: int = 16) -> float:
-    """exp(mean next-token loss) over non-overlapping windows of ``length + 1`` tokens taken from
-    each file in turn (at most ``max_windows`` windows; every token predicted from its window's
-    earlier tokens only)."""
+    """exp(mean next-token loss) over non-overlapping windows of ``length + 1`` tokens of the
+    files (every token predicted from its window's earlier tokens only). Of all the files'
+    windows at most ``max_windows`` are used, evenly spaced over the list, so every part of the
+    split is sampled rather than its first files."""
     windows = [f[s : s + length + 1] for f in files for s in range(0, f.numel() - length - 1, length)]
-    windows = windows[:max_windows]
+    windows = evenly_spaced(windows, max_windows)
     if not windows:
         raise ValueError(f"no held-out file holds a window of {length + 1} tokens")
     total, count = 0.0, 0
@@ -294,6 +295,13 @@ def perplexity(model: PreTrainedModel, files: Sequence[torch.Tensor], length: in
         total += F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten(), reduction="sum").item()
         count += batch[:, 1:].numel()
     return math.exp(total / count)
+
+
+def evenly_spaced(items: list, count: int) -> list:
+    """At most ``count`` of ``items``, evenly spaced over the list (all of them when fewer)."""
+    if len(items) <= count:
+        return list(items)
+    return [items[i * len(items) // count] for i in range(count)]
 
 
 def position_buckets(length: int, train_length: int) -> list[tuple[int, int]]:
@@ -308,10 +316,10 @@ def position_buckets(length: int, train_length: int) -> list[tuple[int, int]]:
 @torch.no_grad()
 def perplexity_by_position(model: PreTrainedModel, files: Sequence[torch.Tensor], length: int, train_length: int,
                            max_files: int) -> dict[str, float]:
-    """Each of up to ``max_files`` held-out files of at least ``length + 1`` tokens read in one
-    pass over its first ``length + 1`` tokens; perplexity per position bucket
+    """Up to ``max_files`` held-out files of at least ``length + 1`` tokens (evenly spaced over
+    the eligible ones), each read in one pass over its first ``length + 1`` tokens; perplexity per position bucket
     (:func:`position_buckets`), keyed ``"start-end"``."""
-    long_files = [f[: length + 1].long() for f in files if f.numel() > length][:max_files]
+    long_files = [f[: length + 1].long() for f in evenly_spaced([f for f in files if f.numel() > length], max_files)]
     if not long_files:
         raise ValueError(f"no held-out file holds {length + 1} tokens")
     losses = torch.zeros(length)
