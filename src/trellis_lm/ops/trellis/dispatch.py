@@ -54,7 +54,7 @@ def _triton_unavailable(call: OpCall) -> Optional[str]:
 def _triton_unsupported(call: OpCall) -> Optional[str]:
     if call.dtype == torch.float64:
         return "its kernels compute in float32, the inputs are float64"
-    if call.settings["compress_fn"] == "identity":
+    if call.settings.get("compress_fn") == "identity":
         # identity's residual is taken at the current memory: its chunk form needs a triangular
         # solve per chunk (design page, section 2) that the kernels and their backward lack.
         return "its chunk kernels take each write's residual at the chunk's anchor, compress_fn='identity' at the current memory"
