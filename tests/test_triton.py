@@ -156,6 +156,16 @@ def test_auto_gives_triton_only_what_its_kernels_compute():
         run("triton", x, initial_state=state, chunk_size=3, compress_fn="identity")
 
 
+def test_triton_on_cpu_tensors_needs_the_interpreter(monkeypatch):
+    """Named on CPU tensors without TRITON_INTERPRET=1 (or without triton), the backend is
+    refused with the reason; auto never picks it there."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    reason = "CUDA tensors" if triton_available() else "needs the triton package"
+    with pytest.raises(ValueError, match=reason):
+        BACKENDS.choose("triton", _call("cpu"))
+    assert BACKENDS.choose("auto", _call("cpu")).name == "torch"
+
+
 @needs_triton
 def test_the_custom_op_refuses_identity():
     """``trellis_lm::triton_chunk_fwd`` is callable without the dispatcher (torch.ops): its
