@@ -221,13 +221,25 @@ def render(out: Path, page: Path) -> None:
             sweep = [r for r in records if r["model"] == model]
             lines.append(f"| {model} | {sweep[0]['num_parameters']:,} | (sweep only) | 0 | | | |")
             continue
-        lines.append(f"| {model} | {runs[0]['num_parameters']:,} | {runs[0]['learning_rate']:g} | {len(runs)} | "
+        rate = runs[0]["learning_rate"]
+        edge = " (sweep edge)" if meta and rate in (min(meta["lrs"]), max(meta["lrs"])) else ""
+        lines.append(f"| {model} | {runs[0]['num_parameters']:,} | {rate:g}{edge} | {len(runs)} | "
                      f"{spread([r['val_ppl'] for r in runs])} | {spread([r['test_ppl'] for r in runs])} | "
                      f"{statistics.fmean(r['tokens_per_s'] for r in runs):,.0f} |")
+    if meta:
+        missing = [spec.name for spec in study_models(meta["recipe"]["train_length"]) if spec.name not in models]
+        if missing:
+            lines += ["", f"Not run yet: {', '.join(missing)}."]
+        if any(r["learning_rate"] in (min(meta["lrs"]), max(meta["lrs"])) for r in full):
+            lines += ["", "A best rate at the edge of the sweep (marked) means the sweep did not bracket that model's "
+                      "optimum: its row may improve with a wider sweep."]
     if full:
         lengths = list(full[0]["ppl_by_length"])
         lines += ["", "## Perplexity by position (long held-out files read in one pass)", "",
-                  "Each cell: the perplexity of the tokens at positions [n/2, n) (n = the training length: [0, n)).", "",
+                  "Each cell: the perplexity of the tokens at positions [n/2, n) (n = the training length: [0, n)) of the "
+                  "same held-out files. Buckets hold different text (later parts of the files), so compare models within "
+                  "a column; along a row, position and content mix (the Llama's row shows how much the content alone "
+                  "moves). Every bucket, [2048, 4096) included, is in the JSON (`ppl_by_position`) and the figure.", "",
                   "| model | " + " | ".join(f"{n} tokens" for n in lengths) + " |", "|---|" + "---|" * len(lengths)]
         for model in models:
             runs = [r for r in full if r["model"] == model]
@@ -342,13 +354,15 @@ def plots(records: list[dict[str, Any]], full: list[dict[str, Any]], page: Path)
     ax.set(xlabel="step", ylabel="training loss (seed 0)", title="Learning curves at the best rate")
     ax.legend(fontsize=7)
     save(fig, "lm_learning_curves.png", "learning curves")
-    for key, name, label, title in (("ppl_by_length", "lm_ppl_by_position.png", "perplexity", "Perplexity by position"),
+    # Every position bucket for perplexity ("start-end", plotted at its end), every length for passkey.
+    for key, name, label, title in (("ppl_by_position", "lm_ppl_by_position.png", "perplexity", "Perplexity by position"),
                                     ("passkey", "lm_passkey.png", "passkey accuracy", "Passkey retrieval by length")):
         fig, ax = plt.subplots(figsize=(7, 4))
         for model in models:
             runs = [r for r in full if r["model"] == model]
-            lengths = list(runs[0][key])
-            ax.plot([int(n) for n in lengths], [statistics.fmean(r[key][n] for r in runs) for n in lengths], marker="o", label=model)
+            keys = list(runs[0][key])
+            ax.plot([int(k.split("-")[-1]) for k in keys], [statistics.fmean(r[key][k] for r in runs) for k in keys],
+                    marker="o", label=model)
         ax.set(xscale="log", xlabel="tokens (the end of each position bucket)", ylabel=label, title=title)
         ax.legend(fontsize=7)
         save(fig, name, title.lower())
