@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from trellis_lm.eval.synthetic import ModelSize
 from trellis_lm.eval.lm_study import (
-    StudySize, build_study_model, num_parameters, position_buckets, stdlib_corpus, study_models,
+    build_study_model, num_parameters, position_buckets, stdlib_corpus, study_models,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -28,7 +29,7 @@ def test_the_split_is_by_file_deterministic_and_disjoint():
 
 
 def test_every_study_model_has_the_llama_s_parameter_count_within_5_percent():
-    size = StudySize(hidden_size=48, num_hidden_layers=4, num_heads=2, head_dim=24, intermediate_size=128,
+    size = ModelSize(hidden_size=48, num_hidden_layers=4, num_heads=2, head_dim=24, intermediate_size=128,
                      num_slots=12, chunk_size=8)
     counts = {spec.name: num_parameters(build_study_model(spec, size, 300, 512)) for spec in study_models(64)}
     assert set(counts) >= {"llama", "trellis", "delta-rule", "trellis-no-forget", "trellis-mix-softmax", "trellis-C1",

@@ -39,6 +39,7 @@ from ..cache_trellis import CACHE_ARG
 from ..configuration_trellis import TrellisConfig
 from ..modeling_trellis import TrellisForCausalLM
 from ..tokenization_trellis import train_tokenizer
+from .synthetic import ModelSize
 
 SPLITS = ("train", "validation", "test")
 
@@ -136,7 +137,7 @@ class StudyModel:
     Attributes:
         name: label in tables and plots.
         kind: ``"llama"`` or ``"trellis"`` (a :class:`TrellisConfig` with ``overrides``).
-        overrides: config fields that differ from the Trellis defaults of :class:`StudySize`
+        overrides: config fields that differ from the Trellis defaults of :class:`ModelSize`
             (``mixer_types`` as a pattern repeated over the layers).
     """
 
@@ -145,17 +146,10 @@ class StudyModel:
     overrides: dict[str, Any] = field(default_factory=dict)
 
 
-@dataclass(frozen=True)
-class StudySize:
-    """The width every model shares; each model's MLP width is then fitted to ``Llama``'s count."""
-
-    hidden_size: int = 128
-    num_hidden_layers: int = 4
-    num_heads: int = 4
-    head_dim: int = 32
-    intermediate_size: int = 352
-    num_slots: int = 32
-    chunk_size: int = 32
+# Every model shares the width of a :class:`~.synthetic.ModelSize` (the MQAR study's own), and
+# each model's MLP width is then fitted to the Llama's parameter count (:func:`build_study_model`).
+STUDY_SIZE = ModelSize(hidden_size=128, num_hidden_layers=4, num_heads=4, head_dim=32, intermediate_size=352,
+                       num_slots=32, chunk_size=32)
 
 
 def study_models(train_length: int) -> list[StudyModel]:
@@ -177,7 +171,7 @@ def study_models(train_length: int) -> list[StudyModel]:
     ]
 
 
-def _make(spec: StudyModel, size: StudySize, vocab_size: int, intermediate: int, max_len: int) -> PreTrainedModel:
+def _make(spec: StudyModel, size: ModelSize, vocab_size: int, intermediate: int, max_len: int) -> PreTrainedModel:
     special = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
     if spec.kind == "llama":
         return LlamaForCausalLM(LlamaConfig(
@@ -200,7 +194,7 @@ def num_parameters(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def build_study_model(spec: StudyModel, size: StudySize, vocab_size: int, max_len: int,
+def build_study_model(spec: StudyModel, size: ModelSize, vocab_size: int, max_len: int,
                       target: Optional[int] = None) -> PreTrainedModel:
     """``spec`` at ``size`` with the MLP width (a multiple of 8) whose total parameter count is
     nearest ``target`` (the Llama's at ``size`` when ``None``)."""
