@@ -177,7 +177,6 @@ def trellis_attention(
         })
     check_chunk_size(chunk_size)
     check_names(compress_fn, mix_fn)
-    BACKENDS.check_name(backend)
 
     rows = batch
     if cu_seqlens is not None:
