@@ -39,8 +39,9 @@ import torch
 from tqdm.auto import tqdm
 
 from trellis_lm.eval.lm_study import (
-    STUDY_SIZE, Recipe, build_study_model, decode_cost, encode_corpus, mean_and_spread, num_parameters, passkey_accuracy,
-    perplexity, perplexity_by_position, position_buckets, stdlib_corpus, study_models, train_lm,
+    STUDY_SIZE, Recipe, append_record, best_rate, build_study_model, chosen_runs, decode_cost, encode_corpus, load_records,
+    mean_and_spread, num_parameters, passkey_accuracy, perplexity, perplexity_by_position, position_buckets, stdlib_corpus,
+    study_arguments, study_models, sweep_runs, train_lm, widened_rate,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -48,7 +49,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     # ~1.85M parameters (embeddings 1.05M of them), 1.5M training tokens a run, training length 128,
     # lengths up to 64x = 8192 tokens. Sized for ~2.5 h on 2 cores: 9 models x (3 short + 2 full).
     "cpu": dict(size=STUDY_SIZE, vocab=4096, recipe=Recipe(train_length=128, batch_size=16, tokens=1_500_000),
-                lrs=(1e-3, 3e-3, 6e-3), seeds=(0, 1), multiples=(1, 4, 8, 16, 64), eval_windows=256, long_files=8,
+                lrs=(1e-3, 3e-3, 6e-3), widen=2, seeds=(0, 1), multiples=(1, 4, 8, 16, 64), eval_windows=256, long_files=8,
                 passkey_trials=2, threads=2),
     # ~125M parameters at width 768 x 12 layers, 1024-token windows, 2.5B tokens would be the
     # paper's scale; this preset is the same study at 300M tokens a run: hours of one GPU (not run yet;
@@ -56,12 +57,12 @@ PRESETS: dict[str, dict[str, Any]] = {
     "gpu": dict(size=dataclasses.replace(STUDY_SIZE, hidden_size=768, num_hidden_layers=12, num_heads=12, head_dim=64,
                                          intermediate_size=2048, num_slots=64, chunk_size=64),
                 vocab=16384, recipe=Recipe(train_length=1024, batch_size=32, tokens=300_000_000),
-                lrs=(6e-4, 1.2e-3, 2.4e-3), seeds=(0, 1), multiples=(1, 4, 8, 16, 64), eval_windows=1024, long_files=8,
+                lrs=(6e-4, 1.2e-3, 2.4e-3), widen=2, seeds=(0, 1), multiples=(1, 4, 8, 16, 64), eval_windows=1024, long_files=8,
                 passkey_trials=4, threads=None),
     "quick": dict(size=dataclasses.replace(STUDY_SIZE, hidden_size=32, num_hidden_layers=4, num_heads=2, head_dim=16,
                                            intermediate_size=64, num_slots=8, chunk_size=8),
                   vocab=512, recipe=Recipe(train_length=32, batch_size=4, tokens=4 * 32 * 8),
-                  lrs=(1e-3, 3e-3), seeds=(0,), multiples=(1, 4), eval_windows=8, long_files=2, passkey_trials=1,
+                  lrs=(1e-3, 3e-3), widen=0, seeds=(0,), multiples=(1, 4), eval_windows=8, long_files=2, passkey_trials=1,
                   threads=None, max_train_files=40, models=("llama", "trellis", "kvm")),
 }
 DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
@@ -69,18 +70,6 @@ DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 
 def run_key(record: dict[str, Any]) -> tuple:
     return record["model"], record["phase"], record["learning_rate"], record["seed"], record["train_tokens"]
-
-
-def load_records(path: Path) -> list[dict[str, Any]]:
-    return json.loads(path.read_text()) if path.exists() else []
-
-
-def append_record(path: Path, record: dict[str, Any]) -> None:
-    records = load_records(path)
-    records.append(record)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(records, indent=1))
-    os.replace(tmp, path)  # a stop mid-write keeps the previous file
 
 
 def evaluate_full(model, encoded, preset: dict[str, Any], seed: int) -> dict[str, Any]:
@@ -119,7 +108,7 @@ def run_study(args: argparse.Namespace, preset: dict[str, Any], out: Path) -> No
     print(f"tokens: {data_info['tokens']} (vocabulary {data_info['vocab_size']})")
     size, recipe = preset["size"], preset["recipe"]
     short = dataclasses.replace(recipe, tokens=recipe.tokens // 4)
-    names = args.models.split(",") if args.models else preset.get("models")
+    names = args.models or preset.get("models")
     specs = [s for s in study_models(recipe.train_length) if names is None or s.name in names]
     max_len = recipe.train_length * max(preset["multiples"]) + 64
     target = num_parameters(build_study_model(specs[0], size, data_info["vocab_size"], max_len)) if specs[0].kind == "llama" else None
@@ -156,33 +145,38 @@ def run_study(args: argparse.Namespace, preset: dict[str, Any], out: Path) -> No
             if phase == "full":
                 record.update(evaluate_full(model, encoded, preset, seed))
         append_record(records_path, record)
+        if args.keep_models and phase == "full":
+            model.save_pretrained(Path(args.keep_models) / f"{spec.name}-lr{lr:g}-seed{seed}")
         done.add(key)
         shown = {k: record.get(k) for k in ("val_ppl", "test_ppl", "tokens_per_s")}
         print(f"{spec.name} {phase} lr={lr:g} seed={seed}: {shown}" + (f" FAILED: {failed}" if failed else ""))
         return record
 
     for spec in specs:
-        for lr in preset["lrs"]:
+        rates = list(preset["lrs"])
+        for lr in rates:
             run(spec, "sweep", lr, preset["seeds"][0], short)
         best = best_rate(load_records(records_path), spec.name, short.tokens)
+        for _ in range(preset["widen"]):
+            rate = widened_rate(rates, best)
+            if rate is None:
+                break
+            rates.append(rate)
+            run(spec, "sweep", rate, preset["seeds"][0], short)
+            best = best_rate(load_records(records_path), spec.name, short.tokens)
         if best is None:
             print(f"{spec.name}: every rate of the sweep diverged; no full runs")
             continue
         for seed in preset["seeds"]:
             run(spec, "full", best, seed, recipe)
-    meta = {"command": "python examples/lm_study.py " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+    # The command that reproduces the runs: where models were kept is no part of it.
+    argv = [a for a, before in zip(sys.argv[1:], [""] + sys.argv[1:]) if "--keep-models" not in (a.split("=")[0], before)]
+    meta = {"command": "python examples/lm_study.py " + " ".join(shlex.quote(a) for a in argv),
             "preset": args.preset, "data": data_info, "size": dataclasses.asdict(size), "recipe": dataclasses.asdict(recipe),
-            "lrs": list(preset["lrs"]), "seeds": list(preset["seeds"]), "multiples": list(preset["multiples"]),
+            "lrs": list(preset["lrs"]), "widen": preset["widen"], "seeds": list(preset["seeds"]), "multiples": list(preset["multiples"]),
             "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
             "finished": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes")}
     (out / "lm_study_meta.json").write_text(json.dumps(meta, indent=1))
-
-
-def best_rate(records: list[dict[str, Any]], model: str, tokens: int) -> float | None:
-    """The sweep's learning rate with the lowest validation perplexity (diverged rates excluded)."""
-    sweep = [r for r in records if r["model"] == model and r["phase"] == "sweep" and r["train_tokens"] == tokens
-             and r.get("val_ppl") is not None]
-    return min(sweep, key=lambda r: r["val_ppl"])["learning_rate"] if sweep else None
 
 
 # ----------------------------------------------------------------------------- the page
@@ -197,7 +191,7 @@ def render(out: Path, page: Path) -> None:
     records = load_records(out / "lm_study.json")
     meta_path = out / "lm_study_meta.json"
     meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
-    full = [r for r in records if r["phase"] == "full" and r.get("test_ppl") is not None]
+    full = chosen_runs(records)
     models = list(dict.fromkeys(r["model"] for r in records))
     lines = ["# Language modelling on the Python standard library", ""]
     if meta:
@@ -210,7 +204,8 @@ def render(out: Path, page: Path) -> None:
             f"byte-level BPE of {data['vocab_size']} trained on the train split). Code with its comments and "
             "docstrings: one project's idioms, not general text.", "",
             f"Recipe (every model): {meta['recipe']}; learning rates {meta['lrs']} on a quarter of the tokens "
-            f"(seed 0), then seeds {meta['seeds']} at the best rate (lowest validation perplexity).", "",
+            f"(seed 0; a best rate at an edge widens the sweep by 2x that way, at most {meta.get('widen', 0)} times), then seeds "
+            f"{meta['seeds']} at the best rate (lowest validation perplexity).", "",
         ]
     else:
         lines += ["The study has not finished: the tables below hold the runs saved so far.", ""]
@@ -222,8 +217,8 @@ def render(out: Path, page: Path) -> None:
             sweep = [r for r in records if r["model"] == model]
             lines.append(f"| {model} | {sweep[0]['num_parameters']:,} | (sweep only) | 0 | | | |")
             continue
-        rate = runs[0]["learning_rate"]
-        edge = " (sweep edge)" if meta and rate in (min(meta["lrs"]), max(meta["lrs"])) else ""
+        rate, tried = runs[0]["learning_rate"], [r["learning_rate"] for r in sweep_runs(records, model)]
+        edge = " (sweep edge)" if rate in (min(tried), max(tried)) else ""
         lines.append(f"| {model} | {runs[0]['num_parameters']:,} | {rate:g}{edge} | {len(runs)} | "
                      f"{spread([r['val_ppl'] for r in runs])} | {spread([r['test_ppl'] for r in runs])} | "
                      f"{statistics.fmean(r['tokens_per_s'] for r in runs):,.0f} |")
@@ -231,9 +226,13 @@ def render(out: Path, page: Path) -> None:
         missing = [spec.name for spec in study_models(meta["recipe"]["train_length"]) if spec.name not in models]
         if missing:
             lines += ["", f"Not run yet: {', '.join(missing)}."]
-        if any(r["learning_rate"] in (min(meta["lrs"]), max(meta["lrs"])) for r in full):
-            lines += ["", "A best rate at the edge of the sweep (marked) means the sweep did not bracket that model's "
-                      "optimum: its row may improve with a wider sweep."]
+    widened = sorted({r["model"] for r in records if r["phase"] == "sweep" and meta
+                      and r["learning_rate"] not in meta["lrs"]})
+    if widened:
+        lines += ["", f"Sweeps widened because the best rate was at an edge: {', '.join(widened)} (see every run)."]
+    if any("(sweep edge)" in line for line in lines):
+        lines += ["", "A best rate still at the edge of its sweep (marked) means the sweep did not bracket that "
+                  "model's optimum: its row may improve with a wider sweep."]
     if full:
         lengths = list(full[0]["ppl_by_length"])
         lines += ["", "## Perplexity by position (long held-out files read in one pass)", "",
@@ -259,7 +258,13 @@ def render(out: Path, page: Path) -> None:
                 d = runs[0]["decode"]
                 lines.append(f"| {model} | {d['context']} | {statistics.fmean(r['decode']['ms_per_token'] for r in runs):.2f} | "
                              f"{d['cache_bytes']:,} |")
-    lines += findings(full) + plots(records, full, page)
+    lines += findings(full)
+    # The hand-written reading of these numbers lives beside the page (`<page>_notes.md`), so a
+    # rerun that rewrites the tables keeps it.
+    notes = page.with_name(page.stem + "_notes.md")
+    if notes.exists():
+        lines += ["", notes.read_text().strip()]
+    lines += plots(records, full, page)
     lines += ["", "## Every run", "", "| model | phase | lr | seed | tokens | validation ppl | failed |", "|---|---|---|---|---|---|---|"]
     for r in records:
         val = f"{r['val_ppl']:.2f}" if r.get("val_ppl") is not None else ""
@@ -371,18 +376,10 @@ def plots(records: list[dict[str, Any]], full: list[dict[str, Any]], page: Path)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
-    parser.add_argument("--out", default=str(ROOT / "docs" / "results_data"), help="folder of lm_study.json")
-    parser.add_argument("--page", default=str(ROOT / "docs" / "results_lm.md"), help="the page to write")
-    parser.add_argument("--models", default=None, help="comma-separated subset of the models")
-    parser.add_argument("--render-only", action="store_true", help="write the page from the saved runs")
-    args = parser.parse_args()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    args = study_arguments(__doc__, PRESETS, "lm_study.json", ROOT / "docs" / "results_lm.md", "models")
     if not args.render_only:
-        run_study(args, PRESETS[args.preset], out)
-    render(out, Path(args.page))
+        run_study(args, PRESETS[args.preset], args.out)
+    render(args.out, args.page)
 
 
 if __name__ == "__main__":

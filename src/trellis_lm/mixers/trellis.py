@@ -3,6 +3,7 @@ online-gradient step per token, with a forget gate."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -17,17 +18,19 @@ from .fields import CHUNK_SIZE, CONV_SIZE, NUM_SLOTS, choice, flag, positive
 from .parts import at_least_float32, l2_normalize
 
 
-def forget_gate_bias(num_heads: int, normalizer: float) -> torch.Tensor:
-    """``beta_proj`` bias that spreads beta from 0.9 to 0.999 across heads (0.99 for one head).
+def forget_gate_bias(num_heads: int, normalizer: float, span: tuple[float, float] = (1e-3, 1e-1)) -> torch.Tensor:
+    """``beta_proj`` bias that spreads ``1 - beta`` log-evenly over ``span`` across heads (the
+    default: beta from 0.9 to 0.999; one head takes the span's geometric middle, 0.99).
 
-    ``1 - beta`` is log-spaced over [1e-3, 1e-1], and while the weight term is small
-    ``beta = exp(logsigmoid(b) / normalizer)``, i.e. ``sigmoid(b) = beta ** normalizer``.
-    Returns ``[H]`` float64.
+    While the weight term is small ``beta = exp(logsigmoid(b) / normalizer)``, i.e.
+    ``sigmoid(b) = beta ** normalizer``. Returns ``[H]`` float64.
     """
+    low, high = span
+    if not 0 < low <= high < 1:
+        raise ValueError(f"span must hold 0 < low <= high < 1 (values of 1 - beta), got {span}")
+    exponents = torch.linspace(math.log10(high), math.log10(low), num_heads, dtype=torch.float64)
     if num_heads == 1:
-        exponents = torch.tensor([-2.0], dtype=torch.float64)
-    else:
-        exponents = torch.linspace(-1.0, -3.0, num_heads, dtype=torch.float64)
+        exponents = torch.tensor([(math.log10(low) + math.log10(high)) / 2], dtype=torch.float64)
     p = (1.0 - 10.0**exponents) ** normalizer
     return torch.log(p) - torch.log1p(-p)
 
