@@ -43,7 +43,6 @@ from typing import Any, Optional, Sequence
 
 import torch
 from tqdm.auto import tqdm
-from transformers import AutoTokenizer
 
 from trellis_lm.conversion import (
     TokenBlocks,
