@@ -3,7 +3,7 @@ why does passkey retrieval fail? Controlled runs, one factor changed at a time f
 Trellis (``examples/lm_study.py``, ``docs/results_lm.md``), each with the study's data, size,
 recipe and tokens at Trellis's best rate there, over seeds:
 
-    .venv/bin/python examples/lm_extrapolation.py                        # ~65 min on 2 cores, resumable
+    .venv/bin/python examples/lm_extrapolation.py                        # ~50 min on 2 cores, resumable
     .venv/bin/python examples/lm_extrapolation.py --preset quick --out /tmp/x --page /tmp/x/page.md
     .venv/bin/python examples/lm_extrapolation.py --render-only
 
@@ -48,7 +48,7 @@ from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM
 
 from trellis_lm.eval.lm_study import (
-    STUDY_SIZE, Recipe, StudyModel, append_record, capped_horizons, build_study_model, encode_corpus, load_records, mean_and_spread,
+    STUDY_SIZE, Recipe, StudyModel, append_record, capped_horizons, forget_gates, build_study_model, encode_corpus, load_records, mean_and_spread,
     memory_profile, num_parameters, passkey_preference, perplexity, perplexity_by_position, save_records,
     stdlib_corpus, study_arguments, train_lm,
 )
@@ -104,11 +104,8 @@ def build(variant: Variant, preset: dict[str, Any], vocab_size: int, target: int
     model = build_study_model(variant.spec, preset["size"], vocab_size, max(preset["lengths"]) + 64, target)
     if variant.gate_span is not None:
         with torch.no_grad():
-            for layer in model.model.layers:
-                gate = getattr(layer.self_attn, "beta_proj", None)
-                if gate is not None:
-                    bias = forget_gate_bias(gate.out_features, model.config.gate_logit_normalizer, variant.gate_span)
-                    gate.bias.copy_(bias.to(gate.bias))
+            for _, gate, normalizer in forget_gates(model):
+                gate.bias.copy_(forget_gate_bias(gate.out_features, normalizer, variant.gate_span).to(gate.bias))
     return model
 
 

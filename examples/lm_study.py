@@ -28,9 +28,7 @@ import datetime
 import json
 import os
 import platform
-import shlex
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -169,9 +167,9 @@ def run_study(args: argparse.Namespace, preset: dict[str, Any], out: Path) -> No
             continue
         for seed in preset["seeds"]:
             run(spec, "full", best, seed, recipe)
-    # The command that reproduces the runs: where models were kept is no part of it.
-    argv = [a for a, before in zip(sys.argv[1:], [""] + sys.argv[1:]) if "--keep-models" not in (a.split("=")[0], before)]
-    meta = {"command": "python examples/lm_study.py " + " ".join(shlex.quote(a) for a in argv),
+    # The command that reproduces the runs (where models were kept, or the page went, is no part of it).
+    command = f"python examples/lm_study.py --preset {args.preset}" + (f" --models {','.join(names)}" if args.models else "")
+    meta = {"command": command,
             "preset": args.preset, "data": data_info, "size": dataclasses.asdict(size), "recipe": dataclasses.asdict(recipe),
             "lrs": list(preset["lrs"]), "widen": preset["widen"], "seeds": list(preset["seeds"]), "multiples": list(preset["multiples"]),
             "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",

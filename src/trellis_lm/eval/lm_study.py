@@ -407,6 +407,16 @@ def passkey_preference(model: PreTrainedModel, tokenizer: Any, files: Sequence[t
     return {"preferred": sum(m > 0 for m in margins) / len(margins), "margin_nats": statistics.fmean(margins)}
 
 
+def forget_gates(model: PreTrainedModel) -> list[tuple[int, torch.nn.Linear, float]]:
+    """``(layer index, beta_proj, gate_logit_normalizer)`` of every layer with a Trellis forget gate."""
+    found = []
+    for i, layer in enumerate(model.model.layers):
+        gate = getattr(layer.self_attn, "beta_proj", None)
+        if gate is not None:
+            found.append((i, gate, layer.self_attn.config.gate_logit_normalizer))
+    return found
+
+
 @torch.no_grad()
 def memory_profile(model: PreTrainedModel, tokens: torch.Tensor, lengths: Sequence[int]) -> dict[str, Any]:
     """What a memory model's layers hold as a long text is read: ``tokens`` (1-D ids) are read in
@@ -419,17 +429,13 @@ def memory_profile(model: PreTrainedModel, tokens: torch.Tensor, lengths: Sequen
     Returns ``{"rms": {"<length>": [{tensor name: rms} per memory layer]}, "horizon": [[tokens per
     head] per layer with a forget gate]}``.
     """
-    mixers = [layer.self_attn for layer in model.model.layers]
     gates: dict[int, list[torch.Tensor]] = {}
     hooks = []
-    for i, mixer in enumerate(mixers):
-        if getattr(mixer, "beta_proj", None) is not None:
-            normalizer = mixer.config.gate_logit_normalizer
+    for i, gate, normalizer in forget_gates(model):
+        def keep(module, inputs, output, i=i, normalizer=normalizer):
+            gates.setdefault(i, []).append((F.logsigmoid(output.float()) / normalizer).flatten(0, -2))
 
-            def keep(module, inputs, output, i=i, normalizer=normalizer):
-                gates.setdefault(i, []).append((F.logsigmoid(output.float()) / normalizer).flatten(0, -2))
-
-            hooks.append(mixer.beta_proj.register_forward_hook(keep))
+        hooks.append(gate.register_forward_hook(keep))
     rms: dict[str, list[dict[str, float]]] = {}
     cache, done = None, 0
     try:
@@ -456,13 +462,11 @@ def capped_horizons(model: PreTrainedModel, tokens: float) -> Iterator[int]:
     an inference-time intervention, to test whether the heads that remember longer than the
     training length are what fails there. Yields the number of layers capped."""
     hooks = []
-    for layer in model.model.layers:
-        mixer = layer.self_attn
-        if getattr(mixer, "beta_proj", None) is not None:
-            # logsigmoid(b) / normalizer <= -1 / tokens  <=>  b <= logit(exp(-normalizer / tokens))
-            p = math.exp(-mixer.config.gate_logit_normalizer / tokens)
-            highest = math.log(p) - math.log1p(-p)
-            hooks.append(mixer.beta_proj.register_forward_hook(lambda module, inputs, output, h=highest: output.clamp(max=h)))
+    for _, gate, normalizer in forget_gates(model):
+        # logsigmoid(b) / normalizer <= -1 / tokens  <=>  b <= logit(exp(-normalizer / tokens))
+        p = math.exp(-normalizer / tokens)
+        highest = math.log(p) - math.log1p(-p)
+        hooks.append(gate.register_forward_hook(lambda module, inputs, output, h=highest: output.clamp(max=h)))
     try:
         yield len(hooks)
     finally:
@@ -550,7 +554,7 @@ def widened_rate(rates: list[float], best: Optional[float]) -> Optional[float]:
 def sweep_runs(records: list[dict[str, Any]], model: str, tokens: int | None = None) -> list[dict[str, Any]]:
     """The model's finished sweep runs (diverged rates excluded), of ``tokens`` tokens when given."""
     return [r for r in records if r["model"] == model and r["phase"] == "sweep" and r.get("val_ppl") is not None
-            and tokens in (None, r["train_tokens"])]
+            and (tokens is None or r["train_tokens"] == tokens)]
 
 
 def best_rate(records: list[dict[str, Any]], model: str, tokens: int | None = None) -> Optional[float]:
@@ -562,8 +566,9 @@ def best_rate(records: list[dict[str, Any]], model: str, tokens: int | None = No
 def chosen_runs(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The evaluated full runs at each model's best rate (full runs at a rate a widened sweep
     superseded stay in the JSON and in the page's list of every run, not in its tables)."""
+    best = {model: best_rate(records, model) for model in {r["model"] for r in records}}
     return [r for r in records if r["phase"] == "full" and r.get("test_ppl") is not None
-            and r["learning_rate"] == best_rate(records, r["model"])]
+            and r["learning_rate"] == best[r["model"]]]
 
 
 def mean_and_spread(values: Iterable[float]) -> tuple[float, float, float]:

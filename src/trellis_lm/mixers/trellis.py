@@ -28,9 +28,10 @@ def forget_gate_bias(num_heads: int, normalizer: float, span: tuple[float, float
     low, high = span
     if not 0 < low <= high < 1:
         raise ValueError(f"span must hold 0 < low <= high < 1 (values of 1 - beta), got {span}")
-    exponents = torch.linspace(math.log10(high), math.log10(low), num_heads, dtype=torch.float64)
     if num_heads == 1:
         exponents = torch.tensor([(math.log10(low) + math.log10(high)) / 2], dtype=torch.float64)
+    else:
+        exponents = torch.linspace(math.log10(high), math.log10(low), num_heads, dtype=torch.float64)
     p = (1.0 - 10.0**exponents) ** normalizer
     return torch.log(p) - torch.log1p(-p)
 
