@@ -19,8 +19,9 @@ import copy
 import json
 import os
 import weakref
+from contextlib import contextmanager
 from dataclasses import dataclass, fields
-from typing import Any, Callable, ClassVar, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, ClassVar, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
 from safetensors import safe_open
@@ -44,6 +45,39 @@ DEFAULT_ROLLBACK_WINDOW = 64
 # Version 1 (one kind of layer, no record of the model) is not read: its layer count could not
 # be checked against anything before allocating.
 FORMAT_VERSION = "2"
+
+
+@dataclass(frozen=True)
+class Dim:
+    """A size of a cache tensor that is not fixed by the configuration alone.
+
+    ``name`` ties sizes together: every dim of one name holds one value within a layer entry
+    (``"rows"``: within the whole cache); ``"columns"`` must equal the tokens the cache has seen.
+    ``most`` bounds it (buffers that grow with the tokens up to a configured size).
+    """
+
+    name: str
+    most: Optional[int] = None
+
+
+ROWS = Dim("rows")
+COLUMNS = Dim("columns")
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """What one tensor of a layer's cache entry must be, as its mixer declares it
+    (``Mixer.cache_layout``).
+
+    Attributes:
+        dims: each dim's size: an int (fixed by the configuration) or a :class:`Dim`.
+        dtype: ``"float"`` (any floating dtype), ``"int64"`` or ``"bool"``.
+        most: for counters, the largest value allowed: an int, or ``COLUMNS`` (the tokens seen).
+    """
+
+    dims: tuple[Union[int, Dim], ...]
+    dtype: str = "float"
+    most: Union[int, Dim, None] = None
 
 
 class LayerCache:
@@ -99,6 +133,21 @@ class LayerCache:
     def get_max_length(self) -> int:
         return -1  # no limit on the tokens it can take
 
+    @classmethod
+    def tensor_names(cls) -> list[str]:
+        """Every name :meth:`tensors` may hold (the file's tensor names, after the layer's index)."""
+        return [f.name for f in fields(cls)]
+
+    @classmethod
+    def required_names(cls) -> list[str]:
+        """The names a non-empty entry holds whatever the configuration."""
+        return cls.tensor_names()
+
+    def fields_now(self) -> dict[str, Any]:
+        """The entry's fields as they are (tensors and op states are replaced, never written
+        into, so keeping these references keeps the values)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
 
 def _all_or_none(names: list[str], tensors: dict[str, torch.Tensor], what: str) -> Optional[dict[str, torch.Tensor]]:
     """The tensors named ``names``, all of them or (when none is there) ``None``."""
@@ -129,7 +178,16 @@ class MemoryLayerCache(LayerCache):
     def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> "MemoryLayerCache":
         """Inverse of :meth:`tensors`; raises ``ValueError`` when a state is incomplete."""
         state = _all_or_none(cls.state_class.field_names(), tensors, f"a {cls.kind} layer's state")
-        return cls(tensors.get("q_tail"), tensors.get("k_tail"), None if state is None else cls.state_class(**state))
+        tails = _all_or_none(["q_tail", "k_tail"], tensors, f"a {cls.kind} layer's short-conv tails") or {}
+        return cls(tails.get("q_tail"), tails.get("k_tail"), None if state is None else cls.state_class(**state))
+
+    @classmethod
+    def tensor_names(cls) -> list[str]:
+        return ["q_tail", "k_tail", *cls.state_class.field_names()]
+
+    @classmethod
+    def required_names(cls) -> list[str]:
+        return cls.state_class.field_names()  # the tails: only where the model has a short conv
 
 
 @dataclass
@@ -357,15 +415,18 @@ class TrellisCache(Cache):
         ``replayable=False`` (packed documents) makes a crop into this call raise."""
         self._calls[-1].layers[layer_idx] = StepRecord(weakref.ref(mixer), x, mask, before) if replayable else None
 
-    def crop(self, max_length: int) -> None:
+    def crop(self, max_length: Union[int, torch.Tensor]) -> None:
         """Go back to the state after ``max_length`` tokens (> 0), or take ``-max_length``
         tokens back (<= 0, as transformers 5.24 calls it; 0 takes nothing back).
 
-        Attention layers drop the columns; memory layers (their states and short-conv tails)
-        are recomputed on the kept tokens from their entry before the earliest call the crop
-        reaches into. Taking back more than the recorded calls hold (about ``rollback_window``
-        tokens), or any when ``rollback_window`` is 0, is a ``ValueError``.
+        ``max_length`` is a Python int or a 0-d integer tensor (read once); anything else is a
+        ``TypeError``. Attention layers drop the columns; memory layers (their states and
+        short-conv tails) are recomputed on the kept tokens from their entry before the earliest
+        call the crop reaches into. Taking back more than the recorded calls hold (about
+        ``rollback_window`` tokens), or any when ``rollback_window`` is 0, is a ``ValueError``.
+        A crop that fails leaves the cache as it was.
         """
+        max_length = _token_count(max_length)
         remove = -max_length if max_length <= 0 else self.seen_tokens - max_length
         if remove <= 0:
             return
@@ -376,26 +437,45 @@ class TrellisCache(Cache):
             reached += self._calls[start].length
         memory_layers = [i for i, layer in enumerate(self.layers) if layer.kind != "attention"]
         calls = self._calls[start:]
-        if not self.is_croppable or remove > held or any(c.layers.get(i) is None for c in calls for i in memory_layers):
+        packed = any(c.layers.get(i, False) is None for c in calls for i in memory_layers)
+        unrecorded = any(i not in c.layers for c in calls for i in memory_layers)
+        if not self.is_croppable or remove > held or packed or unrecorded:
+            why = ("packed documents are not replayed" if packed else f"rollback_window = {self.rollback_window}"
+                   + ("" if self.is_croppable else "; 0 keeps nothing to roll back"))
             raise ValueError(
-                f"cannot take back {remove} tokens: a TrellisCache rolls back its last {held} tokens "
-                f"(rollback_window = {self.rollback_window}"
-                + (", packed documents are not replayed)" if self.is_croppable else "; 0 keeps nothing to roll back)")
+                f"cannot take back {remove} tokens: a TrellisCache rolls back its last {held} tokens ({why})"
             )
-        keep = reached - remove
-        kept = {}
-        for index, layer in enumerate(self.layers):
-            if layer.kind == "attention":
-                layer.drop_last(remove)
-                continue
-            record = StepRecord.joined([c.layers[index] for c in calls]).first(keep)
-            mixer = record.mixer()
-            if mixer is None:
-                raise ValueError("cannot roll back: the model that filled this cache no longer exists")
-            layer.q_tail, layer.k_tail, layer.state = mixer.replay(record)
-            kept[index] = record
-        self._calls[start:] = [CallRecords(keep, kept)] if keep else []
-        self.seen_tokens -= remove
+        records = {i: StepRecord.joined([c.layers[i] for c in calls]).first(reached - remove) for i in memory_layers}
+        mixers = {i: record.mixer() for i, record in records.items()}
+        if any(mixer is None for mixer in mixers.values()):
+            raise ValueError("cannot roll back: the model that filled this cache no longer exists")
+        with self.all_or_nothing():
+            for index, layer in enumerate(self.layers):
+                if index in records:
+                    layer.q_tail, layer.k_tail, layer.state = mixers[index].replay(records[index])
+                else:
+                    layer.drop_last(remove)
+            keep = reached - remove
+            self._calls[start:] = [CallRecords(keep, records)] if keep else []
+            self.seen_tokens -= remove
+
+    @contextmanager
+    def all_or_nothing(self) -> Iterator[None]:
+        """Run a block that updates the cache so that it either completes or leaves the cache
+        as it was: on any exception (``KeyboardInterrupt`` included) every entry, the token
+        count, the rollback records and the model binding are put back. Cheap: entries'
+        tensors are replaced by the layers, never written into, so references are the backup."""
+        entries = [layer.fields_now() for layer in self.layers]
+        calls = [CallRecords(c.length, dict(c.layers)) for c in self._calls]
+        seen, signature, window = self.seen_tokens, self.signature, self._rollback_window
+        try:
+            yield
+        except BaseException:
+            for layer, fields_before in zip(self.layers, entries):
+                for name, value in fields_before.items():
+                    setattr(layer, name, value)
+            self._calls, self.seen_tokens, self.signature, self._rollback_window = calls, seen, signature, window
+            raise
 
     def forget_steps(self) -> None:
         """Drop what a crop would replay: after row operations (beams, selections), which change
@@ -456,6 +536,14 @@ class TrellisCache(Cache):
                     f"this model has {name}={value!r}"
                 )
 
+    def bind(self, config: Any) -> None:
+        """Check the cache against ``config``'s model (:meth:`check_compatible`) and, when it
+        records no model yet (made from a list of kinds, or read from a file without one), bind
+        it to this one: a later model with other layer functions is then refused."""
+        self.check_compatible(config)
+        if self.signature is None:
+            self.signature = config.layer_signature()
+
     def save(self, path: Union[str, os.PathLike]) -> None:
         """Write the cache to one safetensors file (tensors, layer kinds, token count, the
         fields its layers were made with)."""
@@ -480,8 +568,13 @@ class TrellisCache(Cache):
     ) -> "TrellisCache":
         """Read a cache written by :meth:`save`, onto ``device`` (default: CPU).
 
-        The file's header is checked against its tensors (and, given the model's ``config``,
-        against the model) before any tensor is read.
+        The file's header is checked against its tensors before any tensor is read: every layer
+        holds its whole entry once the cache has seen tokens (and none before), no tensor is
+        unknown, and attention columns agree with ``seen_tokens``. Given the model's ``config``
+        the file must record the model that made it (a file whose metadata says ``signature:
+        null`` is refused), and every tensor's shape and dtype must be the one the layer's mixer
+        declares for that config (``Mixer.cache_layout``); counters are checked against their
+        bounds once read. Without ``config`` the cache binds to the first model that uses it.
         """
         with safe_open(os.fspath(path), framework="pt", device=str(device or "cpu")) as f:
             metadata = f.metadata() or {}
@@ -494,14 +587,106 @@ class TrellisCache(Cache):
                 per_layer[int(parts[1])][parts[2]] = key
             cache = cls(kinds)
             cache.signature = signature
+            layouts: list[Optional[dict[str, TensorSpec]]] = [None] * len(kinds)
             if config is not None:
+                if signature is None:
+                    raise ValueError(
+                        f"{path} records no model (metadata 'signature' is null), so it cannot be checked against "
+                        "this one: load it without config= (it then binds to the first model that uses it)"
+                    )
                 cache.check_compatible(config)
-            cache.layers = [
-                LAYER_CACHES[kind].from_tensors({name: f.get_tensor(key) for name, key in keys.items()})
-                for kind, keys in zip(kinds, per_layer)
-            ]
+                layouts = config.cache_layouts()
+            sizes = {"rows": None}
+            for index, (kind, keys) in enumerate(zip(kinds, per_layer)):
+                headers = {name: (tuple(f.get_slice(key).get_shape()), f.get_slice(key).get_dtype())
+                           for name, key in keys.items()}
+                _check_entry(f"{path}: layer {index} ({kind})", kind, headers, seen, layouts[index], sizes)
+            cache.layers = []
+            for index, (kind, keys, layout) in enumerate(zip(kinds, per_layer, layouts)):
+                tensors = {name: f.get_tensor(key) for name, key in keys.items()}
+                _check_counters(f"{path}: layer {index} ({kind})", tensors, layout or {}, seen)
+                cache.layers.append(LAYER_CACHES[kind].from_tensors(tensors))
         cache.seen_tokens = seen
         return cache
+
+
+# safetensors' dtype names, by the kinds a TensorSpec names.
+FILE_DTYPES = {"float": {"F16", "BF16", "F32", "F64"}, "int64": {"I64"}, "bool": {"BOOL"}}
+
+
+def _check_entry(where: str, kind: str, headers: dict[str, tuple[tuple[int, ...], str]], seen: int,
+                 layout: Optional[dict[str, TensorSpec]], sizes: dict[str, Optional[int]]) -> None:
+    """Check one layer's tensors (``name -> (shape, safetensors dtype)``) against what its kind
+    holds and, given, the ``layout`` its mixer declares; ``sizes`` carries the batch rows from
+    layer to layer. Raises a ``ValueError`` starting with ``where``."""
+    known = layout.keys() if layout is not None else LAYER_CACHES[kind].tensor_names()
+    unknown = sorted(set(headers) - set(known))
+    if unknown:
+        raise ValueError(f"{where} holds an unknown tensor {unknown[0]!r}; its entry holds {sorted(known)}")
+    if not seen:
+        if headers:
+            raise ValueError(f"{where} holds tensors {sorted(headers)}, but the cache has seen no tokens (seen_tokens = 0)")
+        return
+    if not headers:
+        raise ValueError(
+            f"{where} holds no state, although the cache has seen {seen} tokens (seen_tokens): the layer would "
+            "silently restart from its initial memories"
+        )
+    required = list(layout) if layout is not None else LAYER_CACHES[kind].required_names()
+    missing = [name for name in required if name not in headers]
+    if missing:
+        raise ValueError(
+            f"{where}: a {kind} layer's state needs tensors {required}, the file holds {sorted(headers)} (missing {missing})"
+        )
+    if layout is None:
+        return
+    layer_sizes = dict(sizes, columns=seen)
+    for name, (shape, dtype) in headers.items():
+        spec = layout[name]
+        if dtype not in FILE_DTYPES[spec.dtype]:
+            raise ValueError(f"{where} tensor {name!r} has dtype {dtype}, the model needs {spec.dtype}")
+        fits = len(shape) == len(spec.dims)
+        for size, dim in zip(shape, spec.dims) if fits else ():
+            if isinstance(dim, int):
+                fits = fits and size == dim
+            else:
+                fits = fits and (dim.most is None or size <= dim.most) and layer_sizes.get(dim.name) in (None, size)
+                layer_sizes[dim.name] = size
+        if not fits:
+            raise ValueError(
+                f"{where} tensor {name!r} has shape {list(shape)}, the model needs {_describe(spec.dims)} "
+                f"(rows = {sizes['rows'] or 'as the other tensors'}, columns = seen_tokens = {seen})"
+            )
+    sizes["rows"] = layer_sizes.get("rows", sizes["rows"])
+
+
+def _describe(dims: tuple[Union[int, Dim], ...]) -> str:
+    return "[" + ", ".join(str(d) if isinstance(d, int) else d.name + (f" <= {d.most}" if d.most is not None else "")
+                           for d in dims) + "]"
+
+
+def _check_counters(where: str, tensors: dict[str, torch.Tensor], layout: dict[str, TensorSpec], seen: int) -> None:
+    """Counters (``TensorSpec.most``) must lie in ``[0, most]``: a state's offsets and token
+    counts index into its buffers."""
+    for name, spec in layout.items():
+        if spec.most is None or name not in tensors or tensors[name].numel() == 0:
+            continue
+        most = seen if spec.most is COLUMNS else spec.most
+        low, high = int(tensors[name].min()), int(tensors[name].max())
+        if low < 0 or high > most:
+            bound = f"seen_tokens = {seen}" if spec.most is COLUMNS else str(most)
+            raise ValueError(f"{where} tensor {name!r} holds values in [{low}, {high}], allowed: [0, {bound}]")
+
+
+def _token_count(value: Any) -> int:
+    """``value`` as a Python int: an int, or a 0-d integer tensor (what some transformers
+    versions pass), read once; a bool, a float or anything else is a ``TypeError``."""
+    if isinstance(value, torch.Tensor) and value.dim() == 0 and not value.is_floating_point() \
+            and not value.is_complex() and value.dtype != torch.bool:
+        return int(value.item())
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    raise TypeError(f"max_length must be an int or a 0-d integer tensor, got {value!r}")
 
 
 def one_cache(cache: Any, past_key_values: Any) -> Any:

@@ -193,6 +193,11 @@ class TrellisConfig(PreTrainedConfig):
         names = sorted({name for kind in set(self.layer_kinds) for name in MIXER_FIELDS[kind]})
         return {"mixer_types": self.layer_kinds, **{name: getattr(self, name) for name in names}}
 
+    def cache_layouts(self) -> list[dict[str, Any]]:
+        """Each layer's cache entry as its mixer declares it (``Mixer.cache_layout``): tensor
+        names, shapes and dtypes, what :meth:`TrellisCache.load` checks a file against."""
+        return [MIXERS[kind].cache_layout(self) for kind in self.layer_kinds]
+
     def check_fields(self) -> None:
         """Raise a ``ValueError`` naming the first field whose value the model cannot use, and
         set ``layer_types`` from the mixers. Runs when the config is made and again when a
@@ -224,6 +229,8 @@ class TrellisConfig(PreTrainedConfig):
             check(field.name, lambda v: field.valid(v, self), field.describe(self))
         check("op_backend", lambda v: v in OP_BACKENDS, f"one of {OP_BACKENDS}")
         for kind in dict.fromkeys(self.layer_kinds):
+            for field in MIXERS[kind].layer_checks:
+                check(field.name, lambda v: field.valid(v, self), field.describe(self))
             registry = OP_REGISTRIES.get(kind)
             if registry is not None and self.op_backend != "auto" and self.op_backend not in registry:
                 raise ValueError(

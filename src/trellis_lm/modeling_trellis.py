@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import os
 import tempfile
+from functools import partial
 from pathlib import Path
 from typing import Any, Optional, Union
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import GenerationMixin, PreTrainedModel
+from transformers import GenerationMixin, LogitsProcessor, LogitsProcessorList, PreTrainedModel
 from transformers import initialization as init
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
@@ -31,7 +32,7 @@ from .configuration_trellis import TrellisConfig
 from .model_card_trellis import CARD_NAME, hub_card_text, is_generated, write_model_card
 from .mixers import Mixer, build_mixer
 from .mixers.parts import TrellisRMSNorm
-from .mixers.tokens import ValidTokens, document_starts
+from .mixers.tokens import ValidTokens, document_starts, real_tokens
 
 logger = logging.get_logger(__name__)
 
@@ -273,18 +274,42 @@ class TrellisModel(TrellisPreTrainedModel):
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
         batch, length = inputs_embeds.shape[:2]
+        if length == 0:
+            raise ValueError(
+                "the input holds no tokens (input_ids / inputs_embeds with T = 0 columns): a forward needs at least "
+                "one token per row"
+            )
         if use_cache is None:
             use_cache = self.config.use_cache
         past = cache.get_seq_length() if isinstance(cache, TrellisCache) else 0
         cache = self._checked_cache(cache, use_cache, batch)
-        if cache is not None and cache.rollback_window:
-            if length > cache.rollback_window:
-                return self._forward_in_two(
-                    inputs_embeds, attention_mask, cache, position_ids, output_hidden_states, return_dict, kwargs
-                )
-            cache.begin_step(length)
-        starts = document_starts(batch, length, position_ids, **{name: kwargs.get(name) for name in PACKING_ARGS})
-        valid = ValidTokens.from_attention_mask(attention_mask, batch, length, past, starts)
+        run = partial(self._run, inputs_embeds, attention_mask, cache, past, position_ids, output_hidden_states,
+                      return_dict, kwargs)
+        if cache is None:
+            return run()
+        # All or nothing: a failure (or Ctrl-C) in any layer leaves the cache as it was, not
+        # with the layers before it advanced.
+        with cache.all_or_nothing():
+            cache.bind(self.config)
+            if cache.rollback_window:
+                if length > cache.rollback_window:
+                    return self._forward_in_two(
+                        inputs_embeds, attention_mask, cache, position_ids, output_hidden_states, return_dict, kwargs
+                    )
+                cache.begin_step(length)
+            return run()
+
+    def _run(
+        self, inputs_embeds: torch.Tensor, attention_mask: Any, cache: Optional[TrellisCache], past: int,
+        position_ids: Optional[torch.Tensor], output_hidden_states: Optional[bool], return_dict: Optional[bool],
+        kwargs: dict[str, Any],
+    ) -> Union[BaseModelOutputWithPast, tuple]:
+        """The layers on ``inputs_embeds [B, T, D]``, continuing ``cache`` (``past`` columns seen)."""
+        batch, length = inputs_embeds.shape[:2]
+        real = real_tokens(attention_mask, batch, length, past)
+        starts = document_starts(batch, length, position_ids, **{name: kwargs.get(name) for name in PACKING_ARGS},
+                                 real=real)
+        valid = ValidTokens.from_real(real, starts)
 
         hidden_states = inputs_embeds
         all_hidden_states = (hidden_states,) if output_hidden_states else None
@@ -362,6 +387,25 @@ class TrellisModel(TrellisPreTrainedModel):
         return cache
 
 
+# The most draft tokens assisted / prompt-lookup decoding may ask for per verification: the
+# cache keeps that many tokens' layer inputs to roll back, which must not grow with a number
+# (10**6 would keep a whole prompt's).
+MAX_DRAFT_TOKENS = 256
+
+
+class RefuseNonFiniteLogits(LogitsProcessor):
+    """Stops ``generate`` with a ``ValueError`` at the first NaN or +inf logit (-inf is what
+    filtering processors write, so it passes)."""
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        if bool((torch.isnan(scores) | torch.isposinf(scores)).any()):
+            raise ValueError(
+                f"generate() met non-finite logits (NaN or +inf) after {input_ids.shape[1]} tokens: the model's "
+                "weights or inputs hold non-finite values (forward lets them through, as transformers' models do)"
+            )
+        return scores
+
+
 class TrellisForCausalLM(TrellisPreTrainedModel, GenerationMixin):
     """:class:`TrellisModel` with a language-modelling head (untied by default; ``tie_word_embeddings=True`` shares the embedding)."""
 
@@ -425,11 +469,18 @@ class TrellisForCausalLM(TrellisPreTrainedModel, GenerationMixin):
     def generate(self, *args: Any, **kwargs: Any) -> Any:
         """transformers' ``generate``, taking the cache as ``cache`` or ``past_key_values`` with any
         transformers version. Assisted (``assistant_model=``) and prompt-lookup
-        (``prompt_lookup_num_tokens=``) decoding work too: the cache rolls back the rejected draft
-        tokens (see ``TrellisCache.rollback_window``)."""
+        (``prompt_lookup_num_tokens=``, at most ``MAX_DRAFT_TOKENS``) decoding work too: the cache
+        rolls back the rejected draft tokens (see ``TrellisCache.rollback_window``).
+
+        Non-finite logits (NaN or +inf, e.g. from NaN weights) stop it with a ``ValueError`` at
+        the first step that meets them; ``forward`` itself lets them through, as transformers'
+        models do, on every path. A step that fails leaves a given cache after the last step
+        that completed."""
         cache = one_cache(kwargs.pop("cache", None), kwargs.pop("past_key_values", None))
         if cache is not None:
             kwargs[CACHE_ARG] = cache
+        processors = LogitsProcessorList(kwargs.pop("logits_processor", None) or [])
+        kwargs["logits_processor"] = LogitsProcessorList([RefuseNonFiniteLogits(), *processors])
         return super().generate(*args, **kwargs)
 
     def prepare_inputs_for_generation(
@@ -497,12 +548,24 @@ class TrellisForCausalLM(TrellisPreTrainedModel, GenerationMixin):
         inputs and entries.
         """
         cache = one_cache(*(model_kwargs.pop(name, None) for name in CACHE_NAMES))
+        if cache is not None and generation_config.use_cache is False:
+            raise ValueError(
+                "generate() got a cache together with use_cache=False: without a cache it feeds the whole sequence "
+                "at every step, which a given cache would take in again; drop use_cache=False to continue the cache, "
+                "or the cache to generate without one"
+            )
         window = 0
         # The main model of assisted decoding, and its draft model (generate() with is_assistant):
         # the candidate generator crops the draft's cache back to the accepted tokens too.
         if (getattr(generation_mode, "value", generation_mode) == "assisted_generation"
                 or getattr(generation_config, "is_assistant", False)):
             drafts = generation_config.prompt_lookup_num_tokens or generation_config.num_assistant_tokens or 0
+            if drafts > MAX_DRAFT_TOKENS:
+                name = "prompt_lookup_num_tokens" if generation_config.prompt_lookup_num_tokens else "num_assistant_tokens"
+                raise ValueError(
+                    f"{name} must be at most {MAX_DRAFT_TOKENS} for a Trellis model, got {drafts}: the cache keeps the "
+                    "layer inputs of that many tokens to take rejected drafts back"
+                )
             # A verification feeds the drafts and one token and takes back at most the drafts;
             # a draft model's crops reach over as many one-token calls.
             window = drafts + 2

@@ -22,7 +22,7 @@ from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, eager_attention_forward
 
-from ..cache_trellis import AttentionLayerCache, TrellisCache
+from ..cache_trellis import COLUMNS, ROWS, AttentionLayerCache, TensorSpec, TrellisCache
 from .base import Mixer
 from .fields import ROPE_THETA, ConfigField, flag, is_int
 from .tokens import ValidTokens, last_document, token_positions
@@ -52,6 +52,10 @@ class AttentionMixer(Mixer):
         ROPE_THETA,
         flag("attention_bias"),
     )
+    layer_checks = (
+        ConfigField("head_dim", lambda v, c: v % 2 == 0,
+                    "an even integer when a layer is 'attention' (RoPE turns channel pairs)"),
+    )
     is_causal = True  # read by transformers' attention functions
 
     def __init__(self, config: Any, layer_idx: int) -> None:
@@ -63,6 +67,14 @@ class AttentionMixer(Mixer):
         self.k_proj = nn.Linear(hidden, kv_heads * dim, bias=config.attention_bias)
         self.v_proj = nn.Linear(hidden, kv_heads * dim, bias=config.attention_bias)
         self.o_proj = nn.Linear(heads * dim, hidden, bias=False)
+
+    @classmethod
+    def cache_layout(cls, config: Any) -> dict[str, TensorSpec]:
+        """Keys and values ``[B, H_kv, S, d]`` of every column seen (S = the cache's tokens),
+        which columns stay visible, and each row's next position."""
+        columns = TensorSpec((ROWS, config.key_value_heads, COLUMNS, config.head_dim))
+        return {"keys": columns, "values": columns, "visible": TensorSpec((ROWS, COLUMNS), "bool"),
+                "positions": TensorSpec((ROWS,), "int64", most=COLUMNS)}
 
     def forward(self, x: torch.Tensor, valid: Optional[ValidTokens] = None, cache: Optional[TrellisCache] = None) -> torch.Tensor:
         batch, length, _ = x.shape

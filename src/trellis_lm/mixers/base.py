@@ -13,13 +13,13 @@ state is before the first token.
 from __future__ import annotations
 
 from functools import cache, partial
-from typing import Any, Callable, ClassVar, Optional
+from typing import Any, Callable, ClassVar, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..cache_trellis import LayerCache, MemoryLayerCache, TrellisCache
+from ..cache_trellis import ROWS, LayerCache, MemoryLayerCache, TensorSpec, TrellisCache
 from ..ops import OpState
 from ..ops.registry import BackendRegistry
 from .fields import MODEL_FIELDS, ConfigField
@@ -74,6 +74,8 @@ class Mixer(nn.Module):
     # The config fields the mixer's function depends on besides MODEL_FIELDS, with their checks
     # (see .fields): the configuration validates them and a cache remembers them.
     config_fields: ClassVar[tuple[ConfigField, ...]] = ()
+    # Checks of model-wide fields that hold only where a layer of this kind exists.
+    layer_checks: ClassVar[tuple[ConfigField, ...]] = ()
     # The backends of the op the mixer runs (None: no op); config.op_backend must be one of them.
     backends: ClassVar[Optional[BackendRegistry]] = None
 
@@ -95,6 +97,12 @@ class Mixer(nn.Module):
     def init_weights(self, init: Any) -> None:
         """Initialise what the generic ``nn.Linear`` / ``nn.Embedding`` rules do not cover, with
         transformers' ``initialization`` helpers (they skip tensors a checkpoint loaded)."""
+
+    @classmethod
+    def cache_layout(cls, config: Any) -> dict[str, TensorSpec]:
+        """Every tensor of this kind's cache entry in ``config``'s model, by name: its shape and
+        dtype once the layer has seen tokens (what :meth:`TrellisCache.load` checks a file against)."""
+        raise NotImplementedError
 
 
 class MemoryMixer(Mixer):
@@ -118,6 +126,9 @@ class MemoryMixer(Mixer):
     # Whether op_inputs takes q and k through SiLU and a per-head L2 norm: then both are done
     # here, in one call each on q and k side by side, and op_inputs receives them done.
     silu_l2_qk: ClassVar[bool] = False
+    # The config field giving the per-head width of q and k (their short convs' channels are
+    # num_heads times it); None for a mixer without short convs.
+    qk_width: ClassVar[Optional[str]] = None
 
     def __init__(self, config: Any, layer_idx: int) -> None:
         super().__init__(config, layer_idx)
@@ -142,12 +153,36 @@ class MemoryMixer(Mixer):
             init.copy_(self.q_conv.weight, self.q_conv.delay_taps(0))
             init.copy_(self.k_conv.weight, self.k_conv.delay_taps(min(1, self.k_conv.weight.shape[-1] - 1)))
 
-    def _build_convs(self, q_channels: int, k_channels: int) -> None:
+    @classmethod
+    def conv_channels(cls, config: Any) -> Optional[tuple[int, int]]:
+        """The channels of the short convs on q and k: ``num_heads`` times the config field
+        ``qk_width`` each (``None``: the mixer has no convs)."""
+        if cls.qk_width is None:
+            return None
+        width = config.num_heads * getattr(config, cls.qk_width)
+        return width, width
+
+    @classmethod
+    def state_layout(cls, config: Any) -> dict[str, TensorSpec]:
+        """The op state's tensors (see :meth:`cache_layout`)."""
+        raise NotImplementedError
+
+    @classmethod
+    def cache_layout(cls, config: Any) -> dict[str, TensorSpec]:
+        """The short-conv tails ``[B, conv_size - 1, channels]`` (where the layer has convs),
+        then the op state's tensors."""
+        channels = cls.conv_channels(config)
+        tails = {}
+        if channels is not None and config.conv_size > 0:
+            tails = {name: TensorSpec((ROWS, config.conv_size - 1, width)) for name, width in zip(("q_tail", "k_tail"), channels)}
+        return {**tails, **cls.state_layout(config)}
+
+    def _build_convs(self) -> None:
         """Short convs of ``config.conv_size`` taps (0: none) on q and k."""
         width = self.config.conv_size
-        has_conv = width > 0
-        self.q_conv = TrellisShortConv(q_channels, width) if has_conv else None
-        self.k_conv = TrellisShortConv(k_channels, width) if has_conv else None
+        q_channels, k_channels = self.conv_channels(self.config)
+        self.q_conv = TrellisShortConv(q_channels, width) if width > 0 else None
+        self.k_conv = TrellisShortConv(k_channels, width) if width > 0 else None
 
     def _build_output(self) -> None:
         """The read-out: per-head RMSNorm of the op's output, times GELU(g_proj(x)), o_proj."""
@@ -188,24 +223,20 @@ class MemoryMixer(Mixer):
 
     def run_op(self, inputs: tuple[torch.Tensor, ...], initial_state: OpState, keep_state: bool,
                cu_seqlens: Optional[torch.Tensor]) -> tuple[torch.Tensor, Optional[OpState]]:
-        """Call the op (``op``) on ``inputs`` with :meth:`op_settings` and ``config.op_backend``."""
+        """Call the op (``op``) on ``inputs`` with :meth:`op_settings` and ``config.op_backend``.
+
+        Without the op's value checks (``check_values=False``): inside a model the gates come
+        from sigmoids, log-sigmoids over a positive normalizer and exponentials, so only NaN
+        activations could leave their ranges, and a model treats those the same on every path
+        (attention and memory layers, prefill and decode): they propagate to the logits, as in
+        transformers' models, and ``generate`` stops at the first non-finite logits. The checks
+        would also read values back from the device once per layer and call. A carried state's
+        counters are the op's own, or were checked when a cache file was loaded.
+        """
         return type(self).op(
             *inputs, initial_state=initial_state, output_final_state=keep_state, cu_seqlens=cu_seqlens,
-            backend=self.config.op_backend, check_values=self.checks_values(inputs, cu_seqlens), **self.op_settings(),
+            backend=self.config.op_backend, check_values=False, **self.op_settings(),
         )
-
-    @staticmethod
-    def checks_values(inputs: tuple[torch.Tensor, ...], cu_seqlens: Optional[torch.Tensor]) -> bool:
-        """The ops' ``check_values``: False on decode steps (one token per row, unpacked).
-
-        Their range checks read values back from the device, a host sync per layer and token.
-        A step's gates come from sigmoids, log-sigmoids over a positive normalizer and
-        exponentials of activations, so only NaN activations could leave their ranges, and those
-        make the output NaN whatever the check; its state is what the op returned (a Trellis
-        step only compares its offset with 0 and reduces it modulo C). Longer or packed inputs
-        keep the checks, which name NaN activations at their first layer.
-        """
-        return inputs[0].shape[1] > 1 or cu_seqlens is not None
 
     def forward(self, x: torch.Tensor, valid: Optional[ValidTokens] = None, cache: Optional[TrellisCache] = None) -> torch.Tensor:
         entry = cache.layers[self.layer_idx] if cache is not None else None
@@ -223,16 +254,19 @@ class MemoryMixer(Mixer):
                               (entry.q_tail, entry.k_tail, entry.state), replayable=not packed)
         out, q_tail, k_tail, state = mix(x, valid, entry.q_tail, entry.k_tail, entry.state, keep_state=True)
         entry.q_tail, entry.k_tail, entry.state = self._carried(entry.q_tail, entry.k_tail, entry.state,
-                                                                q_tail, k_tail, state)
+                                                                q_tail, k_tail, state, x.shape[0])
         return out
 
     def _carried(self, q_tail: Any, k_tail: Any, state: Any, new_q_tail: Any, new_k_tail: Any,
-                 new_state: Any) -> tuple[Any, Any, Any]:
-        """What the entry carries after a call: the new tails (when there is a conv) and the
-        new state (``None`` when no row had a real token: the old one stands)."""
+                 new_state: Any, rows: int) -> tuple[Any, Any, Any]:
+        """What the entry carries after a call on ``rows`` rows: the new tails (when there is a
+        conv) and the new state (``None`` when no row had a real token: the old one stands, or
+        the initial one, copied, so that every layer that has seen a call holds a whole state)."""
         if self.q_conv is not None:
             q_tail, k_tail = new_q_tail, new_k_tail
-        return q_tail, k_tail, (state if new_state is None else new_state)
+        if new_state is None:
+            new_state = state if state is not None else self.fresh_state(rows).map(torch.clone)
+        return q_tail, k_tail, new_state
 
     @torch.no_grad()
     def replay(self, record: Any) -> tuple[Any, Any, Any]:
@@ -244,7 +278,7 @@ class MemoryMixer(Mixer):
         mask = record.mask
         valid = None if mask is None or bool(mask.all()) else ValidTokens.from_mask(mask)
         _, q_tail, k_tail, state = self.mix(record.x, valid, *record.before, keep_state=True, with_output=False)
-        return self._carried(*record.before, q_tail, k_tail, state)
+        return self._carried(*record.before, q_tail, k_tail, state, record.x.shape[0])
 
     def mix(
         self,
@@ -379,6 +413,13 @@ class MemoryMixer(Mixer):
         if final_state is not None and valid.has_documents:
             final_state = final_state.map(lambda t: t.index_select(0, valid.last_seqs.to(t.device)))
         return o, final_state
+
+
+def chunked_memory_layout(config: Any, memories: Sequence[str]) -> dict[str, TensorSpec]:
+    """The state layout of a chunked slot-memory op (Trellis, Lattice): ``[B, H, M, d]`` memories
+    named ``memories``, then the ``[B]`` offset within the chunk, in ``[0, chunk_size)``."""
+    memory = TensorSpec((ROWS, config.num_heads, config.num_slots, config.head_dim))
+    return {**dict.fromkeys(memories, memory), "offset": TensorSpec((ROWS,), "int64", most=config.chunk_size - 1)}
 
 
 @cache

@@ -8,7 +8,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from ..cache_trellis import KVMLayerCache
+from ..cache_trellis import COLUMNS, ROWS, Dim, KVMLayerCache, TensorSpec
 from ..ops import KVMState, kvm_attention
 from ..ops.kvm import BACKENDS, BUDGETS
 from .base import MemoryMixer, Projections
@@ -89,6 +89,21 @@ class KVMAttention(MemoryMixer):
         self.state_norm_weight = nn.Parameter(torch.ones(heads, dim))
         self.state_norm_bias = nn.Parameter(torch.zeros(heads, dim))
         self.temperature = nn.Parameter(torch.ones(heads, 2))
+
+    @classmethod
+    def state_layout(cls, config: Any) -> dict[str, TensorSpec]:
+        """:class:`~trellis_lm.ops.KVMState`: buffers of ``R <= kvm_state_size`` state rows and
+        ``W' <= kvm_window_chunks * kvm_chunk_size`` window slots (grown with the tokens), and
+        the counters (tokens seen and folded at most the cache's tokens, rows used at most R)."""
+        heads, dim = config.num_heads, config.head_dim
+        rows, slots = Dim("state rows", config.kvm_state_size), Dim("window slots", config.kvm_window_chunks * config.kvm_chunk_size)
+        counter = TensorSpec((ROWS,), "int64", most=COLUMNS)
+        return {
+            "keys": TensorSpec((ROWS, heads, rows, dim)), "values": TensorSpec((ROWS, heads, rows, dim)),
+            "radii": TensorSpec((ROWS, heads, rows)), "used": TensorSpec((ROWS,), "int64", most=config.kvm_state_size),
+            "window_k": TensorSpec((ROWS, heads, slots, dim)), "window_v": TensorSpec((ROWS, heads, slots, dim)),
+            "window_g": TensorSpec((ROWS, heads, slots)), "seen": counter, "covered": counter,
+        }
 
     def op_inputs(self, proj: Projections, q: torch.Tensor, k: torch.Tensor, valid: Optional[ValidTokens] = None,
                   state: Optional[KVMState] = None) -> tuple[torch.Tensor, ...]:

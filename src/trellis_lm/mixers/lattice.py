@@ -8,10 +8,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..cache_trellis import LatticeLayerCache
+from ..cache_trellis import LatticeLayerCache, TensorSpec
 from ..ops import LATTICE_VARIANTS, LatticeState, lattice_attention
 from ..ops.lattice import BACKENDS
-from .base import MemoryMixer, Projections
+from .base import MemoryMixer, Projections, chunked_memory_layout
 from .fields import CHUNK_SIZE, CONV_SIZE, NUM_SLOTS, choice
 from .parts import at_least_float32, l2_normalize
 
@@ -33,6 +33,7 @@ class LatticeAttention(MemoryMixer):
     op = staticmethod(lattice_attention)
     config_fields = (NUM_SLOTS, CHUNK_SIZE, choice("lattice_variant", LATTICE_VARIANTS), CONV_SIZE)
     silu_l2_qk = True
+    qk_width = "num_slots"
 
     def __init__(self, config: Any, layer_idx: int) -> None:
         super().__init__(config, layer_idx)
@@ -42,8 +43,13 @@ class LatticeAttention(MemoryMixer):
         self.v_proj = nn.Linear(hidden, heads * dim, bias=False)
         self.gamma_proj = nn.Linear(hidden, heads, bias=True)
         self._build_output()
-        self._build_convs(heads * slots, heads * slots)
+        self._build_convs()
         self.s0 = nn.Parameter(torch.empty(heads, slots, dim))
+
+    @classmethod
+    def state_layout(cls, config: Any) -> dict[str, TensorSpec]:
+        """:class:`~trellis_lm.ops.LatticeState`: ``[B, H, M, d]`` memory and anchor, the offset in ``[0, C)``."""
+        return chunked_memory_layout(config, ("memory", "anchor"))
 
     def op_inputs(self, proj: Projections, q: torch.Tensor, k: torch.Tensor, valid: Any = None,
                   state: Any = None) -> tuple[torch.Tensor, ...]:

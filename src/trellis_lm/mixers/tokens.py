@@ -79,42 +79,28 @@ class ValidTokens:
         """Read the current ``length`` tokens' validity and documents; ``None`` when all tokens
         are real and form one document per row.
 
-        ``attention_mask`` is ``None``, a ``[B, past + T]`` tensor (its last T columns are the
-        current tokens; ``past`` is what the cache has taken in, and another width is a
-        ``ValueError``), or a dict holding such a tensor (``generate`` passes masks as
-        ``{"<layer type>": mask}`` for some caches). ``starts`` (``[B or 1, T]`` bool, from
+        ``attention_mask`` as :func:`real_tokens` reads it; ``starts`` (``[B or 1, T]`` bool, from
         :func:`document_starts`) marks tokens that open a packed document; it counts only at a
         real token that is not its row's first real token.
         """
-        if isinstance(attention_mask, dict):
-            attention_mask = next((m for m in attention_mask.values() if isinstance(m, torch.Tensor)), None)
-        if attention_mask is None and starts is None:
+        return cls.from_real(real_tokens(attention_mask, batch, length, past), starts, batch, length)
+
+    @classmethod
+    def from_real(cls, real: Optional[torch.Tensor], starts: Optional[torch.Tensor], batch: Optional[int] = None,
+                  length: Optional[int] = None) -> Optional["ValidTokens"]:
+        """From the real tokens ``real [B, T]`` (``None``: all real, then ``starts`` or ``batch``
+        and ``length`` give the shape) and the document ``starts`` (see :meth:`from_attention_mask`)."""
+        if real is None and starts is None:
             return None
-        if attention_mask is not None and (
-            attention_mask.dim() != 2 or attention_mask.shape[0] != batch or attention_mask.shape[1] != past + length
-        ):
-            raise ValueError(
-                f"attention_mask must be a 2-D padding mask [B = {batch}, past + T = {past} + {length}] with 0 at "
-                f"padding (past: the tokens the cache has taken in), got shape {tuple(attention_mask.shape)}"
-            )
-        if attention_mask is None:
-            mask = torch.ones(batch, length, dtype=torch.bool, device=starts.device)
-        else:
-            current = attention_mask[:, past:]
-            if current.dtype != torch.bool and bool(((current != 0) & (current != 1)).any()):
-                # -1, 0.5 or NaN would silently count as real tokens.
-                raise ValueError(
-                    "attention_mask must hold 1 at real tokens and 0 at padding, got values "
-                    f"{sorted(set(current.flatten().tolist()))[:8]}"
-                )
-            mask = current.bool()
+        if real is None:
+            real = torch.ones(batch or starts.shape[0], length or starts.shape[1], dtype=torch.bool, device=starts.device)
         doc_starts = None
         if starts is not None:
-            doc_starts = mask & starts.to(mask.device) & (mask.cumsum(dim=1) > 1)
+            doc_starts = real & starts.to(real.device) & (real.cumsum(dim=1) > 1)
             doc_starts = doc_starts if bool(doc_starts.any()) else None
-        if doc_starts is None and bool(mask.all()):
+        if doc_starts is None and bool(real.all()):
             return None
-        return cls.from_mask(mask, doc_starts)
+        return cls.from_mask(real, doc_starts)
 
     @property
     def has_documents(self) -> bool:
@@ -140,6 +126,41 @@ class ValidTokens:
         return self.order.view(self.order.shape + (1,) * (x.dim() - 2)).expand_as(x)
 
 
+def real_tokens(attention_mask: Any, batch: int, length: int, past: int = 0) -> Optional[torch.Tensor]:
+    """``[B, T]`` bool, True at the current ``length`` tokens that are real, or ``None`` when
+    no mask was given.
+
+    ``attention_mask`` is ``None``, a ``[B, past + T]`` tensor of 1 (real) and 0 (padding) (its
+    last T columns are the current tokens; ``past`` is what the cache has taken in, and another
+    width is a ``ValueError``), or a dict holding such a tensor (``generate`` passes masks as
+    ``{"<layer type>": mask}`` for some caches).
+    """
+    if isinstance(attention_mask, dict):
+        attention_mask = next((m for m in attention_mask.values() if isinstance(m, torch.Tensor)), None)
+    if attention_mask is None:
+        return None
+    if attention_mask.dim() != 2 or attention_mask.shape[0] != batch or attention_mask.shape[1] != past + length:
+        raise ValueError(
+            f"attention_mask must be a 2-D padding mask [B = {batch}, past + T = {past} + {length}] with 0 at "
+            f"padding (past: the tokens the cache has taken in), got shape {tuple(attention_mask.shape)}"
+        )
+    current = attention_mask[:, past:]
+    if current.dtype != torch.bool and bool(((current != 0) & (current != 1)).any()):
+        # -1, 0.5 or NaN would silently count as real tokens.
+        raise ValueError(
+            "attention_mask must hold 1 at real tokens and 0 at padding, got values "
+            f"{sorted(set(current.flatten().tolist()))[:8]}"
+        )
+    return current.bool()
+
+
+def _previous_real(real: torch.Tensor) -> torch.Tensor:
+    """``[B, T]`` the index of the last real token before each token in its row (-1: none)."""
+    index = torch.arange(real.shape[1], device=real.device).expand_as(real)
+    last = torch.where(real, index, -1).cummax(dim=1).values
+    return F.pad(last[:, :-1], (1, 0), value=-1)
+
+
 def document_starts(
     batch: int,
     length: int,
@@ -149,17 +170,41 @@ def document_starts(
     max_length_q: Optional[int] = None,
     max_length_k: Optional[int] = None,
     seq_idx: Optional[torch.Tensor] = None,
+    *,
+    real: Optional[torch.Tensor] = None,
 ) -> Optional[torch.Tensor]:
-    """``[B or 1, T]`` bool, True where a packed document starts among the current ``length``
-    tokens, from whichever of transformers' packing conventions the caller gave; ``None``
-    when none was given. Several given must agree, else a ``ValueError``: a disagreement means
-    the documents are not what one of them says.
+    """``[B, T]`` bool, True at the real tokens that start a packed document among the
+    current ``length`` tokens, from whichever of transformers' packing conventions the caller
+    gave; ``None`` when none was given. Several given must agree, else a ``ValueError``: a
+    disagreement means the documents are not what one of them says.
 
-    * ``position_ids`` ``[B or 1, T]`` or ``[B or 1, past + T]``: a 0 starts a document;
-    * ``cu_seq_lens_q`` / ``cu_seq_lens_k`` ``[N + 1]`` (flash-attention packing, batch 1):
-      document offsets from 0 to T, and ``max_length_q`` / ``max_length_k`` the longest one;
-    * ``seq_idx`` ``[B or 1, T]``: each token's document index; a change starts a document.
+    Boundaries are read at the real tokens (``real [B, T]``, ``None``: all are real), so a
+    document that starts with padding starts at its first real token:
+
+    * ``position_ids`` ``[B or 1, T]`` or ``[B or 1, past + T]``: a real token whose position is
+      not above the previous real token's starts a document (0 after anything does; padding's
+      positions are not read, so left padding counted in the positions changes nothing);
+    * ``cu_seq_lens_q`` / ``cu_seq_lens_k`` ``[N + 1]`` integer (flash-attention packing, batch
+      1): document offsets rising from 0 to T, and ``max_length_q`` / ``max_length_k`` the
+      longest one;
+    * ``seq_idx`` ``[B or 1, T]`` integer, non-decreasing along each row: each token's document
+      index; a change starts a document.
     """
+    given = [t for t in (position_ids, cu_seq_lens_q, cu_seq_lens_k, seq_idx) if isinstance(t, torch.Tensor)]
+    if not given and max_length_q is None and max_length_k is None:
+        return None
+    if real is None:
+        real = torch.ones(batch, length, dtype=torch.bool, device=given[0].device if given else None)
+    previous = _previous_real(real)
+    # A row's first real token continues the row (the cache, or the initial memories): only
+    # real tokens after another can start a document.
+    can_start = real & (previous >= 0)
+
+    def at_real_tokens(flags: torch.Tensor) -> torch.Tensor:
+        """Start flags at any token -> at the first real token at or after each flag."""
+        count = flags.expand(batch, -1).to(real.device).long().cumsum(dim=1)
+        return can_start & (count > count.gather(1, previous.clamp(min=0)))
+
     candidates: dict[str, torch.Tensor] = {}
     if position_ids is not None:
         if position_ids.dim() != 2 or position_ids.shape[0] not in (1, batch) or position_ids.shape[1] < length:
@@ -167,12 +212,15 @@ def document_starts(
                 f"position_ids must be 2-D [B = {batch} or 1, T = {length} or past + T], restarting at 0 where a "
                 f"packed document starts, got shape {tuple(position_ids.shape)}"
             )
-        candidates["position_ids"] = position_ids[:, -length:] == 0
+        positions = position_ids[:, -length:].expand(batch, -1).to(real.device)
+        candidates["position_ids"] = can_start & (positions <= positions.gather(1, previous.clamp(min=0)))
     for name, offsets, longest in (("cu_seq_lens_q", cu_seq_lens_q, max_length_q), ("cu_seq_lens_k", cu_seq_lens_k, max_length_k)):
         if offsets is None:
             if longest is not None:
                 raise ValueError(f"max_length_{name[-1]} is only read with {name} (flash-attention packing)")
             continue
+        if isinstance(offsets, torch.Tensor) and (offsets.is_floating_point() or offsets.dtype == torch.bool):
+            raise ValueError(f"{name} must be a 1-D integer tensor of document offsets, got dtype {offsets.dtype}")
         bounds = offsets.tolist() if isinstance(offsets, torch.Tensor) and offsets.dim() == 1 else None
         if batch != 1 or not bounds or bounds[0] != 0 or bounds[-1] != length or any(b < a for a, b in zip(bounds, bounds[1:])):
             raise ValueError(
@@ -183,16 +231,22 @@ def document_starts(
             raise ValueError(f"max_length_{name[-1]} = {longest} is not the longest document of {name} ({bounds})")
         flags = torch.zeros(1, length, dtype=torch.bool, device=offsets.device)
         flags[0, [b for b in bounds[:-1] if b < length]] = True
-        candidates[name] = flags
+        candidates[name] = at_real_tokens(flags)
     if seq_idx is not None:
         if seq_idx.dim() != 2 or seq_idx.shape[0] not in (1, batch) or seq_idx.shape[1] != length:
             raise ValueError(f"seq_idx must be 2-D [B = {batch} or 1, T = {length}], got shape {tuple(seq_idx.shape)}")
-        candidates["seq_idx"] = F.pad(seq_idx[:, 1:] != seq_idx[:, :-1], (1, 0), value=True)
+        steps = seq_idx[:, 1:] - seq_idx[:, :-1] if not (seq_idx.is_floating_point() or seq_idx.dtype == torch.bool) else None
+        if steps is None or bool((steps < 0).any()):
+            raise ValueError(
+                "seq_idx must hold integer document indices, non-decreasing along each row (one document after "
+                f"another), got {seq_idx.tolist() if seq_idx.numel() <= 32 else seq_idx.dtype}"
+            )
+        candidates["seq_idx"] = at_real_tokens(F.pad(steps != 0, (1, 0), value=True))
     if not candidates:
         return None
     (first, starts), *others = candidates.items()
     for name, flags in others:
-        if not torch.equal(starts.expand(batch, -1), flags.to(starts.device).expand(batch, -1)):
+        if not torch.equal(starts, flags):
             raise ValueError(f"{name} and {first} describe different packed documents")
     return starts
 

@@ -10,10 +10,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..cache_trellis import TrellisLayerCache
+from ..cache_trellis import TensorSpec, TrellisLayerCache
 from ..ops import COMPRESS_FNS, MIX_FNS, TrellisState, trellis_attention
 from ..ops.trellis import BACKENDS
-from .base import MemoryMixer, Projections
+from .base import MemoryMixer, Projections, chunked_memory_layout
 from .fields import CHUNK_SIZE, CONV_SIZE, NUM_SLOTS, choice, flag, positive
 from .parts import at_least_float32, l2_normalize
 
@@ -56,6 +56,7 @@ class TrellisAttention(MemoryMixer):
     )
     compilable = True
     silu_l2_qk = True
+    qk_width = "head_dim"
     fusable_projections = ("q_proj", "k_proj", "v_proj", "alpha_proj", "g_proj", "beta_proj", "gamma_proj")
 
     def __init__(self, config: Any, layer_idx: int) -> None:
@@ -68,9 +69,14 @@ class TrellisAttention(MemoryMixer):
         self.beta_proj = nn.Linear(hidden, heads, bias=True) if config.use_forget_gate else None
         self.gamma_proj = nn.Linear(hidden, heads, bias=True)
         self._build_output()
-        self._build_convs(heads * dim, heads * dim)
+        self._build_convs()
         self.mk0 = nn.Parameter(torch.empty(heads, slots, dim))
         self.mv0 = nn.Parameter(torch.empty(heads, slots, dim))
+
+    @classmethod
+    def state_layout(cls, config: Any) -> dict[str, TensorSpec]:
+        """:class:`~trellis_lm.ops.TrellisState`: four ``[B, H, M, d]`` memories, the offset in ``[0, C)``."""
+        return chunked_memory_layout(config, ("m_k", "m_v", "anchor_k", "anchor_v"))
 
     def op_inputs(self, proj: Projections, q: torch.Tensor, k: torch.Tensor, valid: Any = None,
                   state: Any = None) -> tuple[torch.Tensor, ...]:
