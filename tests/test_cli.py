@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import io
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+import transformers
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from tiny_models import tiny_model
 from trellis_lm import TrellisForCausalLM, train_tokenizer
@@ -25,6 +28,18 @@ def checkpoint(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("cli-model")
     tiny_model(seed=4, vocab_size=300).save_pretrained(folder)
     train_tokenizer(["hello world", "hello there", "the memory is fixed"] * 10, vocab_size=300).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory) -> Path:
+    """A tiny Llama checkpoint to convert."""
+    folder = tmp_path_factory.mktemp("cli-llama") / "llama"
+    config = LlamaConfig(vocab_size=300, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                         num_key_value_heads=2, intermediate_size=64)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    train_tokenizer(["hello world"] * 10, vocab_size=300).save_pretrained(folder)
     return folder
 
 
@@ -123,3 +138,201 @@ def test_bench_quick(capsys, monkeypatch):
         torch.set_num_threads(threads)
     out = capsys.readouterr().out
     assert "torch is" in out and "Llama/Trellis" in out
+
+
+# ----------------------------------------------------------------------------- bad arguments
+
+
+def exit_status(argv: list[str]) -> int:
+    """``main(argv)``'s exit status, whether it returns it or argparse raises it."""
+    try:
+        return main(argv)
+    except SystemExit as exit:
+        return exit.code
+
+
+def files_under(folder: Path) -> dict[str, bytes]:
+    """Every file under ``folder`` (relative path -> bytes), and every folder (-> b"")."""
+    return {str(p.relative_to(folder)): p.read_bytes() if p.is_file() else b"" for p in sorted(folder.rglob("*"))}
+
+
+def assert_one_line_naming(err: str, argument: str) -> None:
+    assert "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    assert lines and argument in lines[-1] and "error:" in lines[-1], err
+
+
+BAD_ARGUMENTS = [
+    (["generate", "{tmp}/missing", "hi"], "argument model"),
+    (["generate", "missing/folder/here", "hi"], "argument model"),
+    (["generate", "{tmp}/empty", "hi"], "argument model"),
+    (["generate", "{tmp}/notes.txt", "hi"], "argument model"),
+    (["generate", "{ckpt}"], "argument prompts"),  # standard input is empty
+    (["generate", "{ckpt}", "hi", "--max-new-tokens", "-1"], "--max-new-tokens"),
+    (["generate", "{ckpt}", "hi", "--max-new-tokens", "0"], "--max-new-tokens"),
+    (["generate", "{ckpt}", "hi", "--num-beams", "0"], "--num-beams"),
+    (["generate", "{ckpt}", "hi", "--top-k", "0"], "--top-k"),
+    (["generate", "{ckpt}", "hi", "--top-p", "1.5"], "--top-p"),
+    (["generate", "{ckpt}", "hi", "--temperature", "0"], "--temperature"),
+    (["generate", "{ckpt}", "hi", "--seed", "-1"], "--seed"),
+    (["generate", "{ckpt}", "hi", "--dtype", "float17"], "--dtype"),
+    (["generate", "{ckpt}", "hi", "--device", "toaster"], "--device"),
+    (["generate", "{ckpt}", "hi", "--bogus"], "--bogus"),
+    (["train", "pretrain", "--bogus", "1"], "--bogus"),
+    (["train", "pretrain", "--max_steps", "many"], "--max_steps"),
+    (["train", "pretrain", "--per_device_train_batch_size", "0"], "--per_device_train_batch_size"),
+    (["train", "pretrain", "--data_files", "{tmp}/missing.txt"], "--data_files"),
+    (["train", "finetune", "--model", "{tmp}/missing"], "--model"),
+    (["train", "finetune", "--model", "{tmp}/empty"], "--model"),
+    (["train", "finetune", "--lora", "--lora_rank", "0"], "--lora_rank"),
+    (["train", "distill"], "argument recipe"),
+    (["eval", "{tmp}/missing"], "argument model"),
+    (["eval", "{ckpt}", "--batch-size", "0"], "--batch-size"),
+    (["eval", "{ckpt}", "--batch-size", "auto:x"], "--batch-size"),
+    (["eval", "{ckpt}", "--limit", "0"], "--limit"),
+    (["eval", "{ckpt}", "--num-fewshot", "-1"], "--num-fewshot"),
+    (["eval", "{ckpt}", "--max-length", "0"], "--max-length"),
+    (["eval", "{ckpt}", "--dtype", "float17"], "--dtype"),
+    (["eval", "{ckpt}", "--include-path", "{tmp}/missing"], "--include-path"),
+    (["eval", "{ckpt}", "--output", "{tmp}/missing/results.json"], "--output"),
+    (["eval", "{ckpt}", "--tasks", "no_such_task"], "--tasks"),
+    (["bench", "--threads", "0"], "--threads"),
+    (["bench", "--threads", "two"], "--threads"),
+    (["bench", "--bogus"], "--bogus"),
+    (["convert", "{tmp}/missing", "{tmp}/out"], "argument src"),
+    (["convert", "{tmp}/empty", "{tmp}/out"], "argument src"),
+    (["convert", "{llama}", "{tmp}/notes.txt"], "argument dst"),
+    (["convert", "{llama}", "{tmp}/notes.txt", "--overwrite"], "argument dst"),
+    (["convert", "{llama}", "{tmp}/notes.txt/out"], "argument dst"),
+    (["convert", "{tmp}/model.gguf", "{tmp}", "--overwrite"], "argument dst"),  # would delete the GGUF file
+    (["convert", "{llama}", "{tmp}/out", "--num-slots", "0"], "--num-slots"),
+    (["convert", "{llama}", "{tmp}/out", "--distill", "--data", "{tmp}/missing.txt"], "--data"),
+    (["convert", "{llama}", "{tmp}/out", "--distill", "--lora-rank", "-1"], "--lora-rank"),
+]
+
+
+@pytest.mark.parametrize("argv, argument", BAD_ARGUMENTS, ids=[" ".join(argv) for argv, _ in BAD_ARGUMENTS])
+def test_bad_arguments_exit_2_with_one_line_and_write_nothing(capsys, monkeypatch, tmp_path, checkpoint, llama,
+                                                              argv, argument):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "notes.txt").write_text("not a checkpoint")
+    (tmp_path / "model.gguf").write_bytes(b"GGUF")
+    monkeypatch.chdir(tmp_path)  # a command's default outputs (outputs/..., DST-distill) would land here
+    monkeypatch.setattr(sys, "stdin", io.StringIO(""))
+    before = files_under(tmp_path)
+    argv = [a.format(tmp=tmp_path, ckpt=checkpoint, llama=llama) for a in argv]
+    assert exit_status(argv) == 2
+    assert_one_line_naming(capsys.readouterr().err, argument)
+    assert files_under(tmp_path) == before
+
+
+@pytest.mark.parametrize(
+    "argv, argument",
+    [(["generate", "org/name", "hi"], "argument model"), (["eval", "org/name"], "argument model"),
+     (["train", "finetune", "--model", "org/name"], "argument --model")],
+)
+def test_a_hub_id_that_does_not_load_exits_2_with_one_line(capsys, monkeypatch, tmp_path, argv, argument):
+    def not_found(*args, **kwargs):
+        raise OSError("org/name is not a local folder and is not a valid model identifier\n"
+                      "If this is a private repository, make sure to pass a token")
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", not_found)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", not_found)
+    monkeypatch.chdir(tmp_path)
+    assert exit_status(argv) == 2
+    err = capsys.readouterr().err
+    assert_one_line_naming(err, argument)
+    assert "not a valid model identifier" in err and "private repository" not in err
+    assert not any(tmp_path.iterdir())
+
+
+# ----------------------------------------------------------------------------- convert: never into its source
+
+
+def convert_argv(src: Path, dst: Path, *more: str) -> list[str]:
+    return ["convert", str(src), str(dst), "--num-slots", "8", "--chunk-size", "8", *more]
+
+
+@pytest.mark.parametrize("dst", ["same", "symlink", "inside", "holding", "holding-overwrite"])
+def test_convert_never_writes_into_its_source(capsys, tmp_path, llama, dst):
+    src = tmp_path / "L"
+    src.mkdir()
+    for file in llama.iterdir():
+        (src / file.name).write_bytes(file.read_bytes())
+    (tmp_path / "link").symlink_to(src, target_is_directory=True)
+    target, more = {
+        "same": (src, []), "symlink": (tmp_path / "link", []), "inside": (src / "out", []),
+        "holding": (tmp_path, []), "holding-overwrite": (tmp_path, ["--overwrite"]),
+    }[dst]
+    before = files_under(tmp_path)
+    assert exit_status(convert_argv(src, target, *more)) == 2
+    err = capsys.readouterr().err
+    assert_one_line_naming(err, "argument dst")
+    assert len(err.strip().splitlines()) == 1
+    assert files_under(tmp_path) == before  # every file of L byte for byte, and nothing beside it
+
+
+def test_convert_keeps_distillation_checkpoints_out_of_its_source(capsys, tmp_path, llama):
+    texts = tmp_path / "texts.txt"
+    texts.write_text("hello world")
+    src = tmp_path / "m-distill"  # the default work dir of DST "m"
+    src.mkdir()
+    for file in llama.iterdir():
+        (src / file.name).write_bytes(file.read_bytes())
+    # Short stages, in case a run is let through.
+    distill = ("--distill", "--data", str(texts), "--stage1-steps", "1", "--stage2-steps", "1", "--cpu")
+    before = files_under(tmp_path)
+    assert exit_status(convert_argv(src, tmp_path / "m", *distill)) == 2
+    assert_one_line_naming(capsys.readouterr().err, "argument --work-dir")
+    for work in (src / "work", tmp_path / "out" / "work"):
+        assert exit_status(convert_argv(src, tmp_path / "out", *distill, "--work-dir", str(work))) == 2
+        assert_one_line_naming(capsys.readouterr().err, "argument --work-dir")
+    assert files_under(tmp_path) == before
+
+
+def test_convert_replaces_a_non_empty_destination_only_with_overwrite(capsys, tmp_path, llama):
+    dst = tmp_path / "out"
+    dst.mkdir()
+    (dst / "old.txt").write_text("keep me")
+    assert exit_status(convert_argv(llama, dst)) == 2
+    assert_one_line_naming(capsys.readouterr().err, "--overwrite")
+    assert files_under(tmp_path) == {"out": b"", "out/old.txt": b"keep me"}
+
+    assert exit_status(convert_argv(llama, dst, "--overwrite")) == 0
+    assert not (dst / "old.txt").exists()
+    assert json.loads((dst / "config.json").read_text())["model_type"] == "trellis"
+    assert type(AutoModelForCausalLM.from_pretrained(dst)) is TrellisForCausalLM
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]  # no staging folder left beside it
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert exit_status(convert_argv(llama, empty)) == 0  # an empty folder is no one's work
+    assert (empty / "config.json").is_file()
+
+
+@pytest.mark.parametrize("interruption", [KeyboardInterrupt, RuntimeError])
+@pytest.mark.parametrize("existing", [False, True], ids=["new", "overwrite"])
+def test_a_conversion_that_stops_halfway_leaves_no_partial_model(monkeypatch, tmp_path, llama, interruption,
+                                                                  existing):
+    def stop(*args, **kwargs):  # after the weights are saved, before the tokenizer is copied
+        raise interruption("stopped")
+
+    monkeypatch.setattr("trellis_lm.conversion.llama.copy_tokenizer", stop)
+    dst = tmp_path / "out"
+    if existing:
+        dst.mkdir()
+        (dst / "old.txt").write_text("previous model")
+    before = files_under(tmp_path)
+    with pytest.raises(interruption):
+        main(convert_argv(llama, dst, "--overwrite"))
+    assert files_under(tmp_path) == before  # the old folder as it was (or none), no staging folder
+
+
+def test_convert_to_the_source_in_a_real_process(tmp_path, llama):
+    """The console script itself: status 2, one line, no traceback."""
+    before = files_under(llama)
+    run = subprocess.run([sys.executable, "-m", "trellis_lm", "convert", str(llama), str(llama)],
+                         capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert run.returncode == 2, run.stderr
+    assert run.stderr.strip().splitlines() == [run.stderr.strip()] and "argument dst" in run.stderr
+    assert files_under(llama) == before

@@ -250,6 +250,16 @@ def test_rejects_conflicting_overrides(tmp_path, overrides, message):
         convert_llama_to_trellis(tmp_path, tmp_path / "out", **overrides)
 
 
+@pytest.mark.parametrize("dst", ["same", "inside", "holding"])
+def test_never_writes_into_its_source(tmp_path, dst):
+    make_teacher("llama", tmp_path / "teacher")
+    before = {p: p.read_bytes() for p in (tmp_path / "teacher").iterdir()}
+    target = {"same": tmp_path / "teacher", "inside": tmp_path / "teacher" / "out", "holding": tmp_path}[dst]
+    with pytest.raises(ValueError, match="a conversion never writes into its source"):
+        convert_llama_to_trellis(tmp_path / "teacher", target, **SMALL_MEMORY)
+    assert {p: p.read_bytes() for p in (tmp_path / "teacher").iterdir()} == before
+
+
 def test_rejects_a_folder_without_a_checkpoint(tmp_path):
     with pytest.raises(ValueError, match="not a local checkpoint folder"):
         convert_llama_to_trellis(tmp_path / "missing", tmp_path / "out")
@@ -381,8 +391,9 @@ def test_cli_converts_and_distils(llm_like_teacher, tmp_path):
     assert run_cli(folder, dst, "--num-slots", 8, "--chunk-size", 8, "--set", "compress_fn=l2norm") == 0
     assert json.loads((dst / "config.json").read_text())["compress_fn"] == "l2norm"
 
+    # --overwrite: DST holds the plain conversion (and then the distilled model) from the run before.
     distill = ("--num-slots", 8, "--chunk-size", 8, "--distill", "--data", texts, "--block-size", 16,
-               "--batch-size", 4, "--stage1-steps", 2, "--stage2-steps", 2, "--cpu")
+               "--batch-size", 4, "--stage1-steps", 2, "--stage2-steps", 2, "--cpu", "--overwrite")
     assert run_cli(folder, dst, *distill) == 0
     distilled = AutoModelForCausalLM.from_pretrained(dst)
     assert distilled.model.layers[0].self_attn.g_proj.weight.any()  # trained away from its zero start

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from .cache_trellis import CACHE_ARG
+from .cli import int_at_least
 from .configuration_trellis import TrellisConfig
 from .modeling_trellis import TrellisForCausalLM
 from .ops import trellis_attention
@@ -157,7 +158,7 @@ def bench_decode(contexts: list[int], rounds: int, **size) -> list[str]:
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     """The benchmark's options (shared by ``trellis-lm bench`` and ``benchmarks/bench_cpu.py``)."""
     parser.add_argument("--quick", action="store_true", help="small sizes: checks the benchmark runs (seconds)")
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads(),
+    parser.add_argument("--threads", type=int_at_least(1), default=torch.get_num_threads(),
                         help="torch CPU threads (default: %(default)s)")
 
 

@@ -9,21 +9,167 @@
 
 Each command's ``--help`` explains it. ``python -m trellis_lm`` runs the same. Heavy imports
 (transformers' Trainer, lm-eval, the conversion code) happen inside the commands.
+
+Exit status: 0 on success; 2 for a bad argument or input, reported as one line on standard error
+that names the argument (``trellis-lm generate: error: argument --num-beams: expected an integer
+>= 1, got '0'``) before anything is written; 1 for a failure while running (conversion unavailable
+in this installation, or an unexpected error with its traceback).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import io
 import json
+import math
+import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, TypeVar, Union
 
 from . import __version__
 
 Handler = Callable[[argparse.Namespace], int]
+T = TypeVar("T")
+
+BAD_ARGUMENTS = 2  # exit status; argparse's own for a command line it cannot parse
+DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
+# What the Hub accepts as a repository id: "name" or "namespace/name". A path that does not exist
+# and cannot be one is a local path with a typo, which can be refused without asking the Hub.
+_HUB_ID = re.compile(r"[\w-][\w.-]*(/[\w-][\w.-]*)?")
+_GLOB_CHARACTERS = frozenset("*?[")
+# Recipe and TrainingArguments fields that HfArgumentParser types but does not bound, and that
+# fail only once a model is built and data is read (batch size 0, ...).
+_TRAINING_MINIMUMS = {
+    "per_device_train_batch_size": 1, "gradient_accumulation_steps": 1, "max_length": 1, "vocab_size": 1,
+    "shuffle_buffer": 1, "tokenizer_documents": 1, "lora_rank": 1,
+}
+
+
+# ----------------------------------------------------------------------------- errors and argument types
+
+
+class CommandLineError(Exception):
+    """A bad argument found after parsing (a model that does not load, an unknown task, ...):
+    :func:`main` reports it as one line and returns :data:`BAD_ARGUMENTS`."""
+
+
+def report_error(prog: str, message: str) -> int:
+    """Print ``PROG: error: MESSAGE`` as one line on stderr; returns :data:`BAD_ARGUMENTS`."""
+    print(f"{prog}: error: {first_line(message)}", file=sys.stderr)
+    return BAD_ARGUMENTS
+
+
+def first_line(message: object) -> str:
+    """The first non-blank line of ``message``: library errors (transformers' OSErrors) append
+    paragraphs of advice that would break the one-line contract."""
+    return next((line.strip() for line in str(message).splitlines() if line.strip()), str(message))
+
+
+@contextlib.contextmanager
+def blame(argument: str, *errors: type[BaseException]) -> Iterator[None]:
+    """Report ``errors`` raised in the block as a bad ``argument`` (:class:`CommandLineError`)."""
+    try:
+        yield
+    except errors as error:
+        raise CommandLineError(f"argument {argument}: {first_line(error)}") from None
+
+
+def _checked(parse: Callable[[str], T], accept: Callable[[T], bool], expected: str) -> Callable[[str], T]:
+    def checked(text: str) -> T:
+        try:
+            value = parse(text)
+            if accept(value):
+                return value
+        except ValueError:
+            pass
+        # ArgumentTypeError's text is argparse's whole message; a ValueError would only say "invalid".
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+
+    return checked
+
+
+def int_at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse ``type``: an integer >= ``minimum``."""
+    return _checked(int, lambda value: value >= minimum, f"an integer >= {minimum}")
+
+
+def float_above(minimum: float, maximum: Optional[float] = None) -> Callable[[str], float]:
+    """An argparse ``type``: a finite number > ``minimum`` (and <= ``maximum`` when given)."""
+    expected = f"a number > {minimum:g}" if maximum is None else f"a number in ({minimum:g}, {maximum:g}]"
+    return _checked(
+        float, lambda value: math.isfinite(value) and value > minimum and (maximum is None or value <= maximum),
+        expected,
+    )
+
+
+def probability(text: str) -> float:
+    """An argparse ``type``: a number in [0, 1]."""
+    return _checked(float, lambda value: 0 <= value <= 1, "a number in [0, 1]")(text)
+
+
+def checkpoint_problem(text: str) -> Optional[str]:
+    """Why ``text`` cannot be a checkpoint folder or Hub id, as far as the disk tells (``None``:
+    it may be one; a Hub id is only checked when it is loaded)."""
+    path = Path(text)
+    if path.is_dir():
+        return None if (path / "config.json").is_file() else f"{text} has no config.json: expected a checkpoint folder"
+    if path.exists():
+        return f"{text} is a file: expected a checkpoint folder or Hub id"
+    if not _HUB_ID.fullmatch(text):
+        return f"{text} does not exist: expected a checkpoint folder or Hub id"
+    return None
+
+
+def checkpoint(text: str) -> str:
+    """An argparse ``type``: a checkpoint folder (with ``config.json``) or a Hub id."""
+    problem = checkpoint_problem(text)
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
+    return text
+
+
+def existing_folder(text: str) -> str:
+    """An argparse ``type``: a folder that exists."""
+    if not Path(text).is_dir():
+        raise argparse.ArgumentTypeError(f"expected an existing folder, got {text!r}")
+    return text
+
+
+def output_file(text: str) -> str:
+    """An argparse ``type``: a file to write at the end of a run, checked now so a long run does
+    not end without its output."""
+    path = Path(text)
+    if path.is_dir() or not path.parent.is_dir():
+        raise argparse.ArgumentTypeError(f"expected a file path in an existing folder, got {text!r}")
+    return text
+
+
+_EVAL_BATCH_SIZE = re.compile(r"auto(:[1-9][0-9]*)?|[1-9][0-9]*")
+
+
+def eval_batch_size(text: str) -> Union[int, str]:
+    """An argparse ``type``: requests per batch, or ``auto`` / ``auto:N`` (lm-eval finds the
+    largest that fits, N times over the run)."""
+    if not _EVAL_BATCH_SIZE.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, 'auto' or 'auto:N', got {text!r}")
+    return text if text.startswith("auto") else int(text)
+
+
+def _device(text: Optional[str]) -> str:
+    """``text`` if torch reads it as a device that is present; default: a GPU if there is one."""
+    import torch
+
+    if text is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    with blame("--device", RuntimeError):
+        device = torch.device(text)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise CommandLineError(f"argument --device: {text} is not available here (no CUDA device)")
+    return text
 
 
 # ----------------------------------------------------------------------------- generate
@@ -36,35 +182,37 @@ def _add_generate(subparsers: Any) -> None:
                     "prompt; prompts are read from standard input, one per line, when none is given. The "
                     "prompts run as one left-padded batch through generate() and the fixed-size cache.",
     )
-    parser.add_argument("model", help="checkpoint folder or Hub id")
+    parser.add_argument("model", type=checkpoint, help="checkpoint folder or Hub id")
     parser.add_argument("prompts", nargs="*", help="prompts (default: one per line of standard input)")
-    parser.add_argument("--max-new-tokens", type=int, default=50, help="tokens to generate (default: %(default)s)")
+    parser.add_argument("--max-new-tokens", type=int_at_least(1), default=50,
+                        help="tokens to generate, at least 1 (default: %(default)s)")
     parser.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
-    parser.add_argument("--temperature", type=float, default=None, help="sampling temperature")
-    parser.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass")
-    parser.add_argument("--top-k", type=int, default=None, help="sample among the k likeliest tokens")
-    parser.add_argument("--num-beams", type=int, default=1, help="beam search width (default: %(default)s)")
+    parser.add_argument("--temperature", type=float_above(0), default=None, help="sampling temperature, > 0")
+    parser.add_argument("--top-p", type=float_above(0, 1), default=None, help="nucleus sampling mass, in (0, 1]")
+    parser.add_argument("--top-k", type=int_at_least(1), default=None, help="sample among the k likeliest tokens")
+    parser.add_argument("--num-beams", type=int_at_least(1), default=1, help="beam search width (default: %(default)s)")
     parser.add_argument("--chat", action="store_true",
                         help="send each prompt as a user message through the tokenizer's chat template")
-    parser.add_argument("--seed", type=int, default=None, help="random seed (for sampling)")
+    parser.add_argument("--seed", type=int_at_least(0), default=None, help="random seed (for sampling)")
     parser.add_argument("--device", default=None, help="e.g. cpu or cuda:0 (default: a GPU if there is one)")
-    parser.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto (default: %(default)s)")
+    parser.add_argument("--dtype", choices=DTYPES, default="auto", help="weights' dtype (default: %(default)s)")
     parser.set_defaults(handler=_generate)
 
 
 def _generate(args: argparse.Namespace) -> int:
-    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, set_seed
 
     prompts = args.prompts or [line.rstrip("\n") for line in sys.stdin if line.strip()]
     if not prompts:
-        print("trellis-lm generate: no prompt given", file=sys.stderr)
-        return 2
+        raise CommandLineError("argument prompts: none given, and no line on standard input")
+    device = _device(args.device)
     if args.seed is not None:
         set_seed(args.seed)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=args.dtype).to(device).eval()
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    # A Hub id is only known to be wrong when it fails to load (not found, no network, ...).
+    with blame("model", OSError, ValueError):
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=args.dtype)
+        tokenizer = AutoTokenizer.from_pretrained(args.model)
+    model = model.to(device).eval()
     tokenizer.padding_side = "left"  # new tokens are appended on the right
     if args.chat:
         from .training import ensure_chat_template
@@ -116,17 +264,63 @@ torchrun / accelerate launch the same command trains on several processes.""",
 def _train(args: argparse.Namespace) -> int:
     from . import training
 
+    args.prog = f"{args.prog} {args.recipe}"  # errors are about the recipe's options
     if args.recipe == "pretrain":
         recipe, arguments_class, defaults = training.pretrain, training.PretrainArguments, training.PRETRAIN_DEFAULTS
     else:
         recipe, arguments_class, defaults = training.finetune, training.FinetuneArguments, training.FINETUNE_DEFAULTS
-    recipe_args, training_args = training.parse_recipe_arguments(
-        arguments_class, defaults, argv=args.options, prog=f"trellis-lm train {args.recipe}"
-    )
+    recipe_args, training_args = _quietly_parsed(lambda: training.parse_recipe_arguments(
+        arguments_class, defaults, argv=args.options, prog=args.prog
+    ))
+    _check_training_arguments(recipe_args, training_args)
     trainer = recipe(recipe_args, training_args)
     if trainer.is_world_process_zero():
         print(f"trained {trainer.state.global_step} steps; model saved to {training_args.output_dir}")
     return 0
+
+
+def _quietly_parsed(parse: Callable[[], T]) -> T:
+    """``parse()`` with HfArgumentParser's errors as one line: argparse would print the usage of
+    every TrainingArguments option (hundreds of lines) above the message."""
+    captured = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(captured):
+            parsed = parse()
+    except SystemExit as exit:
+        if not exit.code:  # --help
+            raise
+        lines = captured.getvalue().strip().splitlines()
+        message = lines[-1] if lines else f"exit status {exit.code}"
+        raise CommandLineError(message.partition(": error: ")[2] or message) from None
+    except ValueError as error:  # options no dataclass knows, and TrainingArguments' own checks
+        raise CommandLineError(first_line(error)) from None
+    sys.stderr.write(captured.getvalue())  # warnings of a successful parse still reach the user
+    return parsed
+
+
+def _check_training_arguments(recipe_args: Any, training_args: Any) -> None:
+    """What HfArgumentParser leaves unchecked: ranges, and inputs that would fail after a model is built."""
+    for name, minimum in _TRAINING_MINIMUMS.items():
+        value = getattr(recipe_args, name, getattr(training_args, name, None))
+        if value is not None and value < minimum:
+            raise CommandLineError(f"argument --{name}: expected an integer >= {minimum}, got {value}")
+    if recipe_args.model is not None:
+        _check_model(recipe_args.model, "--model")
+    missing = [name for name in recipe_args.data_files if _GLOB_CHARACTERS.isdisjoint(name) and not Path(name).exists()]
+    if missing:
+        raise CommandLineError(f"argument --data_files: {missing[0]} does not exist")
+
+
+def _check_model(name: str, argument: str, **config_kwargs: Any) -> None:
+    """Refuse ``name`` unless it is a checkpoint whose config loads: cheap, unlike the model that
+    the command loads later, and the only way to know a Hub id exists."""
+    problem = checkpoint_problem(name)
+    if problem:
+        raise CommandLineError(f"argument {argument}: {problem}")
+    from transformers import AutoConfig
+
+    with blame(argument, OSError, ValueError):
+        AutoConfig.from_pretrained(name, **config_kwargs)
 
 
 # ----------------------------------------------------------------------------- eval
@@ -139,19 +333,23 @@ def _add_eval(subparsers: Any) -> None:
                     "offline tasks trellis_demo_choice (loglikelihood), trellis_demo_gen (generate_until) and "
                     "their group trellis_demo are always available; any lm-eval task name works too.",
     )
-    parser.add_argument("model", help="checkpoint folder or Hub id")
-    parser.add_argument("--tasks", nargs="+", default=["trellis_demo"], help="task or group names (default: %(default)s)")
+    parser.add_argument("model", type=checkpoint, help="checkpoint folder or Hub id")
+    parser.add_argument("--tasks", nargs="+", default=["trellis_demo"],
+                        help="task or group names, or task YAML files (default: %(default)s)")
     parser.add_argument("--model-type", choices=("trellis", "hf"), default="trellis",
                         help="lm-eval model: 'trellis' (this package) or 'hf' (stock, trust_remote_code=True)")
-    parser.add_argument("--batch-size", default="8", help="requests per batch, or 'auto' (default: %(default)s)")
-    parser.add_argument("--limit", type=float, default=None, help="documents per task (or a fraction of them)")
-    parser.add_argument("--num-fewshot", type=int, default=None, help="few-shot examples per prompt")
-    parser.add_argument("--max-length", type=int, default=None,
+    parser.add_argument("--batch-size", type=eval_batch_size, default="8",
+                        help="requests per batch (>= 1), or 'auto' / 'auto:N' (default: %(default)s)")
+    parser.add_argument("--limit", type=float_above(0), default=None,
+                        help="documents per task (or, below 1, a fraction of them)")
+    parser.add_argument("--num-fewshot", type=int_at_least(0), default=None, help="few-shot examples per prompt")
+    parser.add_argument("--max-length", type=int_at_least(1), default=None,
                         help="context length lm-eval truncates to (default: the tokenizer's model_max_length)")
-    parser.add_argument("--dtype", default=None, help="e.g. bfloat16 (default: the checkpoint's)")
+    parser.add_argument("--dtype", choices=DTYPES, default=None, help="weights' dtype (default: the checkpoint's)")
     parser.add_argument("--device", default=None, help="e.g. cpu or cuda:0 (default: a GPU if there is one)")
-    parser.add_argument("--include-path", default=None, help="a folder of more task YAMLs (the demo tasks are added)")
-    parser.add_argument("--output", default=None, help="also write the results as JSON to this file")
+    parser.add_argument("--include-path", type=existing_folder, default=None,
+                        help="a folder of more task YAMLs (the demo tasks are added)")
+    parser.add_argument("--output", type=output_file, default=None, help="also write the results as JSON to this file")
     parser.set_defaults(handler=_eval)
 
 
@@ -163,16 +361,28 @@ def _eval(args: argparse.Namespace) -> int:
 
     model_args = {name: value for name in ("max_length", "dtype") if (value := getattr(args, name)) is not None}
     include_path = [str(TASKS_DIR)] + ([args.include_path] if args.include_path else [])
-    batch_size = args.batch_size if args.batch_size == "auto" or args.batch_size.startswith("auto:") else int(args.batch_size)
+    device = _device(args.device)
+    _check_model(args.model, "model", trust_remote_code=args.model_type == "hf")
+    _check_tasks(args.tasks, include_path)
     results = evaluate(
         args.model, args.tasks, model=args.model_type, model_args=model_args, include_path=include_path,
-        batch_size=batch_size, limit=args.limit, num_fewshot=args.num_fewshot, device=args.device,
+        batch_size=args.batch_size, limit=args.limit, num_fewshot=args.num_fewshot, device=device,
     )
     print(make_table(results))
     if args.output:
         summary = {key: results[key] for key in ("results", "versions", "n-shot", "config") if key in results}
         Path(args.output).write_text(json.dumps(summary, indent=2, default=str), encoding="utf-8")
     return 0
+
+
+def _check_tasks(tasks: list[str], include_path: list[str]) -> None:
+    """Refuse task names lm-eval does not know before the model loads (lm-eval looks them up after)."""
+    from lm_eval.tasks import TaskManager
+
+    manager = TaskManager(include_path=include_path)
+    unknown = [task for task in tasks if not manager.match_tasks([task]) and not Path(task).is_file()]
+    if unknown:
+        raise CommandLineError(f"argument --tasks: no lm-eval task, group or YAML file named {', '.join(unknown)}")
 
 
 # ----------------------------------------------------------------------------- bench
@@ -237,13 +447,22 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
     for add in (_add_generate, _add_train, _add_eval, _add_bench, _add_convert):
         add(subparsers)
+    for command in subparsers.choices.values():
+        command.set_defaults(prog=command.prog)  # errors found after parsing name their command
     return parser
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    """Run ``trellis-lm`` with ``argv`` (default: the command line); returns the exit status."""
+    """Run ``trellis-lm`` with ``argv`` (default: the command line); returns the exit status.
+
+    A command line argparse cannot parse raises ``SystemExit(2)`` (after its usage and one line
+    of error); a bad argument found later returns 2 after one line of error (see the module's doc).
+    """
     args = build_parser().parse_args(argv)
-    return args.handler(args)
+    try:
+        return args.handler(args)
+    except CommandLineError as error:
+        return report_error(args.prog, str(error))
 
 
 if __name__ == "__main__":

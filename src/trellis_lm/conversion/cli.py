@@ -12,13 +12,21 @@ Without --distill, DST is the converted model. With --distill, DST ends up holdi
 distilled model, and each stage's checkpoints go to --work-dir (default DST-distill):
 layerwise/ (stage 1, its result in layerwise/final) and logits/ (stage 2). --resume picks
 every stage up where it stopped; the conversion itself is seeded, so it simply runs again.
+
+DST is written only once complete: the model is built in a folder beside it and moved into
+place at the end, so a failure or Ctrl-C leaves no half-written DST. A DST (or --work-dir) that
+is SRC, lies inside it or holds it is refused, and so is a DST that is a file, or a folder that
+is not empty unless --overwrite is given (the old folder is then replaced at the end).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
-import sys
+import secrets
+import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Optional
 
@@ -26,26 +34,30 @@ import torch
 from transformers import AutoTokenizer, TrainingArguments
 from transformers.trainer_utils import get_last_checkpoint
 
+from ..cli import float_above, int_at_least, probability, report_error
 from ..modeling_trellis import TrellisForCausalLM
 from .distill import TokenBlocks, distill_layerwise, distill_logits, distillation_arguments
 from .llama import convert_llama_to_trellis
-from .source import locate_source
+from .source import locate_source, path_overlap
 
 
 def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``convert`` command's arguments to ``parser``."""
+    positive, positive_float = int_at_least(1), float_above(0)
     parser.add_argument("src", help="local folder of a Llama, Mistral, Qwen2 or Qwen3 causal-LM checkpoint, or a "
                                     ".gguf file of one (or a folder holding exactly one .gguf)")
-    parser.add_argument("dst", help="output folder for the Trellis model")
-    parser.add_argument("--num-slots", type=int, default=64, help="memory slots M per head (default 64)")
-    parser.add_argument("--chunk-size", type=int, default=64, help="chunk size C of the op (default 64)")
+    parser.add_argument("dst", help="output folder for the Trellis model (new, or empty unless --overwrite)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace a DST folder that is not empty (once the new model is complete)")
+    parser.add_argument("--num-slots", type=positive, default=64, help="memory slots M per head (default 64)")
+    parser.add_argument("--chunk-size", type=positive, default=64, help="chunk size C of the op (default 64)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the new parameters' initialisation")
     parser.add_argument("--mixer", choices=("trellis", "lattice"), default="trellis",
                         help="what the converted layers become (default trellis)")
     hybrid = parser.add_mutually_exclusive_group()
     hybrid.add_argument("--keep-attention", default=None, metavar="I,J,...",
                         help="0-based teacher layers kept as softmax attention (copied exactly), e.g. 3,7,11")
-    hybrid.add_argument("--attention-every", type=int, default=None, metavar="N",
+    hybrid.add_argument("--attention-every", type=positive, default=None, metavar="N",
                         help="keep every N-th layer as softmax attention: layers N-1, 2N-1, ... (N=1 keeps all)")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                         help="another TrellisConfig field, e.g. --set compress_fn=l2norm (value read as JSON "
@@ -56,19 +68,24 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
     distill.add_argument("--data", nargs="+", default=[], metavar="PATH",
                          help=".txt files (one text each), .jsonl files (a 'text' field per line) or folders of them")
     distill.add_argument("--work-dir", default=None, help="checkpoints of both stages (default: DST-distill)")
-    distill.add_argument("--block-size", type=int, default=1024, help="tokens per training row (default 1024)")
-    distill.add_argument("--batch-size", type=int, default=8, help="rows per device and step (default 8)")
-    distill.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps (default 1)")
-    distill.add_argument("--stage1-steps", type=int, default=2000, help="stage 1 optimiser steps (default 2000)")
-    distill.add_argument("--stage1-lr", type=float, default=1e-3, help="stage 1 learning rate (default 1e-3)")
+    distill.add_argument("--block-size", type=positive, default=1024, help="tokens per training row (default 1024)")
+    distill.add_argument("--batch-size", type=positive, default=8, help="rows per device and step (default 8)")
+    distill.add_argument("--grad-accum", type=positive, default=1, help="gradient accumulation steps (default 1)")
+    distill.add_argument("--stage1-steps", type=positive, default=2000, help="stage 1 optimiser steps (default 2000)")
+    distill.add_argument("--stage1-lr", type=positive_float, default=1e-3, help="stage 1 learning rate (default 1e-3)")
     distill.add_argument("--stage1-train-carried", action="store_true",
                          help="stage 1 also trains the q/k/v/o projections copied from the teacher")
-    distill.add_argument("--stage2-steps", type=int, default=4000, help="stage 2 optimiser steps (default 4000)")
-    distill.add_argument("--stage2-lr", type=float, default=None,
+    distill.add_argument("--stage2-steps", type=positive, default=4000, help="stage 2 optimiser steps (default 4000)")
+    distill.add_argument("--stage2-lr", type=positive_float, default=None,
                          help="stage 2 learning rate (default 1e-4 with LoRA, 1e-5 for full weights)")
-    distill.add_argument("--lora-rank", type=int, default=16, help="stage 2 LoRA rank; 0 trains full weights")
-    distill.add_argument("--temperature", type=float, default=1.0, help="stage 2 softmax temperature (default 1)")
-    distill.add_argument("--save-steps", type=int, default=500, help="checkpoint every N steps (default 500)")
+    distill.add_argument("--lora-rank", type=int_at_least(0), default=16,
+                         help="stage 2 LoRA rank; 0 trains full weights")
+    distill.add_argument("--temperature", type=positive_float, default=1.0,
+                         help="stage 2 softmax temperature (default 1)")
+    distill.add_argument("--state-passing", type=probability, default=0.0, metavar="P",
+                         help="stage 2: a student row starts from a row of the previous batch's final memory "
+                              "states with probability P (reads past the block size; 0, the default, is off)")
+    distill.add_argument("--save-steps", type=positive, default=500, help="checkpoint every N steps (default 500)")
     distill.add_argument("--resume", action="store_true", help="continue each stage from its latest checkpoint")
     distill.add_argument("--bf16", action="store_true", help="bfloat16 autocast, and the teacher in bfloat16")
     distill.add_argument("--cpu", action="store_true", help="train on the CPU even if an accelerator is present")
@@ -77,29 +94,96 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
 def run_convert(args: argparse.Namespace) -> int:
     """Run the command parsed by :func:`add_convert_arguments`; returns the exit status."""
     try:
+        target = _checked_destination(args)
         overrides = dict(_parse_field(item) for item in args.set)
         texts = read_texts(args.data) if args.distill else []  # before converting: fail fast
-        student = convert_llama_to_trellis(
-            args.src, args.dst, num_slots=args.num_slots, chunk_size=args.chunk_size, seed=args.seed,
-            mixer=args.mixer, keep_attention=parse_layer_list(args.keep_attention),
-            attention_every=args.attention_every, **overrides,
-        )
-        print(f"converted {args.src} -> {args.dst} ({student.num_parameters() / 1e6:.1f}M parameters)")
+        with _staged(target, args.dst) as staging:
+            student = convert_llama_to_trellis(
+                args.src, staging, num_slots=args.num_slots, chunk_size=args.chunk_size, seed=args.seed,
+                mixer=args.mixer, keep_attention=parse_layer_list(args.keep_attention),
+                attention_every=args.attention_every, **overrides,
+            )
+            print(f"converted {args.src} -> {args.dst} ({student.num_parameters() / 1e6:.1f}M parameters)")
+            if args.distill:
+                _distill(student, texts, args, staging)
         if args.distill:
-            _distill(student, texts, args)
             print(f"distilled model written to {args.dst}")
     except ValueError as error:
-        print(f"trellis-lm convert: error: {error}", file=sys.stderr)
-        return 2
+        return report_error("trellis-lm convert", str(error))
     return 0
 
 
-def _distill(student: TrellisForCausalLM, texts: list[str], args: argparse.Namespace) -> None:
-    tokenizer = AutoTokenizer.from_pretrained(args.dst)
+def _checked_destination(args: argparse.Namespace) -> Path:
+    """Where DST really is (symlinks followed), after refusing what would harm SRC or DST: the
+    source is read while the model is written, and a replaced DST takes what it holds with it."""
+    try:
+        source = locate_source(args.src)
+    except ValueError as error:
+        raise ValueError(f"argument src: {error}") from None
+    # What is read: the folder, or only the GGUF file (a folder may hold it among other things).
+    src, target = source.folder / (source.gguf_file or ""), Path(args.dst).resolve()
+    relation = path_overlap(target, src)
+    if relation:
+        raise ValueError(f"argument dst: {args.dst} {relation} the source {args.src}: a conversion never writes "
+                         "into its source")
+    if target.exists() and not target.is_dir():
+        raise ValueError(f"argument dst: {args.dst} is a file: expected a folder")
+    if target.is_dir() and any(target.iterdir()) and not args.overwrite:
+        raise ValueError(f"argument dst: {args.dst} is a folder that is not empty: pass --overwrite to replace it")
+    if args.distill:
+        work = _work_dir(args)
+        for other, name in ((src, f"the source {args.src}"), (target, f"dst {args.dst}")):
+            relation = path_overlap(work, other)
+            if relation:
+                raise ValueError(f"argument --work-dir: {work} {relation} {name}: expected a folder of its own")
+    return target
+
+
+@contextlib.contextmanager
+def _staged(target: Path, name: str) -> Iterator[Path]:
+    """A new folder beside ``target`` (same file system, so the final move is a rename) to write
+    the model into; it replaces ``target`` when the block completes and is removed when the block
+    fails or is interrupted. ``name`` is DST as given, for messages."""
+    staging = target.with_name(f".{target.name}.partial-{secrets.token_hex(4)}")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging.mkdir()
+    except OSError as error:
+        raise ValueError(f"argument dst: cannot create {name}: {error.strerror or error}") from None
+    try:
+        yield staging
+        _replace(target, staging)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _replace(target: Path, new: Path) -> None:
+    """Move the folder ``new`` to ``target``; an existing ``target`` is set aside first and only
+    deleted once ``new`` is in its place (renaming onto a folder fails where it is not empty)."""
+    if not target.exists():
+        new.rename(target)
+        return
+    old = new.with_name(f"{new.name}.old")
+    target.rename(old)
+    try:
+        new.rename(target)
+    except BaseException:
+        old.rename(target)
+        raise
+    shutil.rmtree(old)
+
+
+def _work_dir(args: argparse.Namespace) -> Path:
+    return Path(args.work_dir or f"{str(args.dst).rstrip('/')}-distill")
+
+
+def _distill(student: TrellisForCausalLM, texts: list[str], args: argparse.Namespace, out: Path) -> None:
+    """Distil ``student`` (converted into ``out``) into the model ``out`` ends up holding."""
+    tokenizer = AutoTokenizer.from_pretrained(out)
     data = TokenBlocks.from_texts(texts, tokenizer, args.block_size)
     teacher = locate_source(args.src).load_model(dtype=torch.bfloat16 if args.bf16 else torch.float32)
     saved_dtype = student.dtype
-    work = Path(args.work_dir or f"{str(args.dst).rstrip('/')}-distill")
+    work = _work_dir(args)
 
     layerwise_final = work / "layerwise" / "final"
     if args.resume and (layerwise_final / "config.json").is_file():
@@ -118,9 +202,9 @@ def _distill(student: TrellisForCausalLM, texts: list[str], args: argparse.Names
     student = distill_logits(
         student, teacher, data, _training_args(work / "logits", args, args.stage2_steps, stage2_lr),
         tokenizer=tokenizer, temperature=args.temperature, lora_rank=lora_rank,
-        resume_from_checkpoint=_checkpoint(work / "logits", args),
+        resume_from_checkpoint=_checkpoint(work / "logits", args), state_passing=args.state_passing,
     )
-    student.to(saved_dtype).save_pretrained(args.dst)
+    student.to(saved_dtype).save_pretrained(out)
 
 
 def _training_args(output_dir: Path, args: argparse.Namespace, steps: int, learning_rate: float) -> TrainingArguments:
@@ -141,6 +225,8 @@ def read_texts(paths: list[str]) -> list[str]:
         raise ValueError("--distill needs training texts: pass --data")
     files: list[Path] = []
     for path in map(Path, paths):
+        if not path.exists():
+            raise ValueError(f"--data {path}: no such file or folder")
         files.extend(sorted(p for p in path.rglob("*") if p.suffix in (".txt", ".jsonl")) if path.is_dir() else [path])
     texts = []
     for file in files:

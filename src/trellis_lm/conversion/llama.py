@@ -41,7 +41,7 @@ from ..configuration_trellis import TrellisConfig
 from ..mixers import LatticeAttention, TrellisAttention, forget_gate_bias
 from ..modeling_trellis import TrellisForCausalLM
 from ..remote_code import flat_sources
-from .source import copy_tokenizer, locate_source
+from .source import copy_tokenizer, locate_source, path_overlap
 
 logger = logging.getLogger(__name__)
 
@@ -123,7 +123,8 @@ def convert_llama_to_trellis(
         src: a local folder of a ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``
             or ``Qwen3ForCausalLM`` checkpoint; or a GGUF file of one of those architectures, or a
             folder without ``config.json`` holding exactly one (needs the ``gguf`` package).
-        dst: the output folder (created; files in it are overwritten).
+        dst: the output folder (created; files in it are overwritten). It may not be, hold or lie
+            inside the source (symlinks followed): a ``ValueError`` before anything is written.
         num_slots: memory slots M per head.
         chunk_size: the op's chunk size C.
         seed: seeds the random parts of the initialisation (targets, initial memories, slot
@@ -157,6 +158,9 @@ def convert_llama_to_trellis(
     for note in _dropped_parts(source_config, config.layer_kinds):
         logger.warning("Converting %s: %s", source, note)
 
+    relation = path_overlap(dst, source.folder / (source.gguf_file or ""))
+    if relation:
+        raise ValueError(f"dst {dst} {relation} the source {src}: a conversion never writes into its source")
     teacher = source.load_model(dtype="auto")
     dtype = next(teacher.parameters()).dtype
     # Built in float32 and cast at the end: a half-precision teacher's values survive the round

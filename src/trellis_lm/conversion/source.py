@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import shutil
 from dataclasses import dataclass
@@ -184,3 +185,20 @@ def _auto_map_modules(folder: Path) -> set[str]:
 
 
 __all__ = ["TOKENIZER_FILES", "TeacherSource", "copy_auto_map_code", "copy_tokenizer", "locate_source"]
+
+
+def path_overlap(path: Path, other: Path) -> Optional[str]:
+    """How ``path`` overlaps ``other`` ("is", "lies inside", "holds"), or ``None`` if it does not."""
+    if _path_inside(path, other):
+        return "is" if _path_inside(other, path) else "lies inside"
+    return "holds" if _path_inside(other, path) else None
+
+
+def _path_inside(path: Path, folder: Path) -> bool:
+    """Whether ``path`` is ``folder`` or lies under it, however either is spelt: by their resolved
+    names (symlinks followed; also for paths yet to be created), and by identity on disk, which
+    also sees bind mounts and case-insensitive names."""
+    path, folder = path.resolve(), folder.resolve()
+    if folder == path or folder in path.parents:
+        return True
+    return folder.exists() and any(p.exists() and os.path.samefile(p, folder) for p in (path, *path.parents))
