@@ -24,6 +24,13 @@ The variants:
 
 No forget gate at all is the study's ``trellis-no-forget`` row; it is not trained again here.
 
+* ``<model>-sp`` (issue 35), for ``trellis``, ``trellis-C8``, ``delta-rule``, ``lattice`` and
+  ``hybrid``: trained with state passing (:mod:`trellis_lm.state_passing`, probability 0.9: a row
+  starts from a row of the previous batch's final memory states), with the same seeds, windows and
+  initial weights as the run without; ``delta-rule``, ``lattice`` (at its study rate, 1.2e-2) and
+  ``hybrid`` are those runs without (the study's own again). These runs skip the memory profile and
+  the capped readings.
+
 Measures (every run): validation perplexity at 128 tokens; perplexity by position (the study's
 buckets, on its long held-out files, read in one pass); passkey *preference* (does the model
 give the key it was shown a higher probability than a fresh one: it moves before exact-match
@@ -50,7 +57,7 @@ from transformers import AutoModelForCausalLM
 from trellis_lm.eval.lm_study import (
     STUDY_SIZE, Recipe, StudyModel, append_record, capped_horizons, forget_gates, build_study_model, encode_corpus, load_records, mean_and_spread,
     memory_profile, num_parameters, passkey_preference, perplexity, perplexity_by_position, save_records,
-    stdlib_corpus, study_arguments, train_lm,
+    stdlib_corpus, study_arguments, study_models, train_lm,
 )
 from trellis_lm.mixers import forget_gate_bias
 
@@ -61,6 +68,15 @@ DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 # from a fresh state.
 CAPS = (1, 8)
 RESET = 8
+
+
+STUDY_MODELS = {spec.name: spec for spec in study_models(128)}
+# The models the state-passing runs compare, with their study learning rates.
+STATE_PASSING_MODELS = (
+    ("trellis", STUDY_MODELS["trellis"], None), ("lattice", STUDY_MODELS["lattice"], 1.2e-2),
+    ("hybrid", STUDY_MODELS["hybrid"], None), ("delta-rule", STUDY_MODELS["delta-rule"], None),
+    ("trellis-C8", StudyModel("trellis-C8", overrides={"chunk_size": 8}), None),
+)
 
 
 @dataclass(frozen=True)
@@ -75,6 +91,9 @@ class Variant:
     length_factor: int = 1
     gate_span: Optional[tuple[float, float]] = None
     learning_rate: Optional[float] = None
+    state_passing: float = 0.0
+    # The memory profile and the capped-horizon readings (the first study's diagnostics).
+    diagnostics: bool = True
 
 
 VARIANTS = (
@@ -85,6 +104,14 @@ VARIANTS = (
     # At 512 tokens the study's rate left seed 0 on a plateau (loss 6.2 for most of the run).
     Variant("trellis-T512-lr1e-3", StudyModel("trellis"), length_factor=4, learning_rate=1e-3),
     Variant("trellis-C8", StudyModel("trellis-C8", overrides={"chunk_size": 8})),
+    # State passing (issue 35): each training row starts from a row of the previous batch's final
+    # states with probability 0.9. The same seeds, windows and initial weights as the runs without.
+    # The runs without for delta rule, Lattice and the hybrid are the study's own again (Lattice at
+    # its best rate there, 1.2e-2).
+    *(Variant(f"{name}-sp", spec, learning_rate=rate, state_passing=0.9, diagnostics=False)
+      for name, spec, rate in STATE_PASSING_MODELS),
+    *(Variant(name, spec, learning_rate=rate, diagnostics=False)
+      for name, spec, rate in STATE_PASSING_MODELS if name not in ("trellis", "trellis-C8")),
 )
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -131,7 +158,7 @@ def measures(variant: Variant, preset: dict[str, Any], encoded: Any, seed: int) 
             str(n): passkey_preference(model, encoded.tokenizer, test, n, DEPTHS, preset["passkey_trials"], seed)
             for n in lengths},
     }
-    if variant.spec.kind != "llama":
+    if variant.spec.kind != "llama" and variant.diagnostics:
         text = next(f for f in test if f.numel() >= longest)[:longest]
         found["memory"] = lambda model: memory_profile(model, text, lengths)
         found.update({f"ppl_by_position_capped_{m}x": capped(m) for m in CAPS})
@@ -175,11 +202,12 @@ def run_all(preset: dict[str, Any], out: Path, names: Optional[list[str]], keep:
             bar = tqdm(total=recipe.steps, desc=f"{variant.name} seed={seed}", leave=False)
             rate = variant.learning_rate or preset["learning_rate"]
             trained = train_lm(model, encoded.tokens["train"], recipe, rate, seed,
-                               lambda step, loss: bar.update(1))
+                               lambda step, loss: bar.update(1), state_passing=variant.state_passing)
             bar.close()
             record = {
                 "model": variant.name, "seed": seed, "learning_rate": rate, "train_length": length,
                 "batch_size": recipe.batch_size, "train_tokens": recipe.tokens, "gate_span": variant.gate_span,
+                "state_passing": variant.state_passing,
                 **trained, **{name: measure(model) for name, measure in todo.items()},
             }
             append_record(path, record)

@@ -10,6 +10,7 @@ For every layer schedule of ``tiny_models.SCHEDULES`` (one launch for all of the
    torch's ``fully_shard`` shards them and the root, and one SGD step on rank-specific rows
    runs sharded; rank 0 writes ``OUT_DIR/<schedule>/fsdp.pt`` with the wrapped module names and
    the gathered parameters after the step.
+3. State passing under DDP, once (:func:`run_state_passing`).
 """
 
 from __future__ import annotations
@@ -62,6 +63,20 @@ def run_fsdp(out: Path, schedule: str) -> None:
         torch.save({"wrapped": wrapped, "parameters": gathered}, out / "fsdp.pt")
 
 
+def run_state_passing(out: Path) -> None:
+    """3. DDP with state passing (hybrid): each rank carries its own rows' states; the ranks'
+    parameters stay in sync. Writes ``OUT_DIR/state_passing_rank{R}.pt``."""
+    from trellis_lm.state_passing import StatePassingCallback
+
+    trainer = sgd_trainer(str(out / "sp"), dtype=torch.float64, max_steps=2, per_device_train_batch_size=2,
+                          schedule="hybrid")
+    callback = StatePassingCallback(probability=1.0)
+    trainer.add_callback(callback)
+    parameters = trained_parameters(trainer)
+    carried = {index: state.tensors() for index, (_, _, state) in callback.passing.carried.items()}
+    torch.save({"parameters": parameters, "carried": carried}, out / f"state_passing_rank{dist.get_rank()}.pt")
+
+
 def main() -> None:
     for schedule in SCHEDULES:
         out = Path(sys.argv[1]) / schedule
@@ -69,6 +84,8 @@ def main() -> None:
         run_ddp(out, schedule)  # the first Trainer sets up the gloo process group
         run_fsdp(out, schedule)
         dist.barrier()
+    run_state_passing(Path(sys.argv[1]))
+    dist.barrier()
     dist.destroy_process_group()
 
 

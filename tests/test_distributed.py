@@ -54,3 +54,14 @@ def test_ddp_and_fsdp_on_two_cpu_processes(two_process_runs, tmp_path, schedule)
     torch.optim.SGD(model.parameters(), lr=1.0).step()
     for name, expected in model.named_parameters():
         torch.testing.assert_close(fsdp["parameters"][name], expected.detach(), rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_state_passing_under_ddp(two_process_runs):
+    # Each rank carries the states of its own rows (they differ), while the ranks' parameters
+    # stay in sync and move.
+    ranks = [torch.load(two_process_runs / f"state_passing_rank{r}.pt") for r in range(2)]
+    for name, parameter in ranks[0]["parameters"].items():
+        assert torch.equal(parameter, ranks[1]["parameters"][name]), name
+    assert ranks[0]["carried"].keys() == {0, 1, 3}  # the memory layers of the hybrid, not its attention
+    assert ranks[0]["carried"][0]["m_k"].shape[0] == 2  # the rank's own two rows
+    assert not torch.allclose(ranks[0]["carried"][0]["m_k"], ranks[1]["carried"][0]["m_k"])

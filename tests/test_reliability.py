@@ -8,9 +8,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from tiny_models import SCHEDULES, left_pad, random_tokens, tiny_config, tiny_model
+from tiny_models import SCHEDULES, random_tokens, tiny_config, tiny_model
 from transformers_names import cache_of
-from trellis_lm import TrellisCache, TrellisConfig
+from trellis_lm import TrellisCache
 
 EXACT = dict(rtol=0, atol=0)
 

@@ -32,11 +32,11 @@ def sgd_trainer(
     """A Trainer whose steps apply minus the gradient (SGD, lr 1, no clipping), taking ``rows``
     in order, on the same freshly initialised tiny model (in ``dtype``, layers of ``schedule``)
     every time."""
-    args = TrainingArguments(
-        output_dir=output_dir, optim="sgd", learning_rate=1.0, lr_scheduler_type="constant", max_grad_norm=0.0,
-        train_sampling_strategy="sequential", save_strategy="no", logging_strategy="no", report_to="none",
-        disable_tqdm=True, use_cpu=True, **training_kwargs,
-    )
+    args = TrainingArguments(**{
+        "output_dir": output_dir, "optim": "sgd", "learning_rate": 1.0, "lr_scheduler_type": "constant",
+        "max_grad_norm": 0.0, "train_sampling_strategy": "sequential", "save_strategy": "no",
+        "logging_strategy": "no", "report_to": "none", "disable_tqdm": True, "use_cpu": True, **training_kwargs,
+    })
     return Trainer(model=tiny_model(seed=1, schedule=schedule).to(dtype).train(), args=args, train_dataset=rows, data_collator=right_padded)
 
 

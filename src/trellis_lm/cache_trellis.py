@@ -287,6 +287,34 @@ class CallRecords:
     layers: dict[int, Optional[StepRecord]]
 
 
+class CacheCall:
+    """One forward call's view of a :class:`TrellisCache`: each layer reads its entry as it was
+    when the call began (:meth:`before`) and writes the live one (:meth:`entry`).
+
+    A layer run twice within a call reads the same inputs and writes the same outputs, which
+    is what activation checkpointing does (it recomputes a block in the backward pass, after the
+    block's first run has already replaced its entry). Cheap: entries' tensors are replaced,
+    never written into, so the view holds references, not copies.
+    """
+
+    def __init__(self, cache: "TrellisCache") -> None:
+        self.cache = cache
+        self._before = [copy.copy(layer) for layer in cache.layers]
+
+    @classmethod
+    def of(cls, cache: Union["TrellisCache", "CacheCall", None]) -> Optional["CacheCall"]:
+        """``cache`` as a call view (a plain cache gets a new one; ``None`` stays ``None``)."""
+        return cache if cache is None or isinstance(cache, CacheCall) else cls(cache)
+
+    def before(self, index: int) -> LayerCache:
+        """Layer ``index``'s entry as it was when the call began (read it)."""
+        return self._before[index]
+
+    def entry(self, index: int) -> LayerCache:
+        """Layer ``index``'s live entry (write the call's result into it)."""
+        return self.cache.layers[index]
+
+
 LAYER_CACHES: dict[str, type[LayerCache]] = {
     c.kind: c for c in (TrellisLayerCache, LatticeLayerCache, KVMLayerCache, AttentionLayerCache)
 }
@@ -738,5 +766,5 @@ def _read_header(metadata: Mapping[str, str], path: Any) -> tuple[list[str], int
 
 
 __all__ = [
-    "CACHE_ARG", "CACHE_NAMES", "one_cache", "AttentionLayerCache", "KVMLayerCache", "LatticeLayerCache", "LayerCache", "MemoryLayerCache", "TrellisCache", "TrellisLayerCache",
+    "CACHE_ARG", "CACHE_NAMES", "one_cache", "AttentionLayerCache", "CacheCall", "KVMLayerCache", "LatticeLayerCache", "LayerCache", "MemoryLayerCache", "TrellisCache", "TrellisLayerCache",
 ]

@@ -58,6 +58,12 @@ class TrellisConfig(PreTrainedConfig):
             larger C trains faster and is further from the online-gradient recurrence; with
             ``compress_fn="identity"`` the chunk form is exact at any C. Measured at small scale
             (``docs/results_lm.md``): C = 32 gave 11.6% higher test perplexity than C = 1.
+
+    Reading far past the training length: a model trained only on windows that start from the
+    learned memories meets unknown states beyond about 16x its training length. The training
+    recipes' ``state_passing`` option (:mod:`trellis_lm.state_passing`) starts training rows from
+    the previous batch's final states; in a training loop of your own, wrap the steps in
+    ``with StatePassing(0.9).attached(model):``.
         compress_fn: Trellis's compression function phi, one of ``trellis_lm.ops.COMPRESS_FNS``.
         mix_fn: Trellis's mixing function f, one of ``trellis_lm.ops.MIX_FNS``.
         lattice_variant: Lattice's write rule, one of ``trellis_lm.ops.LATTICE_VARIANTS``

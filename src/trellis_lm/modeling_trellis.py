@@ -27,7 +27,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.utils import logging
 
-from .cache_trellis import CACHE_ARG, CACHE_NAMES, TrellisCache, one_cache
+from .cache_trellis import CACHE_ARG, CACHE_NAMES, CacheCall, TrellisCache, one_cache
 from .configuration_trellis import TrellisConfig
 from .model_card_trellis import CARD_NAME, hub_card_text, is_generated, write_model_card
 from .mixers import Mixer, build_mixer
@@ -67,11 +67,11 @@ class TrellisDecoderLayer(GradientCheckpointingLayer):
         self,
         hidden_states: torch.Tensor,
         valid: Optional[ValidTokens] = None,
-        cache: Optional[TrellisCache] = None,
+        cache: Optional[CacheCall] = None,
     ) -> torch.Tensor:
-        # `hidden_states` stays positional (activation checkpointing expects it). The cache is
-        # None under checkpointing: TrellisModel drops it itself, whatever transformers' layer
-        # wrapper calls the argument.
+        # `hidden_states` stays positional (activation checkpointing expects it). The cache
+        # comes as one call's view (CacheCall): a block recomputed by activation checkpointing
+        # reads the entry it read the first time.
         hidden_states = hidden_states + self.self_attn(self.input_layernorm(hidden_states), valid, cache)
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
 
@@ -313,8 +313,11 @@ class TrellisModel(TrellisPreTrainedModel):
 
         hidden_states = inputs_embeds
         all_hidden_states = (hidden_states,) if output_hidden_states else None
+        call = CacheCall.of(cache)
         for layer in self.layers:
-            hidden_states = layer(hidden_states, valid=valid, cache=cache)
+            # Positional: transformers' checkpointing wrapper drops a keyword `cache` (it assumes a
+            # recomputed layer would write its cache twice; a CacheCall makes that harmless).
+            hidden_states = layer(hidden_states, valid, call)
             if output_hidden_states:
                 all_hidden_states += (hidden_states,)
         hidden_states = self.norm(hidden_states)
@@ -372,10 +375,12 @@ class TrellisModel(TrellisPreTrainedModel):
         return output if (return_dict if return_dict is not None else self.config.return_dict) else output.to_tuple()
 
     def _checked_cache(self, cache: Any, use_cache: bool, batch: int) -> Optional[TrellisCache]:
-        """The cache this forward reads and updates, or ``None``."""
-        if self.training and any(layer.gradient_checkpointing for layer in self.layers):
-            if cache is not None or use_cache:
-                logger.warning_once("A TrellisCache is not used under activation checkpointing in training.")
+        """The cache this forward reads and updates, or ``None``.
+
+        Under activation checkpointing in training no cache is made by default (it would only
+        hold states no one reads); a cache given explicitly (e.g. by state passing,
+        :mod:`trellis_lm.state_passing`) is continued, exactly as without checkpointing."""
+        if cache is None and self.training and any(layer.gradient_checkpointing for layer in self.layers):
             return None
         if cache is None:
             return TrellisCache(self.config) if use_cache else None

@@ -33,6 +33,7 @@ from typing import Any, Optional, Union
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
+    DataCollatorForLanguageModeling,
     DataCollatorForSeq2Seq,
     DataCollatorWithFlattening,
     PreTrainedTokenizerBase,
@@ -43,6 +44,7 @@ from transformers.trainer_utils import get_last_checkpoint
 
 from .configuration_trellis import TrellisConfig
 from .modeling_trellis import TrellisForCausalLM
+from .state_passing import StatePassingCallback
 from .tokenization_trellis import train_tokenizer
 
 # Every linear layer of a block that has a matrix worth adapting: the mixer's projections
@@ -85,6 +87,11 @@ class ModelArguments:
     )
     vocab_size: int = field(default=1024, metadata={"help": "vocabulary of a new tokenizer"})
     max_length: int = field(default=256, metadata={"help": "tokens per training example (longer ones are cut)"})
+    state_passing: float = field(
+        default=0.0,
+        metadata={"help": "probability that a training row starts from the final memory states of a row of the "
+                          "previous batch (trellis_lm.state_passing: reads past the training length); 0 disables"},
+    )
 
 
 @dataclass
@@ -304,6 +311,13 @@ def _output_dir(training_args: TrainingArguments) -> Path:
 # ----------------------------------------------------------------------------- recipes
 
 
+def _add_state_passing(trainer: Trainer, args: ModelArguments, training_args: TrainingArguments) -> None:
+    if not 0 <= args.state_passing <= 1:
+        raise ValueError(f"--state_passing must be a probability in [0, 1] (0: off), got {args.state_passing}")
+    if args.state_passing:
+        trainer.add_callback(StatePassingCallback(args.state_passing, seed=training_args.seed))
+
+
 def pretrain(args: PretrainArguments, training_args: TrainingArguments) -> Trainer:
     """Pretrain on packed documents streamed from ``args.data_files``; returns the Trainer.
 
@@ -323,10 +337,13 @@ def pretrain(args: PretrainArguments, training_args: TrainingArguments) -> Train
         model=model,
         args=training_args,
         train_dataset=tokenize_for_packing(shuffled, tokenizer, args.max_length),
-        # One row of `per_device_train_batch_size` pieces, with position ids restarting at each.
-        data_collator=DataCollatorWithFlattening(),
+        # One row of `per_device_train_batch_size` pieces, with position ids restarting at each;
+        # with state passing one piece per (right-padded) row, since a state is carried per row.
+        data_collator=(DataCollatorForLanguageModeling(tokenizer, mlm=False) if args.state_passing
+                       else DataCollatorWithFlattening()),
         processing_class=tokenizer,
     )
+    _add_state_passing(trainer, args, training_args)
     trainer.train(resume_from_checkpoint=checkpoint)
     trainer.save_model()
     return trainer
@@ -371,6 +388,7 @@ def finetune(args: FinetuneArguments, training_args: TrainingArguments) -> Train
         data_collator=DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100),
         processing_class=tokenizer,
     )
+    _add_state_passing(trainer, args, training_args)
     trainer.train(resume_from_checkpoint=checkpoint)
     trainer.save_model()
     if args.lora and args.merge_lora and trainer.is_world_process_zero():

@@ -33,6 +33,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase, Trainer, Trai
 
 from ..mixers.tokens import ValidTokens
 from ..modeling_trellis import TrellisForCausalLM
+from ..state_passing import StatePassingCallback
 from .llama import converted_layers, new_parameter_names
 
 # The mixer's linear maps: the carried projections and the new ones. LoRA reaches nothing else
@@ -332,8 +333,14 @@ def distill_logits(
     lora_alpha: Optional[float] = None,
     lora_targets: Sequence[str] = DEFAULT_LORA_TARGETS,
     resume_from_checkpoint: Union[str, bool, None] = None,
+    state_passing: float = 0.0,
 ) -> TrellisForCausalLM:
     """Stage 2: fine-tune end to end against the teacher's logits; returns the trained student.
+
+    ``state_passing`` > 0 starts each student row from the final memory states of a row of the
+    previous batch with that probability (:mod:`trellis_lm.state_passing`), so the student learns
+    to read its blocks after long reads (the teacher sees the block alone, as it would at its
+    own context length); 0 (default) starts every row from the learned memories.
 
     With ``lora_rank`` (default 16), LoRA adapters of that rank (scale ``lora_alpha``, default
     ``2 * rank``) on ``lora_targets`` train and are merged into the returned model; with
@@ -354,6 +361,8 @@ def distill_logits(
         model=model, args=args, train_dataset=as_dataset(train_data, tokenizer, block_size), data_collator=pad_batch,
         processing_class=tokenizer, teacher=teacher, temperature=temperature,
     )
+    if state_passing:
+        trainer.add_callback(StatePassingCallback(state_passing, seed=args.seed))
     trainer.train(resume_from_checkpoint=resume_from_checkpoint)
     return (student if lora_rank is None else model.merge_and_unload()).requires_grad_(True)
 

@@ -48,6 +48,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
 from ..cache_trellis import CACHE_ARG
 from ..configuration_trellis import TrellisConfig
 from ..modeling_trellis import TrellisForCausalLM
+from ..state_passing import StatePassing
 from ..tokenization_trellis import train_tokenizer
 from .synthetic import ModelSize
 
@@ -236,9 +237,12 @@ class Recipe:
 
 
 def train_lm(model: PreTrainedModel, data: torch.Tensor, recipe: Recipe, learning_rate: float, seed: int,
-             progress: Optional[Callable[[int, float], None]] = None) -> dict[str, Any]:
+             progress: Optional[Callable[[int, float], None]] = None, state_passing: float = 0.0) -> dict[str, Any]:
     """Train ``model`` in place on random windows of ``data``; returns the loss curve (every
-    5% of the steps, each point the mean of the steps since the last), tokens/s and seconds."""
+    5% of the steps, each point the mean of the steps since the last), tokens/s and seconds.
+    ``state_passing`` > 0: each row starts from a row of the previous batch's final memory
+    states with that probability (:mod:`trellis_lm.state_passing`; the draws have their own
+    generator, so the windows and the weights' initialisation are those of the run without)."""
     torch.manual_seed(seed)
     generator = torch.Generator().manual_seed(seed)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embed" not in n]
@@ -256,23 +260,25 @@ def train_lm(model: PreTrainedModel, data: torch.Tensor, recipe: Recipe, learnin
     model.train()
     curve, pending, every = [], [], max(1, steps // 20)
     started = time.perf_counter()
-    for step in range(steps):
-        batch = random_windows(data, recipe.batch_size, recipe.train_length, generator)
-        logits = model(input_ids=batch[:, :-1]).logits
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
-        if not torch.isfinite(loss):
-            raise FloatingPointError(f"the loss became {loss.item()} at step {step} (lr {learning_rate})")
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.grad_clip)
-        optimizer.step()
-        schedule.step()
-        optimizer.zero_grad(set_to_none=True)
-        pending.append(loss.item())
-        if (step + 1) % every == 0 or step + 1 == steps:
-            curve.append([step + 1, statistics.fmean(pending)])
-            pending = []
-        if progress is not None:
-            progress(step + 1, loss.item())
+    passing = StatePassing(state_passing, seed).attached(model) if state_passing else contextlib.nullcontext()
+    with passing:
+        for step in range(steps):
+            batch = random_windows(data, recipe.batch_size, recipe.train_length, generator)
+            logits = model(input_ids=batch[:, :-1]).logits
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
+            if not torch.isfinite(loss):
+                raise FloatingPointError(f"the loss became {loss.item()} at step {step} (lr {learning_rate})")
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.grad_clip)
+            optimizer.step()
+            schedule.step()
+            optimizer.zero_grad(set_to_none=True)
+            pending.append(loss.item())
+            if (step + 1) % every == 0 or step + 1 == steps:
+                curve.append([step + 1, statistics.fmean(pending)])
+                pending = []
+            if progress is not None:
+                progress(step + 1, loss.item())
     seconds = time.perf_counter() - started
     model.eval()
     return {"curve": curve, "train_seconds": seconds, "tokens_per_s": steps * recipe.batch_size * recipe.train_length / seconds}

@@ -32,6 +32,7 @@ from transformers import (
 from ..configuration_trellis import TrellisConfig
 from ..mixers.parts import TrellisShortConv
 from ..modeling_trellis import TrellisForCausalLM
+from ..state_passing import StatePassingCallback
 from .mqar import IGNORE_INDEX, accuracy_by_query_position, answer_hits, first_query_accuracy, make_mqar
 from .niah import make_niah_example, make_niah_training_data, niah_tokenizer, score_niah
 
@@ -115,6 +116,8 @@ class TrainSettings:
         num_val: examples of that validation set (MQAR).
         stop_accuracy: stop once the validation accuracy reaches this (``None``: never); the
             record then says at which step it stopped.
+        state_passing: probability that a training row starts from a row of the previous
+            batch's final memory states (:mod:`trellis_lm.state_passing`; 0: never).
     """
 
     max_steps: int = 200
@@ -127,6 +130,7 @@ class TrainSettings:
     eval_every: int = 0
     num_val: int = 256
     stop_accuracy: float | None = None
+    state_passing: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -404,7 +408,9 @@ def train_model(
             disable_tqdm=True, seed=train.seed, dataloader_num_workers=0, use_cpu=not torch.cuda.is_available(),
             bf16=torch.cuda.is_available() and torch.cuda.is_bf16_supported(),
         )
-        trainer = Trainer(model=model, args=args, train_dataset=dataset, callbacks=[curve] if curve else None,
+        callbacks = ([curve] if curve else []) + (
+            [StatePassingCallback(train.state_passing, seed=train.seed)] if train.state_passing else [])
+        trainer = Trainer(model=model, args=args, train_dataset=dataset, callbacks=callbacks or None,
                           data_collator=SettingBatches.collate if whole_batches else None)
         started = time.perf_counter()
         output = trainer.train()

@@ -15,14 +15,14 @@ as attention's must.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, eager_attention_forward
 
-from ..cache_trellis import COLUMNS, ROWS, AttentionLayerCache, TensorSpec, TrellisCache
+from ..cache_trellis import COLUMNS, ROWS, AttentionLayerCache, CacheCall, TensorSpec, TrellisCache
 from .base import Mixer
 from .fields import ROPE_THETA, ConfigField, flag, is_int
 from .tokens import ValidTokens, last_document, token_positions
@@ -76,10 +76,12 @@ class AttentionMixer(Mixer):
         return {"keys": columns, "values": columns, "visible": TensorSpec((ROWS, COLUMNS), "bool"),
                 "positions": TensorSpec((ROWS,), "int64", most=COLUMNS)}
 
-    def forward(self, x: torch.Tensor, valid: Optional[ValidTokens] = None, cache: Optional[TrellisCache] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, valid: Optional[ValidTokens] = None,
+                cache: Union[TrellisCache, CacheCall, None] = None) -> torch.Tensor:
         batch, length, _ = x.shape
         dim = self.config.head_dim
-        entry: Optional[AttentionLayerCache] = cache.layers[self.layer_idx] if cache is not None else None
+        call = CacheCall.of(cache)
+        entry: Optional[AttentionLayerCache] = call.before(self.layer_idx) if call is not None else None
         has_past = entry is not None and entry.keys is not None
 
         q = self.q_proj(x).view(batch, length, -1, dim).transpose(1, 2)  # [B, H, T, d]
@@ -111,8 +113,8 @@ class AttentionMixer(Mixer):
         out, _ = attend(self, q, k, v, kernel_mask, dropout=0.0, scaling=self.scaling)  # [B, T, H, d]
         if valid is not None:
             out = out * valid.mask[..., None, None].to(out.dtype)  # no contribution at padding
-        if entry is not None:
-            self._update(entry, k, v, valid, positions, batch, length)
+        if call is not None:
+            self._update(entry, call.entry(self.layer_idx), k, v, valid, positions, batch, length)
         return self.o_proj(out.reshape(batch, length, -1))
 
     @staticmethod
@@ -147,23 +149,24 @@ class AttentionMixer(Mixer):
         return allowed[:, None]
 
     @staticmethod
-    def _update(entry: AttentionLayerCache, keys: torch.Tensor, values: torch.Tensor, valid: Optional[ValidTokens],
-                positions: torch.Tensor, batch: int, length: int) -> None:
-        """Keep every column; later tokens see the real tokens of each row's last document."""
+    def _update(before: AttentionLayerCache, entry: AttentionLayerCache, keys: torch.Tensor, values: torch.Tensor,
+                valid: Optional[ValidTokens], positions: torch.Tensor, batch: int, length: int) -> None:
+        """Keep every column in ``entry`` (``before``: the entry the call began from); later
+        tokens see the real tokens of each row's last document."""
         device = keys.device
         continuing = last_document(valid, length, device).expand(batch, length)
-        if entry.keys is None:
+        if before.keys is None:
             visible = continuing
         else:
             # A row that started a new document in this call no longer sees its older columns.
             new_document = valid.doc_starts.any(dim=1) if valid is not None and valid.doc_starts is not None else None
-            old = entry.visible.to(device)
+            old = before.visible.to(device)
             if new_document is not None:
                 old = old & ~new_document[:, None]
             visible = torch.cat([old, continuing], dim=1)
         real = valid.mask if valid is not None else torch.ones(batch, length, dtype=torch.bool, device=device)
         last_index = (real.long() * torch.arange(1, length + 1, device=device)).argmax(dim=1, keepdim=True)
         last_real = positions.gather(1, last_index)[:, 0] + 1  # the next token's position
-        seen = entry.positions.to(device) if entry.positions is not None else torch.zeros(batch, dtype=torch.long, device=device)
+        seen = before.positions.to(device) if before.positions is not None else torch.zeros(batch, dtype=torch.long, device=device)
         entry.keys, entry.values, entry.visible = keys, values, visible
         entry.positions = torch.where(real.any(dim=1), last_real, seen)

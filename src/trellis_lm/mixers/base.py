@@ -1,7 +1,8 @@
 """What every token mixer shares, and the plumbing of the memory mixers.
 
 A mixer is the ``self_attn`` module of a block: ``mixer(x [B, T, D], valid, cache) -> [B, T, D]``,
-reading and updating its own entry ``cache.layers[layer_idx]`` (of the class ``cache_class``).
+reading its own entry ``cache.layers[layer_idx]`` (of the class ``cache_class``) as it was when
+the model's call began and replacing it (see :class:`~trellis_lm.cache_trellis.CacheCall`).
 
 A *memory mixer* (Trellis, Lattice, KVM) projects q and k (through causal short convs where
 the layer has them), calls its op on each row's real tokens and reads the op's output out
@@ -13,13 +14,13 @@ state is before the first token.
 from __future__ import annotations
 
 from functools import cache, partial
-from typing import Any, Callable, ClassVar, Optional, Sequence
+from typing import Any, Callable, ClassVar, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..cache_trellis import ROWS, LayerCache, MemoryLayerCache, TensorSpec, TrellisCache
+from ..cache_trellis import ROWS, CacheCall, LayerCache, MemoryLayerCache, TensorSpec, TrellisCache
 from ..ops import OpState
 from ..ops.registry import BackendRegistry
 from .fields import MODEL_FIELDS, ConfigField
@@ -89,9 +90,12 @@ class Mixer(nn.Module):
         self.config = config
         self.layer_idx = layer_idx
 
-    def forward(self, x: torch.Tensor, valid: Optional[ValidTokens] = None, cache: Optional[TrellisCache] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, valid: Optional[ValidTokens] = None,
+                cache: Union[TrellisCache, CacheCall, None] = None) -> torch.Tensor:
         """``x [B, T, D]`` -> ``[B, T, D]``; ``valid`` marks real tokens and packed documents
-        (``None``: all real, one document per row)."""
+        (``None``: all real, one document per row). With a cache (or one call's view of it,
+        :class:`~trellis_lm.cache_trellis.CacheCall`) the layer continues its entry and
+        replaces it with the state after ``x``."""
         raise NotImplementedError
 
     def init_weights(self, init: Any) -> None:
@@ -238,23 +242,26 @@ class MemoryMixer(Mixer):
             backend=self.config.op_backend, check_values=False, **self.op_settings(),
         )
 
-    def forward(self, x: torch.Tensor, valid: Optional[ValidTokens] = None, cache: Optional[TrellisCache] = None) -> torch.Tensor:
-        entry = cache.layers[self.layer_idx] if cache is not None else None
-        if entry is None:
+    def forward(self, x: torch.Tensor, valid: Optional[ValidTokens] = None,
+                cache: Union[TrellisCache, CacheCall, None] = None) -> torch.Tensor:
+        call = CacheCall.of(cache)
+        if call is None:
             return self.mix(x, valid, None, None, None, keep_state=False)[0]
+        before = call.before(self.layer_idx)
         mix = self.mix
         # Compiled: decode steps without padding (packing padded rows depends on the mask's values)
         # after a prefill, on CPUs (GPUs run fused kernels).
         if (self.compilable and self.config.compile_decode and x.shape[1] == 1 and x.device.type == "cpu"
-                and valid is None and entry.state is not None):
+                and valid is None and before.state is not None):
             mix = partial(compiled_mix(type(self)), self)
-        if cache.rollback_window:
+        carried = (before.q_tail, before.k_tail, before.state)
+        if call.cache.rollback_window:
             packed = valid is not None and valid.has_documents
-            cache.record_step(self.layer_idx, self, x, None if valid is None else valid.mask,
-                              (entry.q_tail, entry.k_tail, entry.state), replayable=not packed)
-        out, q_tail, k_tail, state = mix(x, valid, entry.q_tail, entry.k_tail, entry.state, keep_state=True)
-        entry.q_tail, entry.k_tail, entry.state = self._carried(entry.q_tail, entry.k_tail, entry.state,
-                                                                q_tail, k_tail, state, x.shape[0])
+            call.cache.record_step(self.layer_idx, self, x, None if valid is None else valid.mask, carried,
+                                   replayable=not packed)
+        out, q_tail, k_tail, state = mix(x, valid, *carried, keep_state=True)
+        entry = call.entry(self.layer_idx)
+        entry.q_tail, entry.k_tail, entry.state = self._carried(*carried, q_tail, k_tail, state, x.shape[0])
         return out
 
     def _carried(self, q_tail: Any, k_tail: Any, state: Any, new_q_tail: Any, new_k_tail: Any,
@@ -379,17 +386,23 @@ class MemoryMixer(Mixer):
         """
         if valid is None or not valid.has_documents:
             return carried if carried is not None else self.fresh_state(batch)
-        fresh = self.fresh_state(valid.seq_rows.numel())
         if carried is None:
-            return fresh
+            return self.fresh_state(valid.seq_rows.numel())
         per_seq = carried.map(lambda t: t.index_select(0, valid.seq_rows.to(t.device)))
+        return self.mixed_state(per_seq, valid.continues_row)
+
+    def mixed_state(self, carried: OpState, keep: torch.Tensor) -> OpState:
+        """The state of ``carried``'s rows where ``keep [N]`` (bool) is True, the learned initial
+        memories elsewhere (what packed documents after a row's first, and state passing's fresh
+        rows, start from)."""
+        fresh = self.fresh_state(keep.numel())
         # One layout for both (KVM's buffers grow with the tokens seen): `cat` aligns them.
-        both = self.state_class.cat([per_seq, fresh])
-        per_seq, fresh = both.map(lambda t: t[: per_seq.rows]), both.map(lambda t: t[per_seq.rows :])
-        keep = valid.continues_row.to(carried.tensors()[carried.field_names()[0]].device)
+        both = self.state_class.cat([carried, fresh])
+        carried, fresh = both.map(lambda t: t[: keep.numel()]), both.map(lambda t: t[keep.numel() :])
+        keep = keep.to(carried.tensors()[carried.field_names()[0]].device)
         return self.state_class(**{
             name: torch.where(keep.view(-1, *(1,) * (t.dim() - 1)), t, fresh.tensors()[name])
-            for name, t in per_seq.tensors().items()
+            for name, t in carried.tensors().items()
         })
 
     def _attend(

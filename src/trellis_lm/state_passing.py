@@ -1,0 +1,201 @@
+"""State passing: train the memory layers on the states of long reads.
+
+A model trained on windows of T tokens, each read from the learned initial memories, only ever
+meets the states of a T-token read; reading further, it meets states it never trained on, and
+its perplexity climbs (``docs/results_lm_extrapolation.md``: reading with a fresh state every 1024
+tokens removes the whole degradation). State passing (Buitrago Ruiz and Gu, 2025, "Understanding
+and Improving Length Generalization in Recurrent Models") starts each training row from the final
+state of a row of the previous batch, detached (no gradient crosses batches): chained over steps,
+rows start from the states of reads many windows long, at no extra compute. With probability
+``1 - probability`` a row starts from the learned memories instead, so the start of a read keeps
+being trained too.
+
+What is carried, per layer kind: Trellis and Lattice layers their memories (with chunk anchors and
+offset) and short-conv tails, KVM layers their means and window (with their token counters, so
+RoPE positions continue as in a long read). Attention layers of a hybrid keep their window
+semantics: they are never carried, each row attends to its own tokens only.
+
+Use it with the Trainer (:class:`StatePassingCallback`, what the recipes' ``state_passing``
+option adds), or in a loop of your own::
+
+    passing = StatePassing(probability=0.9)
+    with passing.attached(model):          # forward hooks on the model's TrellisModel
+        for batch in batches:
+            loss = model(**batch).loss     # rows start from the previous batch's final states
+            ...
+
+The model itself holds nothing: the carried states live in the :class:`StatePassing` object, and
+a model trained this way saves, loads and generates like any other. Rows are matched by index;
+a batch with more rows than the previous one starts the extra rows fresh. In a row that packs
+several documents (``position_ids`` restarting), only the row's first document starts from the
+carried state; pad rows instead (the pretraining recipe does when state passing is on).
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator, Optional, Union
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import TrainerCallback
+
+from .cache_trellis import CACHE_NAMES, MemoryLayerCache, TrellisCache
+from .modeling_trellis import TrellisModel
+
+CHECKPOINT_NAME = "state_passing-rank{rank}.safetensors"
+
+
+def trellis_model(model: nn.Module) -> TrellisModel:
+    """The :class:`TrellisModel` inside ``model`` (a causal LM, a PEFT or DDP wrapper, ...)."""
+    found = next((m for m in model.modules() if isinstance(m, TrellisModel)), None)
+    if found is None:
+        raise ValueError(f"state passing needs a Trellis model; {type(model).__name__} holds no TrellisModel")
+    return found
+
+
+def _detached(tensor: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    return None if tensor is None else tensor.detach()
+
+
+class StatePassing:
+    """Carries each training row's final memory states to the next batch's rows.
+
+    Args:
+        probability: the chance that a row starts from a carried state (else from the learned
+            initial memories); in ``(0, 1]``.
+        seed: seeds the per-row draws (a resumed run continues their sequence).
+    """
+
+    def __init__(self, probability: float = 0.9, seed: int = 0) -> None:
+        if isinstance(probability, bool) or not isinstance(probability, (int, float)) or not 0 < probability <= 1:
+            raise ValueError(f"state passing's probability must be a number in (0, 1], got {probability!r}")
+        self.probability = float(probability)
+        self.generator = torch.Generator().manual_seed(seed)
+        # Per layer index, the memory entries (tails, state) of the last training batch's rows.
+        self.carried: dict[int, tuple[Optional[torch.Tensor], Optional[torch.Tensor], Any]] = {}
+        self._given: Optional[TrellisCache] = None  # the cache the running forward got from us
+
+    @contextmanager
+    def attached(self, model: nn.Module) -> Iterator["StatePassing"]:
+        """Hooks on ``model``'s :class:`TrellisModel` for the block's duration: every forward in
+        training mode without a cache of its own gets the carried states as its initial cache,
+        and leaves its final states to the next one. Evaluation forwards are untouched."""
+        base = trellis_model(model)
+        handles = [base.register_forward_pre_hook(self._before, with_kwargs=True),
+                   base.register_forward_hook(self._after, with_kwargs=True)]
+        try:
+            yield self
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def initial_cache(self, model: TrellisModel, rows: int) -> TrellisCache:
+        """A cache holding the initial state of ``rows`` rows: each row takes the carried state
+        of the same row of the last batch with probability ``probability`` (rows the last batch
+        did not have start fresh), else the learned initial memories. It counts no tokens, so
+        attention masks span the batch's own tokens only."""
+        cache = TrellisCache(model.config)
+        if not self.carried:
+            return cache
+        take = torch.rand(rows, generator=self.generator) < self.probability
+        for index, (q_tail, k_tail, state) in self.carried.items():
+            mixer = model.layers[index].self_attn
+            held = state.rows
+            keep = take & (torch.arange(rows) < held)
+            if not bool(keep.any()):
+                continue
+            rows_of = torch.arange(rows).clamp(max=held - 1)
+            picked = state.map(lambda t: t.index_select(0, rows_of.to(t.device)))
+            entry = cache.layers[index]
+            entry.state = mixer.mixed_state(picked, keep)
+            if q_tail is not None:
+                zero = keep.to(q_tail.device).view(-1, 1, 1)
+                entry.q_tail = torch.where(zero, q_tail.index_select(0, rows_of.to(q_tail.device)), 0)
+                entry.k_tail = torch.where(zero, k_tail.index_select(0, rows_of.to(k_tail.device)), 0)
+        return cache
+
+    def keep_final(self, cache: TrellisCache) -> None:
+        """Keep the memory layers' entries of ``cache`` (detached) for the next batch."""
+        self.carried = {
+            index: (_detached(layer.q_tail), _detached(layer.k_tail), layer.state.map(torch.Tensor.detach))
+            for index, layer in enumerate(cache.layers)
+            if isinstance(layer, MemoryLayerCache) and layer.state is not None
+        }
+
+    def _before(self, module: TrellisModel, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
+        # A training forward without a cache of its own (an explicit cache is the caller's).
+        if not (module.training and torch.is_grad_enabled()) or any(kwargs.get(n) is not None for n in CACHE_NAMES):
+            return None
+        inputs = next(t for t in (kwargs.get("input_ids"), kwargs.get("inputs_embeds"), *args) if t is not None)
+        self._given = self.initial_cache(module, inputs.shape[0])
+        return args, dict(kwargs, cache=self._given, use_cache=True)
+
+    def _after(self, module: TrellisModel, args: tuple, kwargs: dict, output: Any) -> None:
+        if self._given is not None and kwargs.get("cache") is self._given:
+            self.keep_final(self._given)
+        self._given = None
+
+    def save(self, path: Union[str, os.PathLike]) -> None:
+        """Write the carried states and the draws' generator to one safetensors file."""
+        tensors = {"generator": self.generator.get_state()}
+        for index, (q_tail, k_tail, state) in self.carried.items():
+            named = {"q_tail": q_tail, "k_tail": k_tail, **state.tensors()}
+            tensors.update({f"layers.{index}.{name}": t.contiguous().cpu() for name, t in named.items() if t is not None})
+        save_file(tensors, os.fspath(path), metadata={"probability": repr(self.probability)})
+
+    def load(self, path: Union[str, os.PathLike], model: nn.Module) -> None:
+        """Read what :meth:`save` wrote, for ``model`` (its layers say which state each holds)."""
+        tensors = load_file(os.fspath(path))
+        self.generator.set_state(tensors.pop("generator"))
+        base = trellis_model(model)
+        device = next(base.parameters()).device
+        per_layer: dict[int, dict[str, torch.Tensor]] = {}
+        for key, tensor in tensors.items():
+            _, index, name = key.split(".", 2)
+            per_layer.setdefault(int(index), {})[name] = tensor.to(device)
+        self.carried = {}
+        for index, named in per_layer.items():
+            entry = type(base.layers[index].self_attn).cache_class.from_tensors(named)
+            self.carried[index] = (entry.q_tail, entry.k_tail, entry.state)
+
+
+class StatePassingCallback(TrainerCallback):
+    """State passing for a :class:`transformers.Trainer` run (see the module doc).
+
+    Attaches to the model when training begins and detaches when it ends; every checkpoint holds
+    each process's carried states (``state_passing-rank{r}.safetensors``), and a run resumed
+    from a checkpoint continues from them. Works with gradient accumulation (each micro-batch
+    starts from the previous one's states), several processes (each carries its own rows) and
+    activation checkpointing.
+    """
+
+    def __init__(self, probability: float = 0.9, seed: int = 0) -> None:
+        self.probability, self.seed = probability, seed
+        self.passing: Optional[StatePassing] = None
+        self._attached: Any = None
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: Optional[nn.Module] = None, **kwargs: Any) -> None:
+        rank = max(args.process_index, 0)
+        self.passing = StatePassing(self.probability, seed=self.seed + rank)
+        saved = Path(args.output_dir) / f"checkpoint-{state.global_step}" / CHECKPOINT_NAME.format(rank=rank)
+        if state.global_step and saved.exists():
+            self.passing.load(saved, model)
+        self._attached = self.passing.attached(model)
+        self._attached.__enter__()
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        if self.passing is not None and folder.is_dir():
+            self.passing.save(folder / CHECKPOINT_NAME.format(rank=max(args.process_index, 0)))
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._attached is not None:
+            self._attached.__exit__(None, None, None)
+            self._attached = None
+
+
+__all__ = ["StatePassing", "StatePassingCallback", "trellis_model"]
