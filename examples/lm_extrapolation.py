@@ -24,12 +24,13 @@ The variants:
 
 No forget gate at all is the study's ``trellis-no-forget`` row; it is not trained again here.
 
-* ``<model>-sp`` (issue 35), for ``trellis``, ``trellis-C8``, ``delta-rule``, ``lattice`` and
-  ``hybrid``: trained with state passing (:mod:`trellis_lm.state_passing`, probability 0.9: a row
-  starts from a row of the previous batch's final memory states), with the same seeds, windows and
-  initial weights as the run without; ``delta-rule``, ``lattice`` (at its study rate, 1.2e-2) and
-  ``hybrid`` are those runs without (the study's own again). These runs skip the memory profile and
-  the capped readings.
+* state passing (issue 35, :mod:`trellis_lm.state_passing`: a training row starts from a row of the
+  previous batch's final memory states with probability p), with the same seeds, windows and initial
+  weights as the runs without: ``trellis-sp`` (p = 0.9 from the first step), ``trellis-sp50``
+  (p = 0.5), ``trellis-sp-late`` and ``trellis-sp-half`` (p = 0.9 over the last fifth / half of the
+  steps only, the paper's post-training); ``<model>-sp-late`` for ``lattice`` (at its study rate,
+  1.2e-2), ``hybrid``, ``delta-rule`` and ``trellis-C8``; and ``lattice``, ``hybrid``, ``delta-rule``
+  without it (the study's own runs again). These runs skip the memory profile and the capped readings.
 
 Measures (every run): validation perplexity at 128 tokens; perplexity by position (the study's
 buckets, on its long held-out files, read in one pass); passkey *preference* (does the model
@@ -92,6 +93,7 @@ class Variant:
     gate_span: Optional[tuple[float, float]] = None
     learning_rate: Optional[float] = None
     state_passing: float = 0.0
+    state_passing_from: float = 0.0
     # The memory profile and the capped-horizon readings (the first study's diagnostics).
     diagnostics: bool = True
 
@@ -104,14 +106,20 @@ VARIANTS = (
     # At 512 tokens the study's rate left seed 0 on a plateau (loss 6.2 for most of the run).
     Variant("trellis-T512-lr1e-3", StudyModel("trellis"), length_factor=4, learning_rate=1e-3),
     Variant("trellis-C8", StudyModel("trellis-C8", overrides={"chunk_size": 8})),
-    # State passing (issue 35): each training row starts from a row of the previous batch's final
-    # states with probability 0.9. The same seeds, windows and initial weights as the runs without.
-    # The runs without for delta rule, Lattice and the hybrid are the study's own again (Lattice at
-    # its best rate there, 1.2e-2).
-    *(Variant(f"{name}-sp", spec, learning_rate=rate, state_passing=0.9, diagnostics=False)
-      for name, spec, rate in STATE_PASSING_MODELS),
+    # State passing (issue 35): a training row starts from a row of the previous batch's final
+    # states with probability p. The same seeds, windows and initial weights as the runs without.
+    # For Trellis: p = 0.9 from the first step, p = 0.5, and p = 0.9 over the last fifth or half of
+    # the steps only (post-training, as the paper applies it); for the other models the late recipe.
+    Variant("trellis-sp", StudyModel("trellis"), state_passing=0.9, diagnostics=False),
+    Variant("trellis-sp50", StudyModel("trellis"), state_passing=0.5, diagnostics=False),
+    Variant("trellis-sp-late", StudyModel("trellis"), state_passing=0.9, state_passing_from=0.8, diagnostics=False),
+    Variant("trellis-sp-half", StudyModel("trellis"), state_passing=0.9, state_passing_from=0.5, diagnostics=False),
+    *(Variant(f"{name}-sp-late", spec, learning_rate=rate, state_passing=0.9, state_passing_from=0.8,
+              diagnostics=False)
+      for name, spec, rate in STATE_PASSING_MODELS[1:]),
+    # The runs without for delta rule, Lattice and the hybrid (the study's own runs again).
     *(Variant(name, spec, learning_rate=rate, diagnostics=False)
-      for name, spec, rate in STATE_PASSING_MODELS if name not in ("trellis", "trellis-C8")),
+      for name, spec, rate in STATE_PASSING_MODELS[1:] if name != "trellis-C8"),
 )
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -202,12 +210,13 @@ def run_all(preset: dict[str, Any], out: Path, names: Optional[list[str]], keep:
             bar = tqdm(total=recipe.steps, desc=f"{variant.name} seed={seed}", leave=False)
             rate = variant.learning_rate or preset["learning_rate"]
             trained = train_lm(model, encoded.tokens["train"], recipe, rate, seed,
-                               lambda step, loss: bar.update(1), state_passing=variant.state_passing)
+                               lambda step, loss: bar.update(1), state_passing=variant.state_passing,
+                               state_passing_from=variant.state_passing_from)
             bar.close()
             record = {
                 "model": variant.name, "seed": seed, "learning_rate": rate, "train_length": length,
                 "batch_size": recipe.batch_size, "train_tokens": recipe.tokens, "gate_span": variant.gate_span,
-                "state_passing": variant.state_passing,
+                "state_passing": variant.state_passing, "state_passing_from": variant.state_passing_from,
                 **trained, **{name: measure(model) for name, measure in todo.items()},
             }
             append_record(path, record)
@@ -222,6 +231,14 @@ def spread(values: list[float], digits: int = 2) -> str:
     return f"{mean:.{digits}f}" + (f" [{low:.{digits}f}, {high:.{digits}f}]" if len(values) > 1 else "")
 
 
+def passing(record: dict[str, Any]) -> str:
+    """A run's state passing in words: its probability, and from which step on."""
+    probability, start = record.get("state_passing") or 0, record.get("state_passing_from") or 0
+    if not probability:
+        return "no"
+    return f"p = {probability:g}" + (f", from {start:.0%} of the steps" if start else "")
+
+
 def render(out: Path, page: Path) -> None:
     records = load_records(out / "lm_extrapolation.json")
     models = [v.name for v in VARIANTS if any(r["model"] == v.name for r in records)]
@@ -233,12 +250,13 @@ def render(out: Path, page: Path) -> None:
     if not records:
         page.write_text("\n".join(lines + ["No run has finished yet."]) + "\n")
         return
-    lines += ["| variant | train length | batch | lr | seeds | validation ppl (128 tokens) | final training loss (its own windows) |",
-              "|---|---|---|---|---|---|---|"]
+    lines += ["| variant | train length | batch | lr | state passing | seeds | validation ppl (128 tokens) | "
+              "final training loss (its own windows) |", "|---|---|---|---|---|---|---|---|"]
     for m in models:
         runs = by_model[m]
         lines.append(f"| {m} | {runs[0]['train_length']} | {runs[0]['batch_size']} | {runs[0]['learning_rate']:g} | "
-                     f"{len(runs)} | {spread([r['val_ppl'] for r in runs])} | {spread([r['curve'][-1][1] for r in runs])} |")
+                     f"{passing(runs[0])} | {len(runs)} | {spread([r['val_ppl'] for r in runs])} | "
+                     f"{spread([r['curve'][-1][1] for r in runs])} |")
     buckets = list(records[0]["ppl_by_position"])
     length = records[0]["train_length"] // next(v.length_factor for v in VARIANTS if v.name == records[0]["model"])
     readings = [("ppl_by_position", "one pass"), (f"ppl_by_position_reset_{RESET}x", f"reset every {RESET * length}"),

@@ -179,7 +179,7 @@ def test_the_extrapolation_study_runs_renders_and_measures_kept_models(tmp_path)
         assert set(record["passkey_preference"]) == {"32", "128"} and len(record["memory"]["horizon"]) == 4
         assert set(record["ppl_by_position_capped_8x"]) == set(record["ppl_by_position_reset_8x"]) == set(record["ppl_by_position"])
     page = (tmp_path / "page.md").read_text()
-    assert "| trellis-T512 | 128 | 1 | 0.003 | 1 |" in page and (tmp_path / "figures" / "lm_extrapolation.png").is_file()
+    assert "| trellis-T512 | 128 | 1 | 0.003 | no | 1 |" in page and (tmp_path / "figures" / "lm_extrapolation.png").is_file()
     # A measure missing from a record (added to the study after the run) is taken on the kept model.
     first = records[0].pop("ppl_by_position_reset_8x")
     (tmp_path / "lm_extrapolation.json").write_text(json.dumps(records))
@@ -187,3 +187,12 @@ def test_the_extrapolation_study_runs_renders_and_measures_kept_models(tmp_path)
                    capture_output=True, cwd=ROOT)
     again = json.loads((tmp_path / "lm_extrapolation.json").read_text())
     assert again[0]["ppl_by_position_reset_8x"] == pytest.approx(first) and len(again) == 2
+
+
+def test_the_extrapolation_study_trains_with_state_passing(tmp_path):
+    command = [sys.executable, str(ROOT / "examples" / "lm_extrapolation.py"), "--preset", "quick", "--out", str(tmp_path),
+               "--page", str(tmp_path / "page.md"), "--models", "trellis-sp-late"]
+    subprocess.run(command, check=True, capture_output=True, cwd=ROOT)
+    [record] = json.loads((tmp_path / "lm_extrapolation.json").read_text())
+    assert (record["state_passing"], record["state_passing_from"]) == (0.9, 0.8) and "memory" not in record
+    assert "| trellis-sp-late | 32 | 4 | 0.003 | p = 0.9, from 80% of the steps | 1 |" in (tmp_path / "page.md").read_text()

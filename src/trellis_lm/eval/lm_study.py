@@ -237,12 +237,15 @@ class Recipe:
 
 
 def train_lm(model: PreTrainedModel, data: torch.Tensor, recipe: Recipe, learning_rate: float, seed: int,
-             progress: Optional[Callable[[int, float], None]] = None, state_passing: float = 0.0) -> dict[str, Any]:
+             progress: Optional[Callable[[int, float], None]] = None, state_passing: float = 0.0,
+             state_passing_from: float = 0.0) -> dict[str, Any]:
     """Train ``model`` in place on random windows of ``data``; returns the loss curve (every
     5% of the steps, each point the mean of the steps since the last), tokens/s and seconds.
     ``state_passing`` > 0: each row starts from a row of the previous batch's final memory
     states with that probability (:mod:`trellis_lm.state_passing`; the draws have their own
-    generator, so the windows and the weights' initialisation are those of the run without)."""
+    generator, so the windows and the weights' initialisation are those of the run without),
+    from the step at fraction ``state_passing_from`` of the run on (0: from the start; the
+    paper's post-training is a late start)."""
     torch.manual_seed(seed)
     generator = torch.Generator().manual_seed(seed)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embed" not in n]
@@ -260,9 +263,11 @@ def train_lm(model: PreTrainedModel, data: torch.Tensor, recipe: Recipe, learnin
     model.train()
     curve, pending, every = [], [], max(1, steps // 20)
     started = time.perf_counter()
-    passing = StatePassing(state_passing, seed).attached(model) if state_passing else contextlib.nullcontext()
-    with passing:
+    passing, first_passed = StatePassing(state_passing or 1.0, seed), int(state_passing_from * steps)
+    with contextlib.ExitStack() as hooks:
         for step in range(steps):
+            if state_passing and step == first_passed:
+                hooks.enter_context(passing.attached(model))
             batch = random_windows(data, recipe.batch_size, recipe.train_length, generator)
             logits = model(input_ids=batch[:, :-1]).logits
             loss = F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
