@@ -159,3 +159,18 @@ def test_the_pretraining_recipe_passes_states_between_padded_rows(tmp_path):
     with pytest.raises(ValueError, match="--state_passing must be a probability"):
         pretrain(PretrainArguments(data_files=[str(corpus)], vocab_size=300, max_length=12,
                                    config_overrides=TINY_OVERRIDES, state_passing=2.0), tiny_training_args(out))
+
+
+def test_the_callback_can_begin_late_and_refuses_bad_settings(tmp_path):
+    seen = []
+    run = sgd_trainer(str(tmp_path), schedule="trellis", max_steps=4, per_device_train_batch_size=2)
+    callback = StatePassingCallback(probability=1.0, start_fraction=0.5)
+    run.add_callback(callback)
+    # Steps 0 and 1 start fresh (no hook yet), steps 2 and 3 are passed states.
+    run.model.model.register_forward_hook(
+        lambda module, args, kwargs, output: seen.append(kwargs.get("cache") is not None), with_kwargs=True)
+    run.train()
+    assert seen == [False, False, True, True]
+    for bad in (dict(probability=0.0), dict(probability=1.5), dict(start_fraction=1.0), dict(start_fraction=-0.1)):
+        with pytest.raises(ValueError, match="probability|start_fraction"):
+            StatePassingCallback(**bad)

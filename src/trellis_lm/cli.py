@@ -111,6 +111,11 @@ def probability(text: str) -> float:
     return _checked(float, lambda value: 0 <= value <= 1, "a number in [0, 1]")(text)
 
 
+def fraction(text: str) -> float:
+    """An argparse ``type``: a number in [0, 1)."""
+    return _checked(float, lambda value: 0 <= value < 1, "a number in [0, 1)")(text)
+
+
 def checkpoint_problem(text: str) -> Optional[str]:
     """Why ``text`` cannot be a checkpoint folder or Hub id, as far as the disk tells (``None``:
     it may be one; a Hub id is only checked when it is loaded)."""

@@ -166,30 +166,48 @@ class StatePassing:
 class StatePassingCallback(TrainerCallback):
     """State passing for a :class:`transformers.Trainer` run (see the module doc).
 
-    Attaches to the model when training begins and detaches when it ends; every checkpoint holds
-    each process's carried states (``state_passing-rank{r}.safetensors``), and a run resumed
-    from a checkpoint continues from them. Works with gradient accumulation (each micro-batch
-    starts from the previous one's states), several processes (each carries its own rows) and
-    activation checkpointing.
+    Args:
+        probability: the chance that a row starts from a carried state.
+        start_fraction: state passing begins at this fraction of ``max_steps`` (0: from the first
+            step; 0.8: over the last fifth only, a post-training as the paper applies it; in the
+            language-modelling study that kept perplexity at the training length where passing from
+            the first step cost 50%, ``docs/results_lm.md``).
+        seed: seeds the per-row draws (plus the process's rank).
+
+    Attaches to the model when state passing begins and detaches when training ends; every
+    checkpoint holds each process's carried states (``state_passing-rank{r}.safetensors``), and a
+    run resumed from a checkpoint continues from them. Works with gradient accumulation (each
+    micro-batch starts from the previous one's states), several processes (each carries its own
+    rows) and activation checkpointing.
     """
 
-    def __init__(self, probability: float = 0.9, seed: int = 0) -> None:
-        self.probability, self.seed = probability, seed
-        self.passing: Optional[StatePassing] = None
+    def __init__(self, probability: float = 0.9, start_fraction: float = 0.0, seed: int = 0) -> None:
+        if isinstance(start_fraction, bool) or not isinstance(start_fraction, (int, float)) or not 0 <= start_fraction < 1:
+            raise ValueError(f"state passing's start_fraction must be a number in [0, 1), got {start_fraction!r}")
+        self.passing = StatePassing(probability, seed)  # checks the probability now, not at the first step
+        self.start_fraction, self.seed = start_fraction, seed
+        self._start = 0  # the first step that passes states (set when training begins)
+        self._model: Optional[nn.Module] = None
         self._attached: Any = None
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Optional[nn.Module] = None, **kwargs: Any) -> None:
         rank = max(args.process_index, 0)
-        self.passing = StatePassing(self.probability, seed=self.seed + rank)
+        self.passing = StatePassing(self.passing.probability, seed=self.seed + rank)
+        self._start = int(self.start_fraction * state.max_steps)
         saved = Path(args.output_dir) / f"checkpoint-{state.global_step}" / CHECKPOINT_NAME.format(rank=rank)
         if state.global_step and saved.exists():
             self.passing.load(saved, model)
-        self._attached = self.passing.attached(model)
-        self._attached.__enter__()
+        self._model = model
+        self.on_step_begin(args, state, control)
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._attached is None and state.global_step >= self._start:
+            self._attached = self.passing.attached(self._model)
+            self._attached.__enter__()
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-        if self.passing is not None and folder.is_dir():
+        if self._attached is not None and folder.is_dir():
             self.passing.save(folder / CHECKPOINT_NAME.format(rank=max(args.process_index, 0)))
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

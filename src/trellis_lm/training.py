@@ -92,6 +92,11 @@ class ModelArguments:
         metadata={"help": "probability that a training row starts from the final memory states of a row of the "
                           "previous batch (trellis_lm.state_passing: reads past the training length); 0 disables"},
     )
+    state_passing_from: float = field(
+        default=0.0,
+        metadata={"help": "with --state_passing, begin at this fraction of max_steps (0.8: over the last fifth "
+                          "only, which kept perplexity at the training length in docs/results_lm.md)"},
+    )
 
 
 @dataclass
@@ -315,7 +320,7 @@ def _add_state_passing(trainer: Trainer, args: ModelArguments, training_args: Tr
     if not 0 <= args.state_passing <= 1:
         raise ValueError(f"--state_passing must be a probability in [0, 1] (0: off), got {args.state_passing}")
     if args.state_passing:
-        trainer.add_callback(StatePassingCallback(args.state_passing, seed=training_args.seed))
+        trainer.add_callback(StatePassingCallback(args.state_passing, args.state_passing_from, seed=training_args.seed))
 
 
 def pretrain(args: PretrainArguments, training_args: TrainingArguments) -> Trainer:

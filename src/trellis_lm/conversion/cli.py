@@ -34,7 +34,7 @@ import torch
 from transformers import AutoTokenizer, TrainingArguments
 from transformers.trainer_utils import get_last_checkpoint
 
-from ..cli import float_above, int_at_least, probability, report_error
+from ..cli import float_above, fraction, int_at_least, probability, report_error
 from ..modeling_trellis import TrellisForCausalLM
 from .distill import TokenBlocks, distill_layerwise, distill_logits, distillation_arguments
 from .llama import convert_llama_to_trellis
@@ -85,6 +85,8 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
     distill.add_argument("--state-passing", type=probability, default=0.0, metavar="P",
                          help="stage 2: a student row starts from a row of the previous batch's final memory "
                               "states with probability P (reads past the block size; 0, the default, is off)")
+    distill.add_argument("--state-passing-from", type=fraction, default=0.0, metavar="F",
+                         help="stage 2: begin state passing at this fraction of the steps (default 0)")
     distill.add_argument("--save-steps", type=positive, default=500, help="checkpoint every N steps (default 500)")
     distill.add_argument("--resume", action="store_true", help="continue each stage from its latest checkpoint")
     distill.add_argument("--bf16", action="store_true", help="bfloat16 autocast, and the teacher in bfloat16")
@@ -203,6 +205,7 @@ def _distill(student: TrellisForCausalLM, texts: list[str], args: argparse.Names
         student, teacher, data, _training_args(work / "logits", args, args.stage2_steps, stage2_lr),
         tokenizer=tokenizer, temperature=args.temperature, lora_rank=lora_rank,
         resume_from_checkpoint=_checkpoint(work / "logits", args), state_passing=args.state_passing,
+        state_passing_from=args.state_passing_from,
     )
     student.to(saved_dtype).save_pretrained(out)
 

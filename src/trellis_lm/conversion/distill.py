@@ -334,13 +334,15 @@ def distill_logits(
     lora_targets: Sequence[str] = DEFAULT_LORA_TARGETS,
     resume_from_checkpoint: Union[str, bool, None] = None,
     state_passing: float = 0.0,
+    state_passing_from: float = 0.0,
 ) -> TrellisForCausalLM:
     """Stage 2: fine-tune end to end against the teacher's logits; returns the trained student.
 
     ``state_passing`` > 0 starts each student row from the final memory states of a row of the
     previous batch with that probability (:mod:`trellis_lm.state_passing`), so the student learns
     to read its blocks after long reads (the teacher sees the block alone, as it would at its
-    own context length); 0 (default) starts every row from the learned memories.
+    own context length), from the fraction ``state_passing_from`` of the steps on; 0 (default)
+    starts every row from the learned memories.
 
     With ``lora_rank`` (default 16), LoRA adapters of that rank (scale ``lora_alpha``, default
     ``2 * rank``) on ``lora_targets`` train and are merged into the returned model; with
@@ -362,7 +364,7 @@ def distill_logits(
         processing_class=tokenizer, teacher=teacher, temperature=temperature,
     )
     if state_passing:
-        trainer.add_callback(StatePassingCallback(state_passing, seed=args.seed))
+        trainer.add_callback(StatePassingCallback(state_passing, state_passing_from, seed=args.seed))
     trainer.train(resume_from_checkpoint=resume_from_checkpoint)
     return (student if lora_rank is None else model.merge_and_unload()).requires_grad_(True)
 

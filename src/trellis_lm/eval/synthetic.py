@@ -117,7 +117,8 @@ class TrainSettings:
         stop_accuracy: stop once the validation accuracy reaches this (``None``: never); the
             record then says at which step it stopped.
         state_passing: probability that a training row starts from a row of the previous
-            batch's final memory states (:mod:`trellis_lm.state_passing`; 0: never).
+            batch's final memory states (:mod:`trellis_lm.state_passing`; 0: never), from the
+            fraction ``state_passing_from`` of the steps on.
     """
 
     max_steps: int = 200
@@ -131,6 +132,7 @@ class TrainSettings:
     num_val: int = 256
     stop_accuracy: float | None = None
     state_passing: float = 0.0
+    state_passing_from: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -409,7 +411,8 @@ def train_model(
             bf16=torch.cuda.is_available() and torch.cuda.is_bf16_supported(),
         )
         callbacks = ([curve] if curve else []) + (
-            [StatePassingCallback(train.state_passing, seed=train.seed)] if train.state_passing else [])
+            [StatePassingCallback(train.state_passing, train.state_passing_from, seed=train.seed)]
+            if train.state_passing else [])
         trainer = Trainer(model=model, args=args, train_dataset=dataset, callbacks=callbacks or None,
                           data_collator=SettingBatches.collate if whole_batches else None)
         started = time.perf_counter()
