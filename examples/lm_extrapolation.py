@@ -27,8 +27,8 @@ No forget gate at all is the study's ``trellis-no-forget`` row; it is not traine
 * state passing (issue 35, :mod:`trellis_lm.state_passing`: a training row starts from a row of the
   previous batch's final memory states with probability p), with the same seeds, windows and initial
   weights as the runs without: ``trellis-sp`` (p = 0.9 from the first step), ``trellis-sp50``
-  (p = 0.5), ``trellis-sp-late`` and ``trellis-sp-half`` (p = 0.9 over the last fifth / half of the
-  steps only, the paper's post-training); ``<model>-sp-late`` for ``lattice`` (at its study rate,
+  (p = 0.5), ``trellis-sp-late``, ``trellis-sp-from70`` and ``trellis-sp-half`` (p = 0.9 over the
+  last fifth / 30% / half of the steps only, the paper's post-training); ``<model>-sp-late`` for ``lattice`` (at its study rate,
   1.2e-2), ``hybrid``, ``delta-rule`` and ``trellis-C8``; and ``lattice``, ``hybrid``, ``delta-rule``
   without it (the study's own runs again). These runs skip the memory profile and the capped readings.
 
@@ -114,6 +114,7 @@ VARIANTS = (
     Variant("trellis-sp50", StudyModel("trellis"), state_passing=0.5, diagnostics=False),
     Variant("trellis-sp-late", StudyModel("trellis"), state_passing=0.9, state_passing_from=0.8, diagnostics=False),
     Variant("trellis-sp-half", StudyModel("trellis"), state_passing=0.9, state_passing_from=0.5, diagnostics=False),
+    Variant("trellis-sp-from70", StudyModel("trellis"), state_passing=0.9, state_passing_from=0.7, diagnostics=False),
     *(Variant(f"{name}-sp-late", spec, learning_rate=rate, state_passing=0.9, state_passing_from=0.8,
               diagnostics=False)
       for name, spec, rate in STATE_PASSING_MODELS[1:]),
@@ -322,7 +323,25 @@ def figures(by_model: dict[str, list[dict[str, Any]]], buckets: list[str], lengt
     fig.tight_layout()
     fig.savefig(folder / "lm_extrapolation.png", dpi=110)
     plt.close(fig)
-    return ["", "## Figure", "", "![perplexity by position and passkey preference](figures/lm_extrapolation.png)"]
+    lines = ["", "## Figures", "", "![perplexity by position and passkey preference](figures/lm_extrapolation.png)"]
+    # State passing: each run beside the run without it (same seeds), one panel per model.
+    passed = {m: runs for m, runs in by_model.items() if runs[0].get("state_passing")}
+    bases = sorted({m.split("-sp")[0] for m in passed} & set(by_model))
+    if bases:
+        fig, axes = plt.subplots(1, len(bases), figsize=(5 * len(bases), 4), squeeze=False)
+        ends = [int(b.split("-")[1]) for b in buckets]
+        for ax, base in zip(axes[0], bases):
+            for m in [base] + [m for m in passed if m.split("-sp")[0] == base]:
+                ax.plot(ends, [statistics.fmean(r["ppl_by_position"][b] for r in by_model[m]) for b in buckets],
+                        marker="o", label=f"{m} ({passing(by_model[m][0])})")
+            ax.set(xscale="log", yscale="log", xlabel="tokens (end of each position bucket)", ylabel="perplexity",
+                   title=f"{base}: state passing")
+            ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(folder / "lm_state_passing.png", dpi=110)
+        plt.close(fig)
+        lines += ["", "![perplexity by position with and without state passing](figures/lm_state_passing.png)"]
+    return lines
 
 
 def main() -> None:
