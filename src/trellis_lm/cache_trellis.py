@@ -143,11 +143,6 @@ class LayerCache:
         """The names a non-empty entry holds whatever the configuration."""
         return cls.tensor_names()
 
-    def fields_now(self) -> dict[str, Any]:
-        """The entry's fields as they are (tensors and op states are replaced, never written
-        into, so keeping these references keeps the values)."""
-        return {f.name: getattr(self, f.name) for f in fields(self)}
-
 
 def _all_or_none(names: list[str], tensors: dict[str, torch.Tensor], what: str) -> Optional[dict[str, torch.Tensor]]:
     """The tensors named ``names``, all of them or (when none is there) ``None``."""
@@ -488,20 +483,22 @@ class TrellisCache(Cache):
             self.seen_tokens -= remove
 
     @contextmanager
-    def all_or_nothing(self) -> Iterator[None]:
+    def all_or_nothing(self) -> Iterator[CacheCall]:
         """Run a block that updates the cache so that it either completes or leaves the cache
         as it was: on any exception (``KeyboardInterrupt`` included) every entry, the token
-        count, the rollback records and the model binding are put back. Cheap: entries'
-        tensors are replaced by the layers, never written into, so references are the backup."""
-        entries = [layer.fields_now() for layer in self.layers]
+        count, the rollback records and the model binding are put back. Yields the call's view
+        (:class:`CacheCall`), whose entries as the block began are also the backup: cheap, as
+        layers replace their entries' tensors, never write into them."""
+        call = CacheCall(self)
         calls = [CallRecords(c.length, dict(c.layers)) for c in self._calls]
         seen, signature, window = self.seen_tokens, self.signature, self._rollback_window
         try:
-            yield
+            yield call
         except BaseException:
-            for layer, fields_before in zip(self.layers, entries):
-                for name, value in fields_before.items():
-                    setattr(layer, name, value)
+            for index, layer in enumerate(self.layers):
+                before = call.before(index)
+                for f in fields(layer):
+                    setattr(layer, f.name, getattr(before, f.name))
             self._calls, self.seen_tokens, self.signature, self._rollback_window = calls, seen, signature, window
             raise
 
@@ -597,11 +594,11 @@ class TrellisCache(Cache):
         """Read a cache written by :meth:`save`, onto ``device`` (default: CPU).
 
         The file's header is checked against its tensors before any tensor is read: every layer
-        holds its whole entry once the cache has seen tokens (and none before), no tensor is
-        unknown, and attention columns agree with ``seen_tokens``. Given the model's ``config``
-        the file must record the model that made it (a file whose metadata says ``signature:
-        null`` is refused), and every tensor's shape and dtype must be the one the layer's mixer
-        declares for that config (``Mixer.cache_layout``); counters are checked against their
+        holds its whole entry once the cache has seen tokens (and none before), and no tensor is
+        unknown. Given the model's ``config`` the file must record the model that made it (a file
+        whose metadata says ``signature: null`` is refused), and every tensor's shape and dtype
+        must be the one the layer's mixer declares for that config (``Mixer.cache_layout``;
+        attention columns must then equal ``seen_tokens``); counters are checked against their
         bounds once read. Without ``config`` the cache binds to the first model that uses it.
         """
         with safe_open(os.fspath(path), framework="pt", device=str(device or "cpu")) as f:

@@ -283,13 +283,13 @@ class TrellisModel(TrellisPreTrainedModel):
             use_cache = self.config.use_cache
         past = cache.get_seq_length() if isinstance(cache, TrellisCache) else 0
         cache = self._checked_cache(cache, use_cache, batch)
-        run = partial(self._run, inputs_embeds, attention_mask, cache, past, position_ids, output_hidden_states,
+        run = partial(self._run, inputs_embeds, attention_mask, past, position_ids, output_hidden_states,
                       return_dict, kwargs)
         if cache is None:
-            return run()
+            return run(None)
         # All or nothing: a failure (or Ctrl-C) in any layer leaves the cache as it was, not
         # with the layers before it advanced.
-        with cache.all_or_nothing():
+        with cache.all_or_nothing() as call:
             cache.bind(self.config)
             if cache.rollback_window:
                 if length > cache.rollback_window:
@@ -297,14 +297,15 @@ class TrellisModel(TrellisPreTrainedModel):
                         inputs_embeds, attention_mask, cache, position_ids, output_hidden_states, return_dict, kwargs
                     )
                 cache.begin_step(length)
-            return run()
+            return run(call)
 
     def _run(
-        self, inputs_embeds: torch.Tensor, attention_mask: Any, cache: Optional[TrellisCache], past: int,
-        position_ids: Optional[torch.Tensor], output_hidden_states: Optional[bool], return_dict: Optional[bool],
-        kwargs: dict[str, Any],
+        self, inputs_embeds: torch.Tensor, attention_mask: Any, past: int, position_ids: Optional[torch.Tensor],
+        output_hidden_states: Optional[bool], return_dict: Optional[bool], kwargs: dict[str, Any],
+        call: Optional[CacheCall],
     ) -> Union[BaseModelOutputWithPast, tuple]:
-        """The layers on ``inputs_embeds [B, T, D]``, continuing ``cache`` (``past`` columns seen)."""
+        """The layers on ``inputs_embeds [B, T, D]``, continuing the cache of ``call`` (``past``
+        columns seen)."""
         batch, length = inputs_embeds.shape[:2]
         real = real_tokens(attention_mask, batch, length, past)
         starts = document_starts(batch, length, position_ids, **{name: kwargs.get(name) for name in PACKING_ARGS},
@@ -313,7 +314,6 @@ class TrellisModel(TrellisPreTrainedModel):
 
         hidden_states = inputs_embeds
         all_hidden_states = (hidden_states,) if output_hidden_states else None
-        call = CacheCall.of(cache)
         for layer in self.layers:
             # Positional: transformers' checkpointing wrapper drops a keyword `cache` (it assumes a
             # recomputed layer would write its cache twice; a CacheCall makes that harmless).
@@ -323,7 +323,8 @@ class TrellisModel(TrellisPreTrainedModel):
         hidden_states = self.norm(hidden_states)
         if output_hidden_states:
             all_hidden_states = all_hidden_states[:-1] + (hidden_states,)
-        if cache is not None:
+        cache = None if call is None else call.cache
+        if call is not None:
             cache.add_seen_tokens(length)
 
         output = BaseModelOutputWithPast(
