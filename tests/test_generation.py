@@ -100,7 +100,8 @@ needs_compiler = pytest.mark.skipif(
 @needs_compiler
 @pytest.mark.parametrize(
     "overrides",
-    [{}, {"compress_fn": "l2norm", "mix_fn": "softmax", "use_forget_gate": False, "conv_size": 0}],
+    [{}, {"compress_fn": "l2norm", "mix_fn": "softmax", "use_forget_gate": False, "conv_size": 0},
+     {"schedule": "lattice"}],
 )
 def test_compiled_decode_step_equals_eager(overrides):
     # float64, odd sizes; the decode steps cross chunk starts (every 3rd token), where anchors move.

@@ -134,19 +134,24 @@ def test_mixer_never_runs_the_op_s_range_checks(monkeypatch):
     import trellis_lm.mixers.trellis as trellis_mixer
 
     seen = []
-    op = trellis_mixer.TrellisAttention.op
+    op, step_op = trellis_mixer.TrellisAttention.op, trellis_mixer.TrellisAttention.step_op
 
     def recording(*args, **kwargs):
         seen.append((args[0].shape[1], kwargs["check_values"]))
         return op(*args, **kwargs)
 
+    def recording_step(*args, **kwargs):  # the unchecked decode step: no checks at all
+        seen.append((args[0].shape[1], "step"))
+        return step_op(*args, **kwargs)
+
     monkeypatch.setattr(trellis_mixer.TrellisAttention, "op", staticmethod(recording))
+    monkeypatch.setattr(trellis_mixer.TrellisAttention, "step_op", staticmethod(recording_step))
     model = tiny_model()
     ids = random_tokens(2, 6)
     with torch.no_grad():
         out = model(ids[:, :5], use_cache=True)
         model(ids[:, 5:], past_key_values=cache_of(out))
-        assert set(seen) == {(5, False), (1, False)}
+        assert set(seen) == {(5, False), (1, "step")}
         seen.clear()
         mask = torch.tensor([[1] * 7, [1] * 6 + [0]])  # the cache has taken in 6 tokens
         model(ids[:, 5:], attention_mask=mask, past_key_values=cache_of(out))

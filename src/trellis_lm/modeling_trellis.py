@@ -32,6 +32,7 @@ from .configuration_trellis import TrellisConfig
 from .model_card_trellis import CARD_NAME, hub_card_text, is_generated, write_model_card
 from .mixers import Mixer, build_mixer
 from .mixers.parts import TrellisRMSNorm
+from .mixers.stacking import LinearStack, stacked, stacked_projections
 from .mixers.tokens import ValidTokens, document_starts, real_tokens
 
 logger = logging.get_logger(__name__)
@@ -40,13 +41,20 @@ logger = logging.get_logger(__name__)
 class TrellisMLP(nn.Module):
     """SwiGLU feed-forward."""
 
+    fusable_projections = ("gate_proj", "up_proj")
+
     def __init__(self, config: TrellisConfig) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.projection_stack: Optional[LinearStack] = None  # set within `stacked_projections`
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fused = stacked(self, x)
+        if fused is not None:  # inference, in generate: gate and up by one matmul, the product in place
+            gate, up = fused[1].values()
+            return self.down_proj(F.silu(gate, inplace=True).mul_(up))
         gate = F.silu(self.gate_proj(x))
         # Without autograd, into `gate` (this method's own tensor): one [B, T, I] allocation less.
         return self.down_proj(gate.mul_(self.up_proj(x)) if not torch.is_grad_enabled() else gate * self.up_proj(x))
@@ -481,13 +489,20 @@ class TrellisForCausalLM(TrellisPreTrainedModel, GenerationMixin):
         Non-finite logits (NaN or +inf, e.g. from NaN weights) stop it with a ``ValueError`` at
         the first step that meets them; ``forward`` itself lets them through, as transformers'
         models do, on every path. A step that fails leaves a given cache after the last step
-        that completed."""
+        that completed.
+
+        The weights are read when the call begins (each layer's projections of one input
+        stacked into one matrix, see :func:`~trellis_lm.mixers.stacking.stacked_projections`):
+        a weight changed during the call, e.g. from a streamer, is not seen before it ends."""
         cache = one_cache(kwargs.pop("cache", None), kwargs.pop("past_key_values", None))
         if cache is not None:
             kwargs[CACHE_ARG] = cache
         processors = LogitsProcessorList(kwargs.pop("logits_processor", None) or [])
         kwargs["logits_processor"] = LogitsProcessorList([RefuseNonFiniteLogits(), *processors])
-        return super().generate(*args, **kwargs)
+        # The weights do not change during the call: each layer's projections of one input are
+        # stacked once, so a decode step runs them as one matmul (mixers.stacking).
+        with stacked_projections(self):
+            return super().generate(*args, **kwargs)
 
     def prepare_inputs_for_generation(
         self,

@@ -25,6 +25,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, eager
 from ..cache_trellis import COLUMNS, ROWS, AttentionLayerCache, CacheCall, TensorSpec, TrellisCache
 from .base import Mixer
 from .fields import ROPE_THETA, ConfigField, flag, is_int
+from .stacking import LinearStack, stacked
 from .tokens import ValidTokens, last_document, token_positions
 
 
@@ -57,6 +58,7 @@ class AttentionMixer(Mixer):
                     "an even integer when a layer is 'attention' (RoPE turns channel pairs)"),
     )
     is_causal = True  # read by transformers' attention functions
+    fusable_projections = ("q_proj", "k_proj", "v_proj")
 
     def __init__(self, config: Any, layer_idx: int) -> None:
         super().__init__(config, layer_idx)
@@ -67,6 +69,7 @@ class AttentionMixer(Mixer):
         self.k_proj = nn.Linear(hidden, kv_heads * dim, bias=config.attention_bias)
         self.v_proj = nn.Linear(hidden, kv_heads * dim, bias=config.attention_bias)
         self.o_proj = nn.Linear(heads * dim, hidden, bias=False)
+        self.projection_stack: Optional[LinearStack] = None  # set within `stacked_projections`
 
     @classmethod
     def cache_layout(cls, config: Any) -> dict[str, TensorSpec]:
@@ -84,9 +87,11 @@ class AttentionMixer(Mixer):
         entry: Optional[AttentionLayerCache] = call.before(self.layer_idx) if call is not None else None
         has_past = entry is not None and entry.keys is not None
 
-        q = self.q_proj(x).view(batch, length, -1, dim).transpose(1, 2)  # [B, H, T, d]
-        k = self.k_proj(x).view(batch, length, -1, dim).transpose(1, 2)  # [B, H_kv, T, d]
-        v = self.v_proj(x).view(batch, length, -1, dim).transpose(1, 2)
+        fused = stacked(self, x)
+        q, k, v = fused[1].values() if fused is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
+        q = q.view(batch, length, -1, dim).transpose(1, 2)  # [B, H, T, d]
+        k = k.view(batch, length, -1, dim).transpose(1, 2)  # [B, H_kv, T, d]
+        v = v.view(batch, length, -1, dim).transpose(1, 2)
         past = entry.positions if has_past else torch.zeros(batch, dtype=torch.long, device=x.device)
         positions = token_positions(valid, past.to(x.device), length)
         cos, sin = rotary_cos_sin(positions, dim, self.config.rope_theta, q.dtype)

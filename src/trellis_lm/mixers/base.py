@@ -25,11 +25,12 @@ from ..ops import OpState
 from ..ops.registry import BackendRegistry
 from .fields import MODEL_FIELDS, ConfigField
 from .parts import TrellisRMSNorm, TrellisShortConv, at_least_float32, causal_conv, l2_normalize
+from .stacking import LinearStack, stacked
 from .tokens import ValidTokens
 
-# Fewer tokens than this per call (a decode step) run the projections one by one: stacking
-# their weights costs more than the matmuls then (at batch 1, 7 projections of 256 -> 256,
-# measured 33 us apart against 45 us stacked).
+# Outside a span with stacks made once (generate's), fewer tokens than this per call run the
+# projections one by one: stacking their weights then costs more than the matmuls (at batch 1,
+# 7 projections of 256 -> 256, measured 33 us apart against 45 us stacked on the fly).
 FUSE_MIN_TOKENS = 64
 
 
@@ -119,8 +120,9 @@ class MemoryMixer(Mixer):
 
     state_class: ClassVar[type[OpState]]
     cache_class: ClassVar[type[MemoryLayerCache]]
-    # The op's public function (trellis_lm.ops), called by run_op.
+    # The op's public function (trellis_lm.ops), called by run_op, and its unchecked decode step.
     op: ClassVar[Callable[..., tuple[torch.Tensor, Optional[OpState]]]]
+    step_op: ClassVar[Callable[..., tuple[torch.Tensor, OpState]]]
     # Whether `config.compile_decode` may compile this mixer's single-token step (it must then
     # be free of data-dependent Python control flow).
     compilable: ClassVar[bool] = False
@@ -139,6 +141,8 @@ class MemoryMixer(Mixer):
         # No short convs unless the subclass builds them (:meth:`_build_convs`).
         self.q_conv: Optional[TrellisShortConv] = None
         self.k_conv: Optional[TrellisShortConv] = None
+        # Set only within `stacked_projections` (a generate call).
+        self.projection_stack: Optional[LinearStack] = None
 
     def init_weights(self, init: Any) -> None:
         """Short convs of a model built from scratch: the query passes the current token and the
@@ -237,10 +241,23 @@ class MemoryMixer(Mixer):
         would also read values back from the device once per layer and call. A carried state's
         counters are the op's own, or were checked when a cache file was loaded.
         """
+        if keep_state and cu_seqlens is None and self._decode_step(inputs, initial_state):
+            return type(self).step_op(*inputs, state=initial_state, backend=self.config.op_backend, **self.op_settings())
         return type(self).op(
             *inputs, initial_state=initial_state, output_final_state=keep_state, cu_seqlens=cu_seqlens,
             backend=self.config.op_backend, check_values=False, **self.op_settings(),
         )
+
+    def _decode_step(self, inputs: tuple[torch.Tensor, ...], state: OpState) -> bool:
+        """Whether the op's unchecked decode step (``step_op``) may run this call: one token per
+        row after an earlier call of the layer (its state carried), every input already in the
+        compute dtype of that state, autocast off; eagerly (a compiled step traces the op)."""
+        q = inputs[0]
+        if q.shape[1] != 1 or not isinstance(state, self.state_class) or torch.compiler.is_compiling():
+            return False
+        dtype = next(iter(vars(state).values())).dtype  # the state's first field: its float dtype
+        return (dtype in (torch.float32, torch.float64) and all(t.dtype == dtype for t in inputs)
+                and not torch.is_autocast_enabled(q.device.type))
 
     def forward(self, x: torch.Tensor, valid: Optional[ValidTokens] = None,
                 cache: Union[TrellisCache, CacheCall, None] = None) -> torch.Tensor:
@@ -344,38 +361,19 @@ class MemoryMixer(Mixer):
         return q, k, q_tail, k_tail
 
     def _fused_projections(self, x: torch.Tensor) -> Optional[dict[str, torch.Tensor]]:
-        """Every projection of ``fusable_projections`` by one matmul with their weights stacked,
-        or ``None`` where that might not be the same function as calling the modules. With
-        q_proj and k_proj first, ``"q_proj+k_proj"`` is both side by side.
-
-        Fused only in eval mode without autograd (inference), eagerly, for calls of at least
-        ``FUSE_MIN_TOKENS`` tokens, when each projection is a plain ``nn.Linear`` without hooks:
-        a training step, an adapter (PEFT/LoRA wraps or replaces the module) or a hook runs the
-        modules themselves. The weights are stacked on every call, so the result always
-        reflects the current weights.
-        """
-        names = self.fusable_projections
-        if (not names or self.training or torch.is_grad_enabled() or torch.compiler.is_compiling()
-                or x.shape[:-1].numel() < FUSE_MIN_TOKENS
-                or nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks):
+        """Every projection of ``fusable_projections`` by one matmul, or ``None`` (see
+        :func:`~.stacking.stacked`: inference only, with the stack :func:`~.stacking.stacked_projections`
+        made for a ``generate`` call, or one made afresh for calls of at least ``FUSE_MIN_TOKENS``
+        tokens, which always reflects the current weights). With q_proj and k_proj first and
+        without biases, ``"q_proj+k_proj"`` is both side by side."""
+        if not self.fusable_projections:
             return None
-        modules = [(name, getattr(self, name)) for name in names if getattr(self, name) is not None]
-        params = []
-        for _, m in modules:
-            if type(m) is not nn.Linear or m._forward_hooks or m._forward_pre_hooks:
-                return None
-            params += [m.weight, m.bias]
-        if any(p is not None and p.dtype != x.dtype for p in params):
+        result = stacked(self, x, on_the_fly=x.shape[:-1].numel() >= FUSE_MIN_TOKENS)
+        if result is None:
             return None
-        # Stacked afresh on every call: a cached copy cannot tell when it is stale (fused AdamW,
-        # the Trainer's default, updates weights without moving their version counters).
-        # Biases are added to their own slices: a stacked bias would be copied into all of the
-        # [B, T, sum of outputs] result first.
-        out = F.linear(x, torch.cat([m.weight for _, m in modules]))
-        parts = out.split([m.out_features for _, m in modules], dim=-1)
-        fused = {name: part if m.bias is None else part + m.bias for (name, m), part in zip(modules, parts)}
-        if [name for name, m in modules[:2] if m.bias is None] == ["q_proj", "k_proj"]:
-            fused["q_proj+k_proj"] = out[..., : parts[0].shape[-1] + parts[1].shape[-1]]
+        out, fused = result
+        if fused.keys() >= {"q_proj", "k_proj"} and self.q_proj.bias is None and self.k_proj.bias is None:
+            fused["q_proj+k_proj"] = out[..., : fused["q_proj"].shape[-1] + fused["k_proj"].shape[-1]]
         return fused
 
     def _initial_state(self, carried: Optional[OpState], valid: Optional[ValidTokens], batch: int) -> OpState:

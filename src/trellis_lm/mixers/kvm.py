@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from ..cache_trellis import COLUMNS, ROWS, Dim, KVMLayerCache, TensorSpec
-from ..ops import KVMState, kvm_attention
+from ..ops import KVMState, kvm_attention, kvm_step
 from ..ops.kvm import BACKENDS, BUDGETS
 from .base import MemoryMixer, Projections
 from .fields import ROPE_THETA, ConfigField, choice, integer, is_int, positive
@@ -55,6 +55,8 @@ class KVMAttention(MemoryMixer):
     cache_class = KVMLayerCache
     backends = BACKENDS
     op = staticmethod(kvm_attention)
+    step_op = staticmethod(kvm_step)
+    fusable_projections = ("q_proj", "k_proj", "v_proj", "merge_proj")
     config_fields = (
         ROPE_THETA,
         integer("kvm_chunk_size", 1, 2**16),

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from ..cache_trellis import LatticeLayerCache, TensorSpec
-from ..ops import LATTICE_VARIANTS, LatticeState, lattice_attention
+from ..ops import LATTICE_VARIANTS, LatticeState, lattice_attention, lattice_step
 from ..ops.lattice import BACKENDS
 from .base import MemoryMixer, Projections, chunked_memory_layout
 from .fields import CHUNK_SIZE, CONV_SIZE, NUM_SLOTS, choice
@@ -34,6 +34,9 @@ class LatticeAttention(MemoryMixer):
     config_fields = (NUM_SLOTS, CHUNK_SIZE, choice("lattice_variant", LATTICE_VARIANTS), CONV_SIZE)
     silu_l2_qk = True
     qk_width = "num_slots"
+    fusable_projections = ("q_proj", "k_proj", "v_proj", "g_proj", "gamma_proj")
+    compilable = True
+    step_op = staticmethod(lattice_step)
 
     def __init__(self, config: Any, layer_idx: int) -> None:
         super().__init__(config, layer_idx)

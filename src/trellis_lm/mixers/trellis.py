@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..cache_trellis import TensorSpec, TrellisLayerCache
-from ..ops import COMPRESS_FNS, MIX_FNS, TrellisState, trellis_attention
+from ..ops import COMPRESS_FNS, MIX_FNS, TrellisState, trellis_attention, trellis_step
 from ..ops.trellis import BACKENDS
 from .base import MemoryMixer, Projections, chunked_memory_layout
 from .fields import CHUNK_SIZE, CONV_SIZE, NUM_SLOTS, choice, flag, positive
@@ -50,6 +50,7 @@ class TrellisAttention(MemoryMixer):
     cache_class = TrellisLayerCache
     backends = BACKENDS
     op = staticmethod(trellis_attention)
+    step_op = staticmethod(trellis_step)
     config_fields = (
         NUM_SLOTS, CHUNK_SIZE, choice("compress_fn", COMPRESS_FNS), choice("mix_fn", MIX_FNS), CONV_SIZE,
         flag("use_forget_gate"), positive("gate_logit_normalizer"),

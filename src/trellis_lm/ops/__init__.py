@@ -1,4 +1,6 @@
-"""The memory ops of the model family, one folder each, every one with one public function.
+"""The memory ops of the model family, one folder each, every one with one public function
+(and its unchecked decode step, ``<op>_step``, for callers whose arguments are right by
+construction: the mixers).
 
 * :mod:`.trellis`: :func:`trellis_attention`, the two-pass Trellis memory (``trellis.md``).
 * :mod:`.lattice`: :func:`lattice_attention`, the unit-slot Lattice memory (``lattice.md``).
@@ -8,12 +10,12 @@ Helpers the ops share live beside them: :mod:`.checks` (argument checks), :mod:`
 (chunk grids for packed and resumed sequences) and :mod:`.state` (the base of the states).
 """
 
-from .kvm import KVMState, kvm_attention
-from .lattice import LATTICE_VARIANTS, LatticeState, lattice_attention
+from .kvm import KVMState, kvm_attention, kvm_step
+from .lattice import LATTICE_VARIANTS, LatticeState, lattice_attention, lattice_step
 from .state import OpState
-from .trellis import BACKENDS, COMPRESS_FNS, MIX_FNS, TrellisState, trellis_attention
+from .trellis import BACKENDS, COMPRESS_FNS, MIX_FNS, TrellisState, trellis_attention, trellis_step
 
 __all__ = [
     "BACKENDS", "COMPRESS_FNS", "KVMState", "LATTICE_VARIANTS", "LatticeState", "MIX_FNS", "OpState", "TrellisState",
-    "kvm_attention", "lattice_attention", "trellis_attention",
+    "kvm_attention", "kvm_step", "lattice_attention", "lattice_step", "trellis_attention", "trellis_step",
 ]

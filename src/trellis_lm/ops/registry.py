@@ -99,6 +99,7 @@ class BackendRegistry(Mapping[str, Backend]):
         self.op = op
         self._entries: dict[str, Backend] = {}
         self._by_priority: list[Backend] = []  # highest first: what `auto` tries, in order
+        self._single_token: dict[tuple, Callable] = {}
         for backend in backends:
             self.register(backend)
 
@@ -129,6 +130,7 @@ class BackendRegistry(Mapping[str, Backend]):
 
     def _sort(self) -> None:
         self._by_priority = sorted(self._entries.values(), key=lambda b: -b.priority)
+        self._single_token = {}  # the entries changed: choose again
 
     def check_name(self, name: object) -> None:
         """``ValueError`` unless ``name`` is ``"auto"`` or one of this op's backends."""
@@ -157,3 +159,13 @@ class BackendRegistry(Mapping[str, Backend]):
     def function(self, name: str, call: OpCall) -> Callable:
         """The function that runs ``call`` under ``backend=name``."""
         return self.choose(name, call).function_for(call)
+
+    def single_token(self, name: str, device: torch.device, dtype: torch.dtype, **settings: Any) -> Callable:
+        """:meth:`function` for a decode step (one token per row, not packed), remembered per
+        argument: a decode step asks it once per layer and token, and the answer depends only on
+        them (``settings``: the op's settings a backend may not implement, hashable)."""
+        key = (name, device, dtype, tuple(sorted(settings.items())))
+        function = self._single_token.get(key)
+        if function is None:
+            function = self._single_token[key] = self.function(name, OpCall(device, dtype, 1, False, settings))
+        return function

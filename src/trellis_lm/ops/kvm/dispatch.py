@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import sys
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -245,3 +246,29 @@ def kvm_attention(
     with in_compute_dtype(q.device):
         o, final = forward(*inputs, state, config, cu_seqlens)
     return as_dtype(o, q.dtype, q.device), (final if output_final_state else None)
+
+
+@functools.lru_cache(maxsize=64)
+def _step_config(*settings: Any) -> KVMConfig:
+    """The :class:`KVMConfig` of a decode step's settings (a step asks once per layer and token)."""
+    return KVMConfig(*settings)
+
+
+def kvm_step(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor, *, state: KVMState,
+    norm_weight: torch.Tensor, norm_bias: torch.Tensor, temperature: torch.Tensor, chunk_size: int = 256,
+    window_chunks: int = 2, rope_dims: int = 64, sinks: int = 1, state_size: int = 256, budget: str = "fixed",
+    budget_scale: float = 16.0, budget_exponent: float = 0.5, budget_saturation: float = 1024.0,
+    budget_round: int = 1, budget_min: Optional[int] = None, backend: str = "auto",
+) -> tuple[torch.Tensor, KVMState]:
+    """:func:`kvm_attention` for one token per row after an earlier call, unchecked (see
+    :func:`~trellis_lm.ops.trellis.trellis_step`: the same contract): ``q, k [N, 1, H, Dk]``,
+    ``v [N, 1, H, Dv]``, ``gate [N, 1, H]``, the parameters ``norm_weight, norm_bias [H, Dk]``
+    and ``temperature [H, 2]``, all in the state's dtype. Returns ``o [N, 1, H, Dv]`` and the
+    state after the token."""
+    config = _step_config(
+        chunk_size, window_chunks, rope_dims, sinks, state_size, budget, float(budget_scale), float(budget_exponent),
+        float(budget_saturation), budget_round, chunk_size if budget_min is None else budget_min,
+    )
+    step = BACKENDS.single_token(backend, q.device, q.dtype)
+    return step(q, k, v, gate, norm_weight, norm_bias, temperature, state, config, None)

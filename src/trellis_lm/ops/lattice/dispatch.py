@@ -143,3 +143,15 @@ def lattice_attention(
     with in_compute_dtype(q.device):
         o, final = forward(*inputs, state, chunk_size, variant, cu_seqlens)
     return as_dtype(o, q.dtype, q.device), (final if output_final_state else None)
+
+
+def lattice_step(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gamma: torch.Tensor, *, state: LatticeState,
+    chunk_size: int = 64, variant: str = "dec", backend: str = "auto",
+) -> tuple[torch.Tensor, LatticeState]:
+    """:func:`lattice_attention` for one token per row after an earlier call, unchecked (see
+    :func:`~trellis_lm.ops.trellis.trellis_step`: the same contract): ``q, k [N, 1, H, M]``,
+    ``v [N, 1, H, D]``, ``gamma [N, 1, H]`` in the state's dtype. Returns ``o [N, 1, H, D]`` and the
+    state after the token."""
+    step = BACKENDS.single_token(backend, q.device, q.dtype)
+    return step(q, k, v, gamma, state, chunk_size, variant, None)

@@ -26,9 +26,14 @@ def step_forward(q, k, v, gamma, state, chunk_size, variant, cu_seqlens):
         s = rownorm(u)
         u = torch.where(starts_chunk, s, u)
         a = torch.where(starts_chunk, s, a)
-    b, w = token_terms(variant, a, k[:, 0], v[:, 0], gamma[:, 0])  # [N, H, M], [N, H, D]
-    b = b[..., None]
+    rows, _, heads, slots = q.shape
+    dim = v.shape[-1]
+    # With one token per row, [N, 1, H, *] is [N, H, *] in the same memory: views, not selects.
+    b, w = token_terms(variant, a, k.view(rows, heads, slots), v.view(rows, heads, dim),
+                       gamma.view(rows, heads))  # [N, H, M], [N, H, D]
+    b = b.view(rows, heads, slots, 1)
     # u - b (w - (a . w) a) = (u - outer(b, w)) + (b (a . w)) a
-    u = torch.addcmul(torch.addcmul(u, b, w[..., None, :], value=-1), b * (a @ w[..., None]), a)
-    o = (q[:, 0, :, None, :] @ rownorm(u)).transpose(1, 2)  # [N, 1, H, D]
+    u = torch.addcmul(torch.addcmul(u, b, w.view(rows, heads, 1, dim), value=-1),
+                      b * (a @ w.view(rows, heads, dim, 1)), a)
+    o = (q.view(rows, heads, 1, slots) @ rownorm(u)).view(rows, 1, heads, dim)  # [N, H, 1, D] has its layout
     return o, LatticeState(u, a, (offset + 1) % chunk_size)

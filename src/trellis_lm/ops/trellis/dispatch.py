@@ -192,3 +192,23 @@ def trellis_attention(
     with in_compute_dtype(q.device):
         o, final = forward(*inputs, state, chunk_size, compress_fn, mix_fn, cu_seqlens)
     return as_dtype(o, q.dtype, q.device), (final if output_final_state else None)
+
+
+def trellis_step(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, alpha: torch.Tensor, log_beta: torch.Tensor,
+    gamma: torch.Tensor, *, state: TrellisState, chunk_size: int = 64, compress_fn: str = "layernorm",
+    mix_fn: str = "ln_silu", backend: str = "auto",
+) -> tuple[torch.Tensor, TrellisState]:
+    """:func:`trellis_attention` for one token per row after an earlier call, unchecked: what a
+    decode step needs and nothing more.
+
+    For callers whose arguments are right by construction (the mixer's decode step): ``q, k
+    [N, 1, H, Dk]``, ``v [N, 1, H, Dv]``, ``alpha [N, 1, H, M]``, ``log_beta, gamma [N, 1, H]``
+    with their gates in range, all in the state's dtype (float32 or float64) and on its device,
+    ``state`` as an earlier call returned it, the settings those of that call, autocast off.
+    Nothing of that is checked (the argument checks of :func:`trellis_attention` cost about as
+    much as the step on a CPU). Returns ``o [N, 1, H, Dv]`` and the state after the token: the
+    numbers of ``trellis_attention(..., initial_state=state, output_final_state=True)``.
+    """
+    step = BACKENDS.single_token(backend, q.device, q.dtype, compress_fn=compress_fn, chunk_size=chunk_size)
+    return step(q, k, v, alpha, log_beta, gamma, state, chunk_size, compress_fn, mix_fn, None)

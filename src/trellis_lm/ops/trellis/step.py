@@ -27,14 +27,18 @@ def step_forward(q, k, v, alpha, log_beta, gamma, state, chunk_size, compress_fn
     if torch.compiler.is_compiling() or bool(starts_chunk.any()):
         a_k = torch.where(starts_chunk[:, None, None, None], m_k, a_k)
         a_v = torch.where(starts_chunk[:, None, None, None], m_v, a_v)
-    q, k, v = q[:, 0, ..., None], k[:, 0, ..., None], v[:, 0, ..., None]  # column vectors [N, H, D, 1]
-    beta = log_beta[:, 0, :, None, None].exp()  # [N, H, 1, 1]
+    rows, _, heads, dk = q.shape
+    dv, slots = v.shape[-1], alpha.shape[-1]
+    # With one token per row, [N, 1, H, D] is [N, H, D] in the same memory: views, not selects,
+    # give the column and row vectors ([N, H, D, 1], [N, H, 1, D]) each product wants.
+    beta = log_beta.view(rows, heads, 1, 1).exp()
     # identity takes its residual at the current memory, before this token's write (section 1).
     r_k, r_v = (m_k, m_v) if compress_fn == "identity" else (a_k, a_v)
-    reads = torch.stack([r_k @ k, r_v @ v])[..., 0]  # [2, N, H, M]
-    u = (compress_residual_vjp(compress_fn, reads, alpha[:, 0]) * gamma[:, 0, :, None])[..., None]
-    m_k = torch.addcmul(beta * m_k, u[0], k.transpose(-1, -2), value=-1)
-    m_v = torch.addcmul(beta * m_v, u[1], v.transpose(-1, -2), value=-1)
-    h = mix(mix_fn, (m_k @ q)[..., 0])  # [N, H, M]
-    o = (h[..., None, :] @ m_v).transpose(1, 2)  # [N, 1, H, Dv]
+    reads = torch.stack([r_k @ k.view(rows, heads, dk, 1), r_v @ v.view(rows, heads, dv, 1)])  # [2, N, H, M, 1]
+    u = compress_residual_vjp(compress_fn, reads.view(2, rows, heads, slots), alpha.view(rows, heads, slots))
+    u = (u * gamma.view(rows, heads, 1)).view(2, rows, heads, slots, 1)
+    m_k = torch.addcmul(beta * m_k, u[0], k.view(rows, heads, 1, dk), value=-1)
+    m_v = torch.addcmul(beta * m_v, u[1], v.view(rows, heads, 1, dv), value=-1)
+    h = mix(mix_fn, (m_k @ q.view(rows, heads, dk, 1)).view(rows, heads, 1, slots))
+    o = (h @ m_v).view(rows, 1, heads, dv)  # [N, H, 1, Dv] and [N, 1, H, Dv] share their layout
     return o, TrellisState(m_k, m_v, a_k, a_v, (offset + 1) % chunk_size)
