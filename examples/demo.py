@@ -11,6 +11,7 @@ with ``ast`` (no module is imported), so the demo needs no network and no data f
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
 import time
 from pathlib import Path
@@ -22,6 +23,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, get_cosine_schedul
 import trellis_lm
 from trellis_lm import TrellisConfig, TrellisForCausalLM, train_tokenizer
 from trellis_lm.cache_trellis import CACHE_ARG
+from trellis_lm.state_passing import DEFAULT_PROBABILITY, DEFAULT_START_FRACTION, StatePassing
 from trellis_lm.training import stdlib_docstrings
 
 
@@ -86,14 +88,20 @@ def main() -> None:
     model.train()
     progress = tqdm(token_batches(ids, args.seq_len, args.batch_size, args.steps, args.seed), total=args.steps,
                     desc="training")
-    for batch in progress:
-        loss = model(input_ids=batch, labels=batch).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        schedule.step()
-        optimizer.zero_grad(set_to_none=True)
-        progress.set_postfix(loss=f"{loss.item():.3f}")
+    # State passing over the last 30% of the steps, as the recipes do: rows then start from the
+    # memories of earlier batches, so the model reads far past --seq-len (trellis_lm.state_passing).
+    passing, first_passed = StatePassing(DEFAULT_PROBABILITY, seed=args.seed), int(DEFAULT_START_FRACTION * args.steps)
+    with contextlib.ExitStack() as attached:
+        for step, batch in enumerate(progress):
+            if step == first_passed:
+                attached.enter_context(passing.attached(model))
+            loss = model(input_ids=batch, labels=batch).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            schedule.step()
+            optimizer.zero_grad(set_to_none=True)
+            progress.set_postfix(loss=f"{loss.item():.3f}")
 
     out = Path(args.out)
     model.save_pretrained(out)

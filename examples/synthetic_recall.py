@@ -72,6 +72,8 @@ class Preset:
     niah_sweep: Sweep = Sweep()
     # (seq_len, num_kv_pairs) settings mixed into every unit's training data (MQARTask.train_mix).
     train_mix: tuple[tuple[int, int], ...] = ()
+    # S-NIAH: each variant again with state passing, per (probability, from fraction of the steps).
+    niah_state_passing: tuple[tuple[float, float], ...] = ()
 
 
 # Models trained at the base setting of the cpu preset, in the order they run: every row of the
@@ -166,6 +168,14 @@ PRESETS = {
         niah_variants=tuple(spec.name for spec in default_variants()),
     ),
 }
+# Issue 35: does state passing (p = 0.9 over the last 30% of the steps, the LM study's recipe) keep
+# retrieval at 4x-64x the training length? Trellis with and without it, the cpu preset's S-NIAH
+# training at its best rate there (1e-3), seeds 0 and 1; 4 runs, about 25 min on 2 idle cores.
+PRESETS["cpu-state-passing"] = dataclasses.replace(
+    PRESETS["cpu"], niah=NIAHTask(train_context=128, eval_contexts=(128, 512, 1024, 2048, 8192), samples=4,
+                                  num_train=20_000),
+    niah_variants=("trellis",), niah_sweep=Sweep(learning_rates=(1e-3,), seeds=(0, 1)),
+    niah_state_passing=((0.9, 0.7),))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -733,7 +743,19 @@ def niah_units(args: argparse.Namespace, preset: Preset) -> list:
     train = with_steps(preset.niah_train, args)
     wanted = set(args.variants.split(",")) if args.variants else set(preset.niah_variants)
     specs = [spec for spec in default_variants() if spec.name in preset.niah_variants and spec.name in wanted]
-    return [(run_niah, (spec, preset.niah, preset.size, train)) for spec in specs]
+    units = [(run_niah, (spec, preset.niah, preset.size, train)) for spec in specs]
+    for probability, start in preset.niah_state_passing:
+        passed = dataclasses.replace(train, state_passing=probability, state_passing_from=start)
+        units += [(run_niah, (dataclasses.replace(spec, name=state_passing_name(spec.name, probability, start)),
+                              preset.niah, preset.size, passed)) for spec in specs]
+    return units
+
+
+def state_passing_name(model: str, probability: float, start: float) -> str:
+    """The row of ``model`` trained with state passing, named as the LM study names its runs:
+    ``trellis-sp`` (p = 0.9 from the first step), ``trellis-sp50-from70`` (p = 0.5 from 70%)."""
+    return (f"{model}-sp" + ("" if probability == 0.9 else f"{round(probability * 100)}")
+            + (f"-from{round(start * 100)}" if start else ""))
 
 
 def describe_mqar(r: dict) -> str:

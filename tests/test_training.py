@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -100,14 +101,22 @@ def test_pretrain_recipe_streams_packs_checkpoints_and_resumes(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(out)
     assert type(model) is TrellisForCausalLM and model.config.hidden_size == 32
 
-    # A collated batch is one row of packed pieces, position ids restarting at each.
+    # State passing is on by default (over the last 30% of the steps: here the second): one
+    # document piece per padded row, since a state is carried per row; checkpoints hold the states.
     batch = next(iter(trainer.get_train_dataloader()))
-    assert batch["input_ids"].shape[0] == 1
-    assert int((batch["position_ids"] == 0).sum()) == 4
-    assert int((batch["labels"] == -100).sum()) == 4
+    assert batch["input_ids"].shape[0] == 4
+    assert (out / "checkpoint-2" / "state_passing-rank0.safetensors").exists()
+    assert not (out / "checkpoint-1" / "state_passing-rank0.safetensors").exists()
 
     resumed = pretrain(args, tiny_training_args(out, max_steps=3, resume_from_checkpoint="last"))
     assert resumed.state.global_step == 3
+
+    # Without it, a collated batch is one row of packed pieces, position ids restarting at each.
+    packed = pretrain(dataclasses.replace(args, state_passing=0.0), tiny_training_args(tmp_path / "packed", max_steps=1))
+    batch = next(iter(packed.get_train_dataloader()))
+    assert batch["input_ids"].shape[0] == 1
+    assert int((batch["position_ids"] == 0).sum()) == 4
+    assert int((batch["labels"] == -100).sum()) == 4
 
 
 def test_chat_labels_cover_the_assistant_turns_only():

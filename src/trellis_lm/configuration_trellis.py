@@ -60,10 +60,13 @@ class TrellisConfig(PreTrainedConfig):
             (``docs/results_lm.md``): C = 32 gave 11.6% higher test perplexity than C = 1.
 
     Reading far past the training length: a model trained only on windows that start from the
-    learned memories meets unknown states beyond about 16x its training length. The training
-    recipes' ``state_passing`` option (:mod:`trellis_lm.state_passing`) starts training rows from
-    the previous batch's final states; in a training loop of your own, wrap the steps in
-    ``with StatePassing(0.9).attached(model):``.
+    learned memories meets unknown states beyond about 16x its training length, and its
+    perplexity climbs (3.6x its first bucket's at 64x in ``docs/results_lm_extrapolation.md``).
+    The training recipes (``pretrain``, ``finetune``, the conversion's stage 2) therefore pass
+    states by default (:mod:`trellis_lm.state_passing`: over the last 30% of the steps a training
+    row starts, with probability 0.9, from a row of the previous batch's final states; flat to 64x
+    there, at +2.5% perplexity at the training length). In a training loop of your own, wrap the
+    last 30% of the steps in ``with StatePassing(0.9).attached(model):``.
         compress_fn: Trellis's compression function phi, one of ``trellis_lm.ops.COMPRESS_FNS``.
         mix_fn: Trellis's mixing function f, one of ``trellis_lm.ops.MIX_FNS``.
         lattice_variant: Lattice's write rule, one of ``trellis_lm.ops.LATTICE_VARIANTS``
@@ -115,11 +118,13 @@ class TrellisConfig(PreTrainedConfig):
             ``"torch"`` the chunked PyTorch form, ``"triton"`` the Trellis kernels, which only
             the Trellis op has); passed as ``backend=`` to the ops. A named backend that cannot
             run a call (triton on a CPU tensor) raises a ``ValueError`` saying why.
-        compile_decode: on CPUs, run each Trellis layer's single-token decode step through
-            ``torch.compile`` (compiled once per process and batch size, about 10 s for a small
-            model on 2 cores; needs a C++ compiler). Same function, fewer and fused operations:
-            decoding on CPUs is bound by per-operation overhead. Prefill, training and GPUs
-            (their fused Triton decode kernel) are not affected.
+        compile_decode: on CPUs, run each Trellis and Lattice layer's single-token decode step
+            through ``torch.compile`` (compiled once per process and batch size, about 10 s for a
+            small model on 2 cores; needs a C++ compiler). Same function, fewer and fused
+            operations: decoding on CPUs is bound by per-operation overhead (BENCHMARKS.md, issue
+            40). KVM layers decode eagerly (a step folds a chunk when its window is full: control
+            flow on the data). Prefill, training and GPUs (their fused Triton decode kernel) are
+            not affected.
     """
 
     model_type: ClassVar[str] = "trellis"

@@ -36,6 +36,7 @@ from transformers.trainer_utils import get_last_checkpoint
 
 from ..cli import float_above, fraction, int_at_least, probability, report_error
 from ..modeling_trellis import TrellisForCausalLM
+from ..state_passing import DEFAULT_PROBABILITY, DEFAULT_START_FRACTION
 from .distill import TokenBlocks, distill_layerwise, distill_logits, distillation_arguments
 from .llama import convert_llama_to_trellis
 from .source import locate_source, path_overlap
@@ -82,11 +83,12 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
                          help="stage 2 LoRA rank; 0 trains full weights")
     distill.add_argument("--temperature", type=positive_float, default=1.0,
                          help="stage 2 softmax temperature (default 1)")
-    distill.add_argument("--state-passing", type=probability, default=0.0, metavar="P",
+    distill.add_argument("--state-passing", type=probability, default=DEFAULT_PROBABILITY, metavar="P",
                          help="stage 2: a student row starts from a row of the previous batch's final memory "
-                              "states with probability P (reads past the block size; 0, the default, is off)")
-    distill.add_argument("--state-passing-from", type=fraction, default=0.0, metavar="F",
-                         help="stage 2: begin state passing at this fraction of the steps (default 0)")
+                              "states with probability P (reads far past the block size; default %(default)s, "
+                              "0 is off)")
+    distill.add_argument("--state-passing-from", type=fraction, default=DEFAULT_START_FRACTION, metavar="F",
+                         help="stage 2: begin state passing at this fraction of the steps (default %(default)s)")
     distill.add_argument("--save-steps", type=positive, default=500, help="checkpoint every N steps (default 500)")
     distill.add_argument("--resume", action="store_true", help="continue each stage from its latest checkpoint")
     distill.add_argument("--bf16", action="store_true", help="bfloat16 autocast, and the teacher in bfloat16")

@@ -33,7 +33,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase, Trainer, Trai
 
 from ..mixers.tokens import ValidTokens
 from ..modeling_trellis import TrellisForCausalLM
-from ..state_passing import StatePassingCallback
+from ..state_passing import DEFAULT_PROBABILITY, DEFAULT_START_FRACTION, StatePassingCallback
 from .llama import converted_layers, new_parameter_names
 
 # The mixer's linear maps: the carried projections and the new ones. LoRA reaches nothing else
@@ -333,16 +333,17 @@ def distill_logits(
     lora_alpha: Optional[float] = None,
     lora_targets: Sequence[str] = DEFAULT_LORA_TARGETS,
     resume_from_checkpoint: Union[str, bool, None] = None,
-    state_passing: float = 0.0,
-    state_passing_from: float = 0.0,
+    state_passing: float = DEFAULT_PROBABILITY,
+    state_passing_from: float = DEFAULT_START_FRACTION,
 ) -> TrellisForCausalLM:
     """Stage 2: fine-tune end to end against the teacher's logits; returns the trained student.
 
     ``state_passing`` > 0 starts each student row from the final memory states of a row of the
     previous batch with that probability (:mod:`trellis_lm.state_passing`), so the student learns
     to read its blocks after long reads (the teacher sees the block alone, as it would at its
-    own context length), from the fraction ``state_passing_from`` of the steps on; 0 (default)
-    starts every row from the learned memories.
+    own context length), from the fraction ``state_passing_from`` of the steps on (default: 0.9
+    over the last 30% of the steps, the recipes' default, see :mod:`trellis_lm.state_passing`);
+    0 starts every row from the learned memories.
 
     With ``lora_rank`` (default 16), LoRA adapters of that rank (scale ``lora_alpha``, default
     ``2 * rank``) on ``lora_targets`` train and are merged into the returned model; with

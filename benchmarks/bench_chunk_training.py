@@ -1,0 +1,80 @@
+"""Training speed of Trellis against its chunk size C (CPU), for the chunk-size table of
+``docs/results_lm_extrapolation.md``.
+
+    PYTHONPATH=src .venv/bin/python benchmarks/bench_chunk_training.py            # ~3 min on 2 cores
+    PYTHONPATH=src .venv/bin/python benchmarks/bench_chunk_training.py --quick
+
+The language-modelling study's model (``STUDY_SIZE``: 4 layers of width 128, 4 heads of 32, 32
+slots, vocabulary 4096) at each C, one training step each (forward, backward, AdamW) on a batch
+of 16 rows of 128 random tokens with state passing on (p = 0.9, the recipes' default once it
+begins), **in turns**: ``--rounds`` rounds of ``--steps`` steps per model, the first of each turn
+not counted. Figures are medians; compare the ratios (to C = 32, the study's), measured in the
+same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import platform
+import statistics
+import time
+from datetime import date
+
+import torch
+
+from trellis_lm.eval.lm_study import STUDY_SIZE, StudyModel, build_study_model
+from trellis_lm.state_passing import StatePassing
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="two chunk sizes, few steps: checks the script runs")
+    parser.add_argument("--chunks", default="8,16,32,64")
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    chunks = [8, 32] if args.quick else [int(c) for c in args.chunks.split(",")]
+    rounds, steps = (1, 2) if args.quick else (args.rounds, args.steps)
+    batch, length, vocab = 16, 128, 4096
+    size = dataclasses.replace(STUDY_SIZE, num_hidden_layers=2) if args.quick else STUDY_SIZE
+    runs = {}
+    for chunk in chunks:
+        torch.manual_seed(0)
+        model = build_study_model(StudyModel(f"trellis-C{chunk}", overrides={"chunk_size": chunk}), size, vocab, length)
+        model.train()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        passing = StatePassing(0.9, seed=0)
+        runs[chunk] = (model, optimizer, passing)
+    ids = torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(0))
+
+    def step(chunk: int) -> float:
+        model, optimizer, passing = runs[chunk]
+        start = time.perf_counter()
+        with passing.attached(model):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return time.perf_counter() - start
+
+    for chunk in chunks:
+        step(chunk)  # warm-up: allocation, the first carried states
+    times = {chunk: [] for chunk in chunks}
+    for _ in range(rounds):
+        for chunk in chunks:
+            times[chunk] += [step(chunk) for _ in range(steps)][1:]
+    print(f"# {date.today()} | {platform.processor() or platform.machine()} | {torch.get_num_threads()} threads | "
+          f"torch {torch.__version__} | {dataclasses.asdict(size)} with chunk_size each C, batch {batch} x {length} "
+          "tokens, state passing on")
+    reference = statistics.median(times[32 if 32 in chunks else chunks[0]])
+    print("\n| C | ms per step | training tokens/s | speed / C = 32's |\n|---|---|---|---|")
+    for chunk in chunks:
+        ms = statistics.median(times[chunk]) * 1e3
+        print(f"| {chunk} | {ms:.0f} | {batch * length / ms * 1e3:.0f} | {reference * 1e3 / ms:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
