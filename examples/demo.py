@@ -76,7 +76,7 @@ def main() -> None:
 
     config = TrellisConfig(
         vocab_size=len(tokenizer), hidden_size=192, num_hidden_layers=4, num_heads=4, head_dim=48, num_slots=32,
-        chunk_size=32, intermediate_size=512, pad_token_id=tokenizer.pad_token_id,
+        chunk_size=16, intermediate_size=512, pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
     )
     model = TrellisForCausalLM(config)

@@ -3,7 +3,7 @@ why does passkey retrieval fail? Controlled runs, one factor changed at a time f
 Trellis (``examples/lm_study.py``, ``docs/results_lm.md``), each with the study's data, size,
 recipe and tokens at Trellis's best rate there, over seeds:
 
-    .venv/bin/python examples/lm_extrapolation.py                        # ~50 min on 2 cores, resumable
+    .venv/bin/python examples/lm_extrapolation.py                        # ~3.5 h on 2 cores (24 variants, 2 seeds), resumable
     .venv/bin/python examples/lm_extrapolation.py --preset quick --out /tmp/x --page /tmp/x/page.md
     .venv/bin/python examples/lm_extrapolation.py --render-only
 
@@ -28,9 +28,13 @@ No forget gate at all is the study's ``trellis-no-forget`` row; it is not traine
   previous batch's final memory states with probability p), with the same seeds, windows and initial
   weights as the runs without: ``trellis-sp`` (p = 0.9 from the first step), ``trellis-sp50``
   (p = 0.5), ``trellis-sp-late``, ``trellis-sp-from70`` and ``trellis-sp-half`` (p = 0.9 over the
-  last fifth / 30% / half of the steps only, the paper's post-training); ``<model>-sp-late`` for ``lattice`` (at its study rate,
-  1.2e-2), ``hybrid``, ``delta-rule`` and ``trellis-C8``; and ``lattice``, ``hybrid``, ``delta-rule``
-  without it (the study's own runs again). These runs skip the memory profile and the capped readings.
+  last fifth / 30% / half of the steps only, the paper's post-training); ``<model>-sp-late`` and
+  ``<model>-sp-from70`` (the last fifth / 30%) for ``lattice`` (at its study rate, 1.2e-2),
+  ``hybrid``, ``delta-rule`` and ``trellis-C8``, and ``trellis-C16-sp-from70`` and
+  ``trellis-C64-sp-from70`` for the chunk-size table; and ``lattice``, ``hybrid``, ``delta-rule``
+  without it (the study's own runs: where this command has not run them, the page takes them from
+  ``docs/results_data/lm_study.json``, the same seeds and recipe, hence the same weights). These runs
+  skip the memory profile and the capped readings. About 3.5 min each on 2 idle cores.
 
 Measures (every run): validation perplexity at 128 tokens; perplexity by position (the study's
 buckets, on its long held-out files, read in one pass); passkey *preference* (does the model
@@ -78,6 +82,8 @@ STATE_PASSING_MODELS = (
     ("hybrid", STUDY_MODELS["hybrid"], None), ("delta-rule", STUDY_MODELS["delta-rule"], None),
     ("trellis-C8", StudyModel("trellis-C8", overrides={"chunk_size": 8}), None),
 )
+# The chunk sizes of the table the default is chosen from, beside the study's 32 and C8 above.
+CHUNK_MODELS = tuple((f"trellis-C{c}", StudyModel(f"trellis-C{c}", overrides={"chunk_size": c}), None) for c in (16, 64))
 
 
 @dataclass(frozen=True)
@@ -118,6 +124,11 @@ VARIANTS = (
     *(Variant(f"{name}-sp-late", spec, learning_rate=rate, state_passing=0.9, state_passing_from=0.8,
               diagnostics=False)
       for name, spec, rate in STATE_PASSING_MODELS[1:]),
+    # The recipe chosen from Trellis's runs (p = 0.9 over the last 30% of the steps) for every model,
+    # and for the chunk-size table (C = 32 is trellis-sp-from70).
+    *(Variant(f"{name}-sp-from70", spec, learning_rate=rate, state_passing=0.9, state_passing_from=0.7,
+              diagnostics=False)
+      for name, spec, rate in STATE_PASSING_MODELS[1:] + CHUNK_MODELS),
     # The runs without for delta rule, Lattice and the hybrid (the study's own runs again).
     *(Variant(name, spec, learning_rate=rate, diagnostics=False)
       for name, spec, rate in STATE_PASSING_MODELS[1:] if name != "trellis-C8"),
@@ -240,8 +251,49 @@ def passing(record: dict[str, Any]) -> str:
     return f"p = {probability:g}" + (f", from {start:.0%} of the steps" if start else "")
 
 
+def with_study_baselines(records: list[dict[str, Any]], learning_rate: float) -> list[dict[str, Any]]:
+    """``records`` plus, for each model of ``STATE_PASSING_MODELS`` whose run without state
+    passing this command has not made, the language-modelling study's own runs of it
+    (``docs/results_data/lm_study.json``, marked ``"from_study"``): the same seeds, data, recipe
+    and rate, so the same weights (the ``trellis`` and ``llama`` rows, rerun here, reproduce the
+    study's validation perplexities to the last digit)."""
+    study = ROOT / "docs" / "results_data" / "lm_study.json"
+    if not study.exists():
+        return records
+    have = {(r["model"], r["seed"]) for r in records}
+    added = []
+    for name, _, rate in STATE_PASSING_MODELS:
+        for run in load_records(study):
+            if (run["model"] == name and run.get("phase") == "full" and "ppl_by_position" in run
+                    and run["learning_rate"] == (rate or learning_rate) and (name, run["seed"]) not in have):
+                added.append({**run, "from_study": True})
+    return records + added
+
+
+# The chunk-size table (issue 35): Trellis at each C with the recipes' state passing.
+CHUNK_ROWS = ((8, "trellis-C8-sp-from70"), (16, "trellis-C16-sp-from70"), (32, "trellis-sp-from70"),
+              (64, "trellis-C64-sp-from70"))
+
+
+def chunk_table(by_model: dict[str, list[dict[str, Any]]], buckets: list[str]) -> list[str]:
+    """Validation perplexity, the first and last position buckets and their ratio for each chunk
+    size of ``CHUNK_ROWS`` that ran (training speed: ``benchmarks/bench_chunk_training.py``)."""
+    rows = [(c, by_model[m]) for c, m in CHUNK_ROWS if m in by_model]
+    if not rows:
+        return []
+    first, last = buckets[0], buckets[-1]
+    lines = ["", "## Chunk size, with state passing (p = 0.9 over the last 30% of the steps)", "",
+             f"| C | seeds | validation ppl | ppl [{first}) | ppl [{last}) | [{last}) / [{first}) |", "|---|---|---|---|---|---|"]
+    for c, runs in rows:
+        ratios = [r["ppl_by_position"][last] / r["ppl_by_position"][first] for r in runs]
+        lines.append(f"| {c} | {len(runs)} | {spread([r['val_ppl'] for r in runs])} | "
+                     f"{spread([r['ppl_by_position'][first] for r in runs], 1)} | "
+                     f"{spread([r['ppl_by_position'][last] for r in runs], 1)} | {spread(ratios)} |")
+    return lines
+
+
 def render(out: Path, page: Path) -> None:
-    records = load_records(out / "lm_extrapolation.json")
+    records = with_study_baselines(load_records(out / "lm_extrapolation.json"), PRESETS["cpu"]["learning_rate"])
     models = [v.name for v in VARIANTS if any(r["model"] == v.name for r in records)]
     by_model = {m: [r for r in records if r["model"] == m] for m in models}
     lines = ["# Why memory models degrade past their training length: controlled runs", "",
@@ -255,10 +307,11 @@ def render(out: Path, page: Path) -> None:
               "final training loss (its own windows) |", "|---|---|---|---|---|---|---|---|"]
     for m in models:
         runs = by_model[m]
-        lines.append(f"| {m} | {runs[0]['train_length']} | {runs[0]['batch_size']} | {runs[0]['learning_rate']:g} | "
+        lines.append(f"| {m}{' (study run)' if runs[0].get('from_study') else ''} | {runs[0]['train_length']} | {runs[0]['batch_size']} | {runs[0]['learning_rate']:g} | "
                      f"{passing(runs[0])} | {len(runs)} | {spread([r['val_ppl'] for r in runs])} | "
                      f"{spread([r['curve'][-1][1] for r in runs])} |")
     buckets = list(records[0]["ppl_by_position"])
+    lines += chunk_table(by_model, buckets)
     length = records[0]["train_length"] // next(v.length_factor for v in VARIANTS if v.name == records[0]["model"])
     readings = [("ppl_by_position", "one pass"), (f"ppl_by_position_reset_{RESET}x", f"reset every {RESET * length}"),
                 *[(f"ppl_by_position_capped_{m}x", f"horizons capped at {m * length}") for m in CAPS]]
@@ -277,7 +330,7 @@ def render(out: Path, page: Path) -> None:
     lines += ["", "## Passkey preference (shown key likelier than a fresh one; chance 0.50)", "",
               "Fraction of prompts / mean margin in nats, by context length.", "",
               "| variant | " + " | ".join(f"{n} tokens" for n in lengths) + " |", "|---|" + "---|" * len(lengths)]
-    for m in models:
+    for m in (m for m in models if "passkey_preference" in by_model[m][0]):  # not measured by the study
         cells = [f"{spread([r['passkey_preference'][n]['preferred'] for r in by_model[m]])} / "
                  f"{statistics.fmean(r['passkey_preference'][n]['margin_nats'] for r in by_model[m]):+.2f}"
                  for n in lengths]
@@ -311,9 +364,10 @@ def figures(by_model: dict[str, list[dict[str, Any]]], buckets: list[str], lengt
     for m, runs in by_model.items():
         axes[0].plot([int(b.split("-")[1]) for b in buckets],
                      [statistics.fmean(r["ppl_by_position"][b] for r in runs) for b in buckets], marker="o", label=m)
-        axes[1].plot([int(n) for n in lengths],
-                     [statistics.fmean(r["passkey_preference"][n]["preferred"] for r in runs) for n in lengths],
-                     marker="o", label=m)
+        if "passkey_preference" in runs[0]:
+            axes[1].plot([int(n) for n in lengths],
+                         [statistics.fmean(r["passkey_preference"][n]["preferred"] for r in runs) for n in lengths],
+                         marker="o", label=m)
     axes[0].set(xscale="log", yscale="log", xlabel="tokens (end of each position bucket)", ylabel="perplexity",
                 title="Perplexity by position")
     axes[1].axhline(0.5, color="gray", lw=0.8)

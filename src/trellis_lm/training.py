@@ -55,7 +55,7 @@ LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "alpha_proj", "g_
 # The size of the models the recipes create when no checkpoint is given: trains in a minute
 # on a laptop CPU. `--config_overrides "hidden_size=512,num_hidden_layers=8"` changes it.
 SMALL_MODEL = dict(
-    hidden_size=128, num_hidden_layers=2, num_heads=4, head_dim=32, num_slots=16, chunk_size=32,
+    hidden_size=128, num_hidden_layers=2, num_heads=4, head_dim=32, num_slots=16, chunk_size=16,
     intermediate_size=384,
 )
 

@@ -51,7 +51,7 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--overwrite", action="store_true",
                         help="replace a DST folder that is not empty (once the new model is complete)")
     parser.add_argument("--num-slots", type=positive, default=64, help="memory slots M per head (default 64)")
-    parser.add_argument("--chunk-size", type=positive, default=64, help="chunk size C of the op (default 64)")
+    parser.add_argument("--chunk-size", type=positive, default=16, help="chunk size C of the op (default 16, the config's)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the new parameters' initialisation")
     parser.add_argument("--mixer", choices=("trellis", "lattice"), default="trellis",
                         help="what the converted layers become (default trellis)")

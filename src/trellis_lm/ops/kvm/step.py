@@ -103,18 +103,17 @@ def step_forward(q, k, v, gate, norm_weight, norm_bias, temperature, state: KVMS
 
     # One softmax over [state rows ; window]: state rows < used, window slots <= the token's.
     # The query is a row vector ([N, H, 1, Dk] @ [.., Dk, L]): torch's CPU batched matmul is
-    # several times faster this way round than as matrix @ column. All of LN_s and both
-    # temperatures move off the [S, Dk] keys, which are only read (F.layer_norm would write a
-    # normalised copy of them every step):
-    # t_s (LN(sk) w + b) . q = (sk . a - mean(sk) sum(a)) / sqrt(var(sk) + eps) + t_s b . q, a = t_s w q.
+    # several times faster this way round than as matrix @ column. LN_s's scale, affine and
+    # both temperatures move off the [S, Dk] keys, which are only centred (F.layer_norm is
+    # slower on CPU than these few passes at this size):
+    # t_s (LN(sk) w + b) . q = ((sk - mean) . (t_s w q)) / sqrt(var + eps) + t_s b . q.
     query = q[:, 0, :, None, :] * (1.0 / math.sqrt(dk))  # [N, H, 1, Dk]
     t_s, t_w = temperature[:, 0, None, None], temperature[:, 1, None, None]  # [H, 1, 1]
     q_s = query * t_s
-    var, mean = torch.var_mean(state.keys, dim=-1, correction=0)  # [N, H, S]
+    centred = state.keys - state.keys.mean(dim=-1, keepdim=True)  # [N, H, S, Dk]
+    inv_std = (centred.square().mean(dim=-1) + LN_EPS).rsqrt()[:, :, None]  # [N, H, 1, S]
     bias = (q_s * norm_bias[:, None, :]).sum(-1, keepdim=True)  # [N, H, 1, 1]
-    a = q_s * norm_weight[:, None, :]  # [N, H, 1, Dk]
-    state_logits = ((a @ state.keys.transpose(-1, -2) - a.sum(-1, keepdim=True) * mean[:, :, None])
-                    * (var + LN_EPS).rsqrt()[:, :, None] + bias)  # [N, H, 1, S]
+    state_logits = ((q_s * norm_weight[:, None, :]) @ centred.transpose(-1, -2)) * inv_std + bias  # [N, H, 1, S]
     window_logits = (query * t_w) @ win_k.transpose(-1, -2)  # [N, H, 1, W']
     # Visible: state rows < used, window slots <= the token's (masks of [N, 1, 1, *]).
     size, window = state.room
