@@ -258,13 +258,17 @@ def with_study_baselines(records: list[dict[str, Any]], learning_rate: float) ->
     and rate, so the same weights (the ``trellis`` and ``llama`` rows, rerun here, reproduce the
     study's validation perplexities to the last digit)."""
     study = ROOT / "docs" / "results_data" / "lm_study.json"
-    if not study.exists():
+    if not study.exists() or not records:
         return records
     have = {(r["model"], r["seed"]) for r in records}
+    # Only runs measured as these were: the same training length and position buckets (a
+    # quick preset's runs are not the study's).
+    like = (records[0]["train_length"], list(records[0]["ppl_by_position"]))
     added = []
     for name, _, rate in STATE_PASSING_MODELS:
         for run in load_records(study):
             if (run["model"] == name and run.get("phase") == "full" and "ppl_by_position" in run
+                    and (run["train_length"], list(run["ppl_by_position"])) == like
                     and run["learning_rate"] == (rate or learning_rate) and (name, run["seed"]) not in have):
                 added.append({**run, "from_study": True})
     return records + added

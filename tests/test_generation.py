@@ -97,7 +97,19 @@ needs_compiler = pytest.mark.skipif(
 )
 
 
+@pytest.fixture
+def fresh_compiler():
+    """No compiled decode step from earlier tests: each test's compilations count from zero
+    against torch.compile's recompile limit (the mixers share one compiled ``mix`` per process)."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
 @needs_compiler
+@pytest.mark.usefixtures("fresh_compiler")
 @pytest.mark.parametrize(
     "overrides",
     [{}, {"compress_fn": "l2norm", "mix_fn": "softmax", "use_forget_gate": False, "conv_size": 0},
@@ -119,12 +131,34 @@ def test_compiled_decode_step_equals_eager(overrides):
 
 
 @needs_compiler
+@pytest.mark.usefixtures("fresh_compiler")
 def test_generate_with_compiled_decode():
     model = tiny_model(seed=8)
     ids = random_tokens(2, 6, seed=3)
     eager = model.generate(ids, max_new_tokens=10, do_sample=False)
     model.config.compile_decode = True
     torch.testing.assert_close(model.generate(ids, max_new_tokens=10, do_sample=False), eager, rtol=0, atol=0)
+
+
+@needs_compiler
+@pytest.mark.usefixtures("fresh_compiler")
+def test_compiled_decode_past_the_recompile_limit_decodes_eagerly(monkeypatch):
+    # A process that decodes many different models meets torch.compile's recompile limit: the
+    # steps after it run eagerly (same numbers) with a warning, instead of failing.
+    import torch._dynamo
+
+    import trellis_lm.mixers.base as base
+
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
+    warned = []
+    monkeypatch.setattr(base, "_warn_recompile_limit", lambda: warned.append(True))
+    ids = random_tokens(2, 6, seed=3)
+    for seed, dtype in ((1, torch.float32), (2, torch.float64)):  # the second needs a recompilation
+        model = tiny_model(seed=seed, dtype=dtype)
+        eager = model.generate(ids, max_new_tokens=4, do_sample=False)
+        model.config.compile_decode = True
+        assert torch.equal(model.generate(ids, max_new_tokens=4, do_sample=False), eager)
+    assert warned
 
 
 # ----------------------------------------------------------------------------- generate()

@@ -13,6 +13,7 @@ state is before the first token.
 
 from __future__ import annotations
 
+import warnings
 from functools import cache, partial
 from typing import Any, Callable, ClassVar, Optional, Sequence, Union
 
@@ -270,7 +271,7 @@ class MemoryMixer(Mixer):
         # after a prefill, on CPUs (GPUs run fused kernels).
         if (self.compilable and self.config.compile_decode and x.shape[1] == 1 and x.device.type == "cpu"
                 and valid is None and before.state is not None):
-            mix = partial(compiled_mix(type(self)), self)
+            mix = partial(compiled_or_eager_mix, self)
         carried = (before.q_tail, before.k_tail, before.state)
         if call.cache.rollback_window:
             packed = valid is not None and valid.has_documents
@@ -431,6 +432,28 @@ def chunked_memory_layout(config: Any, memories: Sequence[str]) -> dict[str, Ten
     named ``memories``, then the ``[B]`` offset within the chunk, in ``[0, chunk_size)``."""
     memory = TensorSpec((ROWS, config.num_heads, config.num_slots, config.head_dim))
     return {**dict.fromkeys(memories, memory), "offset": TensorSpec((ROWS,), "int64", most=config.chunk_size - 1)}
+
+
+def compiled_or_eager_mix(mixer: MemoryMixer, *args: Any, **kwargs: Any) -> Any:
+    """``mixer.mix(*args, **kwargs)`` through :func:`compiled_mix`, or eagerly (the same function)
+    once torch.compile has compiled it for as many shapes, dtypes and settings as its recompile
+    limit allows (``torch._dynamo.config.recompile_limit``; the mixers share one compiled ``mix``
+    per process, so a process that decodes many different models can reach it): a warning, not
+    a failure. The limit is met before the compiled code runs, so nothing was computed twice."""
+    try:
+        return compiled_mix(type(mixer))(mixer, *args, **kwargs)
+    except torch._dynamo.exc.FailOnRecompileLimitHit:
+        _warn_recompile_limit()
+        return mixer.mix(*args, **kwargs)
+
+
+@cache
+def _warn_recompile_limit() -> None:
+    warnings.warn(
+        "compile_decode: torch.compile reached its recompile limit for the decode step (one compilation per "
+        "shape, dtype and setting met in this process); further new ones decode eagerly (same numbers, slower). "
+        "Raise torch._dynamo.config.recompile_limit to compile more.", RuntimeWarning, stacklevel=3,
+    )
 
 
 @cache
