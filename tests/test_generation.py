@@ -149,15 +149,16 @@ def test_compiled_decode_past_the_recompile_limit_decodes_eagerly(monkeypatch):
 
     import trellis_lm.mixers.base as base
 
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
     warned = []
     monkeypatch.setattr(base, "_warn_recompile_limit", lambda: warned.append(True))
     ids = random_tokens(2, 6, seed=3)
-    for seed, dtype in ((1, torch.float32), (2, torch.float64)):  # the second needs a recompilation
-        model = tiny_model(seed=seed, dtype=dtype)
-        eager = model.generate(ids, max_new_tokens=4, do_sample=False)
-        model.config.compile_decode = True
-        assert torch.equal(model.generate(ids, max_new_tokens=4, do_sample=False), eager)
+    # torch's own patch: a monkeypatch of a config module would delete (hide) the entry when undone.
+    with torch._dynamo.config.patch(recompile_limit=1):
+        for seed, dtype in ((1, torch.float32), (2, torch.float64)):  # the second needs a recompilation
+            model = tiny_model(seed=seed, dtype=dtype)
+            eager = model.generate(ids, max_new_tokens=4, do_sample=False)
+            model.config.compile_decode = True
+            assert torch.equal(model.generate(ids, max_new_tokens=4, do_sample=False), eager)
     assert warned
 
 

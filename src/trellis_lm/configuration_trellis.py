@@ -128,8 +128,9 @@ class TrellisConfig(PreTrainedConfig):
             small model on 2 cores; needs a C++ compiler). Same function, fewer and fused
             operations: decoding on CPUs is bound by per-operation overhead (BENCHMARKS.md, issue
             40). KVM layers decode eagerly (a step folds a chunk when its window is full: control
-            flow on the data). Prefill, training and GPUs (their fused Triton decode kernel) are
-            not affected.
+            flow on the data). Each new batch size, dtype or layer setting compiles once; past
+            torch.compile's recompile limit the new ones decode eagerly, with a warning. Prefill,
+            training and GPUs (their fused Triton decode kernel) are not affected.
     """
 
     model_type: ClassVar[str] = "trellis"
