@@ -8,6 +8,7 @@ same (its output is what BENCHMARKS.md records).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import platform
 import statistics
@@ -21,6 +22,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from .cache_trellis import CACHE_ARG
 from .cli import int_at_least
 from .configuration_trellis import TrellisConfig
+from .mixers.stacking import stacked_projections
 from .modeling_trellis import TrellisForCausalLM
 from .ops import trellis_attention
 
@@ -114,24 +116,37 @@ class DecodeStepper:
         return elapsed
 
 
+def as_generate_runs(models) -> contextlib.ExitStack:
+    """A span in which ``models`` step as ``generate()`` steps them (their projections stacked
+    once, :func:`~trellis_lm.mixers.stacking.stacked_projections`; a no-op for other models)."""
+    span = contextlib.ExitStack()
+    for model in models:
+        span.enter_context(stacked_projections(model))
+    return span
+
+
 def decode_ms_per_token(model, context: int, steps: int, prefill_piece: int = 1024, batch: int = 1) -> float:
-    """Median milliseconds of a single-token forward after ``context`` tokens (see :class:`DecodeStepper`)."""
-    stepper = DecodeStepper(model, context, prefill_piece, batch)
-    return statistics.median([stepper.step() for _ in range(steps + 1)][1:]) * 1e3
+    """Median milliseconds of a single-token forward after ``context`` tokens (see :class:`DecodeStepper`),
+    stepped as ``generate()`` steps."""
+    with as_generate_runs([model]):
+        stepper = DecodeStepper(model, context, prefill_piece, batch)
+        return statistics.median([stepper.step() for _ in range(steps + 1)][1:]) * 1e3
 
 
 def interleaved_decode_ms(runs: dict, rounds: int, block: int = 8) -> dict:
     """Median ms/token of each run ``name -> (model, context)``, timed in turns of ``block``
     steps for ``rounds`` rounds, so that a machine whose speed drifts (a shared VM) slows every
     run alike. Each run takes one untimed step first (a compiled model compiles there), and the
-    first step of each turn is not counted: it runs with the memory caches the previous run left."""
-    steppers = {name: DecodeStepper(model, context) for name, (model, context) in runs.items()}
-    for stepper in steppers.values():
-        stepper.step()
-    times = {name: [] for name in runs}
-    for _ in range(rounds):
-        for name, stepper in steppers.items():
-            times[name] += [stepper.step() for _ in range(block)][1:]
+    first step of each turn is not counted: it runs with the memory caches the previous run left.
+    The steps run as ``generate()`` runs them (:func:`as_generate_runs`)."""
+    with as_generate_runs({id(model): model for model, _ in runs.values()}.values()):
+        steppers = {name: DecodeStepper(model, context) for name, (model, context) in runs.items()}
+        for stepper in steppers.values():
+            stepper.step()
+        times = {name: [] for name in runs}
+        for _ in range(rounds):
+            for name, stepper in steppers.items():
+                times[name] += [stepper.step() for _ in range(block)][1:]
     return {name: statistics.median(t) * 1e3 for name, t in times.items()}
 
 

@@ -256,7 +256,7 @@ class MemoryMixer(Mixer):
         q = inputs[0]
         if q.shape[1] != 1 or not isinstance(state, self.state_class) or torch.compiler.is_compiling():
             return False
-        dtype = next(iter(vars(state).values())).dtype  # the state's first field: its float dtype
+        dtype = state.lead.dtype
         return (dtype in (torch.float32, torch.float64) and all(t.dtype == dtype for t in inputs)
                 and not torch.is_autocast_enabled(q.device.type))
 
@@ -365,15 +365,15 @@ class MemoryMixer(Mixer):
         """Every projection of ``fusable_projections`` by one matmul, or ``None`` (see
         :func:`~.stacking.stacked`: inference only, with the stack :func:`~.stacking.stacked_projections`
         made for a ``generate`` call, or one made afresh for calls of at least ``FUSE_MIN_TOKENS``
-        tokens, which always reflects the current weights). With q_proj and k_proj first and
-        without biases, ``"q_proj+k_proj"`` is both side by side."""
+        tokens, which always reflects the current weights). With q_proj and k_proj leading the
+        stack and without biases, ``"q_proj+k_proj"`` is both side by side (one slice)."""
         if not self.fusable_projections:
             return None
         result = stacked(self, x, on_the_fly=x.shape[:-1].numel() >= FUSE_MIN_TOKENS)
         if result is None:
             return None
         out, fused = result
-        if fused.keys() >= {"q_proj", "k_proj"} and self.q_proj.bias is None and self.k_proj.bias is None:
+        if list(fused)[:2] == ["q_proj", "k_proj"] and self.q_proj.bias is None and self.k_proj.bias is None:
             fused["q_proj+k_proj"] = out[..., : fused["q_proj"].shape[-1] + fused["k_proj"].shape[-1]]
         return fused
 
@@ -398,7 +398,7 @@ class MemoryMixer(Mixer):
         # One layout for both (KVM's buffers grow with the tokens seen): `cat` aligns them.
         both = self.state_class.cat([carried, fresh])
         carried, fresh = both.map(lambda t: t[: keep.numel()]), both.map(lambda t: t[keep.numel() :])
-        keep = keep.to(carried.tensors()[carried.field_names()[0]].device)
+        keep = keep.to(carried.lead.device)
         return self.state_class(**{
             name: torch.where(keep.view(-1, *(1,) * (t.dim() - 1)), t, fresh.tensors()[name])
             for name, t in carried.tensors().items()

@@ -53,17 +53,18 @@ class LinearStack:
                 [self.weight.new_zeros(m.out_features) if m.bias is None else m.bias for m in modules])
 
     @classmethod
-    def of(cls, owner: nn.Module, names: Sequence[str]) -> Optional["LinearStack"]:
+    def of(cls, owner: nn.Module, names: Sequence[str], like: Optional[torch.Tensor] = None) -> Optional["LinearStack"]:
         """The stack of ``owner``'s projections among ``names`` that exist (an optional one may be
         ``None``), or ``None`` unless each is a plain ``nn.Linear`` without hooks (an adapter such
         as PEFT's LoRA wraps or replaces the module; a hook expects it to be called) and all
-        share a dtype and device."""
+        share a dtype and device (those of ``like``, when given: nothing is copied for an input
+        the stack could not take)."""
         present = [(name, getattr(owner, name)) for name in names if getattr(owner, name) is not None]
         for _, m in present:
             if type(m) is not nn.Linear or m._forward_hooks or m._forward_pre_hooks:
                 return None
-        params = [p for _, m in present for p in (m.weight, m.bias) if p is not None]
-        if len({(p.dtype, p.device) for p in params}) != 1:
+        kinds = {(p.dtype, p.device) for _, m in present for p in (m.weight, m.bias) if p is not None}
+        if len(kinds) != 1 or (like is not None and kinds != {(like.dtype, like.device)}):
             return None
         return cls([name for name, _ in present], [m for _, m in present])
 
@@ -89,7 +90,7 @@ def stacked(module: nn.Module, x: torch.Tensor, on_the_fly: bool = False) -> Opt
         return None
     stack = module.projection_stack
     if stack is None and on_the_fly:
-        stack = LinearStack.of(module, module.fusable_projections)
+        stack = LinearStack.of(module, module.fusable_projections, like=x)
     if stack is None or stack.weight.dtype != x.dtype or stack.weight.device != x.device:
         return None
     return stack(x)

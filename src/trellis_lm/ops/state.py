@@ -32,6 +32,11 @@ class OpState:
         return cls(**{name: torch.cat([getattr(s, name) for s in states]) for name in cls.field_names()})
 
     @property
+    def lead(self) -> torch.Tensor:
+        """The first field: a float tensor in every op's state, whose dtype and device are the state's."""
+        return getattr(self, fields(self)[0].name)
+
+    @property
     def rows(self) -> int:
         """Sequences held (N)."""
         return next(iter(self.tensors().values())).shape[0]

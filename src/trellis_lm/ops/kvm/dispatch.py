@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import sys
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 
@@ -222,10 +222,8 @@ def kvm_attention(
     _expect_int("budget_min", budget_min, 0, state_size if growable else None,
                 " (at most state_size, the cap of the growable budgets)" if growable else "")
     forward = BACKENDS.function(backend, OpCall(q.device, compute_dtype(q), length, cu_seqlens is not None))
-    config = KVMConfig(
-        chunk_size, window_chunks, rope_dims, sinks, state_size, budget, float(budget_scale), float(budget_exponent),
-        float(budget_saturation), budget_round, budget_min,
-    )
+    config = kvm_config(chunk_size, window_chunks, rope_dims, sinks, state_size, budget, budget_scale, budget_exponent,
+                        budget_saturation, budget_round, budget_min)
 
     rows = batch
     if cu_seqlens is not None:
@@ -249,9 +247,14 @@ def kvm_attention(
 
 
 @functools.lru_cache(maxsize=64)
-def _step_config(*settings: Any) -> KVMConfig:
-    """The :class:`KVMConfig` of a decode step's settings (a step asks once per layer and token)."""
-    return KVMConfig(*settings)
+def kvm_config(chunk_size: int, window_chunks: int, rope_dims: int, sinks: int, state_size: int, budget: str,
+               budget_scale: float, budget_exponent: float, budget_saturation: float, budget_round: int,
+               budget_min: Optional[int]) -> KVMConfig:
+    """The :class:`KVMConfig` of a call's settings (``budget_min`` ``None``: ``chunk_size``),
+    remembered: a decode step asks once per layer and token."""
+    return KVMConfig(chunk_size, window_chunks, rope_dims, sinks, state_size, budget, float(budget_scale),
+                     float(budget_exponent), float(budget_saturation), budget_round,
+                     chunk_size if budget_min is None else budget_min)
 
 
 def kvm_step(
@@ -266,9 +269,7 @@ def kvm_step(
     ``v [N, 1, H, Dv]``, ``gate [N, 1, H]``, the parameters ``norm_weight, norm_bias [H, Dk]``
     and ``temperature [H, 2]``, all in the state's dtype. Returns ``o [N, 1, H, Dv]`` and the
     state after the token."""
-    config = _step_config(
-        chunk_size, window_chunks, rope_dims, sinks, state_size, budget, float(budget_scale), float(budget_exponent),
-        float(budget_saturation), budget_round, chunk_size if budget_min is None else budget_min,
-    )
+    config = kvm_config(chunk_size, window_chunks, rope_dims, sinks, state_size, budget, budget_scale, budget_exponent,
+                        budget_saturation, budget_round, budget_min)
     step = BACKENDS.single_token(backend, q.device, q.dtype)
     return step(q, k, v, gate, norm_weight, norm_bias, temperature, state, config, None)

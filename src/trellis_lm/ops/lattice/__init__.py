@@ -3,7 +3,8 @@
 :func:`lattice_attention` (:mod:`.dispatch`) is the entry point, :func:`lattice_step` its unchecked
 decode step. Beside it: :mod:`.reference` (the per-token loop of the page), :mod:`.chunked` (the
 chunk-parallel PyTorch form), :mod:`.step` (one decode token), :mod:`.terms` (the variants' write
-terms and the retraction) and :mod:`.state` (the carried state). There are no Triton kernels: ``"torch"`` runs on GPUs too.
+terms and the retraction) and :mod:`.state` (the carried state). There are no Triton kernels:
+``"torch"`` runs on GPUs too.
 """
 
 from .dispatch import BACKENDS, lattice_attention, lattice_step
