@@ -7,8 +7,8 @@
 Models (float32, eval, one seed): 4 layers of width 256 (4 heads of 64, 64 slots, SwiGLU of 682,
 vocabulary 4096, tied embeddings): all-Trellis, all-Lattice, all-KVM, the hybrid (three Trellis
 layers, then attention) and a ``LlamaForCausalLM`` of the same width and depth (sdpa,
-``DynamicCache``); ``--compiled`` adds the Trellis and Lattice models with ``compile_decode=True``
-(an older checkout compiles Trellis layers only).
+``DynamicCache``); ``--compiled`` adds the Trellis, Lattice and hybrid models with
+``compile_decode=True`` (an older checkout compiles Trellis layers only, or each mixer alone).
 
 Each model reads ``context`` random tokens of one row (prefilled in pieces of 1024), then its
 cache is repeated to each batch size (a decode step costs the same whatever the rows hold).
@@ -73,8 +73,8 @@ def build_models(size: dict, compiled: bool, quick: bool) -> dict[str, torch.nn.
         config = TrellisConfig(num_heads=size["heads"], head_dim=size["head_dim"], num_slots=size["slots"],
                                mixer_types=kinds, **common, **kvm)
         models[name] = TrellisForCausalLM(config).eval()
-    if compiled:  # the mixers whose step compiles (KVM's folds are control flow on the data)
-        for name in ("trellis", "lattice"):
+    if compiled:  # models with blocks that compile (KVM's folds are control flow on the data)
+        for name in ("trellis", "lattice", "hybrid"):
             models[f"{name}-compiled"] = copy.deepcopy(models[name])
             models[f"{name}-compiled"].config.compile_decode = True
     torch.manual_seed(0)
@@ -150,7 +150,7 @@ def main() -> None:
     parser.add_argument("--batches", default="1,8", help="comma-separated batch sizes (default 1,8)")
     parser.add_argument("--rounds", type=int, default=None, help="turns of 8 steps per run (default 12; quick 2)")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--compiled", action="store_true", help="also Trellis and Lattice with compile_decode=True")
+    parser.add_argument("--compiled", action="store_true", help="also Trellis, Lattice and the hybrid with compile_decode=True")
     parser.add_argument("--models", default=None, help="comma-separated subset (llama is always measured)")
     parser.add_argument("--json", default=None, help="also write the figures to this file")
     args = parser.parse_args()

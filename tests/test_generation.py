@@ -8,12 +8,13 @@ import shutil
 import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
+from torch._dynamo.utils import counters
 from transformers import PreTrainedTokenizerFast
 
 from tiny_models import left_pad, random_tokens, tiny_model
 from transformers_names import cache_of
+import trellis_lm.compiled_decode as compiled_decode
 from trellis_lm import TrellisCache, TrellisForCausalLM
-from trellis_lm.mixers.base import compiled_mix
 from trellis_lm.ops import COMPRESS_FNS, MIX_FNS
 
 TOL = dict(rtol=1e-4, atol=1e-4)
@@ -100,7 +101,7 @@ needs_compiler = pytest.mark.skipif(
 @pytest.fixture
 def fresh_compiler():
     """No compiled decode step from earlier tests: each test's compilations count from zero
-    against torch.compile's recompile limit (the mixers share one compiled ``mix`` per process)."""
+    against torch.compile's recompile limit (the models share one compiled function per process)."""
     import torch._dynamo
 
     torch._dynamo.reset()
@@ -108,36 +109,73 @@ def fresh_compiler():
     torch._dynamo.reset()
 
 
+@pytest.fixture
+def compiled_runs(monkeypatch):
+    """The lengths of the runs of blocks each compiled call took, in order, and whether a call
+    was answered by torch.compile (not the eager fallback)."""
+    runs = []
+    compiled = compiled_decode.compiled_blocks()
+    real = compiled_decode.compiled_or_eager
+
+    def counted(blocks, hidden, carried):
+        runs.append(len(blocks))
+        return real(blocks, hidden, carried)
+
+    monkeypatch.setattr(compiled_decode, "compiled_or_eager", counted)
+    monkeypatch.setattr(compiled_decode, "_warn_recompile_limit", lambda: pytest.fail("fell back to eager"))
+    assert compiled is compiled_decode.compiled_blocks()
+    return runs
+
+
 @needs_compiler
 @pytest.mark.usefixtures("fresh_compiler")
 @pytest.mark.parametrize(
-    "overrides",
-    [{}, {"compress_fn": "l2norm", "mix_fn": "softmax", "use_forget_gate": False, "conv_size": 0},
-     {"schedule": "lattice"}],
+    ("schedule", "overrides", "runs"),
+    [("trellis", {}, [2]),
+     ("trellis", {"compress_fn": "l2norm", "mix_fn": "softmax", "use_forget_gate": False, "conv_size": 0}, [2]),
+     ("lattice", {}, [2]),
+     # trellis, trellis | attention (eager) | lattice; kvm (eager) | lattice | attention | trellis
+     ("hybrid", {"head_dim": 6}, [2, 1]),  # attention turns channel pairs
+     ("kvm-hybrid", {"head_dim": 6}, [1, 1])],
 )
-def test_compiled_decode_step_equals_eager(overrides):
+def test_compiled_decode_step_equals_eager(schedule, overrides, runs, compiled_runs):
     # float64, odd sizes; the decode steps cross chunk starts (every 3rd token), where anchors move.
-    eager = tiny_model(seed=5, dtype=torch.float64, chunk_size=3, num_heads=3, head_dim=5, num_slots=7, **overrides)
+    sizes = dict(chunk_size=3, num_heads=3, head_dim=5, num_slots=7) | overrides
+    eager = tiny_model(seed=5, dtype=torch.float64, schedule=schedule, **sizes)
     compiled = copy.deepcopy(eager)
     compiled.config.compile_decode = True
     ids = random_tokens(2, 12, seed=2)
     pieces = [4] + [1] * 8
-    calls = compiled_mix.cache_info()
     fused = logits_in_pieces(compiled, ids, pieces)
-    calls_after = compiled_mix.cache_info()
-    # Every layer's every single-token step took the compiled function.
-    assert (calls_after.hits + calls_after.misses) - (calls.hits + calls.misses) == 8 * eager.config.num_hidden_layers
+    # Every single-token step ran each run of compilable blocks as one compiled call; the
+    # prefill ran eagerly.
+    assert compiled_runs == runs * 8
     torch.testing.assert_close(fused, logits_in_pieces(eager, ids, pieces), rtol=1e-12, atol=1e-12)
 
 
 @needs_compiler
 @pytest.mark.usefixtures("fresh_compiler")
-def test_generate_with_compiled_decode():
+def test_generate_with_compiled_decode(compiled_runs):
     model = tiny_model(seed=8)
     ids = random_tokens(2, 6, seed=3)
     eager = model.generate(ids, max_new_tokens=10, do_sample=False)
+    assert compiled_runs == []
     model.config.compile_decode = True
+    graphs = counters["stats"]["unique_graphs"]
     torch.testing.assert_close(model.generate(ids, max_new_tokens=10, do_sample=False), eager, rtol=0, atol=0)
+    # The prompt eagerly, then each of the 9 single-token steps as one compiled run of both blocks
+    # (with the projections stacked by generate), compiled once: the step after the prefill
+    # included.
+    assert compiled_runs == [2] * 9
+    assert counters["stats"]["unique_graphs"] == graphs + 1
+    # Another call, and another model of the same shapes, reuse the compiled code (the blocks
+    # and generate's stacked weights are inputs, not constants).
+    graphs = counters["stats"]["unique_graphs"]
+    other = tiny_model(seed=9)
+    other.config.compile_decode = True
+    for m in (model, other):
+        m.generate(ids, max_new_tokens=4, do_sample=False)
+    assert counters["stats"]["unique_graphs"] == graphs and len(compiled_runs) == 9 + 2 * 3
 
 
 @needs_compiler
@@ -147,10 +185,8 @@ def test_compiled_decode_past_the_recompile_limit_decodes_eagerly(monkeypatch):
     # steps after it run eagerly (same numbers) with a warning, instead of failing.
     import torch._dynamo
 
-    import trellis_lm.mixers.base as base
-
     warned = []
-    monkeypatch.setattr(base, "_warn_recompile_limit", lambda: warned.append(True))
+    monkeypatch.setattr(compiled_decode, "_warn_recompile_limit", lambda: warned.append(True))
     ids = random_tokens(2, 6, seed=3)
     # torch's own patch: a monkeypatch of a config module would delete (hide) the entry when undone.
     with torch._dynamo.config.patch(recompile_limit=1):

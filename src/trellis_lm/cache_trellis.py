@@ -530,8 +530,8 @@ class TrellisCache(Cache):
     @property
     def batch_size(self) -> Optional[int]:
         """Rows held, or ``None`` before the first forward."""
-        held = [layer.rows for layer in self.layers if layer.rows is not None]
-        return held[0] if held else None
+        # The first layer that holds any (every call writes every layer): read once per forward.
+        return next((rows for rows in (layer.rows for layer in self.layers) if rows is not None), None)
 
     def reset(self) -> None:
         super().reset()

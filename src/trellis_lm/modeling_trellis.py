@@ -16,7 +16,7 @@ import os
 import tempfile
 from functools import partial
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +28,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from transformers.utils import logging
 
 from .cache_trellis import CACHE_ARG, CACHE_NAMES, CacheCall, TrellisCache, one_cache
+from .compiled_decode import compiles_decode, decode_blocks
 from .configuration_trellis import TrellisConfig
 from .model_card_trellis import CARD_NAME, hub_card_text, is_generated, write_model_card
 from .mixers import Mixer, build_mixer
@@ -80,7 +81,13 @@ class TrellisDecoderLayer(GradientCheckpointingLayer):
         # `hidden_states` stays positional (activation checkpointing expects it). The cache
         # comes as one call's view (CacheCall): a block recomputed by activation checkpointing
         # reads the entry it read the first time.
-        hidden_states = hidden_states + self.self_attn(self.input_layernorm(hidden_states), valid, cache)
+        return self.around(hidden_states, lambda x: self.self_attn(x, valid, cache))
+
+    def around(self, hidden_states: torch.Tensor, mix: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """The block with ``mix`` (``[B, T, D]`` -> ``[B, T, D]``) as its token mixer: what
+        :meth:`forward` runs with the layer's mixer, and a compiled decode step with the
+        mixer's function of its carried state (:mod:`.compiled_decode`)."""
+        hidden_states = hidden_states + mix(self.input_layernorm(hidden_states))
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
 
 
@@ -322,12 +329,15 @@ class TrellisModel(TrellisPreTrainedModel):
 
         hidden_states = inputs_embeds
         all_hidden_states = (hidden_states,) if output_hidden_states else None
-        for layer in self.layers:
-            # Positional: transformers' checkpointing wrapper drops a keyword `cache` (it assumes a
-            # recomputed layer would write its cache twice; a CacheCall makes that harmless).
-            hidden_states = layer(hidden_states, valid, call)
-            if output_hidden_states:
-                all_hidden_states += (hidden_states,)
+        if compiles_decode(self, hidden_states, valid, call, output_hidden_states):
+            hidden_states = decode_blocks(self.layers, hidden_states, call)
+        else:
+            for layer in self.layers:
+                # Positional: transformers' checkpointing wrapper drops a keyword `cache` (it assumes a
+                # recomputed layer would write its cache twice; a CacheCall makes that harmless).
+                hidden_states = layer(hidden_states, valid, call)
+                if output_hidden_states:
+                    all_hidden_states += (hidden_states,)
         hidden_states = self.norm(hidden_states)
         if output_hidden_states:
             all_hidden_states = all_hidden_states[:-1] + (hidden_states,)
@@ -395,7 +405,7 @@ class TrellisModel(TrellisPreTrainedModel):
             return TrellisCache(self.config) if use_cache else None
         if not isinstance(cache, TrellisCache):
             raise ValueError(f"the cache (cache / past_key_values) must be a TrellisCache, got {type(cache).__name__}")
-        cache.check_compatible(self.config)
+        # Whether its layers are this model's is checked by `cache.bind`, in the forward.
         if cache.batch_size not in (None, batch):
             raise ValueError(f"the cache holds {cache.batch_size} rows, the input {batch}")
         return cache

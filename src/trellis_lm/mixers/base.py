@@ -13,8 +13,6 @@ state is before the first token.
 
 from __future__ import annotations
 
-import warnings
-from functools import cache, partial
 from typing import Any, Callable, ClassVar, Optional, Sequence, Union
 
 import torch
@@ -81,6 +79,10 @@ class Mixer(nn.Module):
     layer_checks: ClassVar[tuple[ConfigField, ...]] = ()
     # The backends of the op the mixer runs (None: no op); config.op_backend must be one of them.
     backends: ClassVar[Optional[BackendRegistry]] = None
+    # Whether `config.compile_decode` may compile this mixer's block in a single-token step (see
+    # trellis_lm.compiled_decode): a memory mixer whose `mix` is free of data-dependent Python
+    # control flow and whose carried state has a fixed shape (not attention's growing keys).
+    compilable: ClassVar[bool] = False
 
     @classmethod
     def signature_fields(cls) -> tuple[str, ...]:
@@ -124,9 +126,6 @@ class MemoryMixer(Mixer):
     # The op's public function (trellis_lm.ops), called by run_op, and its unchecked decode step.
     op: ClassVar[Callable[..., tuple[torch.Tensor, Optional[OpState]]]]
     step_op: ClassVar[Callable[..., tuple[torch.Tensor, OpState]]]
-    # Whether `config.compile_decode` may compile this mixer's single-token step (it must then
-    # be free of data-dependent Python control flow).
-    compilable: ClassVar[bool] = False
     # Projections of x that may run as one matmul (see :meth:`_fused_projections`), in order;
     # when q_proj and k_proj come first, the fused q and k are one slice (see :meth:`_queries_keys`).
     fusable_projections: ClassVar[tuple[str, ...]] = ()
@@ -265,22 +264,27 @@ class MemoryMixer(Mixer):
         call = CacheCall.of(cache)
         if call is None:
             return self.mix(x, valid, None, None, None, keep_state=False)[0]
-        before = call.before(self.layer_idx)
-        mix = self.mix
-        # Compiled: decode steps without padding (packing padded rows depends on the mask's values)
-        # after a prefill, on CPUs (GPUs run fused kernels).
-        if (self.compilable and self.config.compile_decode and x.shape[1] == 1 and x.device.type == "cpu"
-                and valid is None and before.state is not None):
-            mix = partial(compiled_or_eager_mix, self)
-        carried = (before.q_tail, before.k_tail, before.state)
+        carried = self.carried(call)
         if call.cache.rollback_window:
             packed = valid is not None and valid.has_documents
             call.cache.record_step(self.layer_idx, self, x, None if valid is None else valid.mask, carried,
                                    replayable=not packed)
-        out, q_tail, k_tail, state = mix(x, valid, *carried, keep_state=True)
-        entry = call.entry(self.layer_idx)
-        entry.q_tail, entry.k_tail, entry.state = self._carried(*carried, q_tail, k_tail, state, x.shape[0])
+        out, *after = self.mix(x, valid, *carried, keep_state=True)
+        self.keep(call, carried, after, x.shape[0])
         return out
+
+    def carried(self, call: CacheCall) -> tuple[Any, Any, Any]:
+        """``(q_tail, k_tail, state)`` of this layer's entry as ``call`` began: :meth:`mix`'s
+        arguments after ``x`` and ``valid``."""
+        before = call.before(self.layer_idx)
+        return before.q_tail, before.k_tail, before.state
+
+    def keep(self, call: CacheCall, carried: tuple[Any, Any, Any], after: Sequence[Any], rows: int) -> None:
+        """Write into this layer's live entry of ``call`` what it carries after a call on
+        ``rows`` rows that read ``carried`` and returned ``after`` (:meth:`mix`'s ``q_tail,
+        k_tail, state``)."""
+        entry = call.entry(self.layer_idx)
+        entry.q_tail, entry.k_tail, entry.state = self._carried(*carried, *after, rows)
 
     def _carried(self, q_tail: Any, k_tail: Any, state: Any, new_q_tail: Any, new_k_tail: Any,
                  new_state: Any, rows: int) -> tuple[Any, Any, Any]:
@@ -432,36 +436,3 @@ def chunked_memory_layout(config: Any, memories: Sequence[str]) -> dict[str, Ten
     named ``memories``, then the ``[B]`` offset within the chunk, in ``[0, chunk_size)``."""
     memory = TensorSpec((ROWS, config.num_heads, config.num_slots, config.head_dim))
     return {**dict.fromkeys(memories, memory), "offset": TensorSpec((ROWS,), "int64", most=config.chunk_size - 1)}
-
-
-def compiled_or_eager_mix(mixer: MemoryMixer, *args: Any, **kwargs: Any) -> Any:
-    """``mixer.mix(*args, **kwargs)`` through :func:`compiled_mix`, or eagerly (the same function)
-    once torch.compile has compiled it for as many shapes, dtypes and settings as its recompile
-    limit allows (``torch._dynamo.config.recompile_limit``; the mixers share one compiled ``mix``
-    per process, so a process that decodes many different models can reach it): a warning, not
-    a failure. The limit is met before the compiled code runs, so nothing was computed twice."""
-    try:
-        return compiled_mix(type(mixer))(mixer, *args, **kwargs)
-    except torch._dynamo.exc.FailOnRecompileLimitHit:
-        _warn_recompile_limit()
-        return mixer.mix(*args, **kwargs)
-
-
-@cache
-def _warn_recompile_limit() -> None:
-    warnings.warn(
-        "compile_decode: torch.compile reached its recompile limit for the decode step (one compilation per "
-        "shape, dtype and setting met in this process); further new ones decode eagerly (same numbers, slower). "
-        "Raise torch._dynamo.config.recompile_limit to compile more.", RuntimeWarning, stacklevel=3,
-    )
-
-
-@cache
-def compiled_mix(mixer_class: type[MemoryMixer]) -> Callable:
-    """``mixer_class.mix`` compiled for single-token steps (``config.compile_decode``).
-
-    One compiled function per mixer class for every layer of every model in the process: the
-    module is an argument, so layers of one shape share the compiled code instead of
-    recompiling each.
-    """
-    return torch.compile(mixer_class.mix, fullgraph=True, dynamic=False)

@@ -83,13 +83,15 @@ class LinearStack:
 def stacked(module: nn.Module, x: torch.Tensor, on_the_fly: bool = False) -> Optional[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
     """``module``'s ``fusable_projections`` of ``x`` by one matmul (see :class:`LinearStack`), or
     ``None`` where the module should call its projections itself: while training or recording
-    gradients, inside ``torch.compile`` (which sees the modules), under a global forward hook,
-    or without a stack made by :func:`stacked_projections` unless ``on_the_fly`` (then one is
-    made for this call from the current weights)."""
-    if module.training or torch.is_grad_enabled() or torch.compiler.is_compiling() or not plain_forward_hooks():
+    gradients, under a global forward hook, or without a stack made by
+    :func:`stacked_projections` unless ``on_the_fly`` (then one is made for this call from the
+    current weights, but not inside ``torch.compile``, which would copy the weights each call).
+    A compiled decode step takes the stack as an input like the weights: one product in the
+    graph, where inductor would leave the separate ones."""
+    if module.training or torch.is_grad_enabled() or not plain_forward_hooks():
         return None
     stack = module.projection_stack
-    if stack is None and on_the_fly:
+    if stack is None and on_the_fly and not torch.compiler.is_compiling():
         stack = LinearStack.of(module, module.fusable_projections, like=x)
     if stack is None or stack.weight.dtype != x.dtype or stack.weight.device != x.device:
         return None
