@@ -180,6 +180,18 @@ def test_generate_with_compiled_decode(compiled_runs):
 
 @needs_compiler
 @pytest.mark.usefixtures("fresh_compiler")
+def test_compiled_decode_of_a_padded_batch(compiled_runs):
+    # Left-padded prompts: each step's own tokens are real in every row, so the steps compile.
+    model = tiny_model(seed=4, schedule="hybrid", head_dim=6)
+    ids, mask = left_pad([random_tokens(1, n, seed=n)[0] for n in (5, 2, 7)])
+    eager = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    model.config.compile_decode = True
+    assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False), eager)
+    assert compiled_runs == [2, 1] * 5
+
+
+@needs_compiler
+@pytest.mark.usefixtures("fresh_compiler")
 def test_compiled_decode_past_the_recompile_limit_decodes_eagerly(monkeypatch):
     # A process that decodes many different models meets torch.compile's recompile limit: the
     # steps after it run eagerly (same numbers) with a warning, instead of failing.

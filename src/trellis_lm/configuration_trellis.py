@@ -123,14 +123,19 @@ class TrellisConfig(PreTrainedConfig):
             ``"torch"`` the chunked PyTorch form, ``"triton"`` the Trellis kernels, which only
             the Trellis op has); passed as ``backend=`` to the ops. A named backend that cannot
             run a call (triton on a CPU tensor) raises a ``ValueError`` saying why.
-        compile_decode: on CPUs, run each Trellis and Lattice layer's single-token decode step
-            through ``torch.compile`` (compiled once per process and batch size, about 10 s for a
-            small model on 2 cores; needs a C++ compiler). Same function, fewer and fused
-            operations: decoding on CPUs is bound by per-operation overhead (BENCHMARKS.md, issue
-            40). KVM layers decode eagerly (a step folds a chunk when its window is full: control
-            flow on the data). Each new batch size, dtype or layer setting compiles once; past
-            torch.compile's recompile limit the new ones decode eagerly, with a warning. Prefill,
-            training and GPUs (their fused Triton decode kernel) are not affected.
+        compile_decode: on CPUs, run each single-token decode step's runs of consecutive Trellis
+            and Lattice blocks (norms, mixer, MLP) as one ``torch.compile``d function each
+            (:mod:`trellis_lm.compiled_decode`; compiled once per process, batch size and dtype,
+            about 10-20 s for a small model on 2 cores; needs a C++ compiler). Same function,
+            a few fused loops around the matrix products instead of hundreds of small operations:
+            decoding on CPUs is bound by per-operation overhead (BENCHMARKS.md, issue 40).
+            Attention and KVM blocks between runs decode eagerly (attention's keys grow with the
+            context; a KVM step folds its window on a condition on the data). Steps whose own
+            token is padding in some row (not a padded prompt: its steps compile), with a
+            rollback window (assisted decoding) or asking for every block's hidden states run
+            eagerly too. Past torch.compile's recompile limit new shapes decode eagerly, with
+            a warning. Prefill, training and GPUs (their fused Triton decode kernel) are not
+            affected.
     """
 
     model_type: ClassVar[str] = "trellis"
