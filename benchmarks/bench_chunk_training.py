@@ -23,7 +23,7 @@ from datetime import date
 
 import torch
 
-from trellis_lm.eval.lm_study import STUDY_SIZE, StudyModel, build_study_model
+from studies.lm import STUDY_SIZE, StudyModel, build_study_model
 from trellis_lm.state_passing import StatePassing
 
 

@@ -15,11 +15,11 @@ import torch
 import torch.nn.functional as F
 
 from trellis_lm import TrellisConfig, TrellisForCausalLM
-from trellis_lm.eval.synthetic import ModelSize
-from trellis_lm.eval.lm_study import (
-    PASSKEY_LINE, PASSKEY_QUESTION, build_study_model, capped_horizons, chosen_runs, memory_profile, num_parameters,
-    passkey_preference, perplexity_by_position, position_buckets, stdlib_corpus, study_models, widened_rate,
-)
+from studies.lm import build_study_model, capped_horizons, memory_profile, num_parameters, stdlib_corpus, study_models
+from studies.records import chosen_runs, median_range, spread, widened_rate
+from studies.synthetic import ModelSize
+from trellis_lm.eval.passkey import PASSKEY_LINE, PASSKEY_QUESTION, passkey_preference
+from trellis_lm.eval.perplexity import perplexity_by_position, position_buckets
 from trellis_lm.mixers import forget_gate_bias
 from trellis_lm.tokenization_trellis import train_tokenizer
 
@@ -52,7 +52,7 @@ def test_position_buckets_double_from_the_training_length():
 
 
 def test_the_quick_preset_runs_resumes_and_renders(tmp_path):
-    command = [sys.executable, str(ROOT / "examples" / "lm_study.py"), "--preset", "quick", "--out", str(tmp_path),
+    command = [sys.executable, "-m", "studies.lm_study", "--preset", "quick", "--out", str(tmp_path),
                "--page", str(tmp_path / "page.md"), "--models", "llama,trellis"]
     subprocess.run(command, check=True, capture_output=True, cwd=ROOT)
     records = json.loads((tmp_path / "lm_study.json").read_text())
@@ -149,6 +149,30 @@ def test_memory_profile_reads_the_states_and_the_forget_horizons():
     assert memory_profile(no_forget, tokens, (30,))["horizon"] == []
 
 
+def test_the_trellis_mixer_states_its_forget_gate():
+    # The studies read horizons through the mixer: its log beta is the op's input, and the cap is
+    # the largest logit whose horizon is at most the one asked for.
+    model = TrellisForCausalLM(TrellisConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_heads=3,
+                                             head_dim=8, intermediate_size=48, num_slots=4,
+                                             gate_logit_normalizer=7.0)).eval()
+    mixer = model.model.layers[0].self_attn
+    logits = torch.randn(2, 5, 3, dtype=torch.float64)
+    torch.testing.assert_close(mixer.log_forget(logits), F.logsigmoid(logits) / 7.0)
+    for horizon in (1.5, 20.0, 4096.0):
+        cap = torch.tensor([mixer.forget_logit_cap(horizon)], dtype=torch.float64)
+        assert -1.0 / mixer.log_forget(cap).item() == pytest.approx(horizon, rel=1e-9)
+        assert -1.0 / mixer.log_forget(cap + 1e-3).item() > horizon
+    with pytest.raises(ValueError, match="horizon"):
+        mixer.forget_logit_cap(0.0)
+
+
+def test_the_studies_show_spreads_alike():
+    assert spread([1.0, 2.0, 4.5]) == "2.50 [1.00, 4.50]" and spread([3.14159], digits=3) == "3.142"
+    # The lower median; a run that never got there counts as the largest.
+    assert median_range([30.0, None, 10.0, None], 0) == "30 [10, never]"
+    assert median_range([None, None, 5.0], 1, missing="-") == "- [5.0, -]"
+
+
 def test_perplexity_by_position_can_read_each_segment_from_a_fresh_state():
     config = TrellisConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_heads=2, head_dim=8,
                            intermediate_size=48, num_slots=4, chunk_size=4)
@@ -170,7 +194,7 @@ def test_perplexity_by_position_can_read_each_segment_from_a_fresh_state():
 
 
 def test_the_extrapolation_study_runs_renders_and_measures_kept_models(tmp_path):
-    command = [sys.executable, str(ROOT / "examples" / "lm_extrapolation.py"), "--preset", "quick", "--out", str(tmp_path),
+    command = [sys.executable, "-m", "studies.lm_extrapolation", "--preset", "quick", "--out", str(tmp_path),
                "--page", str(tmp_path / "page.md"), "--models", "trellis,trellis-T512", "--keep-models", str(tmp_path / "m")]
     subprocess.run(command, check=True, capture_output=True, cwd=ROOT)
     records = json.loads((tmp_path / "lm_extrapolation.json").read_text())
@@ -190,7 +214,7 @@ def test_the_extrapolation_study_runs_renders_and_measures_kept_models(tmp_path)
 
 
 def test_the_extrapolation_study_trains_with_state_passing(tmp_path):
-    command = [sys.executable, str(ROOT / "examples" / "lm_extrapolation.py"), "--preset", "quick", "--out", str(tmp_path),
+    command = [sys.executable, "-m", "studies.lm_extrapolation", "--preset", "quick", "--out", str(tmp_path),
                "--page", str(tmp_path / "page.md"), "--models", "trellis-sp-late"]
     subprocess.run(command, check=True, capture_output=True, cwd=ROOT)
     [record] = json.loads((tmp_path / "lm_extrapolation.json").read_text())

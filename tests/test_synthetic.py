@@ -5,9 +5,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
-import sys
 import uuid
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,13 +19,12 @@ from trellis_lm.eval.mqar import (
 from trellis_lm.eval.niah import (
     NOISE_SENTENCES, NIAHExample, make_niah_example, make_niah_training_data, niah_match, niah_tokenizer, score_niah,
 )
-from trellis_lm.eval.synthetic import (
+from studies.synthetic import (
     INIT_VARIANTS, InlineExecutor, MQARTask, ModelSize, ModelSpec, NIAHTask, SettingBatches, Sweep, TrainSettings,
     best_learning_rate,
     build_model, default_variants, escape_step, layer_schedule, mqar_accuracy, run_mqar, summarize, sweep_runs,
 )
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "synthetic_recall.py"
 
 
 # ---------------------------------------------------------------- MQAR data
@@ -298,7 +295,7 @@ def test_setting_batches_hold_one_setting_each_and_every_row_once():
 
 
 def test_run_mqar_trains_on_the_mixture_and_scores_the_task_setting(monkeypatch):
-    import trellis_lm.eval.synthetic as synthetic
+    import studies.synthetic as synthetic
 
     lengths, scored = set(), []
     real_train, real_hits = synthetic.train_model, synthetic.mqar_hits
@@ -474,12 +471,7 @@ def test_niah_training_data_trains_on_the_answer_only():
 
 
 def load_example():
-    module_spec = importlib.util.spec_from_file_location("synthetic_recall", EXAMPLE)
-    module = importlib.util.module_from_spec(module_spec)
-    # dataclasses resolve the module's annotations through sys.modules.
-    sys.modules[module_spec.name] = module
-    module_spec.loader.exec_module(module)
-    return module
+    return importlib.import_module("studies.synthetic_recall")
 
 
 def test_example_command_writes_json_tables_and_plots(tmp_path, monkeypatch):

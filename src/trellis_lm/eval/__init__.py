@@ -1,14 +1,17 @@
-"""Evaluation with lm-evaluation-harness.
+"""Measures a user calls (each module imported on demand).
 
-- ``TASKS_DIR``: bundled offline demo tasks (``trellis_demo_choice``: loglikelihood,
-  ``trellis_demo_gen``: generate_until, group ``trellis_demo``); pass it as lm-eval's
-  ``--include_path`` / ``TaskManager(include_path=...)``.
-- :mod:`trellis_lm.eval.harness` (imported on demand, it imports lm-eval): the ``trellis``
-  model name for lm-eval and :func:`~trellis_lm.eval.harness.evaluate`.
-- Synthetic recall (imported on demand): :mod:`.mqar` (multi-query associative recall data),
-  :mod:`.niah` (single-needle retrieval prompts and scoring), :mod:`.synthetic` (trains tiny
-  Trellis variants and a Llama baseline on MQAR with ``transformers.Trainer``; driven by
-  ``examples/synthetic_recall.py``).
+- :mod:`.perplexity`: perplexity at a window length, and by position along long files read in
+  one pass; :mod:`.passkey`: passkey retrieval in held-out text; :mod:`.decode_cost`: ms per
+  token and cache bytes after a long context.
+- Synthetic recall: :mod:`.mqar` (multi-query associative recall data and scoring), :mod:`.niah`
+  (single-needle retrieval prompts and scoring).
+- lm-evaluation-harness: ``TASKS_DIR``, bundled offline demo tasks (``trellis_demo_choice``:
+  loglikelihood, ``trellis_demo_gen``: generate_until, group ``trellis_demo``; pass it as lm-eval's
+  ``--include_path`` / ``TaskManager(include_path=...)``), and :mod:`.harness` (it imports
+  lm-eval): the ``trellis`` model name for lm-eval and :func:`~trellis_lm.eval.harness.evaluate`.
+
+The studies that train models and write the result pages (``studies/`` in the repository) are
+not part of the package.
 """
 
 from pathlib import Path

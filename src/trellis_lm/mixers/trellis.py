@@ -88,11 +88,27 @@ class TrellisAttention(MemoryMixer):
         v = l2_normalize(at_least_float32(proj["v_proj"]).view(batch, length, heads, dim))
         alpha = at_least_float32(proj["alpha_proj"]).view(batch, length, heads, -1)
         if self.beta_proj is not None:
-            log_beta = F.logsigmoid(at_least_float32(proj["beta_proj"])) / self.config.gate_logit_normalizer
+            log_beta = self.log_forget(at_least_float32(proj["beta_proj"]))
         else:
             log_beta = alpha.new_zeros(batch, length, heads)
         gamma = torch.sigmoid(at_least_float32(proj["gamma_proj"]))
         return q, k, v, alpha, log_beta, gamma
+
+    def log_forget(self, logits: torch.Tensor) -> torch.Tensor:
+        """``log beta [..., H]`` of the forget gate from ``beta_proj``'s output ``logits [..., H]``:
+        ``logsigmoid(logits) / gate_logit_normalizer``. A write decays by e over ``-1 / log beta``
+        tokens, the head's forget horizon (what studies of length read)."""
+        return F.logsigmoid(logits) / self.config.gate_logit_normalizer
+
+    def forget_logit_cap(self, horizon: float) -> float:
+        """The largest ``beta_proj`` output whose gate forgets at least as fast as a horizon of
+        ``horizon`` tokens (``log beta <= -1 / horizon``, see :meth:`log_forget`): clamping the
+        logits to it caps every head's horizon, an intervention at inference."""
+        if not horizon > 0:
+            raise ValueError(f"horizon must be a positive number of tokens, got {horizon!r}")
+        # logsigmoid(b) / normalizer <= -1 / horizon  <=>  b <= logit(exp(-normalizer / horizon))
+        p = math.exp(-self.config.gate_logit_normalizer / horizon)
+        return math.log(p) - math.log1p(-p)
 
     def fresh_state(self, rows: int) -> TrellisState:
         return TrellisState.at_chunk_start(self.mk0.expand(rows, -1, -1, -1), self.mv0.expand(rows, -1, -1, -1))

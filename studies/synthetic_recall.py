@@ -1,14 +1,14 @@
 """Synthetic recall study: train tiny Trellis variants and a same-size Llama on MQAR, or score
 a trained checkpoint on single-needle retrieval (S-NIAH).
 
-    .venv/bin/python examples/synthetic_recall.py --preset cpu --jobs 2        # MQAR, see PRESETS for its time
-    .venv/bin/python examples/synthetic_recall.py --task niah --preset cpu --jobs 2
-    .venv/bin/python examples/synthetic_recall.py --preset goal --jobs 2       # the issue's goal setting (hours)
-    .venv/bin/python examples/synthetic_recall.py --preset cpu-ablation --jobs 2   # the ablations at 24 pairs (~1.5 h)
-    .venv/bin/python examples/synthetic_recall.py --preset gpu                 # the larger study, one GPU
-    .venv/bin/python examples/synthetic_recall.py --variants llama,trellis --pairs 4 --seq-lens 64 --lrs 3e-3
-    .venv/bin/python examples/synthetic_recall.py --render-only              # the page from the saved runs
-    .venv/bin/python examples/synthetic_recall.py --task niah --model outputs/demo-model
+    .venv/bin/python -m studies.synthetic_recall --preset cpu --jobs 2        # MQAR, see PRESETS for its time
+    .venv/bin/python -m studies.synthetic_recall --task niah --preset cpu --jobs 2
+    .venv/bin/python -m studies.synthetic_recall --preset goal --jobs 2       # the issue's goal setting (hours)
+    .venv/bin/python -m studies.synthetic_recall --preset cpu-ablation --jobs 2   # the ablations at 24 pairs (~1.5 h)
+    .venv/bin/python -m studies.synthetic_recall --preset gpu                 # the larger study, one GPU
+    .venv/bin/python -m studies.synthetic_recall --variants llama,trellis --pairs 4 --seq-lens 64 --lrs 3e-3
+    .venv/bin/python -m studies.synthetic_recall --render-only              # the page from the saved runs
+    .venv/bin/python -m studies.synthetic_recall --task niah --model outputs/demo-model
 
 Every (model, setting) is trained at each of the preset's learning rates with the first seed,
 then with the other seeds at the rate that scored best on a validation set (apart from the
@@ -40,7 +40,8 @@ from typing import Optional
 
 import torch
 
-from trellis_lm.eval.synthetic import (
+from studies.records import median_range
+from studies.synthetic import (
     INIT_VARIANTS, InlineExecutor, MQARTask, ModelSize, ModelSpec, NIAHTask, Sweep, TrainSettings, default_variants,
     escape_step, run_mqar, run_niah, setting_key, summarize, sweep_runs,
 )
@@ -612,19 +613,6 @@ def niah_lines(data: dict, figures: Path, md_dir: Path) -> list[str]:
     return lines + [""]
 
 
-def spread(values: list[float | None], digits: int, missing: str = "never") -> str:
-    """``median [min, max]`` of ``values``, ``None`` (an event that never came) counting as the
-    largest and shown as ``missing``."""
-    ordered = sorted(values, key=lambda v: (v is None, v or 0))
-
-    def show(v: float | None) -> str:
-        return missing if v is None else f"{v:.{digits}f}"
-
-    # The lower median, so that "never" is the median only when most runs never got there.
-    median = ordered[(len(ordered) - 1) // 2]
-    return show(median) + (f" [{show(ordered[0])}, {show(ordered[-1])}]" if len(ordered) > 1 else "")
-
-
 def init_report(runs: list[dict], figures: Path, md_dir: Path, name: str) -> list[str]:
     """Markdown: per setting, learning rate, model and init, the step each seed left chance and its
     final test accuracy, median [min, max] over seeds, and a figure of learning curves per setting and
@@ -644,7 +632,7 @@ def init_report(runs: list[dict], figures: Path, md_dir: Path, name: str) -> lis
         per_seed = ", ".join(f"{'never' if s is None else s}: {r['accuracy']:.2f}" for s, r in zip(steps, group))
         model = group[0]["model"].split("@")[0]  # an init's row is named <model>@<init>
         lines.append(f"| {seq_len}, {pairs} | {model} | {group[0].get('init', 'default')} | {fmt_lr(lr)} | {len(group)} "
-                     f"| {spread(steps, 0)} | {spread([r['accuracy'] for r in group], 3)} | {per_seed} |")
+                     f"| {median_range(steps, 0)} | {median_range([r['accuracy'] for r in group], 3)} | {per_seed} |")
     for seq_len, pairs, lr in dict.fromkeys(key for key, _ in groups):
         at = [r for r in runs if setting(r) == (seq_len, pairs, lr)]
         summaries = summarize(at, Sweep(learning_rates=(lr,), seeds=tuple(sorted({r["train"]["seed"] for r in at}))))
@@ -662,7 +650,7 @@ def write_markdown(results: dict, preset: Preset, args: argparse.Namespace) -> N
     figures = md_path.parent / "figures"
     lines = [
         "# Synthetic recall results", "",
-        "Written by `examples/synthetic_recall.py` (commands below, run from the repository root).", "",
+        "Written by `studies/synthetic_recall.py` (commands below, run from the repository root).", "",
         f"- date (UTC): {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M}",
         f"- machine: {machine_description()}",
         "",
@@ -794,7 +782,7 @@ def score_checkpoint_niah(args: argparse.Namespace, command: str) -> dict:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    command = shlex.join(["python", "examples/synthetic_recall.py", *(sys.argv[1:] if argv is None else argv)])
+    command = shlex.join(["python", "-m", "studies.synthetic_recall", *(sys.argv[1:] if argv is None else argv)])
     if args.task == "niah" and args.model:
         score_checkpoint_niah(args, command)
         return

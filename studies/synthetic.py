@@ -8,7 +8,7 @@ see the same data, optimizer, schedule and step budget::
     train = TrainSettings(max_steps=200)
     result = run_mqar(spec, task, ModelSize(), train)   # {"accuracy": ..., "train_seconds": ...}
 
-``examples/synthetic_recall.py`` sweeps :func:`default_variants` over presets.
+``studies/synthetic_recall.py`` sweeps :func:`default_variants` over presets.
 """
 
 from __future__ import annotations
@@ -29,12 +29,12 @@ from transformers import (
     LlamaConfig, LlamaForCausalLM, PreTrainedModel, Trainer, TrainerCallback, TrainingArguments,
 )
 
-from ..configuration_trellis import TrellisConfig
-from ..mixers.parts import TrellisShortConv
-from ..modeling_trellis import TrellisForCausalLM
-from ..state_passing import StatePassingCallback
-from .mqar import IGNORE_INDEX, accuracy_by_query_position, answer_hits, first_query_accuracy, make_mqar
-from .niah import make_niah_example, make_niah_training_data, niah_tokenizer, score_niah
+from trellis_lm.configuration_trellis import TrellisConfig
+from trellis_lm.eval.mqar import IGNORE_INDEX, accuracy_by_query_position, answer_hits, first_query_accuracy, make_mqar
+from trellis_lm.eval.niah import make_niah_example, make_niah_training_data, niah_tokenizer, score_niah
+from trellis_lm.mixers.parts import TrellisShortConv
+from trellis_lm.modeling_trellis import TrellisForCausalLM
+from trellis_lm.state_passing import StatePassingCallback
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,10 @@
 """Is Trellis a good language model? Same-size models on real local text (the Python standard
 library's source), perplexity at and beyond the training length, passkey retrieval, decode cost.
 
-    .venv/bin/python examples/lm_study.py --preset cpu           # about 2.5 hours on 2 cores, resumable
-    .venv/bin/python examples/lm_study.py --preset gpu           # the ~125M-parameter version (one GPU)
-    .venv/bin/python examples/lm_study.py --preset quick --out /tmp/lm   # a smoke run (a minute)
-    .venv/bin/python examples/lm_study.py --render-only          # the page from the saved runs
+    .venv/bin/python -m studies.lm_study --preset cpu           # about 2.5 hours on 2 cores, resumable
+    .venv/bin/python -m studies.lm_study --preset gpu           # the ~125M-parameter version (one GPU)
+    .venv/bin/python -m studies.lm_study --preset quick --out /tmp/lm   # a smoke run (a minute)
+    .venv/bin/python -m studies.lm_study --render-only          # the page from the saved runs
 
 The recipe is the same for every model (AdamW, warm-up then cosine, the same batches of random
 training windows, the same tokens): each model is first trained at every learning rate of the
@@ -36,11 +36,13 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from trellis_lm.eval.lm_study import (
-    STUDY_SIZE, Recipe, append_record, best_rate, build_study_model, chosen_runs, decode_cost, encode_corpus, load_records,
-    mean_and_spread, num_parameters, passkey_accuracy, perplexity, perplexity_by_position, position_buckets, stdlib_corpus,
-    study_arguments, study_models, sweep_runs, train_lm, widened_rate,
+from studies.lm import STUDY_SIZE, Recipe, build_study_model, encode_corpus, num_parameters, stdlib_corpus, study_models, train_lm
+from studies.records import (
+    append_record, best_rate, chosen_runs, load_records, spread, study_arguments, sweep_runs, widened_rate,
 )
+from trellis_lm.eval.decode_cost import decode_cost
+from trellis_lm.eval.passkey import passkey_accuracy
+from trellis_lm.eval.perplexity import perplexity, perplexity_by_position, position_buckets
 
 ROOT = Path(__file__).resolve().parent.parent
 PRESETS: dict[str, dict[str, Any]] = {
@@ -71,7 +73,7 @@ def run_key(record: dict[str, Any]) -> tuple:
 
 
 def evaluate_full(model, encoded, preset: dict[str, Any], seed: int) -> dict[str, Any]:
-    """The measures of a full-budget run (see the module doc of trellis_lm.eval.lm_study)."""
+    """The measures of a full-budget run (see the module doc)."""
     length = preset["recipe"].train_length
     longest = length * max(preset["multiples"])
     by_position = perplexity_by_position(model, encoded.files["test"], longest, length, preset["long_files"])
@@ -168,7 +170,7 @@ def run_study(args: argparse.Namespace, preset: dict[str, Any], out: Path) -> No
         for seed in preset["seeds"]:
             run(spec, "full", best, seed, recipe)
     # The command that reproduces the runs (where models were kept, or the page went, is no part of it).
-    command = f"python examples/lm_study.py --preset {args.preset}" + (f" --models {','.join(names)}" if args.models else "")
+    command = f"python -m studies.lm_study --preset {args.preset}" + (f" --models {','.join(names)}" if args.models else "")
     meta = {"command": command,
             "preset": args.preset, "data": data_info, "size": dataclasses.asdict(size), "recipe": dataclasses.asdict(recipe),
             "lrs": list(preset["lrs"]), "widen": preset["widen"], "seeds": list(preset["seeds"]), "multiples": list(preset["multiples"]),
@@ -178,11 +180,6 @@ def run_study(args: argparse.Namespace, preset: dict[str, Any], out: Path) -> No
 
 
 # ----------------------------------------------------------------------------- the page
-
-
-def spread(values: list[float]) -> str:
-    mean, low, high = mean_and_spread(values)
-    return f"{mean:.2f}" + (f" [{low:.2f}, {high:.2f}]" if len(values) > 1 else "")
 
 
 def render(out: Path, page: Path) -> None:

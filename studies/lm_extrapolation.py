@@ -1,11 +1,11 @@
 """Why do the language-modelling study's memory models degrade far past their training length, and
 why does passkey retrieval fail? Controlled runs, one factor changed at a time from the study's
-Trellis (``examples/lm_study.py``, ``docs/results_lm.md``), each with the study's data, size,
+Trellis (``studies/lm_study.py``, ``docs/results_lm.md``), each with the study's data, size,
 recipe and tokens at Trellis's best rate there, over seeds:
 
-    .venv/bin/python examples/lm_extrapolation.py                        # ~3.5 h on 2 cores (24 variants, 2 seeds), resumable
-    .venv/bin/python examples/lm_extrapolation.py --preset quick --out /tmp/x --page /tmp/x/page.md
-    .venv/bin/python examples/lm_extrapolation.py --render-only
+    .venv/bin/python -m studies.lm_extrapolation                        # ~3.5 h on 2 cores (24 variants, 2 seeds), resumable
+    .venv/bin/python -m studies.lm_extrapolation --preset quick --out /tmp/x --page /tmp/x/page.md
+    .venv/bin/python -m studies.lm_extrapolation --render-only
 
 The variants:
 
@@ -39,10 +39,10 @@ No forget gate at all is the study's ``trellis-no-forget`` row; it is not traine
 Measures (every run): validation perplexity at 128 tokens; perplexity by position (the study's
 buckets, on its long held-out files, read in one pass); passkey *preference* (does the model
 give the key it was shown a higher probability than a fresh one: it moves before exact-match
-retrieval can, see :func:`~trellis_lm.eval.lm_study.passkey_preference`); and for the memory
+retrieval can, see :func:`~trellis_lm.eval.passkey.passkey_preference`); and for the memory
 models the RMS of each layer's memories after 128 ... 8192 tokens, each head's forget horizon, and
 perplexity by position again with every horizon capped at the training length at inference
-(:func:`~trellis_lm.eval.lm_study.capped_horizons`: a causal test of the slow heads).
+(:func:`~studies.lm.capped_horizons`: a causal test of the slow heads).
 Every run is appended to ``<out>/lm_extrapolation.json`` as it finishes; the page is
 ``docs/results_lm_extrapolation.md``.
 """
@@ -59,11 +59,13 @@ import torch
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM
 
-from trellis_lm.eval.lm_study import (
-    STUDY_SIZE, Recipe, StudyModel, append_record, capped_horizons, forget_gates, build_study_model, encode_corpus, load_records, mean_and_spread,
-    memory_profile, num_parameters, passkey_preference, perplexity, perplexity_by_position, save_records,
-    stdlib_corpus, study_arguments, study_models, train_lm,
+from studies.lm import (
+    STUDY_SIZE, Recipe, StudyModel, build_study_model, capped_horizons, encode_corpus, forget_gates, memory_profile,
+    num_parameters, stdlib_corpus, study_models, train_lm,
 )
+from studies.records import append_record, load_records, save_records, spread, study_arguments
+from trellis_lm.eval.passkey import passkey_preference
+from trellis_lm.eval.perplexity import perplexity, perplexity_by_position
 from trellis_lm.mixers import forget_gate_bias
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -151,8 +153,10 @@ def build(variant: Variant, preset: dict[str, Any], vocab_size: int, target: int
     model = build_study_model(variant.spec, preset["size"], vocab_size, max(preset["lengths"]) + 64, target)
     if variant.gate_span is not None:
         with torch.no_grad():
-            for _, gate, normalizer in forget_gates(model):
-                gate.bias.copy_(forget_gate_bias(gate.out_features, normalizer, variant.gate_span).to(gate.bias))
+            for _, mixer in forget_gates(model):
+                gate = mixer.beta_proj
+                bias = forget_gate_bias(gate.out_features, mixer.config.gate_logit_normalizer, variant.gate_span)
+                gate.bias.copy_(bias.to(gate.bias))
     return model
 
 
@@ -238,11 +242,6 @@ def run_all(preset: dict[str, Any], out: Path, names: Optional[list[str]], keep:
                   f"{ {k: round(v, 1) for k, v in record['ppl_by_position'].items()} }")
 
 
-def spread(values: list[float], digits: int = 2) -> str:
-    mean, low, high = mean_and_spread(values)
-    return f"{mean:.{digits}f}" + (f" [{low:.{digits}f}, {high:.{digits}f}]" if len(values) > 1 else "")
-
-
 def passing(record: dict[str, Any]) -> str:
     """A run's state passing in words: its probability, and from which step on."""
     probability, start = record.get("state_passing") or 0, record.get("state_passing_from") or 0
@@ -301,7 +300,7 @@ def render(out: Path, page: Path) -> None:
     models = [v.name for v in VARIANTS if any(r["model"] == v.name for r in records)]
     by_model = {m: [r for r in records if r["model"] == m] for m in models}
     lines = ["# Why memory models degrade past their training length: controlled runs", "",
-             "Command: `python examples/lm_extrapolation.py` (the module doc says what each variant changes). "
+             "Command: `python -m studies.lm_extrapolation` (the module doc says what each variant changes). "
              "Each cell: mean over seeds [min, max]. What the runs show is read in `docs/results_lm.md` "
              "(section \"Past the training length\").", ""]
     if not records:

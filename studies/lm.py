@@ -1,6 +1,6 @@
-"""Language modelling on real local text: same-size models, perplexity, length, passkey retrieval.
+"""The language-modelling studies on real local text: data, same-size models, training.
 
-The pieces of ``examples/lm_study.py`` (which runs them and writes ``docs/results_lm.md``):
+What ``studies/lm_study.py`` (``docs/results_lm.md``) and ``studies/lm_extrapolation.py`` run:
 
 * :func:`stdlib_corpus`: the Python standard library's source files of the running interpreter
   (code with its comments and docstrings), split **by file** into train / validation / test by
@@ -10,46 +10,38 @@ The pieces of ``examples/lm_study.py`` (which runs them and writes ``docs/result
   model is chosen so that its total parameters (embeddings included) match the Llama's.
 * :func:`train_lm`: AdamW, linear warm-up then cosine decay, gradient clipping, batches of
   random training windows; the same recipe for every model.
-* Measures: :func:`perplexity` at the training length, :func:`perplexity_by_position` on long
-  held-out files read in one pass, :func:`passkey_accuracy` (a number placed in held-out code at
-  a depth, asked for at the end), :func:`decode_cost` (ms per token and cache bytes after a long
-  context).
-* Why length fails (``examples/lm_extrapolation.py``): :func:`passkey_preference` (is the shown
-  key likelier than a fresh one), :func:`memory_profile` (what the memories hold along a long
-  read, each head's forget horizon), :func:`capped_horizons` (every horizon capped at inference).
-* The studies' bookkeeping: each finished run appended to a JSON file (:func:`append_record`), the
-  learning-rate sweep widened while its best rate is at an edge (:func:`widened_rate`), the
-  tables' runs at each model's best rate (:func:`chosen_runs`), the shared command line.
+* Why length fails: :func:`memory_profile` (what the memories hold along a long read, each head's
+  forget horizon) and :func:`capped_horizons` (every horizon capped at inference), both through
+  the Trellis mixer's own forget-gate functions.
 
-Nothing is downloaded.
+The measures a user calls live in :mod:`trellis_lm.eval` (perplexity, by position, passkey,
+decode cost); the bookkeeping shared by the studies in :mod:`studies.records`. Nothing is
+downloaded.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import hashlib
-import json
 import math
-import os
-import random
 import statistics
 import sys
 import sysconfig
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
-from ..cache_trellis import CACHE_ARG
-from ..configuration_trellis import TrellisConfig
-from ..modeling_trellis import TrellisForCausalLM
-from ..state_passing import StatePassing
-from ..tokenization_trellis import train_tokenizer
+from trellis_lm.cache_trellis import CACHE_ARG
+from trellis_lm.configuration_trellis import TrellisConfig
+from trellis_lm.modeling_trellis import TrellisForCausalLM
+from trellis_lm.state_passing import StatePassing
+from trellis_lm.tokenization_trellis import train_tokenizer
+
 from .synthetic import ModelSize
 
 SPLITS = ("train", "validation", "test")
@@ -292,140 +284,11 @@ def train_lm(model: PreTrainedModel, data: torch.Tensor, recipe: Recipe, learnin
 # ----------------------------------------------------------------------------- measures
 
 
-@torch.no_grad()
-def perplexity(model: PreTrainedModel, files: Sequence[torch.Tensor], length: int, max_windows: int,
-               batch_size: int = 16) -> float:
-    """exp(mean next-token loss) over non-overlapping windows of ``length + 1`` tokens of the
-    files (every token predicted from its window's earlier tokens only). Of all the files'
-    windows at most ``max_windows`` are used, evenly spaced over the list, so every part of the
-    split is sampled rather than its first files."""
-    windows = [f[s : s + length + 1] for f in files for s in range(0, f.numel() - length - 1, length)]
-    windows = evenly_spaced(windows, max_windows)
-    if not windows:
-        raise ValueError(f"no held-out file holds a window of {length + 1} tokens")
-    total, count = 0.0, 0
-    for i in range(0, len(windows), batch_size):
-        batch = torch.stack(windows[i : i + batch_size]).long()
-        logits = model(input_ids=batch[:, :-1]).logits
-        total += F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten(), reduction="sum").item()
-        count += batch[:, 1:].numel()
-    return math.exp(total / count)
-
-
-def evenly_spaced(items: list, count: int) -> list:
-    """At most ``count`` of ``items``, evenly spaced over the list (all of them when fewer)."""
-    if len(items) <= count:
-        return list(items)
-    return [items[i * len(items) // count] for i in range(count)]
-
-
-def position_buckets(length: int, train_length: int) -> list[tuple[int, int]]:
-    """``[0, L), [L, 2L), [2L, 4L), ...`` up to ``length`` (L the training length)."""
-    buckets, start, end = [], 0, train_length
-    while start < length:
-        buckets.append((start, min(end, length)))
-        start, end = end, 2 * end
-    return buckets
-
-
-@torch.no_grad()
-def perplexity_by_position(model: PreTrainedModel, files: Sequence[torch.Tensor], length: int, train_length: int,
-                           max_files: int, reset_every: Optional[int] = None) -> dict[str, float]:
-    """Up to ``max_files`` held-out files of at least ``length + 1`` tokens (evenly spaced over
-    the eligible ones), each read in one pass over its first ``length + 1`` tokens; perplexity per
-    position bucket (:func:`position_buckets`), keyed ``"start-end"``.
-
-    With ``reset_every``, each file is read instead in consecutive segments of that many tokens,
-    each from a fresh state (every token then sees at most ``reset_every`` tokens of context):
-    the same tokens scored, so the two readings differ only by what the model carries from far
-    back."""
-    if reset_every is not None and reset_every < 1:
-        raise ValueError(f"reset_every must be a positive number of tokens or None, got {reset_every}")
-    long_files = [f[: length + 1].long() for f in evenly_spaced([f for f in files if f.numel() > length], max_files)]
-    if not long_files:
-        raise ValueError(f"no held-out file holds {length + 1} tokens")
-    segment = reset_every or length
-    losses = torch.zeros(length)
-    for tokens in long_files:
-        for start in range(0, length, segment):
-            piece = tokens[start : min(start + segment, length) + 1]
-            logits = model(input_ids=piece[None, :-1], use_cache=False).logits[0]
-            losses[start : start + piece.numel() - 1] += F.cross_entropy(logits.float(), piece[1:], reduction="none")
-    losses /= len(long_files)
-    return {f"{a}-{b}": math.exp(losses[a:b].mean().item()) for a, b in position_buckets(length, train_length)}
-
-
-PASSKEY_LINE = "# The pass key is {key}. Remember it: {key}.\n"
-PASSKEY_QUESTION = "\n# What is the pass key? The pass key is"
-
-
-def passkey_prompts(tokenizer: Any, files: Sequence[torch.Tensor], length: int, depths: Sequence[float], trials: int,
-                    seed: int) -> Iterator[tuple[list[int], str]]:
-    """``trials`` prompts per depth: ``length`` tokens of held-out code (lines cut at token
-    boundaries) with :data:`PASSKEY_LINE` at ``depth`` (a fraction of it) and
-    :data:`PASSKEY_QUESTION` at the end; yields ``(token ids, the 5-digit key)``."""
-    rng = random.Random(seed)
-    pool = [f for f in files if f.numel() >= length]
-    if not pool:
-        raise ValueError(f"no held-out file holds {length} tokens")
-    question = tokenizer(PASSKEY_QUESTION, add_special_tokens=False)["input_ids"]
-    for depth in depths:
-        for _ in range(trials):
-            key = str(rng.randrange(10_000, 100_000))
-            source = rng.choice(pool)
-            needle = tokenizer(PASSKEY_LINE.format(key=key), add_special_tokens=False)["input_ids"]
-            haystack = source[: max(1, length - len(needle) - len(question))].tolist()
-            at = int(depth * len(haystack))
-            yield haystack[:at] + needle + haystack[at:] + question, key
-
-
-@torch.no_grad()
-def passkey_accuracy(model: PreTrainedModel, tokenizer: Any, files: Sequence[torch.Tensor], length: int,
-                     depths: Sequence[float], trials: int, seed: int) -> float:
-    """Fraction of :func:`passkey_prompts` after which greedy decoding starts with the key."""
-    hits = total = 0
-    for prompt, key in passkey_prompts(tokenizer, files, length, depths, trials, seed):
-        ids = torch.tensor([prompt])
-        out = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=tokenizer.pad_token_id)
-        answer = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
-        hits += answer.startswith(key)
-        total += 1
-    return hits / total
-
-
-@torch.no_grad()
-def passkey_preference(model: PreTrainedModel, tokenizer: Any, files: Sequence[torch.Tensor], length: int,
-                       depths: Sequence[float], trials: int, seed: int) -> dict[str, float]:
-    """Does the model use the needle at all? For each of :func:`passkey_prompts`, the
-    log-probability of the shown key after the question (teacher-forced) against that of a fresh
-    random key of the same form. Returns ``{"preferred": fraction of prompts where the shown key
-    is the likelier, "margin_nats": mean log p(shown) - log p(other)}``: 0.5 and 0 are chance (the
-    needle unused), and both move long before greedy decoding can copy all five digits, which
-    :func:`passkey_accuracy` needs."""
-    others = random.Random(seed + 1)
-    margins = []
-    for prompt, key in passkey_prompts(tokenizer, files, length, depths, trials, seed):
-        other = key
-        while other == key:
-            other = str(others.randrange(10_000, 100_000))
-        scores = []
-        for candidate in (key, other):
-            answer = tokenizer(" " + candidate, add_special_tokens=False)["input_ids"]
-            ids = torch.tensor([prompt + answer])
-            logits = model(input_ids=ids[:, :-1], use_cache=False).logits[0, len(prompt) - 1:].float()
-            scores.append(-F.cross_entropy(logits, ids[0, len(prompt):], reduction="sum").item())
-        margins.append(scores[0] - scores[1])
-    return {"preferred": sum(m > 0 for m in margins) / len(margins), "margin_nats": statistics.fmean(margins)}
-
-
-def forget_gates(model: PreTrainedModel) -> list[tuple[int, torch.nn.Linear, float]]:
-    """``(layer index, beta_proj, gate_logit_normalizer)`` of every layer with a Trellis forget gate."""
-    found = []
-    for i, layer in enumerate(model.model.layers):
-        gate = getattr(layer.self_attn, "beta_proj", None)
-        if gate is not None:
-            found.append((i, gate, layer.self_attn.config.gate_logit_normalizer))
-    return found
+def forget_gates(model: PreTrainedModel) -> list[tuple[int, torch.nn.Module]]:
+    """``(layer index, mixer)`` of every layer whose mixer has a Trellis forget gate (its
+    ``beta_proj``, read through the mixer's ``log_forget`` and ``forget_logit_cap``)."""
+    return [(i, layer.self_attn) for i, layer in enumerate(model.model.layers)
+            if getattr(layer.self_attn, "beta_proj", None) is not None]
 
 
 @torch.no_grad()
@@ -442,11 +305,11 @@ def memory_profile(model: PreTrainedModel, tokens: torch.Tensor, lengths: Sequen
     """
     gates: dict[int, list[torch.Tensor]] = {}
     hooks = []
-    for i, gate, normalizer in forget_gates(model):
-        def keep(module, inputs, output, i=i, normalizer=normalizer):
-            gates.setdefault(i, []).append((F.logsigmoid(output.float()) / normalizer).flatten(0, -2))
+    for i, mixer in forget_gates(model):
+        def keep(module, inputs, output, i=i, mixer=mixer):
+            gates.setdefault(i, []).append(mixer.log_forget(output.float()).flatten(0, -2))
 
-        hooks.append(gate.register_forward_hook(keep))
+        hooks.append(mixer.beta_proj.register_forward_hook(keep))
     rms: dict[str, list[dict[str, float]]] = {}
     cache, done = None, 0
     try:
@@ -473,116 +336,11 @@ def capped_horizons(model: PreTrainedModel, tokens: float) -> Iterator[int]:
     an inference-time intervention, to test whether the heads that remember longer than the
     training length are what fails there. Yields the number of layers capped."""
     hooks = []
-    for _, gate, normalizer in forget_gates(model):
-        # logsigmoid(b) / normalizer <= -1 / tokens  <=>  b <= logit(exp(-normalizer / tokens))
-        p = math.exp(-normalizer / tokens)
-        highest = math.log(p) - math.log1p(-p)
-        hooks.append(gate.register_forward_hook(lambda module, inputs, output, h=highest: output.clamp(max=h)))
+    for _, mixer in forget_gates(model):
+        highest = mixer.forget_logit_cap(tokens)
+        hooks.append(mixer.beta_proj.register_forward_hook(lambda module, inputs, output, h=highest: output.clamp(max=h)))
     try:
         yield len(hooks)
     finally:
         for hook in hooks:
             hook.remove()
-
-
-@torch.no_grad()
-def decode_cost(model: PreTrainedModel, context: torch.Tensor, steps: int = 16) -> dict[str, float]:
-    """ms per generated token (greedy, batch 1) after reading ``context`` (1-D ids) in one call,
-    and the bytes of the model's cache then."""
-    out = model(input_ids=context[None].long(), use_cache=True)
-    cache = getattr(out, CACHE_ARG)
-    token = out.logits[:, -1:].argmax(-1)
-    started = time.perf_counter()
-    for _ in range(steps):
-        out = model(input_ids=token, use_cache=True, **{CACHE_ARG: cache})
-        cache = getattr(out, CACHE_ARG)
-        token = out.logits[:, -1:].argmax(-1)
-    ms = (time.perf_counter() - started) / steps * 1e3
-    return {"ms_per_token": ms, "cache_bytes": cache_nbytes(cache)}
-
-
-def cache_nbytes(cache: Any) -> int:
-    """Bytes of every tensor a cache holds (a :class:`TrellisCache` or transformers' own)."""
-    if hasattr(cache, "nbytes") and callable(cache.nbytes):
-        return int(cache.nbytes())
-    total = 0
-    for layer in getattr(cache, "layers", []):
-        for value in vars(layer).values():
-            if isinstance(value, torch.Tensor):
-                total += value.numel() * value.element_size()
-    return total
-
-
-# ----------------------------------------------------------------------------- bookkeeping
-
-
-def study_arguments(doc: str, presets: Sequence[str], records: str, page: Path, what: str) -> argparse.Namespace:
-    """The command line both study scripts share: ``--preset`` (of ``presets``), ``--out`` (the
-    folder of the ``records`` JSON, created), ``--page``, ``--models`` (a comma-separated subset of
-    ``what``, parsed to a list or ``None``), ``--render-only`` and ``--keep-models``."""
-    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", choices=sorted(presets), default="cpu")
-    parser.add_argument("--out", default=str(page.parent / "results_data"), help=f"folder of {records}")
-    parser.add_argument("--page", default=str(page), help="the page to write")
-    parser.add_argument("--models", default=None, help=f"comma-separated subset of the {what}")
-    parser.add_argument("--render-only", action="store_true", help="write the page from the saved runs")
-    parser.add_argument("--keep-models", default=None, help="a folder to save each trained model in "
-                        "(save_pretrained, one sub-folder per run), for analysis after the study")
-    args = parser.parse_args()
-    args.out, args.page = Path(args.out), Path(args.page)
-    args.out.mkdir(parents=True, exist_ok=True)
-    args.models = args.models.split(",") if args.models else None
-    return args
-
-
-def load_records(path: Path) -> list[dict[str, Any]]:
-    """The runs saved in a study's JSON file (a list of records; empty when there is no file)."""
-    return json.loads(path.read_text()) if path.exists() else []
-
-
-def save_records(path: Path, records: list[dict[str, Any]]) -> None:
-    """Write the runs to the JSON file through a new file renamed over the old one, so a study
-    stopped mid-write keeps its earlier runs."""
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(records, indent=1))
-    os.replace(tmp, path)
-
-
-def append_record(path: Path, record: dict[str, Any]) -> None:
-    """Add one finished run to the JSON file (:func:`save_records`)."""
-    save_records(path, load_records(path) + [record])
-
-
-def widened_rate(rates: list[float], best: Optional[float]) -> Optional[float]:
-    """The rate to try next when ``best`` lies at an edge of the ``rates`` tried (the sweep has not
-    bracketed the model's optimum, so the model could be held at a rate too low or too high for
-    it): 2x beyond that edge; ``None`` when ``best`` is inside (or every rate diverged)."""
-    if best is None or len(rates) < 2 or min(rates) < best < max(rates):
-        return None
-    return best * 2 if best == max(rates) else best / 2
-
-
-def sweep_runs(records: list[dict[str, Any]], model: str, tokens: int | None = None) -> list[dict[str, Any]]:
-    """The model's finished sweep runs (diverged rates excluded), of ``tokens`` tokens when given."""
-    return [r for r in records if r["model"] == model and r["phase"] == "sweep" and r.get("val_ppl") is not None
-            and (tokens is None or r["train_tokens"] == tokens)]
-
-
-def best_rate(records: list[dict[str, Any]], model: str, tokens: int | None = None) -> Optional[float]:
-    """The sweep's learning rate with the lowest validation perplexity (diverged rates excluded)."""
-    sweep = sweep_runs(records, model, tokens)
-    return min(sweep, key=lambda r: r["val_ppl"])["learning_rate"] if sweep else None
-
-
-def chosen_runs(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The evaluated full runs at each model's best rate (full runs at a rate a widened sweep
-    superseded stay in the JSON and in the page's list of every run, not in its tables)."""
-    best = {model: best_rate(records, model) for model in {r["model"] for r in records}}
-    return [r for r in records if r["phase"] == "full" and r.get("test_ppl") is not None
-            and r["learning_rate"] == best[r["model"]]]
-
-
-def mean_and_spread(values: Iterable[float]) -> tuple[float, float, float]:
-    """(mean, min, max)."""
-    values = list(values)
-    return statistics.fmean(values), min(values), max(values)
