@@ -14,6 +14,7 @@ from transformers.dynamic_module_utils import get_imports, get_relative_imports
 
 from tiny_models import SCHEDULES, left_pad, random_tokens, tiny_model
 from trellis_lm import TrellisForCausalLM, train_tokenizer
+from trellis_lm.mixers import MIXERS
 from trellis_lm.model_card_trellis import MARKER
 from trellis_lm.remote_code import AUTO_MAP, export_code, flat_name, flat_sources, flatten_imports
 
@@ -249,3 +250,18 @@ def test_save_pretrained_keeps_a_hand_written_card(tmp_path):
     (tmp_path / "README.md").write_text("# Mine\n")
     model.save_pretrained(tmp_path)
     assert (tmp_path / "README.md").read_text() == "# Mine\n"
+
+
+@pytest.mark.parametrize("schedule", ["trellis", "kvm-hybrid"])
+def test_the_card_describes_each_layer_by_its_mixers_declaration(tmp_path, schedule):
+    model = tiny_model(schedule=schedule, head_dim=6)
+    model.save_pretrained(tmp_path)
+    card = (tmp_path / "README.md").read_text()
+    kinds = model.config.layer_kinds
+    for kind in set(kinds):
+        mixer = MIXERS[kind]
+        assert mixer.display_name in card and mixer.describe_cache(model.config) in card
+    # KVM keeps a window and means, not slots; a memory-only model decodes at a constant cost.
+    assert ("x 6 slots" in card) == any(kind in ("trellis", "lattice") for kind in kinds)
+    assert ("window of the last 3 tokens" in card) == ("kvm" in kinds)
+    assert ("same time and memory per token" in card) == ("attention" not in kinds)

@@ -4,8 +4,8 @@ It says what the model is, how to load it with stock transformers (``trust_remot
 or with ``trellis_lm``, and lists the configuration and generation defaults. A card that a
 person wrote (one without :data:`MARKER`) is never overwritten.
 
-This file travels with checkpoints as remote code (see :mod:`.remote_code`): it imports
-only installed packages.
+This file travels with checkpoints as remote code (see :mod:`.remote_code`); what it says of the
+layers comes from their mixers' declarations (:data:`~.mixers.MIXERS`).
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ import json
 import os
 from pathlib import Path
 from typing import Any, Optional
+
+from .mixers import MIXERS
 
 # Identifies cards this module wrote, which it may rewrite.
 MARKER = "<!-- trellis-lm model card: save_pretrained rewrites this file; delete this line to keep your edits -->"
@@ -33,26 +35,27 @@ def config_fields(config: Any) -> dict[str, Any]:
 
 
 def describe_layers(config: Any) -> str:
-    """One paragraph on what the layers keep: fixed-size memories, and attention where there is."""
+    """One paragraph on what the layers keep, in the words of each layer's mixer (its
+    ``display_name`` and ``describe_cache``), and whether decoding costs the same at any length."""
     kinds = config.layer_kinds
-    memory = [kind for kind in kinds if kind != "attention"]
-    if not memory:
-        return f"All {len(kinds)} of its layers are softmax attention layers, whose key/value cache grows with the context."
-    names = {"trellis": "Trellis", "lattice": "Lattice"}
-    mixers = " and ".join(f"{kinds.count(kind)} {names[kind]}" for kind in names if kind in memory)
-    text = (
-        f"{len(memory)} of its {len(kinds)} layers ({mixers}) keep a fixed-size memory per head "
-        f"({config.num_heads} heads x {config.num_slots} slots) instead of a key/value cache that grows with "
-        "every token"
-    )
-    attention = kinds.count("attention")
-    if not attention:
-        return text + ", so generating costs the same time and memory per token at any context length."
-    return text + (
-        f"; {attention} {'is a softmax attention layer' if attention == 1 else 'are softmax attention layers'} "
-        f"(layers {[i for i, kind in enumerate(kinds) if kind == 'attention']}), whose key/value cache grows with "
-        "the context."
-    )
+    layers: dict[str, list[int]] = {}
+    for index, kind in enumerate(kinds):
+        layers.setdefault(kind, []).append(index)
+    if len(layers) == 1:
+        [kind] = layers
+        text = (f"All {len(kinds)} of its layers are {MIXERS[kind].display_name} layers, which keep "
+                f"{MIXERS[kind].describe_cache(config)}")
+    else:
+        groups = []
+        for kind, indices in layers.items():
+            one = len(indices) == 1
+            where = f"layer {indices[0]}" if one else "layers " + ", ".join(map(str, indices))
+            groups.append(f"{len(indices)} {MIXERS[kind].display_name} layer{'' if one else 's'} ({where}) "
+                          f"keep{'s' if one else ''} {MIXERS[kind].describe_cache(config)}")
+        text = f"Of its {len(kinds)} layers, " + "; ".join(groups)
+    if any(MIXERS[kind].grows_with_context for kind in layers):
+        return text + "."
+    return text + ": generating costs the same time and memory per token at any context length."
 
 
 def render_model_card(

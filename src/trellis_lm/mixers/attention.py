@@ -45,6 +45,8 @@ class AttentionMixer(Mixer):
     """Causal softmax attention with RoPE and grouped key/value heads (see the module doc)."""
 
     kind = "attention"
+    display_name = "softmax attention"
+    grows_with_context = True
     cache_class = AttentionLayerCache
     layer_type = "full_attention"
     config_fields = (
@@ -70,6 +72,10 @@ class AttentionMixer(Mixer):
         self.v_proj = nn.Linear(hidden, kv_heads * dim, bias=config.attention_bias)
         self.o_proj = nn.Linear(heads * dim, hidden, bias=False)
         self.projection_stack: Optional[LinearStack] = None  # set within `stacked_projections`
+
+    @classmethod
+    def describe_cache(cls, config: Any) -> str:
+        return "a key/value cache that grows with every token"
 
     @classmethod
     def cache_layout(cls, config: Any) -> dict[str, TensorSpec]:

@@ -79,6 +79,9 @@ class Mixer(nn.Module):
     layer_checks: ClassVar[tuple[ConfigField, ...]] = ()
     # The backends of the op the mixer runs (None: no op); config.op_backend must be one of them.
     backends: ClassVar[Optional[BackendRegistry]] = None
+    # How the model card names the kind, and whether its cache grows with the context.
+    display_name: ClassVar[str]
+    grows_with_context: ClassVar[bool] = False
     # Whether `config.compile_decode` may compile this mixer's block in a single-token step (see
     # trellis_lm.compiled_decode): a memory mixer whose `mix` is free of data-dependent Python
     # control flow and whose carried state has a fixed shape (not attention's growing keys).
@@ -105,6 +108,12 @@ class Mixer(nn.Module):
     def init_weights(self, init: Any) -> None:
         """Initialise what the generic ``nn.Linear`` / ``nn.Embedding`` rules do not cover, with
         transformers' ``initialization`` helpers (they skip tensors a checkpoint loaded)."""
+
+    @classmethod
+    def describe_cache(cls, config: Any) -> str:
+        """What a layer of this kind keeps per sequence in ``config``'s model, in words (the
+        model card: "keep ...")."""
+        raise NotImplementedError
 
     @classmethod
     def cache_layout(cls, config: Any) -> dict[str, TensorSpec]:
@@ -174,6 +183,11 @@ class MemoryMixer(Mixer):
     def state_layout(cls, config: Any) -> dict[str, TensorSpec]:
         """The op state's tensors (see :meth:`cache_layout`)."""
         raise NotImplementedError
+
+    @classmethod
+    def describe_cache(cls, config: Any) -> str:
+        """A memory of ``num_slots`` slots per head (Trellis, Lattice)."""
+        return f"a fixed-size memory per head ({config.num_heads} heads x {config.num_slots} slots)"
 
     @classmethod
     def cache_layout(cls, config: Any) -> dict[str, TensorSpec]:

@@ -51,6 +51,7 @@ class KVMAttention(MemoryMixer):
     """
 
     kind = "kvm"
+    display_name = "Key-Value Means"
     state_class = KVMState
     cache_class = KVMLayerCache
     backends = BACKENDS
@@ -91,6 +92,12 @@ class KVMAttention(MemoryMixer):
         self.state_norm_weight = nn.Parameter(torch.ones(heads, dim))
         self.state_norm_bias = nn.Parameter(torch.zeros(heads, dim))
         self.temperature = nn.Parameter(torch.ones(heads, 2))
+
+    @classmethod
+    def describe_cache(cls, config: Any) -> str:
+        window = config.kvm_window_chunks * config.kvm_chunk_size
+        return (f"a window of the last {window} tokens' keys and values and at most {config.kvm_state_size} merged "
+                f"key/value means per head ({config.num_heads} heads)")
 
     @classmethod
     def state_layout(cls, config: Any) -> dict[str, TensorSpec]:

@@ -27,6 +27,7 @@ class LatticeAttention(MemoryMixer):
     """
 
     kind = "lattice"
+    display_name = "Lattice"
     state_class = LatticeState
     cache_class = LatticeLayerCache
     backends = BACKENDS

@@ -46,6 +46,7 @@ class TrellisAttention(MemoryMixer):
     """
 
     kind = "trellis"
+    display_name = "Trellis"
     state_class = TrellisState
     cache_class = TrellisLayerCache
     backends = BACKENDS
