@@ -1,11 +1,11 @@
 """The generation cache of Trellis models: one entry per layer, of the layer's kind.
 
-* A memory layer (``"trellis"``, ``"lattice"``, ``"kvm"``) carries the short-conv tails of q
+* A memory layer (Trellis, Lattice, KVM) carries the short-conv tails of q
   and k (the last ``conv_size - 1`` projected inputs of every row; KVM has none) and its op's
   state: a fixed size, whatever the number of tokens seen (design pages, section 6). KVM's
   buffers grow with its first tokens up to ``kvm_state_size`` rows and its window, and stay at
   that size from then on.
-* An attention layer (``"attention"``) carries every key and value it has seen, as attention
+* An attention layer carries every key and value it has seen, as attention
   must, with which columns later tokens may see and how many real tokens each row holds.
 
 The cache also counts the tokens (columns, padding included) it has seen, and remembers the
@@ -29,7 +29,7 @@ from safetensors.torch import save_file
 from transformers.cache_utils import Cache
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
-from .ops import KVMState, LatticeState, OpState, TrellisState
+from .ops import OpState
 
 # The name transformers gives the generation cache, as an argument of `forward` and
 # `prepare_inputs_for_generation`, a key of `generate()`'s model kwargs and a field of model
@@ -130,6 +130,11 @@ class LayerCache:
         for f in fields(self):
             setattr(self, f.name, None)
 
+    def take_back(self, count: int, record: Optional["StepRecord"]) -> None:
+        """Go back ``count`` tokens (see :meth:`TrellisCache.crop`), given the ``record`` of the
+        calls a crop reaches into (``None`` for entries that need none)."""
+        raise NotImplementedError
+
     def get_max_length(self) -> int:
         return -1  # no limit on the tokens it can take
 
@@ -154,13 +159,13 @@ def _all_or_none(names: list[str], tensors: dict[str, torch.Tensor], what: str) 
 
 @dataclass
 class MemoryLayerCache(LayerCache):
-    """A memory layer's entry (Trellis or Lattice).
+    """A memory layer's entry, of a kind that names its op's state class (``state_class``):
+    a subclass per kind, declared beside the kind's mixer.
 
     Attributes:
         q_tail, k_tail: ``[B, conv_size - 1, channels]`` the last projected q / k inputs of each
             row, in the activation dtype (``None`` also when the model has no short conv).
-        state: the op's state (:class:`~trellis_lm.ops.TrellisState` or
-            :class:`~trellis_lm.ops.LatticeState`), with ``N = B`` rows.
+        state: the op's state (an instance of ``state_class``), with ``N = B`` rows.
     """
 
     q_tail: Optional[torch.Tensor] = None
@@ -180,29 +185,18 @@ class MemoryLayerCache(LayerCache):
     def tensor_names(cls) -> list[str]:
         return ["q_tail", "k_tail", *cls.state_class.field_names()]
 
+    def take_back(self, count: int, record: Optional["StepRecord"]) -> None:
+        """The entry after the tokens ``record`` keeps (the calls a crop reaches into, cut
+        before the ``count`` tokens taken back), recomputed from the entry before them through
+        the replay function the layer's mixer recorded."""
+        replay = record.replay()
+        if replay is None:
+            raise ValueError("cannot roll back: the model that filled this cache no longer exists")
+        self.q_tail, self.k_tail, self.state = replay(record)
+
     @classmethod
     def required_names(cls) -> list[str]:
         return cls.state_class.field_names()  # the tails: only where the model has a short conv
-
-
-@dataclass
-class TrellisLayerCache(MemoryLayerCache):
-    kind: ClassVar[str] = "trellis"
-    state_class: ClassVar[type[OpState]] = TrellisState
-
-
-@dataclass
-class LatticeLayerCache(MemoryLayerCache):
-    kind: ClassVar[str] = "lattice"
-    state_class: ClassVar[type[OpState]] = LatticeState
-
-
-@dataclass
-class KVMLayerCache(MemoryLayerCache):
-    """A KVM layer's entry: its state holds the window and the merged means (no conv tails)."""
-
-    kind: ClassVar[str] = "kvm"
-    state_class: ClassVar[type[OpState]] = KVMState
 
 
 @dataclass
@@ -218,8 +212,6 @@ class AttentionLayerCache(LayerCache):
             token's RoPE position).
     """
 
-    kind: ClassVar[str] = "attention"
-
     keys: Optional[torch.Tensor] = None
     values: Optional[torch.Tensor] = None
     visible: Optional[torch.Tensor] = None
@@ -230,9 +222,9 @@ class AttentionLayerCache(LayerCache):
         """Inverse of :meth:`tensors`; raises ``ValueError`` when the entry is incomplete."""
         return cls(**(_all_or_none([f.name for f in fields(cls)], tensors, "an attention layer's entry") or {}))
 
-    def drop_last(self, count: int) -> None:
+    def take_back(self, count: int, record: Optional["StepRecord"]) -> None:
         """Forget the last ``count`` columns, as ``DynamicCache`` crops (the real tokens among
-        them leave the rows' position counts too)."""
+        them leave the rows' position counts too); an attention entry needs no record."""
         if self.keys is None or count == 0:
             return
         self.positions = self.positions - self.visible[:, -count:].sum(dim=1)
@@ -242,19 +234,22 @@ class AttentionLayerCache(LayerCache):
 
 @dataclass
 class StepRecord:
-    """What a memory layer needs to redo one of the cache's recent forward calls: the mixer
-    (weakly referenced, so that a copied cache does not copy the model), the call's inputs and
-    the layer's entry before it (the tensors themselves: the mixers replace an entry's tensors
-    rather than writing into them, so keeping them costs no copy).
+    """What a memory layer needs to redo one of the cache's recent forward calls: the function
+    that redoes it, as the layer's mixer registered it (weakly referenced, so that a copied
+    cache does not copy the model, nor keep it alive), the call's inputs and the layer's entry
+    before it (the tensors themselves: the mixers replace an entry's tensors rather than
+    writing into them, so keeping them costs no copy).
 
     Attributes:
-        mixer: ``weakref.ref`` to the layer's mixer.
+        replay: a weak reference to the function ``record -> (q_tail, k_tail, state)`` after
+            the record's tokens (a mixer's bound ``replay``); calling it gives ``None`` once
+            the model is gone.
         x: ``[B, T, D]`` the mixer's input in that call.
         mask: ``[B, T]`` bool, the real tokens, or ``None`` when all are real.
         before: the entry's ``(q_tail, k_tail, state)`` before the call.
     """
 
-    mixer: Callable[[], Any]
+    replay: Callable[[], Optional[Callable[["StepRecord"], tuple[Any, Any, Any]]]]
     x: torch.Tensor
     mask: Optional[torch.Tensor]
     before: tuple[Any, Any, Any]
@@ -265,12 +260,12 @@ class StepRecord:
         masks = [r.mask if r.mask is not None else torch.ones(r.x.shape[:2], dtype=torch.bool, device=r.x.device)
                  for r in records]
         any_padding = any(r.mask is not None for r in records)
-        return cls(records[0].mixer, torch.cat([r.x for r in records], dim=1),
+        return cls(records[0].replay, torch.cat([r.x for r in records], dim=1),
                    torch.cat(masks, dim=1) if any_padding else None, records[0].before)
 
     def first(self, count: int) -> "StepRecord":
         """The record of the call's first ``count`` tokens."""
-        return StepRecord(self.mixer, self.x[:, :count], None if self.mask is None else self.mask[:, :count], self.before)
+        return StepRecord(self.replay, self.x[:, :count], None if self.mask is None else self.mask[:, :count], self.before)
 
 
 @dataclass
@@ -310,9 +305,21 @@ class CacheCall:
         return self.cache.layers[index]
 
 
-LAYER_CACHES: dict[str, type[LayerCache]] = {
-    c.kind: c for c in (TrellisLayerCache, LatticeLayerCache, KVMLayerCache, AttentionLayerCache)
-}
+# Each layer kind's entry class, registered by the kind's mixer as it is defined
+# (`Mixer.__init_subclass__`): the cache knows no kind by name.
+LAYER_CACHES: dict[str, type[LayerCache]] = {}
+
+
+def register_layer_cache(kind: str, entry: type[LayerCache]) -> None:
+    """Make ``entry`` the cache entry of layers of ``kind`` (what :class:`TrellisCache` builds
+    for them and reads from files), and ``entry.kind`` the kind. An entry class serves one
+    kind, and a kind has one entry class: anything else is a ``ValueError``."""
+    if LAYER_CACHES.get(kind, entry) is not entry:
+        raise ValueError(f"layer kind {kind!r} already has the cache entry {LAYER_CACHES[kind].__name__}")
+    if "kind" in vars(entry) and entry.kind != kind:
+        raise ValueError(f"{entry.__name__} is already the cache entry of {entry.kind!r} layers, not {kind!r}")
+    entry.kind = kind
+    LAYER_CACHES[kind] = entry
 
 
 class TrellisCache(Cache):
@@ -358,6 +365,7 @@ class TrellisCache(Cache):
         self.rollback_window = rollback_window
         # The recent forward calls a crop can take back, oldest first (see `crop`).
         self._calls: list[CallRecords] = []
+        self._recording = True  # off within `unrecorded`
 
     @property
     def rollback_window(self) -> int:
@@ -423,6 +431,28 @@ class TrellisCache(Cache):
         before its first step): a cache without a rollback window gets the default one."""
         self.rollback_window = self.rollback_window or DEFAULT_ROLLBACK_WINDOW
 
+    @property
+    def records_calls(self) -> bool:
+        """Whether the model records its calls into this cache for :meth:`crop` (a rollback
+        window, and not within :meth:`unrecorded`)."""
+        return self._rollback_window > 0 and self._recording
+
+    def widen_rollback(self, tokens: int) -> None:
+        """Keep at least ``tokens`` tokens to roll back (assisted decoding's next draft)."""
+        self.rollback_window = max(self.rollback_window, tokens)
+
+    @contextmanager
+    def unrecorded(self) -> Iterator[None]:
+        """Within the block the model's calls are not recorded, and a crop could not reach
+        before them: what was recorded is forgotten (it could no longer be replayed). For the
+        head of a call longer than the rollback window, which is never taken back."""
+        self.forget_steps()
+        recording, self._recording = self._recording, False
+        try:
+            yield
+        finally:
+            self._recording = recording
+
     def begin_step(self, length: int) -> None:
         """Called by the model before its layers run on ``length`` new tokens (at most
         ``rollback_window``). The oldest calls are forgotten once the newer ones hold the
@@ -432,11 +462,13 @@ class TrellisCache(Cache):
         while len(self._calls) > 1 and sum(c.length for c in self._calls[1:]) >= self.rollback_window:
             self._calls.pop(0)
 
-    def record_step(self, layer_idx: int, mixer: Any, x: torch.Tensor, mask: Optional[torch.Tensor],
-                    before: tuple[Any, Any, Any], replayable: bool = True) -> None:
-        """Called by a memory layer before it updates its entry, when ``rollback_window`` > 0.
+    def record_step(self, layer_idx: int, replay: Callable[[StepRecord], tuple[Any, Any, Any]], x: torch.Tensor,
+                    mask: Optional[torch.Tensor], before: tuple[Any, Any, Any], replayable: bool = True) -> None:
+        """Called by a memory layer before it updates its entry, when :attr:`records_calls`:
+        ``replay`` (a bound method of the layer, kept weakly) redoes the call from ``before``.
         ``replayable=False`` (packed documents) makes a crop into this call raise."""
-        self._calls[-1].layers[layer_idx] = StepRecord(weakref.ref(mixer), x, mask, before) if replayable else None
+        record = StepRecord(weakref.WeakMethod(replay), x, mask, before) if replayable else None
+        self._calls[-1].layers[layer_idx] = record
 
     def crop(self, max_length: Union[int, torch.Tensor]) -> None:
         """Go back to the state after ``max_length`` tokens (> 0), or take ``-max_length``
@@ -458,7 +490,7 @@ class TrellisCache(Cache):
         while reached < remove and start > 0:
             start -= 1
             reached += self._calls[start].length
-        memory_layers = [i for i, layer in enumerate(self.layers) if layer.kind != "attention"]
+        memory_layers = [i for i, layer in enumerate(self.layers) if isinstance(layer, MemoryLayerCache)]
         calls = self._calls[start:]
         packed = any(c.layers.get(i, False) is None for c in calls for i in memory_layers)
         unrecorded = any(i not in c.layers for c in calls for i in memory_layers)
@@ -469,15 +501,9 @@ class TrellisCache(Cache):
                 f"cannot take back {remove} tokens: a TrellisCache rolls back its last {held} tokens ({why})"
             )
         records = {i: StepRecord.joined([c.layers[i] for c in calls]).first(reached - remove) for i in memory_layers}
-        mixers = {i: record.mixer() for i, record in records.items()}
-        if any(mixer is None for mixer in mixers.values()):
-            raise ValueError("cannot roll back: the model that filled this cache no longer exists")
         with self.all_or_nothing():
             for index, layer in enumerate(self.layers):
-                if index in records:
-                    layer.q_tail, layer.k_tail, layer.state = mixers[index].replay(records[index])
-                else:
-                    layer.drop_last(remove)
+                layer.take_back(remove, records.get(index))
             keep = reached - remove
             self._calls[start:] = [CallRecords(keep, records)] if keep else []
             self.seen_tokens -= remove
@@ -763,5 +789,6 @@ def _read_header(metadata: Mapping[str, str], path: Any) -> tuple[list[str], int
 
 
 __all__ = [
-    "CACHE_ARG", "CACHE_NAMES", "one_cache", "AttentionLayerCache", "CacheCall", "KVMLayerCache", "LatticeLayerCache", "LayerCache", "MemoryLayerCache", "TrellisCache", "TrellisLayerCache",
+    "CACHE_ARG", "CACHE_NAMES", "one_cache", "AttentionLayerCache", "CacheCall", "LayerCache", "MemoryLayerCache", "TrellisCache",
+    "register_layer_cache",
 ]

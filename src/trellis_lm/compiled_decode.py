@@ -41,7 +41,7 @@ def compiles_decode(model: nn.Module, hidden: torch.Tensor, valid: Optional[Vali
     checkpointing in training, and no forward hooks on the blocks or mixers that a compiled run
     would not call (hooks on their parts are traced with them)."""
     if not (model.config.compile_decode and call is not None and hidden.shape[1] == 1 and hidden.device.type == "cpu"
-            and valid is None and not call.cache.rollback_window and not output_hidden_states
+            and valid is None and not call.cache.records_calls and not output_hidden_states
             and plain_forward_hooks()):
         return False
     for block in model.layers:

@@ -306,7 +306,7 @@ class TrellisModel(TrellisPreTrainedModel):
         # with the layers before it advanced.
         with cache.all_or_nothing() as call:
             cache.bind(self.config)
-            if cache.rollback_window:
+            if cache.records_calls:
                 if length > cache.rollback_window:
                     return self._forward_in_two(
                         inputs_embeds, attention_mask, cache, position_ids, output_hidden_states, return_dict, kwargs
@@ -371,16 +371,11 @@ class TrellisModel(TrellisPreTrainedModel):
             # Masks and positions end with the current tokens: drop the tail's columns.
             return None if x is None else x[:, : x.shape[1] - tail]
 
-        # The head is never taken back: it runs whole and unrecorded, and what was recorded
-        # before it could no longer be replayed.
-        cache.forget_steps()
-        cache.rollback_window = 0
-        try:
+        # The head is never taken back: it runs whole and unrecorded.
+        with cache.unrecorded():
             head = self(inputs_embeds=inputs_embeds[:, :cut], attention_mask=before_tail(attention_mask), cache=cache,
                         use_cache=True, output_hidden_states=output_hidden_states, return_dict=True,
                         position_ids=before_tail(position_ids))
-        finally:
-            cache.rollback_window = tail
         parts = [head, self(inputs_embeds=inputs_embeds[:, cut:], attention_mask=attention_mask, cache=cache,
                             use_cache=True, output_hidden_states=output_hidden_states, return_dict=True,
                             position_ids=position_ids)]
@@ -537,7 +532,7 @@ class TrellisForCausalLM(TrellisPreTrainedModel, GenerationMixin):
         if isinstance(cache, TrellisCache) and cache.rollback_window and next_sequence_length and not is_first_iteration:
             # A verification of assisted decoding feeds its drafts at once and takes the rejected
             # ones back: the window follows the drafts when their number grows (its schedule).
-            cache.rollback_window = max(cache.rollback_window, next_sequence_length)
+            cache.widen_rollback(next_sequence_length)
         if is_first_iteration and seen and seen >= input_ids.shape[1]:
             raise ValueError(
                 f"the cache has already taken in {seen} tokens, but input_ids holds {input_ids.shape[1]}: "
@@ -603,7 +598,7 @@ class TrellisForCausalLM(TrellisPreTrainedModel, GenerationMixin):
         if cache is not None:
             if not isinstance(cache, TrellisCache):
                 raise ValueError(f"the cache (cache / past_key_values) must be a TrellisCache, got {type(cache).__name__}")
-            cache.rollback_window = max(cache.rollback_window, window)
+            cache.widen_rollback(window)
             # What transformers' own version of this hook marks on a user's cache: generate() then
             # never runs a step past the stop (its deferred stop check on MPS) into a cache that
             # cannot be cropped. Private; tests/test_transformers_compat.py fails when

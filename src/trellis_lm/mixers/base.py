@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..cache_trellis import ROWS, CacheCall, LayerCache, MemoryLayerCache, TensorSpec, TrellisCache
+from ..cache_trellis import ROWS, CacheCall, LayerCache, MemoryLayerCache, TensorSpec, TrellisCache, register_layer_cache
 from ..ops import OpState
 from ..ops.registry import BackendRegistry
 from .fields import MODEL_FIELDS, ConfigField
@@ -86,6 +86,12 @@ class Mixer(nn.Module):
     # trellis_lm.compiled_decode): a memory mixer whose `mix` is free of data-dependent Python
     # control flow and whose carried state has a fixed shape (not attention's growing keys).
     compilable: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        # A class that names its kind is a concrete mixer: its cache entry serves that kind.
+        super().__init_subclass__(**kwargs)
+        if "kind" in vars(cls):
+            register_layer_cache(cls.kind, cls.cache_class)
 
     @classmethod
     def signature_fields(cls) -> tuple[str, ...]:
@@ -279,9 +285,9 @@ class MemoryMixer(Mixer):
         if call is None:
             return self.mix(x, valid, None, None, None, keep_state=False)[0]
         carried = self.carried(call)
-        if call.cache.rollback_window:
+        if call.cache.records_calls:
             packed = valid is not None and valid.has_documents
-            call.cache.record_step(self.layer_idx, self, x, None if valid is None else valid.mask, carried,
+            call.cache.record_step(self.layer_idx, self.replay, x, None if valid is None else valid.mask, carried,
                                    replayable=not packed)
         out, *after = self.mix(x, valid, *carried, keep_state=True)
         self.keep(call, carried, after, x.shape[0])

@@ -8,7 +8,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from ..cache_trellis import COLUMNS, ROWS, Dim, KVMLayerCache, TensorSpec
+from ..cache_trellis import COLUMNS, ROWS, Dim, MemoryLayerCache, TensorSpec
 from ..ops import KVMState, kvm_attention, kvm_step
 from ..ops.kvm import BACKENDS, BUDGETS
 from .base import MemoryMixer, Projections
@@ -34,6 +34,13 @@ def kvm_rotary(x: torch.Tensor, positions: torch.Tensor, rope_dims: int, theta: 
     even, odd = x[..., :rope_dims:2], x[..., 1:rope_dims:2]
     turned = torch.stack((even * cos + odd * sin, odd * cos - even * sin), dim=-1).flatten(-2)
     return torch.cat((turned, x[..., rope_dims:]), dim=-1)
+
+
+class KVMLayerCache(MemoryLayerCache):
+    """A KVM layer's cache entry: its :class:`~trellis_lm.ops.KVMState` holds the window and the
+    merged means (no short-conv tails)."""
+
+    state_class = KVMState
 
 
 class KVMAttention(MemoryMixer):

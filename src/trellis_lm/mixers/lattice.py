@@ -8,12 +8,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..cache_trellis import LatticeLayerCache, TensorSpec
+from ..cache_trellis import MemoryLayerCache, TensorSpec
 from ..ops import LATTICE_VARIANTS, LatticeState, lattice_attention, lattice_step
 from ..ops.lattice import BACKENDS
 from .base import MemoryMixer, Projections, chunked_memory_layout
 from .fields import CHUNK_SIZE, CONV_SIZE, NUM_SLOTS, choice
 from .parts import at_least_float32, l2_normalize
+
+
+class LatticeLayerCache(MemoryLayerCache):
+    """A Lattice layer's cache entry: short-conv tails and a :class:`~trellis_lm.ops.LatticeState`."""
+
+    state_class = LatticeState
 
 
 class LatticeAttention(MemoryMixer):

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..cache_trellis import TensorSpec, TrellisLayerCache
+from ..cache_trellis import MemoryLayerCache, TensorSpec
 from ..ops import COMPRESS_FNS, MIX_FNS, TrellisState, trellis_attention, trellis_step
 from ..ops.trellis import BACKENDS
 from .base import MemoryMixer, Projections, chunked_memory_layout
@@ -34,6 +34,12 @@ def forget_gate_bias(num_heads: int, normalizer: float, span: tuple[float, float
         exponents = torch.linspace(math.log10(high), math.log10(low), num_heads, dtype=torch.float64)
     p = (1.0 - 10.0**exponents) ** normalizer
     return torch.log(p) - torch.log1p(-p)
+
+
+class TrellisLayerCache(MemoryLayerCache):
+    """A Trellis layer's cache entry: short-conv tails and a :class:`~trellis_lm.ops.TrellisState`."""
+
+    state_class = TrellisState
 
 
 class TrellisAttention(MemoryMixer):
