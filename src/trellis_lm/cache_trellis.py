@@ -314,12 +314,19 @@ def register_layer_cache(kind: str, entry: type[LayerCache]) -> None:
     """Make ``entry`` the cache entry of layers of ``kind`` (what :class:`TrellisCache` builds
     for them and reads from files), and ``entry.kind`` the kind. An entry class serves one
     kind, and a kind has one entry class: anything else is a ``ValueError``."""
-    if LAYER_CACHES.get(kind, entry) is not entry:
-        raise ValueError(f"layer kind {kind!r} already has the cache entry {LAYER_CACHES[kind].__name__}")
+    known = LAYER_CACHES.get(kind)
+    if known is not None and not same_definition(known, entry):
+        raise ValueError(f"layer kind {kind!r} already has the cache entry {known.__qualname__}")
     if "kind" in vars(entry) and entry.kind != kind:
-        raise ValueError(f"{entry.__name__} is already the cache entry of {entry.kind!r} layers, not {kind!r}")
+        raise ValueError(f"{entry.__qualname__} is already the cache entry of {entry.kind!r} layers, not {kind!r}")
     entry.kind = kind
     LAYER_CACHES[kind] = entry
+
+
+def same_definition(a: type, b: type) -> bool:
+    """Whether two classes are one definition run twice (a module imported again, as
+    transformers' remote-code loader may): the later one may replace the earlier."""
+    return a is b or (a.__module__, a.__qualname__) == (b.__module__, b.__qualname__)
 
 
 class TrellisCache(Cache):
@@ -790,5 +797,5 @@ def _read_header(metadata: Mapping[str, str], path: Any) -> tuple[list[str], int
 
 __all__ = [
     "CACHE_ARG", "CACHE_NAMES", "one_cache", "AttentionLayerCache", "CacheCall", "LayerCache", "MemoryLayerCache", "TrellisCache",
-    "register_layer_cache",
+    "register_layer_cache", "same_definition",
 ]

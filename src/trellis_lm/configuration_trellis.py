@@ -12,20 +12,25 @@ from typing import Any, Callable, ClassVar
 
 from transformers import PreTrainedConfig
 
-from .mixers import MIXERS
+from .mixers import DEFAULT_KIND, MIXERS
 from .mixers.fields import is_int, is_real
 from .remote_code import AUTO_MAP, code_is_packaged, export_code
 
-# Built from the mixers' own declarations (see mixers/fields.py): the kinds a layer can be, the
-# fields that define each kind's function (a cache remembers those of its model's kinds), their
-# checks (each field once, in the mixers' order), transformers' name for each kind, and each
-# memory mixer's op backends.
-MIXER_TYPES = tuple(MIXERS)
-MIXER_FIELDS = {kind: mixer.signature_fields() for kind, mixer in MIXERS.items()}
-FIELD_CHECKS = tuple({f.name: f for mixer in MIXERS.values() for f in mixer.config_fields}.values())
-STANDARD_LAYER_TYPES = {kind: mixer.layer_type for kind, mixer in MIXERS.items()}
-OP_REGISTRIES = {kind: mixer.backends for kind, mixer in MIXERS.items() if mixer.backends is not None}
-OP_BACKENDS = ("auto",) + tuple(sorted({name for registry in OP_REGISTRIES.values() for name in registry}))
+
+
+def field_checks() -> tuple[Any, ...]:
+    """Every registered mixer's config-field checks (see mixers/fields.py), each field once,
+    in the mixers' order. Read from the registry at each call: a kind registered later (one
+    defined outside the package) is checked too."""
+    return tuple({f.name: f for mixer in MIXERS.values() for f in mixer.config_fields}.values())
+
+
+def op_backends() -> tuple[str, ...]:
+    """``"auto"`` and every backend of a registered mixer's op."""
+    names = {name for mixer in MIXERS.values() if mixer.backends is not None for name in mixer.backends}
+    return ("auto",) + tuple(sorted(names))
+
+
 # Largest model-level sizes (the mixers bound their own). Work and memory follow the tokens
 # present, not these numbers; the bounds keep weights far from the int32 index range the
 # kernels use and name the field before any allocation fails.
@@ -196,8 +201,9 @@ class TrellisConfig(PreTrainedConfig):
 
     @property
     def layer_kinds(self) -> list[str]:
-        """Each layer's mixer: ``mixer_types``, or ``"trellis"`` for every layer when it is ``None``."""
-        return ["trellis"] * self.num_hidden_layers if self.mixer_types is None else list(self.mixer_types)
+        """Each layer's mixer: ``mixer_types``, or ``"trellis"`` (``mixers.DEFAULT_KIND``) for every
+        layer when it is ``None``."""
+        return [DEFAULT_KIND] * self.num_hidden_layers if self.mixer_types is None else list(self.mixer_types)
 
     @property
     def kvm_rotary_dims(self) -> int:
@@ -211,8 +217,8 @@ class TrellisConfig(PreTrainedConfig):
 
     def layer_signature(self) -> dict[str, Any]:
         """The fields that define the function of this model's layers: those of the kinds in
-        :attr:`layer_kinds` (see ``MIXER_FIELDS``). A cache remembers them."""
-        names = sorted({name for kind in set(self.layer_kinds) for name in MIXER_FIELDS[kind]})
+        :attr:`layer_kinds` (each mixer's ``signature_fields``). A cache remembers them."""
+        names = sorted({name for kind in set(self.layer_kinds) for name in MIXERS[kind].signature_fields()})
         return {"mixer_types": self.layer_kinds, **{name: getattr(self, name) for name in names}}
 
     def cache_layouts(self) -> list[dict[str, Any]]:
@@ -243,17 +249,18 @@ class TrellisConfig(PreTrainedConfig):
                     f"got {self.mixer_types!r}"
                 )
             for index, kind in enumerate(self.mixer_types):
-                if kind not in MIXER_TYPES:
-                    raise ValueError(f"TrellisConfig.mixer_types[{index}] must be one of {MIXER_TYPES}, got {kind!r}")
+                if kind not in MIXERS:
+                    raise ValueError(f"TrellisConfig.mixer_types[{index}] must be one of {tuple(MIXERS)}, got {kind!r}")
         # Every mixer's fields, whether or not a layer uses them: a saved config stays loadable
         # when its schedule changes.
-        for field in FIELD_CHECKS:
+        for field in field_checks():
             check(field.name, lambda v: field.valid(v, self), field.describe(self))
-        check("op_backend", lambda v: v in OP_BACKENDS, f"one of {OP_BACKENDS}")
+        backends = op_backends()
+        check("op_backend", lambda v: v in backends, f"one of {backends}")
         for kind in dict.fromkeys(self.layer_kinds):
             for field in MIXERS[kind].layer_checks:
                 check(field.name, lambda v: field.valid(v, self), field.describe(self))
-            registry = OP_REGISTRIES.get(kind)
+            registry = MIXERS[kind].backends
             if registry is not None and self.op_backend != "auto" and self.op_backend not in registry:
                 raise ValueError(
                     f"TrellisConfig.op_backend must be 'auto' or a backend of every op the layers run; "
@@ -269,7 +276,7 @@ class TrellisConfig(PreTrainedConfig):
             check(name, lambda v: v is None or is_token_id(v), token_id)
         check("eos_token_id", lambda v: v is None or is_token_id(v) or (isinstance(v, list) and all(map(is_token_id, v))),
               f"{token_id}, or a list of token ids")
-        self.layer_types = [STANDARD_LAYER_TYPES[kind] for kind in self.layer_kinds]
+        self.layer_types = [MIXERS[kind].layer_type for kind in self.layer_kinds]
 
     def save_pretrained(self, save_directory: str | os.PathLike, push_to_hub: bool = False, **kwargs: Any) -> None:
         """Save ``config.json`` together with the model code, so the folder loads with

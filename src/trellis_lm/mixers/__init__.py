@@ -1,20 +1,24 @@
 """The token mixers a block can hold, one module each, chosen per layer by ``config.mixer_types``.
 
 Every mixer is a :class:`~.base.Mixer`: ``mixer(x [B, T, D], valid, cache) -> [B, T, D]`` with
-its own kind of cache entry. :func:`build_mixer` makes the one a layer asks for.
+its own kind of cache entry, registered in :data:`MIXERS` by kind as its class is defined.
+:func:`build_mixer` makes the one a layer asks for.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from .attention import AttentionMixer
-from .base import MemoryMixer, Mixer
-from .kvm import KVMAttention
-from .lattice import LatticeAttention
-from .trellis import TrellisAttention, forget_gate_bias
+from .base import MIXERS, MemoryMixer, Mixer
 
-MIXERS: dict[str, type[Mixer]] = {cls.kind: cls for cls in (TrellisAttention, LatticeAttention, AttentionMixer, KVMAttention)}
+# In this order: the order of MIXERS (registered as each class is defined), which messages list.
+from .trellis import TrellisAttention, forget_gate_bias  # noqa: E402  (isort: skip)
+from .lattice import LatticeAttention  # noqa: E402  (isort: skip)
+from .attention import AttentionMixer  # noqa: E402  (isort: skip)
+from .kvm import KVMAttention  # noqa: E402  (isort: skip)
+
+# The kind of every layer of a config without `mixer_types`.
+DEFAULT_KIND = TrellisAttention.kind
 
 
 def build_mixer(config: Any, layer_idx: int) -> Mixer:
@@ -22,4 +26,4 @@ def build_mixer(config: Any, layer_idx: int) -> Mixer:
     return MIXERS[config.layer_kinds[layer_idx]](config, layer_idx)
 
 
-__all__ = ["AttentionMixer", "KVMAttention", "LatticeAttention", "MIXERS", "MemoryMixer", "Mixer", "TrellisAttention", "build_mixer", "forget_gate_bias"]
+__all__ = ["AttentionMixer", "DEFAULT_KIND", "KVMAttention", "LatticeAttention", "MIXERS", "MemoryMixer", "Mixer", "TrellisAttention", "build_mixer", "forget_gate_bias"]

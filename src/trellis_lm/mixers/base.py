@@ -19,7 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..cache_trellis import ROWS, CacheCall, LayerCache, MemoryLayerCache, TensorSpec, TrellisCache, register_layer_cache
+from ..cache_trellis import (
+    ROWS, CacheCall, LayerCache, MemoryLayerCache, TensorSpec, TrellisCache, register_layer_cache, same_definition,
+)
 from ..ops import OpState
 from ..ops.registry import BackendRegistry
 from .fields import MODEL_FIELDS, ConfigField
@@ -60,8 +62,18 @@ class Projections:
         return torch.cat([a, b], dim=-1), [a.shape[-1], b.shape[-1]]
 
 
+# Every mixer kind by name, in the order the classes were defined: a class that sets `kind`
+# registers itself here, and its cache entry with the cache, as it is defined (see
+# `Mixer.__init_subclass__`). The configuration, the cache, the model card and the conversion
+# read the kinds from here.
+MIXERS: dict[str, type["Mixer"]] = {}
+
+
 class Mixer(nn.Module):
     """Base of the token mixers.
+
+    A subclass that sets ``kind`` is registered in :data:`MIXERS` when it is defined (a kind
+    defined anywhere, a test file included, is usable by name in ``config.mixer_types``).
 
     Args:
         config: the model's :class:`~trellis_lm.TrellisConfig`.
@@ -91,7 +103,11 @@ class Mixer(nn.Module):
         # A class that names its kind is a concrete mixer: its cache entry serves that kind.
         super().__init_subclass__(**kwargs)
         if "kind" in vars(cls):
+            known = MIXERS.get(cls.kind)
+            if known is not None and not same_definition(known, cls):
+                raise ValueError(f"mixer kind {cls.kind!r} is already {known.__qualname__}")
             register_layer_cache(cls.kind, cls.cache_class)
+            MIXERS[cls.kind] = cls
 
     @classmethod
     def signature_fields(cls) -> tuple[str, ...]:
