@@ -31,8 +31,8 @@ from .cache_trellis import CACHE_ARG, CACHE_NAMES, CacheCall, TrellisCache, one_
 from .compiled_decode import compiles_decode, decode_blocks
 from .configuration_trellis import TrellisConfig
 from .model_card_trellis import CARD_NAME, hub_card_text, is_generated, write_model_card
-from .mixers import Mixer, build_mixer
-from .mixers.parts import TrellisRMSNorm
+from .mixers import build_mixer
+from .mixers.parts import TrellisRMSNorm, init_module
 from .mixers.stacking import LinearStack, stacked, stacked_projections
 from .mixers.tokens import ValidTokens, document_starts, real_tokens
 
@@ -106,17 +106,7 @@ class TrellisPreTrainedModel(PreTrainedModel):
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
-        std = self.config.initializer_range
-        if isinstance(module, nn.Linear):
-            init.normal_(module.weight, mean=0.0, std=std)
-            if module.bias is not None:
-                init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            init.normal_(module.weight, mean=0.0, std=std)
-        elif isinstance(module, TrellisRMSNorm):
-            init.ones_(module.weight)
-        elif isinstance(module, Mixer):
-            module.init_weights(init)
+        init_module(module, self.config.initializer_range, init)
 
     def save_pretrained(
         self,

@@ -23,7 +23,7 @@ DEFAULT_KIND = TrellisAttention.kind
 
 def build_mixer(config: Any, layer_idx: int) -> Mixer:
     """The mixer of layer ``layer_idx``: ``config.layer_kinds[layer_idx]``."""
-    return MIXERS[config.layer_kinds[layer_idx]](config, layer_idx)
+    return MIXERS[config.layer_kinds[layer_idx]].from_config(config, layer_idx)
 
 
 __all__ = ["AttentionMixer", "DEFAULT_KIND", "KVMAttention", "LatticeAttention", "MIXERS", "MemoryMixer", "Mixer", "TrellisAttention", "build_mixer", "forget_gate_bias"]

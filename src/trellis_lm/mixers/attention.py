@@ -62,8 +62,9 @@ class AttentionMixer(Mixer):
     is_causal = True  # read by transformers' attention functions
     fusable_projections = ("q_proj", "k_proj", "v_proj")
 
-    def __init__(self, config: Any, layer_idx: int) -> None:
-        super().__init__(config, layer_idx)
+    def __init__(self, config: Any = None, layer_idx: int = 0, **arguments: Any) -> None:
+        super().__init__(config, layer_idx, **arguments)
+        config = self.config
         hidden, heads, kv_heads, dim = config.hidden_size, config.num_heads, config.key_value_heads, config.head_dim
         self.num_key_value_groups = heads // kv_heads  # read by transformers' attention functions
         self.scaling = dim**-0.5
@@ -72,6 +73,19 @@ class AttentionMixer(Mixer):
         self.v_proj = nn.Linear(hidden, kv_heads * dim, bias=config.attention_bias)
         self.o_proj = nn.Linear(heads * dim, hidden, bias=False)
         self.projection_stack: Optional[LinearStack] = None  # set within `stacked_projections`
+        self._init_if_standalone()
+
+    @classmethod
+    def standalone_arguments(cls) -> tuple[str, ...]:
+        return (*super().standalone_arguments(), "attn_implementation")
+
+    @classmethod
+    def standalone_config(cls, attn_implementation: str = "sdpa", **arguments: Any) -> Any:
+        """As :meth:`Mixer.standalone_config`, with transformers' attention function to use
+        (``"sdpa"`` by default; a model sets it on loading)."""
+        config = super().standalone_config(**arguments)
+        config._attn_implementation = attn_implementation
+        return config
 
     @classmethod
     def describe_cache(cls, config: Any) -> str:

@@ -25,7 +25,7 @@ from ..cache_trellis import (
 from ..ops import OpState
 from ..ops.registry import BackendRegistry
 from .fields import MODEL_FIELDS, ConfigField
-from .parts import TrellisRMSNorm, TrellisShortConv, at_least_float32, causal_conv, l2_normalize
+from .parts import TrellisRMSNorm, TrellisShortConv, at_least_float32, causal_conv, init_module, l2_normalize
 from .stacking import LinearStack, stacked
 from .tokens import ValidTokens
 
@@ -61,6 +61,9 @@ class Projections:
         a, b = self[first], self[second]
         return torch.cat([a, b], dim=-1), [a.shape[-1], b.shape[-1]]
 
+
+# Model-level fields a standalone layer may be given besides its kind's (see Mixer.standalone_config).
+STANDALONE_SETTINGS = ("rms_norm_eps", "initializer_range", "op_backend", "compile_decode")
 
 # Every mixer kind by name, in the order the classes were defined: a class that sets `kind`
 # registers itself here, and its cache entry with the cache, as it is defined (see
@@ -114,10 +117,55 @@ class Mixer(nn.Module):
         """The names of every config field that defines this mixer's function."""
         return MODEL_FIELDS + tuple(f.name for f in cls.config_fields)
 
-    def __init__(self, config: Any, layer_idx: int) -> None:
+    def __init__(self, config: Any = None, layer_idx: int = 0, **arguments: Any) -> None:
         super().__init__()
+        standalone = config is None
+        if standalone:
+            config = self.standalone_config(**arguments)
+        elif arguments:
+            raise TypeError(f"{type(self).__name__}() takes a config or keyword arguments, not both "
+                            f"(got config and {sorted(arguments)})")
         self.config = config
         self.layer_idx = layer_idx
+        self._standalone = standalone
+
+    @classmethod
+    def from_config(cls, config: Any, layer_idx: int) -> "Mixer":
+        """Layer ``layer_idx`` of the model of ``config`` (a :class:`~trellis_lm.TrellisConfig`):
+        how the model builds its mixers; the model initialises the weights."""
+        return cls(config, layer_idx)
+
+    @classmethod
+    def standalone_arguments(cls) -> tuple[str, ...]:
+        """The keyword arguments a standalone layer takes: the model-level sizes, this kind's
+        fields and the settings a layer reads."""
+        return tuple(dict.fromkeys((*cls.signature_fields(), *STANDALONE_SETTINGS)))
+
+    @classmethod
+    def standalone_config(cls, **arguments: Any) -> Any:
+        """The configuration of a one-layer model of this kind from explicit arguments (see
+        :meth:`standalone_arguments`; those not given take the config's defaults), checked as
+        any config is. ``hidden_size``, ``num_heads`` and ``head_dim`` are required."""
+        from ..configuration_trellis import TrellisConfig  # it imports the mixers
+
+        allowed = cls.standalone_arguments()
+        unknown = sorted(set(arguments) - set(allowed))
+        if unknown:
+            raise TypeError(f"{cls.__name__}() got unexpected keyword arguments {unknown}; it takes {list(allowed)}")
+        missing = [name for name in MODEL_FIELDS if name not in arguments]
+        if missing:
+            raise TypeError(f"{cls.__name__}() needs the keyword arguments {missing} (or a config)")
+        return TrellisConfig(num_hidden_layers=1, mixer_types=[cls.kind], **arguments)
+
+    def _init_if_standalone(self) -> None:
+        """Initialise a layer made from explicit arguments as a model would (a model initialises
+        its layers itself, after building them all): the last line of a mixer's ``__init__``."""
+        if not self._standalone:
+            return
+        from transformers import initialization
+
+        for module in self.modules():
+            init_module(module, self.config.initializer_range, initialization)
 
     def forward(self, x: torch.Tensor, valid: Optional[ValidTokens] = None,
                 cache: Union[TrellisCache, CacheCall, None] = None) -> torch.Tensor:
@@ -167,8 +215,8 @@ class MemoryMixer(Mixer):
     # num_heads times it); None for a mixer without short convs.
     qk_width: ClassVar[Optional[str]] = None
 
-    def __init__(self, config: Any, layer_idx: int) -> None:
-        super().__init__(config, layer_idx)
+    def __init__(self, config: Any = None, layer_idx: int = 0, **arguments: Any) -> None:
+        super().__init__(config, layer_idx, **arguments)
         # No short convs unless the subclass builds them (:meth:`_build_convs`).
         self.q_conv: Optional[TrellisShortConv] = None
         self.k_conv: Optional[TrellisShortConv] = None

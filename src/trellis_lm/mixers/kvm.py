@@ -86,8 +86,9 @@ class KVMAttention(MemoryMixer):
                     lambda c: f"None (kvm_chunk_size) or an integer in [0, kvm_state_size = {c.kvm_state_size}]"),
     )
 
-    def __init__(self, config: Any, layer_idx: int) -> None:
-        super().__init__(config, layer_idx)
+    def __init__(self, config: Any = None, layer_idx: int = 0, **arguments: Any) -> None:
+        super().__init__(config, layer_idx, **arguments)
+        config = self.config
         hidden, heads, dim = config.hidden_size, config.num_heads, config.head_dim
         self.q_proj = nn.Linear(hidden, heads * dim, bias=False)
         self.k_proj = nn.Linear(hidden, heads * dim, bias=False)
@@ -99,6 +100,7 @@ class KVMAttention(MemoryMixer):
         self.state_norm_weight = nn.Parameter(torch.ones(heads, dim))
         self.state_norm_bias = nn.Parameter(torch.zeros(heads, dim))
         self.temperature = nn.Parameter(torch.ones(heads, 2))
+        self._init_if_standalone()
 
     @classmethod
     def describe_cache(cls, config: Any) -> str:

@@ -45,8 +45,9 @@ class LatticeAttention(MemoryMixer):
     compilable = True
     step_op = staticmethod(lattice_step)
 
-    def __init__(self, config: Any, layer_idx: int) -> None:
-        super().__init__(config, layer_idx)
+    def __init__(self, config: Any = None, layer_idx: int = 0, **arguments: Any) -> None:
+        super().__init__(config, layer_idx, **arguments)
+        config = self.config
         hidden, heads, dim, slots = config.hidden_size, config.num_heads, config.head_dim, config.num_slots
         self.q_proj = nn.Linear(hidden, heads * slots, bias=False)
         self.k_proj = nn.Linear(hidden, heads * slots, bias=False)
@@ -55,6 +56,7 @@ class LatticeAttention(MemoryMixer):
         self._build_output()
         self._build_convs()
         self.s0 = nn.Parameter(torch.empty(heads, slots, dim))
+        self._init_if_standalone()
 
     @classmethod
     def state_layout(cls, config: Any) -> dict[str, TensorSpec]:

@@ -67,8 +67,9 @@ class TrellisAttention(MemoryMixer):
     qk_width = "head_dim"
     fusable_projections = ("q_proj", "k_proj", "v_proj", "alpha_proj", "g_proj", "beta_proj", "gamma_proj")
 
-    def __init__(self, config: Any, layer_idx: int) -> None:
-        super().__init__(config, layer_idx)
+    def __init__(self, config: Any = None, layer_idx: int = 0, **arguments: Any) -> None:
+        super().__init__(config, layer_idx, **arguments)
+        config = self.config
         hidden, heads, dim, slots = config.hidden_size, config.num_heads, config.head_dim, config.num_slots
         self.q_proj = nn.Linear(hidden, heads * dim, bias=False)
         self.k_proj = nn.Linear(hidden, heads * dim, bias=False)
@@ -80,6 +81,7 @@ class TrellisAttention(MemoryMixer):
         self._build_convs()
         self.mk0 = nn.Parameter(torch.empty(heads, slots, dim))
         self.mv0 = nn.Parameter(torch.empty(heads, slots, dim))
+        self._init_if_standalone()
 
     @classmethod
     def state_layout(cls, config: Any) -> dict[str, TensorSpec]:
