@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from op_inputs import make_inputs, make_state
 from trellis_lm.ops import BACKENDS, COMPRESS_FNS, MIX_FNS, TrellisState, trellis_attention
 from trellis_lm.ops.registry import OpCall
-from trellis_lm.ops.trellis.functions import EPS, compress, compress_residual_vjp, mix
+from trellis_lm.ops.trellis.compress_mix import EPS, compress, compress_residual_vjp, mix
 
 # Every registered backend besides the loop that runs float64 CPU calls of every setting here
 # (a new backend gets these tests by registering; Triton's kernels are float32: tests/test_triton.py).

@@ -37,7 +37,7 @@ def test_flatten_rewrites_only_relative_import_lines():
         from .ops.state import OpState
         from .cache_trellis import TrellisCache
         if True:
-            from .ops.trellis.functions import (
+            from .ops.trellis.compress_mix import (
                 mix,
             )
         text = "from .ops import x"
@@ -46,9 +46,10 @@ def test_flatten_rewrites_only_relative_import_lines():
     flat = flatten_imports(source, package="")
     assert flat == source.replace("from .ops import trellis", "from .trellis_ops import trellis").replace(
         "from .ops.state", "from .trellis_ops_state"
-    ).replace("    from .ops.trellis.functions", "    from .trellis_ops_trellis_functions")
+    ).replace("    from .ops.trellis.compress_mix", "    from .trellis_ops_trellis_compress_mix")
     # Inside a sub-package, one dot is a sibling and two climb to the parent.
-    assert flatten_imports("from .functions import mix\n", "ops.trellis") == "from .trellis_ops_trellis_functions import mix\n"
+    assert (flatten_imports("from .compress_mix import mix\n", "ops.trellis")
+            == "from .trellis_ops_trellis_compress_mix import mix\n")
     assert flatten_imports("from ..checks import x\n", "ops.trellis") == "from .trellis_ops_checks import x\n"
     assert flatten_imports("from ...cache_trellis import x\n", "ops.trellis") == "from .cache_trellis import x\n"
 

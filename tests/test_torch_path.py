@@ -13,7 +13,7 @@ from tiny_models import random_tokens, tiny_model
 from transformers_names import cache_of
 from trellis_lm.mixers.base import FUSE_MIN_TOKENS
 from trellis_lm.ops import trellis_attention
-from trellis_lm.ops.trellis.functions import COMPRESS_FNS, MIX_FNS
+from trellis_lm.ops.trellis.compress_mix import COMPRESS_FNS, MIX_FNS
 
 
 def _logits(model, ids):

@@ -1,4 +1,4 @@
-"""The hand-written backward of the chunk form (``ops/trellis/chunk_function.py``) against autograd
+"""The hand-written backward of the chunk form (``ops/trellis/chunked_autograd.py``) against autograd
 of the per-token reference in float64: every compress_fn x mix_fn, several C, T not a multiple of
 C, Dk != Dv (two chains) and Dk == Dv (one stacked chain), M != D, mid-chunk initial states,
 gradients through the final state and anchors, varlen, and a full forget inside a chunk."""
@@ -12,8 +12,8 @@ import torch
 
 from op_inputs import make_inputs, make_state
 from trellis_lm.ops import COMPRESS_FNS, MIX_FNS, TrellisState, trellis_attention
-from trellis_lm.ops.trellis import chunk_function, chunked
-from trellis_lm.ops.trellis.functions import compress_residual_vjp
+from trellis_lm.ops.trellis import chunked, chunked_autograd
+from trellis_lm.ops.trellis.compress_mix import compress_residual_vjp
 
 GRAD_TOL = dict(rtol=1e-8, atol=1e-9)
 INPUTS = ["q", "k", "v", "alpha", "log_beta", "gamma"]
@@ -130,10 +130,10 @@ def test_second_order_residual_vjp_matches_autograd(name, M):
     expected_z, expected_alpha = torch.autograd.grad(u, (z, alpha), grad_u)
     parts = (torch.empty_like(z), z.new_empty(z.shape[:-1] + (1,)), torch.empty_like(z))
     with torch.no_grad():
-        u_fast = chunk_function._residual(name, z, alpha, parts)
+        u_fast = chunked_autograd._residual(name, z, alpha, parts)
         got_z, got_alpha = torch.empty_like(z), torch.empty_like(z)
-        terms = chunk_function._residual_vjp2_terms(name, *parts)
-        chunk_function._residual_vjp2(name, *parts[:2], *terms, u_fast, grad_u, got_z, got_alpha)
+        terms = chunked_autograd._residual_vjp2_terms(name, *parts)
+        chunked_autograd._residual_vjp2(name, *parts[:2], *terms, u_fast, grad_u, got_z, got_alpha)
     torch.testing.assert_close(u_fast, u.detach(), rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(got_z, expected_z, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(got_alpha, expected_alpha, rtol=1e-10, atol=1e-12)

@@ -133,7 +133,7 @@ def test_auto_picks_triton_for_cuda_tensors():
     if not triton_available():
         pytest.skip("triton is not installed")
     assert BACKENDS.function("auto", _call("cuda")) is BACKENDS["triton"].forward
-    assert BACKENDS.function("auto", _call("cuda", 1)) is BACKENDS["triton"].forward
+    assert BACKENDS.function("auto", _call("cuda", 1)) is BACKENDS["triton"].step
     assert BACKENDS.function("auto", _call("cpu")) is BACKENDS["torch"].forward
     from trellis_lm.ops.trellis.step import step_forward
 
@@ -332,28 +332,70 @@ def test_custom_op_checks_and_compiles():
 
 @needs_triton
 @pytest.mark.parametrize("C", [3, 1])
-def test_decode_step_updates_the_state_in_place(C):
-    from trellis_lm.ops.trellis.triton_decode import trellis_decode_step_
+def test_triton_steps_in_a_row_equal_the_reference(C):
+    """Five single-token steps of backend "triton", each from the state the last returned,
+    across chunk starts (C = 3) and at C = 1: the per-token loop's outputs and final state."""
+    from trellis_lm.ops import trellis_step
 
     x, state = _inputs(2, 5, 2, 5, 7, 6, C, seed=13)
     o_ref, s_ref = run("reference", x, initial_state=state, chunk_size=C)
-    live = state.map(lambda t: t.detach().clone())
-    pointers = [t.data_ptr() for t in live.tensors().values()]
+    live, outs = state.map(lambda t: t.detach().clone()), []
     with torch.no_grad():
-        outs = [trellis_decode_step_(*[t[:, p : p + 1] for t in x], live, chunk_size=C) for p in range(5)]
-    assert [t.data_ptr() for t in live.tensors().values()] == pointers
+        for p in range(5):
+            o, live = trellis_step(*[t[:, p : p + 1] for t in x], state=live, backend="triton", chunk_size=C)
+            outs.append(o)
     assert_close_f32(torch.cat(outs, dim=1), o_ref, "o")
     assert_states_close(live, s_ref)
 
 
 @needs_triton
-def test_decode_step_rejects_a_shared_anchor():
-    from trellis_lm.ops.trellis.triton_decode import trellis_decode_step_
+@pytest.mark.parametrize("cf", ["layernorm", "l2norm"])
+@pytest.mark.parametrize("mf", ["ln_silu", "l2_silu", "softmax"])
+def test_triton_step_is_the_registry_s_single_token_step(cf, mf, monkeypatch):
+    """One token per row under backend "triton" runs :func:`triton_step`'s own launch (not the
+    custom op), gives the torch step's numbers in float32 and leaves the given state as it was.
+    Rows at offsets 0 (a chunk start: the anchors move), 1, C - 1 and 2; H, D, M not powers of two."""
+    import trellis_lm.ops.trellis.triton_step as triton_step_module
+    from trellis_lm.ops import trellis_step
+    from trellis_lm.ops.trellis.step import step_forward
 
-    x, state = _inputs(1, 1, 1, 3, 3, 4, 4)
-    shared = TrellisState.at_chunk_start(state.m_k, state.m_v)
-    with pytest.raises(ValueError, match="must not share storage"):
-        trellis_decode_step_(*x, shared, chunk_size=4)
+    rows, heads, dk, dv, slots, chunk = 4, 3, 5, 7, 6, 4
+    settings = {"compress_fn": cf, "chunk_size": chunk}
+    assert BACKENDS.function("triton", OpCall(torch.device(DEVICE), torch.float32, 1, False, settings)) \
+        is BACKENDS["triton"].step
+    assert BACKENDS.function("triton", OpCall(torch.device(DEVICE), torch.float32, 3, False, settings)) \
+        is BACKENDS["triton"].forward
+    x, state = _inputs(rows, 1, heads, dk, dv, slots, chunk, seed=17)
+    state.offset.copy_(torch.tensor([0, 1, chunk - 1, 2], device=DEVICE))
+    before = state.map(lambda t: t.clone())
+    kw = dict(chunk_size=chunk, compress_fn=cf, mix_fn=mf)
+
+    def custom_op_path(*args):
+        raise AssertionError("a step without autograd ran the custom op")
+
+    monkeypatch.setattr(triton_step_module, "triton_forward", custom_op_path)
+    o, s = trellis_step(*x, state=state, backend="triton", **kw)
+    o_ref, s_ref = step_forward(*x, state, chunk, cf, mf, None)
+    assert_close_f32(o, o_ref, "o")
+    assert_states_close(s, s_ref)
+    for name, t in before.tensors().items():
+        assert torch.equal(state.tensors()[name], t), name
+    # The checked entry point takes the same step.
+    o_op, s_op = run("triton", x, initial_state=state, **kw)
+    assert torch.equal(o_op, o)
+    assert_states_close(s_op, s)
+
+
+@needs_triton
+def test_triton_step_records_through_the_custom_op():
+    """With autograd recording, a one-token call runs the custom op (it has the backward)."""
+    x, state = _inputs(2, 1, 2, 5, 3, 6, 3, seed=19, grad=True)
+    with torch.no_grad():
+        state.offset.copy_(torch.tensor([0, 2], device=DEVICE))
+    got = _grads("triton", x, state, chunk_size=3)
+    expected = _grads("reference", x, state, chunk_size=3)
+    for name, g, e in zip(NAMES, got, expected):
+        assert_close_f32(g, e, f"d/d{name}")
 
 
 @needs_triton
@@ -492,12 +534,9 @@ def test_huge_chunk_size_uses_tiles_the_size_of_the_input():
         assert_close_f32(g, e, f"d/d{name}")
 
 
-@needs_triton
 def test_identity_is_the_same_function_at_every_chunk_size():
-    """identity's chunk form (the PyTorch path: the chunk kernels refuse it) and the decode
-    kernel, which reads the current memory, both equal the per-token loop at C = 1."""
-    from trellis_lm.ops.trellis.triton_decode import trellis_decode_step_
-
+    """identity's chunk form (the PyTorch path: the kernels refuse it) equals the per-token loop
+    at C = 1."""
     x, state = _inputs(2, 9, 2, 5, 7, 6, 4, seed=21)
     kw = dict(compress_fn="identity", mix_fn="ln_silu")
     start = TrellisState(state.m_k, state.m_v, state.anchor_k, state.anchor_v, torch.zeros_like(state.offset))
@@ -505,8 +544,3 @@ def test_identity_is_the_same_function_at_every_chunk_size():
     o, s = run("torch", x, initial_state=state, chunk_size=4, **kw)
     assert_close_f32(o, o_1, "o")
     assert_states_close(s, run("reference", x, initial_state=state, chunk_size=4, **kw)[1])
-    live = state.map(lambda t: t.detach().clone())
-    with torch.no_grad():
-        outs = [trellis_decode_step_(*[t[:, p : p + 1] for t in x], live, chunk_size=4, **kw) for p in range(9)]
-    assert_close_f32(torch.cat(outs, dim=1), o_1, "decoded o")
-    assert_states_close(live, s)

@@ -2,13 +2,15 @@
 
 :func:`trellis_attention` (:mod:`.dispatch`) is the entry point, :func:`trellis_step` its unchecked
 decode step. Beside it: :mod:`.reference` (the per-token loop of the page), :mod:`.chunked` (the
-chunk-parallel PyTorch form),
-:mod:`.step` (one decode token), :mod:`.triton_chunk` / :mod:`.triton_decode` (GPU kernels),
-:mod:`.functions` (the compression and mixing functions) and :mod:`.state` (the carried state).
+chunk-parallel PyTorch form) with :mod:`.chunked_autograd` (its autograd Function and hand-written
+backward), :mod:`.step` (one decode token in PyTorch), :mod:`.triton_chunk` (the GPU kernels and
+backend ``"triton"``) with :mod:`.triton_step` (its single-token step), :mod:`.kernel_mirror` (the
+kernels' math in PyTorch, for tests), :mod:`.compress_mix` (the compression and mixing functions)
+and :mod:`.state` (the carried state).
 """
 
 from .dispatch import BACKENDS, trellis_attention, trellis_step
-from .functions import COMPRESS_FNS, MIX_FNS
+from .compress_mix import COMPRESS_FNS, MIX_FNS
 from .state import TrellisState
 
 __all__ = ["BACKENDS", "COMPRESS_FNS", "MIX_FNS", "TrellisState", "trellis_attention", "trellis_step"]

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from ..varlen import grid_positions
-from .chunk_function import ChunkFunction, ChunkSpec, in_chunk_log_gaps
+from .chunked_autograd import ChunkFunction, ChunkSpec, in_chunk_log_gaps
 from .state import TrellisState
 
 
@@ -36,7 +36,7 @@ def log_decays(log_beta: torch.Tensor, with_gap: bool = True):
     Returns:
         ``c [..., L]`` with ``c_r = sum_{j <= r} lb_j``; ``before [..., L]`` = ``c_{r-1}`` (0 at r = 0);
         ``after [..., L]`` = ``sum_{j > i} lb_j`` (= ``c_L - c_i``); ``gap [..., L, L]`` of
-        :func:`.chunk_function.in_chunk_log_gaps`.
+        :func:`.chunked_autograd.in_chunk_log_gaps`.
     """
     zero = log_beta.new_zeros(log_beta.shape[:-1] + (1,))
     c = log_beta.cumsum(-1)
@@ -109,7 +109,7 @@ def chunked_forward(q, k, v, alpha, log_beta, gamma, state, chunk_size, compress
     afterwards for a whole group of chunks in a few batched operations. When ``Dk == Dv`` the
     key and value passes share the loop: their memories are stacked along the batch axis, so
     each chunk costs one set of operations for both. Both phases run inside
-    :class:`.chunk_function.ChunkFunction`, whose hand-written backward replaces autograd of the
+    :class:`.chunked_autograd.ChunkFunction`, whose hand-written backward replaces autograd of the
     loop; only the state-independent set-up here (layout, decays, the ``identity`` solve) is
     differentiated by autograd.
     """

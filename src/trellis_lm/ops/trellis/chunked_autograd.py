@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .functions import EPS, compress_residual_vjp, layer_norm_stats, layer_norm_vjp, mix
+from .compress_mix import EPS, compress_residual_vjp, layer_norm_stats, layer_norm_vjp, mix
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,7 @@ class ChunkSpec:
     """The non-tensor arguments of :class:`ChunkFunction`.
 
     Attributes:
-        compress_fn, mix_fn: names from :mod:`.functions`.
+        compress_fn, mix_fn: names from :mod:`.compress_mix`.
         passes: ``P`` of each chain (``(2,)`` for one stacked chain, ``(1, 1)`` for two).
         last_chunk: per row, the chunk whose start state is its final anchor.
         heads: H (``NH = rows * heads``).
@@ -73,7 +73,7 @@ def in_chunk_log_gaps(log_beta: torch.Tensor) -> torch.Tensor:
 
 
 def _residual(name: str, z: torch.Tensor, alpha: torch.Tensor, parts=None) -> torch.Tensor:
-    """``vjp_phi(z, phi(z) - alpha)`` of :func:`.functions.compress_residual_vjp`, optionally
+    """``vjp_phi(z, phi(z) - alpha)`` of :func:`.compress_mix.compress_residual_vjp`, optionally
     leaving its parts in buffers (``layernorm``: the same three fused kernels, with ``out=``).
 
     ``parts``: optional buffers ``(z_hat, r, e)`` shaped like ``z`` (``r`` ``[..., 1]``) that

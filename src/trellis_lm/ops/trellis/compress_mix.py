@@ -3,7 +3,7 @@ closed-form vector-Jacobian products of ``phi`` that the write rule needs.
 
 Every function works on the last axis (the M memory slots) and broadcasts over the rest, so
 the per-token reference and the chunk-parallel backend share them. The closed forms are
-checked against autograd in ``tests/test_functions.py``.
+checked against autograd in ``tests/test_ops.py`` (``test_closed_form_vjp_matches_autograd``).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from ..checks import (
 )
 from ..registry import Backend, BackendRegistry, OpCall
 from .chunked import chunked_forward
-from .functions import check_names
+from .compress_mix import check_names
 from .reference import reference_forward
 from .state import TrellisState
 from .step import step_forward
@@ -40,6 +40,14 @@ def _triton_forward(*args):
     from .triton_chunk import triton_forward
 
     return triton_forward(*args)
+
+
+def _triton_step(*args):
+    """Backend ``"triton"``'s single-token step (:mod:`.triton_step`), imported on first use
+    like :func:`_triton_forward`."""
+    from .triton_step import triton_step
+
+    return triton_step(*args)
 
 
 def _triton_unavailable(call: OpCall) -> Optional[str]:
@@ -67,8 +75,8 @@ BACKENDS = BackendRegistry(
     "trellis_attention",
     Backend("reference", reference_forward, priority=0),
     Backend("torch", chunked_forward, priority=1, step=step_forward),
-    Backend("triton", _triton_forward, priority=2, unavailable=_triton_unavailable, unsupported=_triton_unsupported,
-            auto_devices=("cuda",)),
+    Backend("triton", _triton_forward, priority=2, step=_triton_step, unavailable=_triton_unavailable,
+            unsupported=_triton_unsupported, auto_devices=("cuda",)),
 )
 
 InitialState = Union[None, TrellisState, Sequence[torch.Tensor]]
@@ -144,7 +152,8 @@ def trellis_attention(
         backend: a name of :data:`BACKENDS` or ``"auto"``: ``"reference"`` (per-token loop),
             ``"torch"`` (chunk-parallel; with T == 1 and no ``cu_seqlens``, the single-token step
             of :mod:`.step`), ``"triton"`` (GPU kernels: CUDA tensors, or CPU ones under
-            ``TRITON_INTERPRET=1``; not float64, not ``compress_fn="identity"``). ``"auto"``
+            ``TRITON_INTERPRET=1``; not float64, not ``compress_fn="identity"``; with T == 1 and
+            no ``cu_seqlens``, the single-token step of :mod:`.triton_step`). ``"auto"``
             takes the best backend that can run the call (``"triton"`` for CUDA tensors where it
             imports and supports the call, else ``"torch"``); a named backend that cannot run it
             raises a ``ValueError`` saying why (see :mod:`trellis_lm.ops.registry`).

@@ -34,7 +34,7 @@ import torch
 
 from ..varlen import ChunkPlan, make_plan
 from .chunked import chunked_forward, log_decays
-from .functions import EPS, compress_residual_vjp, mix
+from .compress_mix import EPS, compress_residual_vjp, mix
 from .state import TrellisState
 
 # ---------------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..varlen import per_sequence
-from .functions import compress_residual_vjp, mix
+from .compress_mix import compress_residual_vjp, mix
 from .state import TrellisState
 
 

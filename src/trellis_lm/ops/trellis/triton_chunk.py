@@ -12,8 +12,9 @@ forward
     ``_recurrent_kernel``   grid (sequences, heads): the per-token loop of the design page
                             (both passes fused, memories on-chip). Used for ``chunk_size=1``
                             (the exact recurrence) and for one-token decode steps, where the
-                            chunk form would pad every token to a 16-row tile. It can update
-                            a state in place (:mod:`.triton_decode`).
+                            chunk form would pad every token to a 16-row tile. The backend's
+                            single-token step launches it directly, and can update a state in
+                            place (:mod:`.triton_step`).
 backward (recomputes every chunk's intermediates from the saved chunk-start memories)
     ``_local_bwd_kernel``   grid (chunk slots, heads): gradients that need no later chunk.
     ``_chain_bwd_kernel``   grid (sequences, heads), one launch per pass, chunks in reverse:
@@ -54,7 +55,7 @@ except ImportError as error:
     # loads where triton is absent; the dispatcher imports this module only where it imports.
     raise ImportError("backend 'triton' needs the triton package (pip install triton); use backend 'torch'") from error
 
-from .functions import COMPRESS_FNS, EPS, MIX_FNS
+from .compress_mix import COMPRESS_FNS, EPS, MIX_FNS
 from .state import TrellisState
 from ..varlen import chunk_slots, make_plan
 

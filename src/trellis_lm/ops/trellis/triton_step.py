@@ -1,74 +1,46 @@
-"""Decode step on the GPU: one kernel launch per layer, state updated in place.
+"""Backend ``"triton"``'s single-token step: one kernel launch per layer and decode token.
 
-:func:`trellis_decode_step_` runs the token-by-token kernel of :mod:`.triton_chunk` on a few
-new tokens per row (usually one) and writes the memories and anchors back into the given
-:class:`TrellisState`'s own tensors, so a cache can keep fixed buffers (and CUDA graphs can
-capture the step). It computes the same numbers as ``trellis_attention`` with that state as
-``initial_state`` (for the same chunk size), without autograd.
+It runs the token-by-token kernel of :mod:`.triton_chunk` (``_recurrent_kernel``).
 
-The position within the chunk (``state.offset``) is read by the kernel; advancing it is one
-tiny extra op. Every layer of a model sees the same tokens, so a model-level cache can share
-one offset tensor across layers and advance it once per step (``advance_offset=False`` on
-every layer, then ``state.offset.add_(T).remainder_(C)``).
+:func:`triton_step` is the backend's :attr:`~trellis_lm.ops.registry.Backend.step`: what
+``trellis_step`` and a one-token ``trellis_attention`` call run under ``backend="triton"``, and
+under ``"auto"`` on CUDA tensors. It launches the kernel itself, into a new state (a caller may
+still hold the one it read). The custom op behind :func:`.triton_chunk.triton_forward` launches
+the same kernel for one token, through dispatch and autograd bookkeeping that are host time a
+decode step pays per layer and token, and needs only where autograd records the call or
+``torch.compile`` traces it: there the step runs ``triton_forward``.
 """
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
-from .functions import check_names
 from .state import TrellisState
-from .triton_chunk import _check_device, _codes, recurrent_launch
+from .triton_chunk import _check_device, _codes, recurrent_launch, triton_forward
 
 
-def trellis_decode_step_(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    alpha: torch.Tensor,
-    log_beta: torch.Tensor,
-    gamma: torch.Tensor,
-    state: TrellisState,
-    *,
-    chunk_size: int,
-    compress_fn: str = "layernorm",
-    mix_fn: str = "ln_silu",
-    advance_offset: bool = True,
-) -> torch.Tensor:
-    """Run ``T`` tokens per row (``[B, T, H, *]``, any float dtype) and update ``state`` in place.
-
-    ``state`` holds float32 contiguous ``[B, H, M, D]`` memories and anchors and an int64
-    ``[B]`` offset on the inputs' device. Returns ``o [B, T, H, Dv]`` in q's dtype.
-    """
-    if q.dim() != 4:
-        raise ValueError(f"q must be [B, T, H, Dk], got {tuple(q.shape)}")
-    batch, length, heads, dk = q.shape
-    dv, slots = v.shape[-1], alpha.shape[-1]
-    check_names(compress_fn, mix_fn)
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be an integer >= 1, got {chunk_size!r}")
+def triton_step(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, alpha: torch.Tensor, log_beta: torch.Tensor,
+    gamma: torch.Tensor, state: TrellisState, chunk_size: int, compress_fn: str, mix_fn: str,
+    cu_seqlens: Optional[torch.Tensor],
+) -> tuple[torch.Tensor, TrellisState]:
+    """The single-token step of backend ``"triton"``; arguments as validated by
+    :func:`trellis_lm.ops.trellis_attention` (whose registry sends it only what the kernels
+    compute): q, k ``[N, 1, H, Dk]``, v ``[N, 1, H, Dv]``, alpha ``[N, 1, H, M]``, log_beta and
+    gamma ``[N, 1, H]``. Returns ``o [N, 1, H, Dv]`` (float32) and a new state; ``state`` is only read."""
+    memories = (state.m_k, state.m_v, state.anchor_k, state.anchor_v)
+    inputs = (q, k, v, alpha, log_beta, gamma)
+    records = torch.is_grad_enabled() and any(t.requires_grad for t in inputs + memories)
+    if records or cu_seqlens is not None or torch.compiler.is_compiling():
+        return triton_forward(*inputs, state, chunk_size, compress_fn, mix_fn, cu_seqlens)
     _check_device(q)
-    for name, t, shape in (
-        ("m_k", state.m_k, (batch, heads, slots, dk)), ("m_v", state.m_v, (batch, heads, slots, dv)),
-        ("anchor_k", state.anchor_k, (batch, heads, slots, dk)), ("anchor_v", state.anchor_v, (batch, heads, slots, dv)),
-    ):
-        if tuple(t.shape) != shape or t.dtype != torch.float32 or not t.is_contiguous() or t.device != q.device:
-            raise ValueError(
-                f"state.{name} must be a contiguous float32 tensor of shape {shape} on {q.device}, "
-                f"got {tuple(t.shape)} {t.dtype} on {t.device}"
-            )
-    if state.offset.shape != (batch,) or state.offset.dtype != torch.long or state.offset.device != q.device:
-        raise ValueError(f"state.offset must be an int64 tensor [{batch}] on {q.device}")
-    if state.m_k.data_ptr() == state.anchor_k.data_ptr() or state.m_v.data_ptr() == state.anchor_v.data_ptr():
-        # A pair (m_k, m_v) turned into a state shares its memory with the anchors.
-        raise ValueError("state memories and anchors must not share storage for an in-place step (clone the anchors)")
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, alpha, log_beta, gamma)):
-        raise ValueError("trellis_decode_step_ has no backward; call it under torch.no_grad() or inference_mode()")
-    cf, mf = _codes(compress_fn, mix_fn)
-    o = torch.empty(v.shape, dtype=q.dtype, device=q.device)
-    tensors = [t.contiguous() for t in (q, k, v, alpha, log_beta, gamma)]
-    outs = [state.m_k, state.m_v, state.anchor_k, state.anchor_v]
-    recurrent_launch(*tensors, *outs, state.offset, None, o, outs, chunk_size, cf, mf)
-    if advance_offset:
-        state.offset.add_(length).remainder_(chunk_size)
-    return o
+    # The kernel indexes every tensor as a dense row-major block of float32.
+    inputs = [t.to(torch.float32).contiguous() for t in inputs]
+    memories = [t.to(torch.float32).contiguous() for t in memories]
+    offset = state.offset.to(torch.long).contiguous()
+    outs = [torch.empty_like(t) for t in memories]
+    o = torch.empty_like(inputs[2])
+    recurrent_launch(*inputs, *memories, offset, None, o, outs, chunk_size, *_codes(compress_fn, mix_fn))
+    return o, TrellisState(*outs, (offset + q.shape[1]) % chunk_size)
