@@ -157,3 +157,40 @@ def test_a_kind_is_defined_once():
     with pytest.raises(ValueError, match=f"mixer kind '{KIND}' is already"):
         class Impostor(MIXERS[KIND]):
             kind = KIND
+
+
+# Where the package's name "trellis" (TrellisConfig.model_type, which the Trellis kind shares)
+# is written as the model type or library name, not as a layer kind.
+MODEL_TYPE_NAME_IN = {
+    "configuration_trellis.py",  # model_type
+    "eval/harness.py",  # the lm-eval model name
+    "cli.py",  # --model-type trellis|hf
+    "model_card_trellis.py",  # the card's tag
+    "remote_code.py",  # the flat module prefix
+}
+
+
+def test_no_kind_is_named_outside_the_mixers():
+    # Every kind's knowledge lives in its mixer: outside mixers/ no code (docstrings aside)
+    # writes a kind's name, so adding a kind touches no other module.
+    import ast
+    from pathlib import Path
+
+    import trellis_lm
+
+    root = Path(trellis_lm.__file__).parent
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        relative = path.relative_to(root).as_posix()
+        if relative.startswith("mixers/"):
+            continue
+        tree = ast.parse(path.read_text())
+        docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                      if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                      and node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and node.value in MIXERS and id(node) not in docstrings:
+                if node.value == TrellisConfig.model_type and relative in MODEL_TYPE_NAME_IN:
+                    continue
+                found.append(f"{relative}:{node.lineno} {node.value!r}")
+    assert not found, found

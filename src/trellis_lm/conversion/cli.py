@@ -35,10 +35,11 @@ from transformers import AutoTokenizer, TrainingArguments
 from transformers.trainer_utils import get_last_checkpoint
 
 from ..cli import float_above, fraction, int_at_least, probability, report_error
+from ..mixers import DEFAULT_KIND
 from ..modeling_trellis import TrellisForCausalLM
 from ..state_passing import DEFAULT_PROBABILITY, DEFAULT_START_FRACTION
 from .distill import TokenBlocks, distill_layerwise, distill_logits, distillation_arguments
-from .llama import convert_llama_to_trellis
+from .llama import CONVERTED_MIXERS, convert_llama_to_trellis
 from .source import locate_source, path_overlap
 
 
@@ -53,8 +54,8 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-slots", type=positive, default=64, help="memory slots M per head (default 64)")
     parser.add_argument("--chunk-size", type=positive, default=16, help="chunk size C of the op (default 16, the config's)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the new parameters' initialisation")
-    parser.add_argument("--mixer", choices=("trellis", "lattice"), default="trellis",
-                        help="what the converted layers become (default trellis)")
+    parser.add_argument("--mixer", choices=CONVERTED_MIXERS, default=DEFAULT_KIND,
+                        help=f"what the converted layers become (default {DEFAULT_KIND})")
     hybrid = parser.add_mutually_exclusive_group()
     hybrid.add_argument("--keep-attention", default=None, metavar="I,J,...",
                         help="0-based teacher layers kept as softmax attention (copied exactly), e.g. 3,7,11")

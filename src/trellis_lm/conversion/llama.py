@@ -38,7 +38,7 @@ import torch
 from transformers import GenerationConfig, PreTrainedConfig
 
 from ..configuration_trellis import TrellisConfig
-from ..mixers import LatticeAttention, TrellisAttention, forget_gate_bias
+from ..mixers import DEFAULT_KIND, MIXERS, AttentionMixer, LatticeAttention, TrellisAttention
 from ..modeling_trellis import TrellisForCausalLM
 from ..remote_code import flat_sources
 from .source import copy_tokenizer, locate_source, path_overlap
@@ -52,17 +52,16 @@ SUPPORTED_ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
 }
 
-# What a converted (not kept) attention layer may become.
-CONVERTED_MIXERS = ("trellis", "lattice")
-
-# The mixer parameters a converted model does not take from the teacher (names under `self_attn`).
-NEW_MIXER_PARAMETERS = (
-    "alpha_proj", "beta_proj", "gamma_proj", "g_proj", "q_conv", "k_conv", "o_norm", "mk0", "mv0",
-)
-# The same for a Lattice mixer (its q_proj/k_proj are the teacher's, projected to slots).
-NEW_LATTICE_PARAMETERS = ("gamma_proj", "g_proj", "q_conv", "k_conv", "o_norm", "s0")
-# Per mixer kind; a kept attention layer is all teacher.
-NEW_PARAMETERS = {"trellis": NEW_MIXER_PARAMETERS, "lattice": NEW_LATTICE_PARAMETERS, "attention": ()}
+# A kept layer: softmax attention, copied from the teacher.
+KEPT_KIND = AttentionMixer.kind
+# What a converted (not kept) attention layer may become: the kinds whose mixers declare how
+# they take a teacher's attention (`teacher_parts`).
+CONVERTED_MIXERS = tuple(kind for kind, m in MIXERS.items() if m.teacher_parts is not None and kind != KEPT_KIND)
+# The mixer parameters a converted layer does not take from the teacher (names under `self_attn`),
+# per kind, as the mixers declare them; a kept attention layer is all teacher.
+NEW_PARAMETERS = {kind: MIXERS[kind].new_parameters for kind in (*CONVERTED_MIXERS, KEPT_KIND)}
+NEW_MIXER_PARAMETERS = TrellisAttention.new_parameters
+NEW_LATTICE_PARAMETERS = LatticeAttention.new_parameters
 
 # Teacher tensors outside the token mixer, with the same name and shape in Trellis.
 _SHARED = re.compile(
@@ -85,7 +84,7 @@ def convert_llama_to_trellis(
     num_slots: int = 64,
     chunk_size: int = 16,
     seed: int = 0,
-    mixer: str = "trellis",
+    mixer: str = DEFAULT_KIND,
     keep_attention: Optional[Sequence[int]] = None,
     attention_every: Optional[int] = None,
     **overrides: Any,
@@ -170,10 +169,7 @@ def convert_llama_to_trellis(
         student = TrellisForCausalLM(config)
         load_teacher_weights(student, teacher.state_dict(), source_config)
         for layer in student.model.layers:
-            if isinstance(layer.self_attn, TrellisAttention):
-                init_new_mixer_parameters(layer.self_attn, layer.input_layernorm.weight)
-            elif isinstance(layer.self_attn, LatticeAttention):
-                init_new_lattice_parameters(layer.self_attn)
+            layer.self_attn.init_from_attention(layer.input_layernorm.weight)
     del teacher
     student.to(dtype).eval()
 
@@ -188,7 +184,7 @@ def convert_llama_to_trellis(
 def layer_mixers(
     num_layers: int,
     *,
-    mixer: str = "trellis",
+    mixer: str = DEFAULT_KIND,
     keep_attention: Optional[Sequence[int]] = None,
     attention_every: Optional[int] = None,
 ) -> list[str]:
@@ -228,7 +224,7 @@ def layer_mixers(
                 f"(every N-th layer is kept: N - 1, 2N - 1, ...)"
             )
         kept = list(range(attention_every - 1, num_layers, attention_every))
-    return ["attention" if i in kept else mixer for i in range(num_layers)]
+    return [KEPT_KIND if i in kept else mixer for i in range(num_layers)]
 
 
 def trellis_config_from(
@@ -236,7 +232,7 @@ def trellis_config_from(
     *,
     num_slots: int = 64,
     chunk_size: int = 16,
-    mixer: str = "trellis",
+    mixer: str = DEFAULT_KIND,
     keep_attention: Optional[Sequence[int]] = None,
     attention_every: Optional[int] = None,
     **overrides: Any,
@@ -266,7 +262,7 @@ def trellis_config_from(
         rms_norm_eps=source_config.rms_norm_eps,
         tie_word_embeddings=bool(source_config.tie_word_embeddings),
     )
-    kept = [i for i, kind in enumerate(kinds) if kind == "attention"]
+    kept = [i for i, kind in enumerate(kinds) if kind == KEPT_KIND]
     if kept:
         argument = "keep_attention" if keep_attention is not None else "attention_every"
         carried.update(
@@ -289,7 +285,7 @@ def trellis_config_from(
             )
     fields = dict(
         carried,
-        mixer_types=None if all(kind == "trellis" for kind in kinds) else kinds,
+        mixer_types=None if all(kind == DEFAULT_KIND for kind in kinds) else kinds,
         num_slots=num_slots,
         chunk_size=chunk_size,
         initializer_range=getattr(source_config, "initializer_range", 0.02),
@@ -396,7 +392,7 @@ def check_keepable(source_config: PreTrainedConfig, kept: Sequence[int], argumen
 def _dropped_parts(source_config: PreTrainedConfig, kinds: Sequence[str]) -> list[str]:
     """What the conversion leaves out of this source's converted layers, one sentence each
     (logged as warnings); nothing when every layer is kept as attention."""
-    converted = [i for i, kind in enumerate(kinds) if kind != "attention"]
+    converted = [i for i, kind in enumerate(kinds) if kind != KEPT_KIND]
     if not converted:
         return []
     where = "" if len(converted) == len(kinds) else f" in the converted layers {converted}"
@@ -449,7 +445,7 @@ def load_teacher_weights(
                 f"cannot convert teacher tensor {name!r} {tuple(tensor.shape)}: Trellis has no place for it"
             )
         layer, part, what = int(match.group(1)), match.group(2), match.group(3)
-        if kind == "attention":
+        if kind == KEPT_KIND:
             # A kept layer: every projection as it is; q/k norms were refused by check_keepable.
             if part in ("q_norm", "k_norm") or (part == "o_proj" and what == "bias"):
                 raise ValueError(f"cannot keep teacher tensor {name!r}: the attention mixer has no place for it")
@@ -460,11 +456,11 @@ def load_teacher_weights(
             raise ValueError(
                 f"cannot convert teacher tensor {name!r} {tuple(tensor.shape)}: Trellis has no place for it"
             )
-        elif part == "o_proj" or (part == "q_proj" and kind == "trellis"):
+        elif MIXERS[kind].teacher_parts[part] == "copy":
             mapped[name] = tensor
-        else:
+        else:  # "heads", or "slots": the query heads' rows, projected to the slots
             weight = repeat_kv_heads(tensor, n_rep, head_dim) if part in ("k_proj", "v_proj") else tensor
-            if kind == "lattice" and part in ("q_proj", "k_proj"):
+            if MIXERS[kind].teacher_parts[part] == "slots":
                 if layer not in projections:
                     projections[layer] = slot_projection(student.config.num_slots, head_dim)
                 weight = project_to_slots(weight, projections[layer], heads)
@@ -516,90 +512,15 @@ def project_to_slots(weight: torch.Tensor, projection: torch.Tensor, heads: int)
     return rows.reshape(-1, weight.shape[-1]).to(weight.dtype)
 
 
-@torch.no_grad()
 def init_new_mixer_parameters(attn: TrellisAttention, input_norm_weight: torch.Tensor) -> None:
-    """Initialise what a Trellis mixer has beyond the teacher's q/k/v/o projections.
-
-    The aim is a converted model that starts as a well-defined function and gives the
-    distillation a well-conditioned op to shape:
-
-    - ``g_proj = 0``: the output gate GELU(g_proj x) is exactly 0, so every mixer outputs 0 and
-      the converted model *is* the teacher with its attention outputs removed. A gate of about 1,
-      which would pass the memory read through unchanged, cannot be had without a bias (GELU of
-      a bias-free linear map of an RMS-normalised input has no constant part), and a random gate
-      would add context-free noise of the attention's own size to every layer. GELU'(0) = 1/2,
-      so the gate still gets gradients at once (as a zero-initialised LoRA ``B`` or residual
-      branch does) and the rest of the mixer right after the first step. Layer-wise errors start
-      at exactly 1.0 in :func:`trellis_lm.conversion.layerwise_errors`.
-    - ``q_conv``, ``k_conv`` = identity (last tap 1, others 0): q and k are then SiLU of the
-      teacher's own (pre-rotary) projections; PyTorch's random conv default would mix four
-      positions with random weights and scramble the carried projections. Training can still
-      learn local mixing from there, which takes over part of what the rotary embedding did.
-    - ``beta_proj``: weight 0, bias from :func:`forget_gate_bias`, i.e. the forget gate spread
-      over heads from 0.9 to 0.999 (memory horizons of about 10 to 1000 tokens), like the mix
-      of local and long-range heads in an attention layer. Independent of the input at first,
-      so each head's horizon is known; the weight is trained.
-    - ``gamma_proj``: weight 0, bias 0, i.e. the inner learning rate is 1/2 for every token: far
-      above the forget rate (1 - beta <= 0.1), so what is written dominates the memory's decay,
-      while a chunk of C stale-gradient updates stays moderate against entries of order 1.
-    - ``alpha_proj`` ~ N(0, 1 / |w|^2) with ``w`` the block's ``input_layernorm`` weight: the
-      mixer input is ``w * x_hat`` with ``x_hat`` of unit RMS, so each target entry has variance
-      about 1 — the scale of what the LayerNorm compression outputs. The targets are then
-      distinct, random codes per token that the key pass stores and the value pass reads back
-      with. Targets near 0 (the generic 0.02 init on a small ``w``) would write almost nothing:
-      the LayerNorm compression's gradient towards 0 is radial and its Jacobian removes it.
-    - ``mk0``, ``mv0`` ~ N(0, 1), the model's own choice (design page, section 5): ``MK0 k`` then
-      spreads with unit variance over the slots for a unit-norm k, so the compressions do not
-      divide by about eps.
-    - ``o_norm`` weight 1: the output per head has unit RMS before the gate, so the gate alone
-      sets the output scale that the distillation learns.
-
-    Args:
-        attn: a freshly built mixer (its q/k/v/o projections are overwritten afterwards).
-        input_norm_weight: ``[D]`` the teacher's ``input_layernorm`` weight of that block.
-    """
-    heads = attn.config.num_heads
-    _init_gate_and_convs(attn)
-    if attn.beta_proj is not None:
-        attn.beta_proj.weight.zero_()
-        attn.beta_proj.bias.copy_(forget_gate_bias(heads, attn.config.gate_logit_normalizer))
-    attn.gamma_proj.weight.zero_()
-    attn.gamma_proj.bias.zero_()
-    scale = input_norm_weight.float().norm().clamp_min(1e-6)
-    attn.alpha_proj.weight.normal_(0.0, 1.0).div_(scale)
-    attn.mk0.normal_(0.0, 1.0)
-    attn.mv0.normal_(0.0, 1.0)
+    """What a Trellis mixer has beyond the teacher's projections, initialised by the mixer's own
+    :meth:`~trellis_lm.mixers.TrellisAttention.init_from_attention` (which states each choice)."""
+    attn.init_from_attention(input_norm_weight)
 
 
-@torch.no_grad()
 def init_new_lattice_parameters(attn: LatticeAttention) -> None:
-    """Initialise what a Lattice mixer has beyond the teacher's projections (q/k via
-    :func:`project_to_slots`, v/o copied), for the same aims as :func:`init_new_mixer_parameters`:
-
-    - ``g_proj = 0``: the mixer outputs exactly 0, so the converted model is the teacher with
-      this layer's attention output removed, and stage 1's error starts at 1.0 (same reasons as
-      for Trellis: no bias can give a gate of about 1, a random gate is noise).
-    - ``q_conv``, ``k_conv`` = identity: the slot coefficients are SiLU of the projected teacher
-      q and k, not a random mix of four positions.
-    - ``gamma_proj``: weight 0, bias 0, i.e. step size 1/2 for every token, Lattice's own
-      starting point (its bias is zero at init too); the weight is trained.
-    - ``s0``: Lattice's own initialisation (orthonormal slots per head when ``M <= d``), drawn
-      from the conversion's seed. Which basis the slots start in does not matter for the
-      q/k correspondence: a key and a query meet through the slot index, not its direction.
-    - ``o_norm`` weight 1: the gate alone sets the output scale.
-    """
-    _init_gate_and_convs(attn)
-    attn.gamma_proj.weight.zero_()
-    attn.gamma_proj.bias.zero_()
-
-
-def _init_gate_and_convs(attn: Union[TrellisAttention, LatticeAttention]) -> None:
-    """A zero output gate, identity short convs and a unit output norm (see the two callers)."""
-    attn.g_proj.weight.zero_()
-    for conv in (attn.q_conv, attn.k_conv):
-        if conv is not None:
-            conv.weight.copy_(conv.delay_taps(0))
-    attn.o_norm.weight.fill_(1.0)
+    """The same for a Lattice mixer (:meth:`~trellis_lm.mixers.LatticeAttention.init_from_attention`)."""
+    attn.init_from_attention(None)
 
 
 def new_parameter_names(kind: str) -> tuple[str, ...]:
@@ -613,7 +534,7 @@ def new_parameter_names(kind: str) -> tuple[str, ...]:
 def converted_layers(model: TrellisForCausalLM) -> list[int]:
     """Indices of the layers whose mixer replaced the teacher's attention (every layer that is
     not softmax attention): those stage 1 trains and reports."""
-    return [i for i, kind in enumerate(model.config.layer_kinds) if kind != "attention"]
+    return [i for i, kind in enumerate(model.config.layer_kinds) if kind != KEPT_KIND]
 
 
 def _is_new_or_tied(name: str, student: TrellisForCausalLM) -> bool:

@@ -46,6 +46,8 @@ class AttentionMixer(Mixer):
 
     kind = "attention"
     display_name = "softmax attention"
+    # Conversion keeps a teacher's attention layer as it is.
+    teacher_parts = {"q_proj": "copy", "k_proj": "copy", "v_proj": "copy", "o_proj": "copy"}
     grows_with_context = True
     cache_class = AttentionLayerCache
     layer_type = "full_attention"

@@ -94,6 +94,13 @@ class Mixer(nn.Module):
     layer_checks: ClassVar[tuple[ConfigField, ...]] = ()
     # The backends of the op the mixer runs (None: no op); config.op_backend must be one of them.
     backends: ClassVar[Optional[BackendRegistry]] = None
+    # Conversion from a softmax-attention teacher (trellis_lm.conversion): how each teacher
+    # projection becomes this mixer's ("copy": as it is; "heads": keys and values repeated to
+    # every query head; "slots": as "heads", then projected to the slots), None for a kind that
+    # conversion does not make; and the parameters the teacher does not give (names under the
+    # mixer: what the distillation's first stage trains), set by `init_from_attention`.
+    teacher_parts: ClassVar[Optional[dict[str, str]]] = None
+    new_parameters: ClassVar[tuple[str, ...]] = ()
     # How the model card names the kind, and whether its cache grows with the context.
     display_name: ClassVar[str]
     grows_with_context: ClassVar[bool] = False
@@ -179,6 +186,10 @@ class Mixer(nn.Module):
         """Initialise what the generic ``nn.Linear`` / ``nn.Embedding`` rules do not cover, with
         transformers' ``initialization`` helpers (they skip tensors a checkpoint loaded)."""
 
+    def init_from_attention(self, input_norm_weight: Optional[torch.Tensor]) -> None:
+        """Initialise :attr:`new_parameters` for a layer converted from a teacher's attention
+        (its block's ``input_layernorm`` weight ``[D]`` given); nothing where there are none."""
+
     @classmethod
     def describe_cache(cls, config: Any) -> str:
         """What a layer of this kind keeps per sequence in ``config``'s model, in words (the
@@ -239,6 +250,16 @@ class MemoryMixer(Mixer):
         if self.q_conv is not None:
             init.copy_(self.q_conv.weight, self.q_conv.delay_taps(0))
             init.copy_(self.k_conv.weight, self.k_conv.delay_taps(min(1, self.k_conv.weight.shape[-1] - 1)))
+
+    @torch.no_grad()
+    def _start_silent(self) -> None:
+        """A converted layer's start (Trellis, Lattice): a zero output gate, identity short convs
+        and a unit output norm, so the mixer outputs exactly 0 (see their ``init_from_attention``)."""
+        self.g_proj.weight.zero_()
+        for conv in (self.q_conv, self.k_conv):
+            if conv is not None:
+                conv.weight.copy_(conv.delay_taps(0))
+        self.o_norm.weight.fill_(1.0)
 
     @classmethod
     def conv_channels(cls, config: Any) -> Optional[tuple[int, int]]:

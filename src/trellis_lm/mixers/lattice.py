@@ -3,7 +3,7 @@ each written only orthogonally to itself."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -33,6 +33,8 @@ class LatticeAttention(MemoryMixer):
     """
 
     kind = "lattice"
+    teacher_parts = {"q_proj": "slots", "k_proj": "slots", "v_proj": "heads", "o_proj": "copy"}
+    new_parameters = ("gamma_proj", "g_proj", "q_conv", "k_conv", "o_norm", "s0")
     display_name = "Lattice"
     state_class = LatticeState
     cache_class = LatticeLayerCache
@@ -87,3 +89,25 @@ class LatticeAttention(MemoryMixer):
             init.copy_(self.s0, q.transpose(1, 2).to(self.s0))
         else:  # more slots than directions: random unit-scale rows (the op normalises them)
             init.normal_(self.s0, mean=0.0, std=1.0)
+
+    @torch.no_grad()
+    def init_from_attention(self, input_norm_weight: Optional[torch.Tensor]) -> None:
+        """Initialise what a Lattice mixer has beyond the teacher's projections (q/k via
+        :func:`~trellis_lm.conversion.llama.project_to_slots`, v/o copied), for the same aims as
+        :meth:`TrellisAttention.init_from_attention` (``input_norm_weight`` is not read):
+
+        - ``g_proj = 0``: the mixer outputs exactly 0, so the converted model is the teacher with
+          this layer's attention output removed, and stage 1's error starts at 1.0 (same reasons as
+          for Trellis: no bias can give a gate of about 1, a random gate is noise).
+        - ``q_conv``, ``k_conv`` = identity: the slot coefficients are SiLU of the projected teacher
+          q and k, not a random mix of four positions.
+        - ``gamma_proj``: weight 0, bias 0, i.e. step size 1/2 for every token, Lattice's own
+          starting point (its bias is zero at init too); the weight is trained.
+        - ``s0``: Lattice's own initialisation (orthonormal slots per head when ``M <= d``), drawn
+          from the conversion's seed. Which basis the slots start in does not matter for the
+          q/k correspondence: a key and a query meet through the slot index, not its direction.
+        - ``o_norm`` weight 1: the gate alone sets the output scale.
+        """
+        self._start_silent()
+        self.gamma_proj.weight.zero_()
+        self.gamma_proj.bias.zero_()

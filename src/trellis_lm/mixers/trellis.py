@@ -63,6 +63,8 @@ class TrellisAttention(MemoryMixer):
         flag("use_forget_gate"), positive("gate_logit_normalizer"),
     )
     compilable = True
+    teacher_parts = {"q_proj": "copy", "k_proj": "heads", "v_proj": "heads", "o_proj": "copy"}
+    new_parameters = ("alpha_proj", "beta_proj", "gamma_proj", "g_proj", "q_conv", "k_conv", "o_norm", "mk0", "mv0")
     silu_l2_qk = True
     qk_width = "head_dim"
     fusable_projections = ("q_proj", "k_proj", "v_proj", "alpha_proj", "g_proj", "beta_proj", "gamma_proj")
@@ -143,3 +145,56 @@ class TrellisAttention(MemoryMixer):
             # the nn.Linear branch gave beta_proj.
             bias = forget_gate_bias(self.config.num_heads, self.config.gate_logit_normalizer)
             init.copy_(self.beta_proj.bias, bias.to(self.beta_proj.bias))
+
+    @torch.no_grad()
+    def init_from_attention(self, input_norm_weight: torch.Tensor) -> None:
+        """Initialise what a Trellis mixer has beyond the teacher's q/k/v/o projections.
+
+        The aim is a converted model that starts as a well-defined function and gives the
+        distillation a well-conditioned op to shape:
+
+        - ``g_proj = 0``: the output gate GELU(g_proj x) is exactly 0, so every mixer outputs 0 and
+          the converted model *is* the teacher with its attention outputs removed. A gate of about 1,
+          which would pass the memory read through unchanged, cannot be had without a bias (GELU of
+          a bias-free linear map of an RMS-normalised input has no constant part), and a random gate
+          would add context-free noise of the attention's own size to every layer. GELU'(0) = 1/2,
+          so the gate still gets gradients at once (as a zero-initialised LoRA ``B`` or residual
+          branch does) and the rest of the mixer right after the first step. Layer-wise errors start
+          at exactly 1.0 in :func:`trellis_lm.conversion.layerwise_errors`.
+        - ``q_conv``, ``k_conv`` = identity (last tap 1, others 0): q and k are then SiLU of the
+          teacher's own (pre-rotary) projections; PyTorch's random conv default would mix four
+          positions with random weights and scramble the carried projections. Training can still
+          learn local mixing from there, which takes over part of what the rotary embedding did.
+        - ``beta_proj``: weight 0, bias from :func:`forget_gate_bias`, i.e. the forget gate spread
+          over heads from 0.9 to 0.999 (memory horizons of about 10 to 1000 tokens), like the mix
+          of local and long-range heads in an attention layer. Independent of the input at first,
+          so each head's horizon is known; the weight is trained.
+        - ``gamma_proj``: weight 0, bias 0, i.e. the inner learning rate is 1/2 for every token: far
+          above the forget rate (1 - beta <= 0.1), so what is written dominates the memory's decay,
+          while a chunk of C stale-gradient updates stays moderate against entries of order 1.
+        - ``alpha_proj`` ~ N(0, 1 / |w|^2) with ``w`` the block's ``input_layernorm`` weight: the
+          mixer input is ``w * x_hat`` with ``x_hat`` of unit RMS, so each target entry has variance
+          about 1 — the scale of what the LayerNorm compression outputs. The targets are then
+          distinct, random codes per token that the key pass stores and the value pass reads back
+          with. Targets near 0 (the generic 0.02 init on a small ``w``) would write almost nothing:
+          the LayerNorm compression's gradient towards 0 is radial and its Jacobian removes it.
+        - ``mk0``, ``mv0`` ~ N(0, 1), the model's own choice (design page, section 5): ``MK0 k`` then
+          spreads with unit variance over the slots for a unit-norm k, so the compressions do not
+          divide by about eps.
+        - ``o_norm`` weight 1: the output per head has unit RMS before the gate, so the gate alone
+          sets the output scale that the distillation learns.
+
+        Args:
+            input_norm_weight: ``[D]`` the teacher's ``input_layernorm`` weight of this block (the
+                mixer's q/k/v/o projections are the teacher's, set before or after).
+        """
+        self._start_silent()
+        if self.beta_proj is not None:
+            self.beta_proj.weight.zero_()
+            self.beta_proj.bias.copy_(forget_gate_bias(self.config.num_heads, self.config.gate_logit_normalizer))
+        self.gamma_proj.weight.zero_()
+        self.gamma_proj.bias.zero_()
+        scale = input_norm_weight.float().norm().clamp_min(1e-6)
+        self.alpha_proj.weight.normal_(0.0, 1.0).div_(scale)
+        self.mk0.normal_(0.0, 1.0)
+        self.mv0.normal_(0.0, 1.0)
