@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from .cache_trellis import CACHE_ARG
-from .cli import int_at_least
+from .arguments import int_at_least
 from .configuration_trellis import TrellisConfig
 from .mixers.stacking import stacked_projections
 from .modeling_trellis import TrellisForCausalLM

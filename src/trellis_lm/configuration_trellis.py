@@ -13,6 +13,7 @@ from typing import Any, Callable, ClassVar
 from transformers import PreTrainedConfig
 
 from .mixers import DEFAULT_KIND, MIXERS
+from .mixers.base import set_config_class
 from .mixers.fields import is_int, is_real
 from .remote_code import AUTO_MAP, code_is_packaged, export_code
 
@@ -298,5 +299,7 @@ class TrellisConfig(PreTrainedConfig):
             repo_id = kwargs.get("repo_id", os.path.basename(os.path.normpath(save_directory)))
             self.push_to_hub(repo_id, **{key: kwargs[key] for key in hub_keys if key in kwargs})
 
+
+set_config_class(TrellisConfig)
 
 __all__ = ["TrellisConfig"]

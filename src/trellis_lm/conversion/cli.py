@@ -34,7 +34,7 @@ import torch
 from transformers import AutoTokenizer, TrainingArguments
 from transformers.trainer_utils import get_last_checkpoint
 
-from ..cli import float_above, fraction, int_at_least, probability, report_error
+from ..arguments import float_above, fraction, int_at_least, probability, report_error
 from ..mixers import DEFAULT_KIND
 from ..modeling_trellis import TrellisForCausalLM
 from ..state_passing import DEFAULT_PROBABILITY, DEFAULT_START_FRACTION

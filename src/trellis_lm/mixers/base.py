@@ -65,6 +65,17 @@ class Projections:
 # Model-level fields a standalone layer may be given besides its kind's (see Mixer.standalone_config).
 STANDALONE_SETTINGS = ("rms_norm_eps", "initializer_range", "op_backend", "compile_decode")
 
+# The configuration class a standalone layer is described by (TrellisConfig, which registers
+# itself with `set_config_class` as it is defined: it imports the mixers, not the reverse).
+_config_class: Optional[type] = None
+
+
+def set_config_class(config_class: type) -> None:
+    """Make ``config_class`` what :meth:`Mixer.standalone_config` builds."""
+    global _config_class
+    _config_class = config_class
+
+
 # Every mixer kind by name, in the order the classes were defined: a class that sets `kind`
 # registers itself here, and its cache entry with the cache, as it is defined (see
 # `Mixer.__init_subclass__`). The configuration, the cache, the model card and the conversion
@@ -153,8 +164,6 @@ class Mixer(nn.Module):
         """The configuration of a one-layer model of this kind from explicit arguments (see
         :meth:`standalone_arguments`; those not given take the config's defaults), checked as
         any config is. ``hidden_size``, ``num_heads`` and ``head_dim`` are required."""
-        from ..configuration_trellis import TrellisConfig  # it imports the mixers
-
         allowed = cls.standalone_arguments()
         unknown = sorted(set(arguments) - set(allowed))
         if unknown:
@@ -162,7 +171,9 @@ class Mixer(nn.Module):
         missing = [name for name in MODEL_FIELDS if name not in arguments]
         if missing:
             raise TypeError(f"{cls.__name__}() needs the keyword arguments {missing} (or a config)")
-        return TrellisConfig(num_hidden_layers=1, mixer_types=[cls.kind], **arguments)
+        if _config_class is None:
+            raise RuntimeError("no configuration class is registered: import trellis_lm first")
+        return _config_class(num_hidden_layers=1, mixer_types=[cls.kind], **arguments)
 
     def _init_if_standalone(self) -> None:
         """Initialise a layer made from explicit arguments as a model would (a model initialises
