@@ -20,7 +20,8 @@ LOWEST_STAMP := $(LOWEST_VENV)/.installed
 LOWEST_TESTS := tests/test_transformers_compat.py tests/test_generation.py tests/test_cache.py \
 	tests/test_schedules.py tests/test_remote_code.py tests/test_hub_path.py tests/test_training.py \
 	tests/test_modeling.py tests/test_distributed.py tests/test_eval.py tests/test_rollback.py \
-	tests/test_state_passing.py tests/test_reliability.py tests/test_decode_step.py
+	tests/test_state_passing.py tests/test_reliability.py tests/test_decode_step.py tests/test_toy_mixer.py \
+	tests/test_standalone_layers.py
 
 .DEFAULT_GOAL := help
 .PHONY: help venv .venv demo test test-lowest test-all bench clean distclean

@@ -32,7 +32,8 @@ from .compiled_decode import compiles_decode, decode_blocks
 from .configuration_trellis import TrellisConfig
 from .model_card_trellis import CARD_NAME, hub_card_text, is_generated, write_model_card
 from .mixers import build_mixer
-from .mixers.parts import TrellisRMSNorm, init_module
+from .mixers.base import init_module
+from .mixers.parts import TrellisRMSNorm
 from .mixers.stacking import LinearStack, stacked, stacked_projections
 from .mixers.tokens import ValidTokens, document_starts, real_tokens
 

@@ -25,7 +25,7 @@ from ..cache_trellis import (
 from ..ops import OpState
 from ..ops.registry import BackendRegistry
 from .fields import MODEL_FIELDS, ConfigField
-from .parts import TrellisRMSNorm, TrellisShortConv, at_least_float32, causal_conv, init_module, l2_normalize
+from .parts import TrellisRMSNorm, TrellisShortConv, at_least_float32, causal_conv, l2_normalize
 from .stacking import LinearStack, stacked
 from .tokens import ValidTokens
 
@@ -212,6 +212,24 @@ class Mixer(nn.Module):
         """Every tensor of this kind's cache entry in ``config``'s model, by name: its shape and
         dtype once the layer has seen tokens (what :meth:`TrellisCache.load` checks a file against)."""
         raise NotImplementedError
+
+
+@torch.no_grad()
+def init_module(module: nn.Module, std: float, init: Any) -> None:
+    """The generic initialisation of one module (not its children), with transformers'
+    ``initialization`` helpers ``init``: linear and embedding weights normal with ``std``, biases
+    zero, RMSNorm weights one, and a mixer's own rule (``init_weights``) for what these leave.
+    Models apply it to every module (``_init_weights``); a standalone mixer to its own."""
+    if isinstance(module, nn.Linear):
+        init.normal_(module.weight, mean=0.0, std=std)
+        if module.bias is not None:
+            init.zeros_(module.bias)
+    elif isinstance(module, nn.Embedding):
+        init.normal_(module.weight, mean=0.0, std=std)
+    elif isinstance(module, TrellisRMSNorm):
+        init.ones_(module.weight)
+    elif isinstance(module, Mixer):
+        module.init_weights(init)
 
 
 class MemoryMixer(Mixer):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -124,21 +124,3 @@ class TrellisShortConv(nn.Conv1d):
         taps = torch.zeros_like(self.weight)
         taps[..., -1 - lag] = 1.0  # the last tap multiplies the current token
         return taps
-
-
-@torch.no_grad()
-def init_module(module: nn.Module, std: float, init: Any) -> None:
-    """The generic initialisation of one module (not its children), with transformers'
-    ``initialization`` helpers ``init``: linear and embedding weights normal with ``std``, biases
-    zero, RMSNorm weights one, and a mixer's own rule (``init_weights``) for what these leave.
-    Models apply it to every module (``_init_weights``); a standalone mixer to its own."""
-    if isinstance(module, nn.Linear):
-        init.normal_(module.weight, mean=0.0, std=std)
-        if module.bias is not None:
-            init.zeros_(module.bias)
-    elif isinstance(module, nn.Embedding):
-        init.normal_(module.weight, mean=0.0, std=std)
-    elif isinstance(module, TrellisRMSNorm):
-        init.ones_(module.weight)
-    elif hasattr(module, "init_weights"):
-        module.init_weights(init)
