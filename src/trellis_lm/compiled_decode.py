@@ -36,8 +36,9 @@ def compiles_decode(model: nn.Module, hidden: torch.Tensor, valid: Optional[Vali
     """Whether ``model`` (a :class:`~trellis_lm.TrellisModel`) runs this call's blocks through
     :func:`decode_blocks`: ``config.compile_decode``, one token per row of ``hidden [B, 1, D]``
     on a CPU (GPUs have fused decode kernels), no padding among the step's tokens (packing
-    padded rows depends on the mask's values; a padded prompt's steps have none), a cache without a rollback window (it records each mixer's input), every
-    compilable layer past its first call, no per-block hidden states asked for, no activation
+    padded rows depends on the mask's values; a padded prompt's steps have none), a cache that
+    records no calls for rollback (it keeps each mixer's input), every compilable layer past its
+    first call, no per-block hidden states asked for, no activation
     checkpointing in training, and no forward hooks on the blocks or mixers that a compiled run
     would not call (hooks on their parts are traced with them)."""
     if not (model.config.compile_decode and call is not None and hidden.shape[1] == 1 and hidden.device.type == "cpu"
