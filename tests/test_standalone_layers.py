@@ -53,7 +53,7 @@ def test_a_standalone_layer_is_initialised_as_in_a_model(kind):
     if hasattr(layer, "s0"):
         norms = layer.s0.norm(dim=-1)
         torch.testing.assert_close(norms, torch.ones_like(norms), rtol=1e-6, atol=1e-6)
-    projection = layer.q_proj.weight
+    projection = layer.q_proj.weight.detach()
     assert float(projection.std()) == pytest.approx(layer.config.initializer_range, rel=0.3)
 
 
