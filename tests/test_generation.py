@@ -180,6 +180,22 @@ def test_generate_with_compiled_decode(compiled_runs):
 
 @needs_compiler
 @pytest.mark.usefixtures("fresh_compiler")
+def test_a_hooked_block_decodes_eagerly_among_compiled_ones(compiled_runs):
+    # A forward hook on one mixer must see every call: that block runs eagerly, the others
+    # (trellis | attention | lattice after it) still compile, and the numbers do not change.
+    model = tiny_model(seed=6, schedule="hybrid", head_dim=6)
+    ids = random_tokens(2, 8, seed=4)
+    eager = logits_in_pieces(model, ids, [4, 1, 1, 1, 1])
+    compiled = copy.deepcopy(model)
+    compiled.config.compile_decode = True
+    seen = []
+    compiled.model.layers[0].self_attn.register_forward_hook(lambda module, args, out: seen.append(args[0].shape[1]))
+    torch.testing.assert_close(logits_in_pieces(compiled, ids, [4, 1, 1, 1, 1]), eager, rtol=1e-5, atol=1e-5)
+    assert seen == [4, 1, 1, 1, 1] and compiled_runs == [1, 1] * 4
+
+
+@needs_compiler
+@pytest.mark.usefixtures("fresh_compiler")
 def test_compiled_decode_of_a_padded_batch(compiled_runs):
     # Left-padded prompts: each step's own tokens are real in every row, so the steps compile.
     model = tiny_model(seed=4, schedule="hybrid", head_dim=6)

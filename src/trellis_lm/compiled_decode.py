@@ -37,31 +37,32 @@ def compiles_decode(model: nn.Module, hidden: torch.Tensor, valid: Optional[Vali
     :func:`decode_blocks`: ``config.compile_decode``, one token per row of ``hidden [B, 1, D]``
     on a CPU (GPUs have fused decode kernels), no padding among the step's tokens (packing
     padded rows depends on the mask's values; a padded prompt's steps have none), a cache that
-    records no calls for rollback (it keeps each mixer's input), every compilable layer past its
-    first call, no per-block hidden states asked for, no activation
-    checkpointing in training, and no forward hooks on the blocks or mixers that a compiled run
-    would not call (hooks on their parts are traced with them)."""
-    if not (model.config.compile_decode and call is not None and hidden.shape[1] == 1 and hidden.device.type == "cpu"
-            and valid is None and not call.cache.records_calls and not output_hidden_states
-            and plain_forward_hooks()):
-        return False
-    for block in model.layers:
-        mixer = block.self_attn
-        if not mixer.compilable:
-            continue
-        hooked = any(m._forward_hooks or m._forward_pre_hooks for m in (block, mixer))
-        if hooked or (block.training and block.gradient_checkpointing) or mixer.carried(call)[2] is None:
-            return False
-    return True
+    records no calls for rollback (it keeps each mixer's input), no per-block hidden states
+    asked for, and no global forward hook (it expects every module to be called). Which blocks
+    then compile is :func:`compiles`'s answer, block by block."""
+    return bool(model.config.compile_decode and call is not None and hidden.shape[1] == 1
+                and hidden.device.type == "cpu" and valid is None and not call.cache.records_calls
+                and not output_hidden_states and plain_forward_hooks())
+
+
+def compiles(block: nn.Module, call: CacheCall) -> bool:
+    """Whether ``block`` runs compiled in this step: its mixer is ``compilable`` and past its
+    first call (a carried state), no activation checkpointing in training, and no forward hook
+    on the block or its mixer, which a compiled run does not call (hooks on their parts are
+    traced with them)."""
+    mixer = block.self_attn
+    hooked = any(m._forward_hooks or m._forward_pre_hooks for m in (block, mixer))
+    return (mixer.compilable and not hooked and not (block.training and block.gradient_checkpointing)
+            and mixer.carried(call)[2] is not None)
 
 
 def decode_blocks(blocks: Sequence[nn.Module], hidden: torch.Tensor, call: CacheCall) -> torch.Tensor:
     """The decoder ``blocks`` on ``hidden [B, 1, D]``, continuing ``call``'s cache, each run of
-    compilable blocks by one compiled call (:func:`compiled_or_eager`), the others as usual.
-    Returns the last block's output ``[B, 1, D]``."""
-    for compilable, run in itertools.groupby(blocks, key=lambda block: block.self_attn.compilable):
+    blocks that :func:`compiles` by one compiled call (:func:`compiled_or_eager`), the others as
+    usual. Returns the last block's output ``[B, 1, D]``."""
+    for compiled, run in itertools.groupby(blocks, key=lambda block: compiles(block, call)):
         run = tuple(run)
-        if not compilable:
+        if not compiled:
             for block in run:
                 hidden = block(hidden, None, call)
             continue

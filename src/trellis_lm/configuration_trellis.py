@@ -136,9 +136,10 @@ class TrellisConfig(PreTrainedConfig):
             a few fused loops around the matrix products instead of hundreds of small operations:
             decoding on CPUs is bound by per-operation overhead (BENCHMARKS.md, issue 40).
             Attention and KVM blocks between runs decode eagerly (attention's keys grow with the
-            context; a KVM step folds its window on a condition on the data). Steps whose own
-            token is padding in some row (not a padded prompt: its steps compile), with a
-            rollback window (assisted decoding) or asking for every block's hidden states run
+            context; a KVM step folds its window on a condition on the data), and so does a
+            block with a forward hook on it or on its mixer (a hook expects the call). Steps
+            whose own token is padding in some row (not a padded prompt: its steps compile), with
+            a rollback window (assisted decoding) or asking for every block's hidden states run
             eagerly too. Past torch.compile's recompile limit new shapes decode eagerly, with
             a warning. Prefill, training and GPUs (their fused Triton decode kernel) are not
             affected.

@@ -18,6 +18,7 @@ from typing import Any, Callable, ClassVar, Optional, Sequence, Union
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import initialization
 
 from ..cache_trellis import (
     ROWS, CacheCall, LayerCache, MemoryLayerCache, TensorSpec, TrellisCache, register_layer_cache, same_definition,
@@ -180,8 +181,6 @@ class Mixer(nn.Module):
         its layers itself, after building them all): the last line of a mixer's ``__init__``."""
         if not self._standalone:
             return
-        from transformers import initialization
-
         for module in self.modules():
             init_module(module, self.config.initializer_range, initialization)
 
