@@ -1,0 +1,1 @@
+"""Where trellis_lm plugs into other programs: :mod:`.vllm` serves checkpoints with vLLM."""

@@ -1,0 +1,29 @@
+"""Serving Trellis checkpoints with vLLM (``pip install 'trellis-lm[vllm]'``).
+
+vLLM finds this plugin through the ``vllm.general_plugins`` entry point, which calls
+:func:`register` in every vLLM process; ``LLM(model=<folder saved by save_pretrained>)`` and
+``vllm serve <folder>`` then run the checkpoint with nothing else to do. Memory layers keep
+their fixed-size state in vLLM's recurrent-state slots, attention layers use its paged KV
+cache (:mod:`.model`). ``docs/serving.md`` says how it works and what it supports.
+"""
+
+from __future__ import annotations
+
+ARCHITECTURE = "TrellisForCausalLM"
+MODEL_CLASS = "trellis_lm.integrations.vllm.model:TrellisForCausalLM"
+
+
+def register() -> None:
+    """Register the model class (lazily, by import string) and how vLLM reads its config.
+
+    Safe to call more than once (vLLM loads plugins in each of its processes)."""
+    from vllm import ModelRegistry
+    from vllm.transformers_utils.model_arch_config_convertor import MODEL_ARCH_CONFIG_CONVERTORS
+
+    import trellis_lm  # noqa: F401  (registers TrellisConfig with AutoConfig: no remote code needed)
+
+    from .config import TrellisArchConvertor
+
+    if ARCHITECTURE not in ModelRegistry.get_supported_archs():
+        ModelRegistry.register_model(ARCHITECTURE, MODEL_CLASS)
+    MODEL_ARCH_CONFIG_CONVERTORS[trellis_lm.TrellisConfig.model_type] = TrellisArchConvertor

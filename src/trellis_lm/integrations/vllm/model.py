@@ -1,0 +1,223 @@
+"""The vLLM model class of Trellis checkpoints: every schedule of memory and attention layers.
+
+The blocks are trellis_lm's own (:class:`~trellis_lm.modeling_trellis.TrellisDecoderLayer`,
+same module names, so a checkpoint saved by ``save_pretrained`` loads as it is); each block
+gets a *serving* child that runs its mixer on vLLM's flat batch:
+
+- a memory layer (Trellis, Lattice, KVM) is a vLLM recurrent-state layer (``MambaBase``): its
+  state lives in vLLM's state slots, one per running sequence, laid out as the mixer declares
+  (:class:`~.slots.SlotLayout`), and :func:`~.slots.run_on_slots` runs the mixer's own
+  function on the step's sequences;
+- an attention layer projects and rotates as the mixer does and attends through vLLM's paged
+  ``Attention`` (its KV cache, its CPU or GPU kernels).
+
+The model runs eagerly (no ``torch.compile`` by vLLM, no CUDA graphs): the memory layers'
+work per step is the ops' own (Triton kernels on a GPU), and a step's Python stays outside
+any graph. One process, no tensor or pipeline parallelism (see ``docs/serving.md``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+from vllm.config import VllmConfig
+from vllm.forward_context import get_forward_context
+from vllm.model_executor.layers.attention import Attention
+from vllm.model_executor.layers.mamba.abstract import MambaBase
+from vllm.model_executor.layers.mamba.mamba_utils import get_temporal_copy_spec
+from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid
+from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+from vllm.v1.kv_cache_interface import KVCacheSpec
+
+from ...mixers import MIXERS, MemoryMixer, Mixer
+from ...mixers.attention import rotary_cos_sin
+from ...mixers.parts import TrellisRMSNorm
+from ...modeling_trellis import TrellisDecoderLayer
+from .slots import SlotLayout, run_on_slots
+
+
+def slot_layouts(config: Any, dtype: torch.dtype) -> dict[str, SlotLayout]:
+    """The slot layout of every memory kind among ``config``'s layers, by kind."""
+    return {kind: SlotLayout(MIXERS[kind], config, dtype) for kind in dict.fromkeys(config.layer_kinds)
+            if issubclass(MIXERS[kind], MemoryMixer)}
+
+
+def _layer_metadata(prefix: str) -> Any:
+    """This step's metadata of the layer named ``prefix`` (``None`` in vLLM's profiling runs)."""
+    metadata = get_forward_context().attn_metadata
+    return metadata.get(prefix) if isinstance(metadata, dict) else None
+
+
+class MemoryStateLayer(nn.Module, MambaBase):
+    """A memory mixer as a vLLM state layer; holds no weights (the mixer, its sibling, does).
+
+    Args:
+        mixer: the block's memory mixer.
+        vllm_config: the engine's configuration.
+        prefix: the layer's name (vLLM finds its state and metadata by it).
+        page_bytes: the bytes every memory layer's slot is padded to (the largest kind's), so
+            layers of different kinds share one page size.
+    """
+
+    def __init__(self, mixer: MemoryMixer, vllm_config: VllmConfig, prefix: str, page_bytes: int) -> None:
+        nn.Module.__init__(self)
+        self._mixer = (mixer,)  # not a child module: the block owns it and its weights
+        self.prefix = prefix
+        self.layout = SlotLayout(type(mixer), mixer.config, vllm_config.model_config.dtype)
+        self.page_bytes = page_bytes
+        self.kv_cache: tuple[torch.Tensor, ...] = ()
+        self.slot_tensors: tuple[torch.Tensor, ...] = ()
+        context = vllm_config.compilation_config.static_forward_context
+        if prefix in context:
+            raise ValueError(f"duplicate layer name: {prefix}")
+        context[prefix] = self
+
+    @property
+    def mixer(self) -> MemoryMixer:
+        return self._mixer[0]
+
+    # vLLM sees a slot as one run of bytes (one state "field"), which its copy function moves
+    # whole; the layout reads the typed tensors from it.
+    def get_state_shape(self) -> tuple[tuple[int, ...], ...]:
+        return ((self.layout.nbytes,),)
+
+    def get_state_dtype(self) -> tuple[torch.dtype, ...]:
+        return (torch.uint8,)
+
+    def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
+        """vLLM's pages (``[S, 1, 1, P]`` bytes): kept as vLLM binds them (its copy functions
+        read ``kv_cache[0]``), and read as the layout's tensors (``slot_tensors``)."""
+        super().bind_kv_cache(kv_cache)
+        self.slot_tensors = self.layout.views(self.kv_cache[0])
+
+    @property
+    def mamba_type(self) -> MambaAttentionBackendEnum:
+        # The generic linear-attention metadata: each sequence's tokens, length and slot.
+        return MambaAttentionBackendEnum.LINEAR
+
+    def get_kv_cache_spec(self, vllm_config: VllmConfig) -> KVCacheSpec:
+        spec = super().get_kv_cache_spec(vllm_config)
+        return dataclasses.replace(spec, page_size_padded=max(spec.page_size_padded or 0, self.page_bytes))
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """``x [N, D]`` (the block's normed input) -> ``[N, D]``."""
+        metadata = _layer_metadata(self.prefix)
+        if metadata is None:  # a profiling run: no states, only the cost of the work
+            return self.mixer(x[None])[0]
+        rows = metadata.num_decodes + metadata.num_prefills
+        starts = metadata.query_start_loc[: rows + 1]
+        computed = metadata.seq_lens[:rows] - (starts[1:] - starts[:-1])
+        return run_on_slots(self.mixer, self.layout, self.slot_tensors, x, starts, computed,
+                            metadata.state_indices_tensor[:rows])
+
+
+class PagedAttentionLayer(nn.Module):
+    """A softmax-attention mixer's projections and RoPE around vLLM's paged ``Attention``."""
+
+    def __init__(self, mixer: Mixer, vllm_config: VllmConfig, prefix: str) -> None:
+        super().__init__()
+        config = mixer.config
+        self._mixer = (mixer,)
+        self.attn = Attention(
+            config.num_heads, config.head_dim, mixer.scaling, num_kv_heads=config.key_value_heads,
+            cache_config=vllm_config.cache_config, prefix=f"{prefix}.attn",
+        )
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """``x [N, D]`` at ``positions [N]`` -> ``[N, D]``."""
+        mixer = self._mixer[0]
+        config = mixer.config
+        tokens, dim = x.shape[0], config.head_dim
+        q = mixer.q_proj(x).view(1, tokens, -1, dim).transpose(1, 2)
+        k = mixer.k_proj(x).view(1, tokens, -1, dim).transpose(1, 2)
+        cos, sin = rotary_cos_sin(positions[None], dim, config.rope_theta, q.dtype)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        out = self.attn(q.transpose(1, 2).reshape(tokens, -1), k.transpose(1, 2).reshape(tokens, -1), mixer.v_proj(x))
+        return mixer.o_proj(out)
+
+
+class TrellisStack(nn.Module):
+    """Embeddings, blocks (each with its serving child ``serving``) and the final norm."""
+
+    def __init__(self, config: Any, vllm_config: VllmConfig, prefix: str) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(TrellisDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = TrellisRMSNorm(config.hidden_size, config.rms_norm_eps)
+        layouts = slot_layouts(config, vllm_config.model_config.dtype)
+        page_bytes = max((layout.nbytes for layout in layouts.values()), default=0)
+        for i, layer in enumerate(self.layers):
+            name = f"{prefix}.layers.{i}.serving"
+            mixer = layer.self_attn
+            layer.serving = (MemoryStateLayer(mixer, vllm_config, name, page_bytes) if isinstance(mixer, MemoryMixer)
+                             else PagedAttentionLayer(mixer, vllm_config, name))
+
+    def forward(self, input_ids: Optional[torch.Tensor], positions: torch.Tensor,
+                inputs_embeds: Optional[torch.Tensor] = None) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        for layer in self.layers:
+            hidden = layer.around(hidden, lambda x, layer=layer: layer.serving(x, positions))
+        return self.norm(hidden)
+
+
+class TrellisForCausalLM(nn.Module, HasInnerState, IsHybrid):
+    """A Trellis checkpoint in vLLM (any ``mixer_types``; see the module doc).
+
+    vLLM treats it as a hybrid model: the memory layers' states in its state slots, the
+    attention layers (where there are any) in its paged KV cache.
+    """
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
+        super().__init__()
+        config = vllm_config.model_config.hf_config
+        self.config = config
+        self.model = TrellisStack(config, vllm_config, prefix="model")
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def forward(self, input_ids: Optional[torch.Tensor], positions: torch.Tensor, intermediate_tensors: Any = None,
+                inputs_embeds: Optional[torch.Tensor] = None, **kwargs: Any) -> torch.Tensor:
+        return self.model(input_ids, positions, inputs_embeds)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
+        return F.linear(hidden_states, head.weight)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy the checkpoint's tensors, by the names ``save_pretrained`` gave them; a name the
+        model lacks is an error (a tied head's copy aside)."""
+        params = dict(self.named_parameters())
+        loaded = set()
+        for name, tensor in weights:
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied: the embedding is the head
+            if name not in params:
+                raise ValueError(f"the checkpoint holds {name!r}, which a {type(self).__name__} with this config lacks")
+            params[name].data.copy_(tensor)
+            loaded.add(name)
+        return loaded
+
+    # What vLLM asks of a hybrid model class before building it: the state of one sequence in
+    # one layer (the largest kind's slot, in bytes: every memory layer's page is that size) ...
+    @classmethod
+    def get_mamba_state_shape_from_config(cls, vllm_config: VllmConfig) -> tuple[tuple[int, ...], ...]:
+        layouts = slot_layouts(vllm_config.model_config.hf_config, vllm_config.model_config.dtype)
+        return ((max((layout.nbytes for layout in layouts.values()), default=0),),)
+
+    @classmethod
+    def get_mamba_state_dtype_from_config(cls, vllm_config: VllmConfig) -> tuple[torch.dtype, ...]:
+        return (torch.uint8,)
+
+    # ... and how to copy a state from one block to another (prefix caching's "align" mode):
+    # a slot is one field, copied whole.
+    @classmethod
+    def get_mamba_state_copy_func(cls) -> tuple[Any, ...]:
+        return (get_temporal_copy_spec,)
