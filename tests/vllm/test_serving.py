@@ -164,3 +164,10 @@ def test_openai_server_answers_a_completion(tmp_path):
     finally:
         server.terminate()
         server.wait(timeout=60)
+
+
+def test_speculative_decoding_is_refused_when_the_engine_is_configured(tmp_path):
+    """Not served yet (docs/serving.md): a clear error at LLM(...), not wrong tokens later."""
+    save_checkpoint(tmp_path, "trellis")
+    with pytest.raises(Exception, match="speculative decoding .* is not supported for Trellis checkpoints"):
+        engine(tmp_path, speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4})

@@ -14,16 +14,19 @@ MODEL_CLASS = "trellis_lm.integrations.vllm.model:TrellisForCausalLM"
 
 
 def register() -> None:
-    """Register the model class (lazily, by import string) and how vLLM reads its config.
+    """Register the model class (lazily, by import string), how vLLM reads its config, and the
+    checks of what the plugin serves (run when vLLM builds its configuration).
 
     Safe to call more than once (vLLM loads plugins in each of its processes)."""
     from vllm import ModelRegistry
+    from vllm.model_executor.models.config import MODELS_CONFIG_MAP
     from vllm.transformers_utils.model_arch_config_convertor import MODEL_ARCH_CONFIG_CONVERTORS
 
     import trellis_lm  # noqa: F401  (registers TrellisConfig with AutoConfig: no remote code needed)
 
-    from .config import TrellisArchConvertor
+    from .config import TrellisArchConvertor, TrellisServingChecks
 
     if ARCHITECTURE not in ModelRegistry.get_supported_archs():
         ModelRegistry.register_model(ARCHITECTURE, MODEL_CLASS)
     MODEL_ARCH_CONFIG_CONVERTORS[trellis_lm.TrellisConfig.model_type] = TrellisArchConvertor
+    MODELS_CONFIG_MAP[ARCHITECTURE] = TrellisServingChecks
