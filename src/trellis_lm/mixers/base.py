@@ -417,9 +417,9 @@ class MemoryMixer(Mixer):
         ``rows`` rows that read ``carried`` and returned ``after`` (:meth:`mix`'s ``q_tail,
         k_tail, state``)."""
         entry = call.entry(self.layer_idx)
-        entry.q_tail, entry.k_tail, entry.state = self._carried(*carried, *after, rows)
+        entry.q_tail, entry.k_tail, entry.state = self.carried_after(*carried, *after, rows)
 
-    def _carried(self, q_tail: Any, k_tail: Any, state: Any, new_q_tail: Any, new_k_tail: Any,
+    def carried_after(self, q_tail: Any, k_tail: Any, state: Any, new_q_tail: Any, new_k_tail: Any,
                  new_state: Any, rows: int) -> tuple[Any, Any, Any]:
         """What the entry carries after a call on ``rows`` rows: the new tails (when there is a
         conv) and the new state (``None`` when no row had a real token: the old one stands, or
@@ -440,7 +440,7 @@ class MemoryMixer(Mixer):
         mask = record.mask
         valid = None if mask is None or bool(mask.all()) else ValidTokens.from_mask(mask)
         _, q_tail, k_tail, state = self.mix(record.x, valid, *record.before, keep_state=True, with_output=False)
-        return self._carried(*record.before, q_tail, k_tail, state, record.x.shape[0])
+        return self.carried_after(*record.before, q_tail, k_tail, state, record.x.shape[0])
 
     def mix(
         self,

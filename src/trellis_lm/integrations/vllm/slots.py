@@ -184,7 +184,7 @@ def _run_rows(mixer: MemoryMixer, layout: SlotLayout, tensors: Sequence[torch.Te
         tails = [None, None]
 
     y, q_tail, k_tail, new_state = mixer.mix(rows.to(x.dtype), valid, *tails, state, keep_state=True)
-    q_tail, k_tail, new_state = mixer._carried(*tails, state, q_tail, k_tail, new_state, len(slots))
+    q_tail, k_tail, new_state = mixer.carried_after(*tails, state, q_tail, k_tail, new_state, len(slots))
     out[index[real]] = y[real]
     after = dict(new_state.tensors())
     if q_tail is not None:
