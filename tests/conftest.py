@@ -14,4 +14,4 @@ if not torch.cuda.is_available():
 # its torch and transformers): `make test-vllm`, CI's third job, runs them there. Elsewhere
 # they are not collected; tests/test_serving_slots.py checks the plugin's logic without vLLM.
 if importlib.util.find_spec("vllm") is None:
-    collect_ignore = ["vllm"]
+    collect_ignore = ["vllm_serving"]
