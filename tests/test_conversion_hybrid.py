@@ -30,7 +30,8 @@ from test_conversion import SHAPE, quick_args, save_random_teacher
 from tiny_models import random_tokens
 from trellis_lm.conversion import convert_llama_to_trellis, distill_layerwise, layer_mixers, layerwise_errors
 from trellis_lm.conversion.cli import add_convert_arguments, run_convert
-from trellis_lm.conversion.distill import LayerwiseMixers
+from trellis_lm.conversion.distill import LayerwiseMixers, distillation_kl
+from trellis_lm.conversion.layer_choice import choose_attention_layers, conversion_costs, keep_as_attention, parse_auto
 from trellis_lm.conversion.llama import repeat_kv_heads
 from trellis_lm.mixers import AttentionMixer, LatticeAttention, TrellisAttention
 
@@ -336,3 +337,79 @@ def test_cli_keeps_attention_layers(tmp_path, capsys):
     assert "keep_attention lists layer 1 more than once" in capsys.readouterr().err
     with pytest.raises(SystemExit):  # argparse: the two options exclude each other
         run_cli(tmp_path / "teacher", tmp_path / "c", "--keep-attention", "1", "--attention-every", 2)
+
+
+# ----------------------------------------------------------------------------- choosing kept layers
+
+
+def test_conversion_costs_price_each_layer_alone(tmp_path):
+    """Right after conversion each converted mixer outputs 0, so converting layer i alone is
+    the teacher with layer i's attention removed: the costs are those KLs, and the k dearest
+    layers are kept."""
+    teacher = make_teacher("llama", tmp_path / "teacher", layers=4, seed=3)
+    student = convert_llama_to_trellis(tmp_path / "teacher", tmp_path / "trellis", **SMALL_MEMORY)
+    ids, mask = random_tokens(3, 24, seed=5), torch.ones(3, 24, dtype=torch.long)
+    mask[0, 17:] = 0  # padding is left out
+    costs = conversion_costs(student, teacher, ids, mask)
+    reference = teacher(input_ids=ids, attention_mask=mask).logits
+    for layer in range(4):
+        with attention_removed(teacher, [layer]):
+            expected = distillation_kl(teacher(input_ids=ids, attention_mask=mask).logits, reference, mask).item()
+        assert costs[layer] == pytest.approx(expected, rel=1e-4, abs=1e-7)
+    assert len(set(costs.values())) == 4 and all(c > 0 for c in costs.values())
+    dearest = sorted(costs, key=costs.get)[-2:]
+    assert choose_attention_layers(costs, 2) == sorted(dearest)
+    assert choose_attention_layers(costs, 0) == []
+    with pytest.raises(ValueError, match=r"k must be an integer in \[0, 4\]"):
+        choose_attention_layers(costs, 5)
+
+
+def test_keep_as_attention_builds_the_hybrid_from_stage_one(tmp_path):
+    teacher = make_teacher("llama", tmp_path / "teacher", layers=3, seed=1, shared_direction=0.5)
+    student = convert_llama_to_trellis(tmp_path / "teacher", tmp_path / "trellis", **SMALL_MEMORY)
+    distill_layerwise(student, teacher, random_tokens(32, 16, seed=1), quick_args(tmp_path / "run", max_steps=5))
+    hybrid = keep_as_attention(student, tmp_path / "teacher", tmp_path / "hybrid", [1], **SMALL_MEMORY)
+    assert hybrid.config.layer_kinds == ["trellis", "attention", "trellis"]
+    for index in (0, 2):
+        for name, tensor in hybrid.model.layers[index].self_attn.state_dict().items():
+            assert torch.equal(tensor, student.model.layers[index].self_attn.state_dict()[name]), (index, name)
+    kept = attention_tensors(hybrid, 1)
+    for name, tensor in attention_tensors(teacher, 1).items():
+        assert torch.equal(kept[name], tensor), name
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hybrid")
+    assert torch.equal(reloaded.model.layers[0].self_attn.alpha_proj.weight, hybrid.model.layers[0].self_attn.alpha_proj.weight)
+
+
+@pytest.mark.parametrize("value, expected", [("auto:7", 7), ("auto:0", 0), ([1, 2], None), (None, None)])
+def test_auto_keep_attention_is_parsed(value, expected):
+    assert parse_auto(value) == expected
+
+
+def test_auto_keep_attention_refuses_other_strings():
+    with pytest.raises(ValueError, match="'auto:k'"):
+        parse_auto("auto")
+
+
+def test_cli_keeps_the_dearest_layers(tmp_path, capsys):
+    """--keep-attention auto:K: stage 1 on the all-converted model, the layers priced on
+    held-out blocks, the K dearest kept, stage 2 on the hybrid."""
+    make_teacher("llama", tmp_path / "teacher", layers=4, seed=2)
+    texts = tmp_path / "texts.jsonl"
+    texts.write_text("\n".join(json.dumps({"text": " ".join(f"w{3 + (i * j) % 90}" for j in range(40))})
+                               for i in range(20)))
+    distill = ("--num-slots", 8, "--chunk-size", 8, "--distill", "--data", texts, "--block-size", 16,
+               "--batch-size", 4, "--stage1-steps", 2, "--stage2-steps", 2, "--cpu", "--choice-blocks", 3)
+    assert run_cli(tmp_path / "teacher", tmp_path / "auto", *distill, "--keep-attention", "auto:2") == 0
+    choice = json.loads((tmp_path / "auto-distill" / "layer_choice.json").read_text())
+    costs = {int(layer): cost for layer, cost in choice["costs_kl"].items()}
+    assert sorted(costs) == [0, 1, 2, 3] and choice["blocks"] == 3
+    assert choice["kept"] == sorted(sorted(costs, key=costs.get)[-2:])
+    kinds = json.loads((tmp_path / "auto" / "config.json").read_text())["mixer_types"]
+    assert [i for i, kind in enumerate(kinds) if kind == "attention"] == choice["kept"]
+    assert "kept as attention" in capsys.readouterr().out
+
+    assert run_cli(tmp_path / "teacher", tmp_path / "x", "--keep-attention", "auto:2") == 2
+    assert "needs --distill" in capsys.readouterr().err
+    assert run_cli(tmp_path / "teacher", tmp_path / "y", *distill[:-2], "--choice-blocks", 500, "--keep-attention",
+                   "auto:1") == 2
+    assert "leaving none to train on" in capsys.readouterr().err

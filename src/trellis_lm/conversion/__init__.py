@@ -4,7 +4,8 @@
 rest (:mod:`.llama`; optionally keeping some layers as softmax attention, or making the others
 Lattice layers), from a checkpoint folder or a GGUF file (:mod:`.source`);
 :func:`distill_layerwise` and :func:`distill_logits` are the two training stages
-(:mod:`.distill`); :mod:`.cli` is the ``trellis-lm convert`` command. See
+(:mod:`.distill`); :func:`conversion_costs` prices converting each layer, to choose which ones a
+hybrid keeps as attention (:mod:`.layer_choice`); :mod:`.cli` is the ``trellis-lm convert`` command. See
 ``docs/conversion.md``.
 """
 
@@ -17,6 +18,7 @@ from .distill import (
     layerwise_errors,
     logit_kl,
 )
+from .layer_choice import choose_attention_layers, conversion_costs, keep_as_attention
 from .llama import (
     CONVERTED_MIXERS,
     NEW_LATTICE_PARAMETERS,
@@ -34,11 +36,14 @@ __all__ = [
     "NEW_MIXER_PARAMETERS",
     "SUPPORTED_ARCHITECTURES",
     "TokenBlocks",
+    "choose_attention_layers",
+    "conversion_costs",
     "convert_llama_to_trellis",
     "converted_layers",
     "distill_layerwise",
     "distill_logits",
     "distillation_arguments",
+    "keep_as_attention",
     "layer_mixers",
     "layerwise_errors",
     "logit_kl",

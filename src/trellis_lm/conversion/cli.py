@@ -5,8 +5,10 @@ SRC is a Hugging Face checkpoint folder, or a GGUF file (or a folder holding exa
 which transformers dequantizes to float32; GGUF needs `pip install gguf`.
 
 --keep-attention 3,7,11 keeps those teacher layers (0-based) as softmax attention layers, copied
-exactly; --attention-every N keeps every N-th layer (N-1, 2N-1, ...). --mixer lattice makes the
-other layers Lattice layers instead of Trellis layers.
+exactly; --attention-every N keeps every N-th layer (N-1, 2N-1, ...); --keep-attention auto:K
+(with --distill) keeps the K layers whose conversion alone costs most (KL to the teacher on
+held-out blocks, after stage 1 on an all-converted model; see conversion.layer_choice). --mixer
+lattice makes the other layers Lattice layers instead of Trellis layers.
 
 Without --distill, DST is the converted model. With --distill, DST ends up holding the
 distilled model, and each stage's checkpoints go to --work-dir (default DST-distill):
@@ -38,7 +40,8 @@ from ..arguments import float_above, fraction, int_at_least, probability, report
 from ..mixers import DEFAULT_KIND
 from ..modeling_trellis import TrellisForCausalLM
 from ..state_passing import DEFAULT_PROBABILITY, DEFAULT_START_FRACTION
-from .distill import TokenBlocks, distill_layerwise, distill_logits, distillation_arguments
+from .distill import TokenBlocks, distill_layerwise, distill_logits, distillation_arguments, pad_batch
+from .layer_choice import choose_attention_layers, conversion_costs, keep_as_attention, parse_auto
 from .llama import CONVERTED_MIXERS, convert_llama_to_trellis
 from .source import locate_source, path_overlap
 
@@ -57,8 +60,10 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mixer", choices=CONVERTED_MIXERS, default=DEFAULT_KIND,
                         help=f"what the converted layers become (default {DEFAULT_KIND})")
     hybrid = parser.add_mutually_exclusive_group()
-    hybrid.add_argument("--keep-attention", default=None, metavar="I,J,...",
-                        help="0-based teacher layers kept as softmax attention (copied exactly), e.g. 3,7,11")
+    hybrid.add_argument("--keep-attention", default=None, metavar="I,J,...|auto:K",
+                        help="0-based teacher layers kept as softmax attention (copied exactly), e.g. 3,7,11; or "
+                             "auto:K, the K layers whose conversion costs most in KL (needs --distill: chosen "
+                             "after stage 1)")
     hybrid.add_argument("--attention-every", type=positive, default=None, metavar="N",
                         help="keep every N-th layer as softmax attention: layers N-1, 2N-1, ... (N=1 keeps all)")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
@@ -90,6 +95,9 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
                               "0 is off)")
     distill.add_argument("--state-passing-from", type=fraction, default=DEFAULT_START_FRACTION, metavar="F",
                          help="stage 2: begin state passing at this fraction of the steps (default %(default)s)")
+    distill.add_argument("--choice-blocks", type=positive, default=8, metavar="N",
+                         help="with --keep-attention auto:K: the last N blocks of the data, held out of training, "
+                              "price each layer (default 8)")
     distill.add_argument("--save-steps", type=positive, default=500, help="checkpoint every N steps (default 500)")
     distill.add_argument("--resume", action="store_true", help="continue each stage from its latest checkpoint")
     distill.add_argument("--bf16", action="store_true", help="bfloat16 autocast, and the teacher in bfloat16")
@@ -102,15 +110,16 @@ def run_convert(args: argparse.Namespace) -> int:
         target = _checked_destination(args)
         overrides = dict(_parse_field(item) for item in args.set)
         texts = read_texts(args.data) if args.distill else []  # before converting: fail fast
+        if _auto_kept(args) is not None and not args.distill:
+            raise ValueError("argument --keep-attention: auto:K chooses the layers after stage 1 and needs --distill")
         with _staged(target, args.dst) as staging:
             student = convert_llama_to_trellis(
-                args.src, staging, num_slots=args.num_slots, chunk_size=args.chunk_size, seed=args.seed,
-                mixer=args.mixer, keep_attention=parse_layer_list(args.keep_attention),
-                attention_every=args.attention_every, **overrides,
+                args.src, staging, keep_attention=None if _auto_kept(args) is not None else parse_layer_list(
+                    args.keep_attention), attention_every=args.attention_every, **_conversion_options(args, overrides),
             )
             print(f"converted {args.src} -> {args.dst} ({student.num_parameters() / 1e6:.1f}M parameters)")
             if args.distill:
-                _distill(student, texts, args, staging)
+                _distill(student, texts, args, staging, overrides)
         if args.distill:
             print(f"distilled model written to {args.dst}")
     except ValueError as error:
@@ -182,10 +191,30 @@ def _work_dir(args: argparse.Namespace) -> Path:
     return Path(args.work_dir or f"{str(args.dst).rstrip('/')}-distill")
 
 
-def _distill(student: TrellisForCausalLM, texts: list[str], args: argparse.Namespace, out: Path) -> None:
+def _auto_kept(args: argparse.Namespace) -> Optional[int]:
+    """K of ``--keep-attention auto:K``, else ``None``."""
+    text = args.keep_attention
+    return parse_auto(text) if isinstance(text, str) and text.startswith("auto") else None
+
+
+def _conversion_options(args: argparse.Namespace, overrides: dict[str, Any]) -> dict[str, Any]:
+    """The conversion's arguments besides the kept layers (the same for a re-conversion)."""
+    return dict(num_slots=args.num_slots, chunk_size=args.chunk_size, seed=args.seed, mixer=args.mixer, **overrides)
+
+
+def _distill(student: TrellisForCausalLM, texts: list[str], args: argparse.Namespace, out: Path,
+             overrides: dict[str, Any]) -> None:
     """Distil ``student`` (converted into ``out``) into the model ``out`` ends up holding."""
     tokenizer = AutoTokenizer.from_pretrained(out)
     data = TokenBlocks.from_texts(texts, tokenizer, args.block_size)
+    auto_kept = _auto_kept(args)
+    choice_rows = None
+    if auto_kept is not None:
+        if len(data) <= args.choice_blocks:
+            raise ValueError(f"argument --choice-blocks: the data holds {len(data)} blocks of {args.block_size} tokens; "
+                             f"pricing the layers holds {args.choice_blocks} out, leaving none to train on")
+        choice_rows = data.rows[-args.choice_blocks:]
+        data = TokenBlocks(data.rows[: -args.choice_blocks])
     teacher = locate_source(args.src).load_model(dtype=torch.bfloat16 if args.bf16 else torch.float32)
     saved_dtype = student.dtype
     work = _work_dir(args)
@@ -201,6 +230,8 @@ def _distill(student: TrellisForCausalLM, texts: list[str], args: argparse.Names
         )
         student.save_pretrained(layerwise_final)
         tokenizer.save_pretrained(layerwise_final)
+    if auto_kept is not None:
+        student = _keep_dearest_layers(student, teacher, choice_rows, auto_kept, args, out, overrides)
 
     lora_rank = args.lora_rank or None
     stage2_lr = args.stage2_lr if args.stage2_lr is not None else (1e-4 if lora_rank else 1e-5)
@@ -211,6 +242,21 @@ def _distill(student: TrellisForCausalLM, texts: list[str], args: argparse.Names
         state_passing_from=args.state_passing_from,
     )
     student.to(saved_dtype).save_pretrained(out)
+
+
+def _keep_dearest_layers(student: TrellisForCausalLM, teacher: Any, rows: list[torch.Tensor], k: int,
+                         args: argparse.Namespace, out: Path, overrides: dict[str, Any]) -> TrellisForCausalLM:
+    """The hybrid keeping the ``k`` layers whose conversion costs most on ``rows`` (held-out
+    blocks), the others' stage-1 mixers carried over; the costs go to the work dir."""
+    batch = pad_batch([{"input_ids": row} for row in rows])
+    device = next(teacher.parameters()).device
+    costs = conversion_costs(student.to(device), teacher, batch["input_ids"].to(device), batch["attention_mask"].to(device))
+    kept = choose_attention_layers(costs, k)
+    record = {"costs_kl": {str(layer): cost for layer, cost in costs.items()}, "kept": kept, "blocks": len(rows)}
+    (_work_dir(args) / "layer_choice.json").write_text(json.dumps(record, indent=1))
+    print(f"kept as attention (largest KL when converted alone): {kept}")
+    hybrid = keep_as_attention(student, args.src, out, kept, **_conversion_options(args, overrides))
+    return hybrid.float()
 
 
 def _training_args(output_dir: Path, args: argparse.Namespace, steps: int, learning_rate: float) -> TrainingArguments:
