@@ -45,6 +45,7 @@ from trellis_lm.conversion import (
 from trellis_lm.conversion.cli import add_convert_arguments, run_convert
 from trellis_lm.conversion.distill import TokenBlocks
 from trellis_lm.conversion.llama import repeat_kv_heads
+from trellis_lm.conversion.teacher import TeacherActivations, pad_activations, teacher_attention
 
 SHAPE = dict(
     vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -415,3 +416,59 @@ def test_cli_reports_errors_with_exit_status_2(tmp_path, capsys):
     assert "mismatched head dims" in capsys.readouterr().err
     assert run_cli(tmp_path / "teacher", tmp_path / "out", "--distill") == 2
     assert "--distill needs training texts" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- stage 1: cached teacher, held-out stop
+
+
+def test_teacher_activations_are_the_teachers_and_reused_from_disk(llm_like_teacher, tmp_path):
+    teacher, _ = llm_like_teacher
+    blocks = TokenBlocks([random_tokens(1, n, seed=n)[0] for n in (16, 9, 16, 5)])
+    cached = TeacherActivations(teacher, blocks, [0, 1], tmp_path / "acts", memory_bytes=0, batch_size=3)
+    assert cached.computed == 4 and len(list((tmp_path / "acts").glob("block-*.safetensors"))) == 4
+    for index in range(4):
+        item = cached[index]
+        inputs, targets = teacher_attention(teacher, item["input_ids"][None], None, [0, 1])
+        torch.testing.assert_close(item["teacher_inputs"], torch.cat(inputs), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(item["teacher_targets"], torch.cat(targets), rtol=1e-5, atol=1e-6)
+    batch = pad_activations([cached[1], cached[3]])
+    assert batch["teacher_inputs"].shape == (2, 2, 9, 32) and not batch["teacher_inputs"][1, :, 5:].any()
+    assert TeacherActivations(teacher, blocks, [0, 1], tmp_path / "acts", memory_bytes=0).computed == 0  # resumed
+    assert TeacherActivations(teacher, blocks, [1], tmp_path / "acts", memory_bytes=0).computed == 4  # other layers
+    in_memory = TeacherActivations(teacher, blocks, [0, 1], tmp_path / "mixed", memory_bytes=2 * 2 * 16 * 32 * 4)
+    assert len(in_memory.memory) == 1 and len(list((tmp_path / "mixed").glob("block-*"))) == 3  # the budget holds one
+    _, targets = teacher_attention(teacher, blocks[2]["input_ids"][None], None, [0, 1])
+    torch.testing.assert_close(in_memory[2]["teacher_targets"], torch.cat(targets), rtol=1e-5, atol=1e-6)
+
+
+def test_stage_one_on_cached_activations_equals_stage_one_on_the_teacher(llm_like_teacher, tmp_path):
+    teacher, folder = llm_like_teacher
+    data = random_tokens(24, 16, seed=4)
+    students = []
+    for cache in (None, tmp_path / "acts"):
+        student = convert_llama_to_trellis(folder, tmp_path / f"s{len(students)}", **SMALL_MEMORY)
+        distill_layerwise(student, teacher, data, quick_args(tmp_path / f"run{len(students)}", max_steps=6,
+                                                             learning_rate=1e-2), teacher_cache=cache)
+        students.append(student)
+    assert students[0].model.layers[0].self_attn.g_proj.weight.any()
+    for a, b in zip(students[0].state_dict().values(), students[1].state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_held_out_layer_errors_record_the_curve_and_stop_a_stalled_run(llm_like_teacher, tmp_path):
+    teacher, folder = llm_like_teacher
+    student = convert_llama_to_trellis(folder, tmp_path / "s", **SMALL_MEMORY)
+    heldout = random_tokens(4, 16, seed=99)
+    distill_layerwise(student, teacher, random_tokens(64, 16, seed=1), quick_args(tmp_path / "run", max_steps=12,
+                      learning_rate=1e-2), teacher_cache=True, heldout=heldout, eval_every=3)
+    curve = json.loads((tmp_path / "run" / "layer_errors.json").read_text())
+    assert [point["step"] for point in curve] == [0, 3, 6, 9, 12]
+    assert curve[0]["layers"] == {"0": 1.0, "1": 1.0} and curve[-1]["mean"] < curve[0]["mean"]
+    torch.testing.assert_close(torch.tensor(list(curve[-1]["layers"].values())),
+                               layerwise_errors(student, teacher, heldout), rtol=1e-5, atol=1e-6)
+    # Nothing can improve at a learning rate of 0: stopped after `patience` measurements.
+    stalled = convert_llama_to_trellis(folder, tmp_path / "t", **SMALL_MEMORY)
+    distill_layerwise(stalled, teacher, random_tokens(64, 16, seed=1), quick_args(tmp_path / "stalled", max_steps=40,
+                      learning_rate=0.0), heldout=heldout, eval_every=2, patience=2)
+    steps = [point["step"] for point in json.loads((tmp_path / "stalled" / "layer_errors.json").read_text())]
+    assert steps == [0, 2, 4]

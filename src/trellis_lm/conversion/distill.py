@@ -21,74 +21,28 @@ is left out of every loss.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-from typing import Any, Iterator, Optional, Sequence, Union
+import json
+from pathlib import Path
+from typing import Any, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
 from peft import LoraConfig, get_peft_model
 from torch import nn
-from torch.utils.data import Dataset
-from transformers import PreTrainedModel, PreTrainedTokenizerBase, Trainer, TrainingArguments
+from transformers import PreTrainedModel, PreTrainedTokenizerBase, Trainer, TrainerCallback, TrainingArguments
 
 from ..mixers.tokens import ValidTokens
 from ..modeling_trellis import TrellisForCausalLM
 from ..state_passing import DEFAULT_PROBABILITY, DEFAULT_START_FRACTION, StatePassingCallback
+from .data import TokenBlocks, TrainData, as_dataset, pad_batch
 from .llama import converted_layers, new_parameter_names
+from .teacher import INPUTS, TARGETS, TeacherActivations, captured_attention, pad_activations, teacher_attention
 
 # The mixer's linear maps: the carried projections and the new ones. LoRA reaches nothing else
 # (convs, norms and memories are not linear layers; stage 1 has fitted them).
 DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "alpha_proj", "beta_proj", "gamma_proj", "g_proj")
 
-TrainData = Union[Sequence[str], torch.Tensor, Dataset]
-
-
 # ----------------------------------------------------------------------------- data
-
-
-class TokenBlocks(Dataset):
-    """Rows of token ids; item i is ``{"input_ids": LongTensor [T_i]}``."""
-
-    def __init__(self, rows: Sequence[torch.Tensor]) -> None:
-        self.rows = [torch.as_tensor(row, dtype=torch.long) for row in rows]
-
-    @classmethod
-    def from_texts(cls, texts: Sequence[str], tokenizer: PreTrainedTokenizerBase, block_size: int) -> "TokenBlocks":
-        """Tokenize ``texts``, join them with the EOS token, and cut the stream into blocks of
-        ``block_size`` tokens (the last block may be shorter; one of fewer than 2 tokens is
-        dropped, as it holds no prediction)."""
-        ids = tokenizer(list(texts), add_special_tokens=False)["input_ids"]
-        separator = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
-        stream = torch.tensor([token for row in ids for token in row + separator], dtype=torch.long)
-        return cls([block for block in stream.split(block_size) if len(block) >= 2])
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.rows[index]}
-
-
-def as_dataset(data: TrainData, tokenizer: Optional[PreTrainedTokenizerBase], block_size: int) -> Dataset:
-    """A map-style dataset of ``{"input_ids"[, "attention_mask"]}`` items from any accepted form."""
-    if isinstance(data, torch.Tensor):
-        return TokenBlocks(list(data))
-    if isinstance(data, (list, tuple)) and data and isinstance(data[0], str):
-        if tokenizer is None:
-            raise ValueError("texts need a tokenizer: pass tokenizer=")
-        return TokenBlocks.from_texts(data, tokenizer, block_size)
-    return data
-
-
-def pad_batch(features: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-    """Right-pad ``input_ids`` (with 0: padding is masked out everywhere) -> ``[B, T]`` ids and mask."""
-    rows = [torch.as_tensor(f["input_ids"], dtype=torch.long) for f in features]
-    masks = [torch.as_tensor(f.get("attention_mask", torch.ones_like(row)), dtype=torch.long)
-             for f, row in zip(features, rows)]
-    return {
-        "input_ids": nn.utils.rnn.pad_sequence(rows, batch_first=True),
-        "attention_mask": nn.utils.rnn.pad_sequence(masks, batch_first=True),
-    }
 
 
 def distillation_arguments(output_dir: str, **overrides: Any) -> TrainingArguments:
@@ -106,47 +60,6 @@ def distillation_arguments(output_dir: str, **overrides: Any) -> TrainingArgumen
 
 
 # ----------------------------------------------------------------------------- stage 1: layer-wise
-
-
-@contextmanager
-def captured_attention(
-    teacher: PreTrainedModel, layers: Optional[Sequence[int]] = None
-) -> Iterator[list[Optional[tuple[torch.Tensor, torch.Tensor]]]]:
-    """While open, each teacher forward fills the yielded list, one entry per layer:
-    ``(attention input [B, T, D] after input_layernorm, attention output [B, T, D] after o_proj)``;
-    only ``layers`` (default all) are captured, the others stay ``None``."""
-    all_layers = teacher.model.layers
-    pairs: list[Optional[tuple[torch.Tensor, torch.Tensor]]] = [None] * len(all_layers)
-    wanted = range(len(all_layers)) if layers is None else layers
-
-    def hook(index: int, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        hidden = args[0] if args else kwargs["hidden_states"]
-        pairs[index] = (hidden.detach(), (output[0] if isinstance(output, tuple) else output).detach())
-
-    handles = [
-        all_layers[i].self_attn.register_forward_hook(lambda *a, i=i: hook(i, *a), with_kwargs=True)
-        for i in wanted
-    ]
-    try:
-        yield pairs
-    finally:
-        for handle in handles:
-            handle.remove()
-
-
-@torch.no_grad()
-def teacher_attention(
-    teacher: PreTrainedModel,
-    input_ids: torch.Tensor,
-    attention_mask: Optional[torch.Tensor],
-    layers: Optional[Sequence[int]] = None,
-) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """The attention inputs and outputs ``[B, T, D]`` of ``layers`` (default all, in that order)
-    for ``input_ids [B, T]`` (the teacher's body only: its LM head is not needed)."""
-    with captured_attention(teacher, layers) as pairs:
-        teacher.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-    wanted = range(len(pairs)) if layers is None else layers
-    return [pairs[i][0] for i in wanted], [pairs[i][1] for i in wanted]
 
 
 class LayerwiseMixers(nn.Module):
@@ -182,6 +95,61 @@ class LayerwiseMixers(nn.Module):
         return torch.stack(errors)
 
 
+class HeldOutLayerErrors(TrainerCallback):
+    """Stage 1's measure on held-out blocks, and its stopping rule: every ``every`` steps the
+    layer errors of the held-out blocks are measured and recorded (``layer_errors.json`` in the
+    run's folder); the run stops once their mean has not improved by ``min_gain`` (relative) for
+    ``patience`` measurements.
+
+    Args:
+        mixers: the stage-1 module (:class:`~.distill.LayerwiseMixers`).
+        teacher: the teacher.
+        input_ids: ``[N, T]`` held-out blocks (never trained on).
+        every: optimiser steps between measurements.
+        patience: measurements without a gain of ``min_gain`` (relative, on the mean error)
+            before the run stops; ``None`` never stops it.
+        min_gain: the relative gain that counts as an improvement.
+    """
+
+    def __init__(self, mixers: nn.Module, teacher: PreTrainedModel, input_ids: torch.Tensor, every: int = 50,
+                 patience: Optional[int] = None, min_gain: float = 0.01) -> None:
+        self.mixers, self.teacher, self.input_ids = mixers, teacher, input_ids
+        self.every, self.patience, self.min_gain = every, patience, min_gain
+        self.curve: list[dict[str, Any]] = []
+        self.best, self.stale = float("inf"), 0
+
+    @torch.no_grad()
+    def measure(self) -> list[float]:
+        device = next(self.mixers.parameters()).device
+        ids = self.input_ids.to(device)
+        errors = self.mixers(*teacher_attention(self.teacher, ids, None, self.mixers.layer_indices), None)
+        return errors.tolist()
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.best = self._record(state.global_step, args)
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if state.global_step % self.every == 0 or state.global_step == state.max_steps:
+            mean = self._record(state.global_step, args)
+            if mean < self.best * (1 - self.min_gain):
+                self.best, self.stale = mean, 0
+            else:
+                self.stale += 1
+                if self.patience is not None and self.stale >= self.patience:
+                    control.should_training_stop = True
+
+    def _record(self, step: int, args: Any) -> float:
+        was_training = self.mixers.training
+        self.mixers.eval()
+        errors = self.measure()
+        self.mixers.train(was_training)
+        mean = sum(errors) / max(len(errors), 1)
+        self.curve.append({"step": step, "mean": mean, "layers": dict(zip(map(str, self.mixers.layer_indices), errors))})
+        Path(args.output_dir).mkdir(parents=True, exist_ok=True)
+        (Path(args.output_dir) / "layer_errors.json").write_text(json.dumps(self.curve, indent=1))
+        return mean
+
+
 class _TeacherTrainer(Trainer):
     """A Trainer that also holds a frozen teacher on the training device."""
 
@@ -201,8 +169,11 @@ class LayerwiseTrainer(_TeacherTrainer):
         num_items_in_batch: Any = None,
     ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         mask = inputs["attention_mask"]
-        layers = model.layer_indices
-        errors = model(*teacher_attention(self.teacher, inputs["input_ids"], mask, layers), mask)
+        if INPUTS in inputs:  # computed once per block (TeacherActivations)
+            pairs = (list(inputs[INPUTS].unbind(1)), list(inputs[TARGETS].unbind(1)))
+        else:
+            pairs = teacher_attention(self.teacher, inputs["input_ids"], mask, model.layer_indices)
+        errors = model(*pairs, mask)
         loss = errors.mean()
         return (loss, errors) if return_outputs else loss
 
@@ -217,9 +188,23 @@ def distill_layerwise(
     block_size: int = 1024,
     train_carried: bool = False,
     resume_from_checkpoint: Union[str, bool, None] = None,
+    teacher_cache: Union[str, Path, bool, None] = None,
+    cache_memory_bytes: int = 2**30,
+    heldout: Optional[torch.Tensor] = None,
+    eval_every: int = 50,
+    patience: Optional[int] = None,
 ) -> TrellisForCausalLM:
     """Stage 1: fit each converted mixer to its teacher attention layer; returns ``student``,
     updated in place.
+
+    With ``teacher_cache`` the teacher runs once per training block before training
+    (:class:`~.teacher.TeacherActivations`: in memory up to ``cache_memory_bytes``, the rest in
+    the folder ``teacher_cache``, reused when the run resumes; ``True``: in memory only), so
+    steps past the first epoch cost the mixers alone; without it the teacher runs at every step.
+    With ``heldout`` (``[N, T]`` ids of blocks never trained on), the layer errors on them are
+    measured every ``eval_every`` steps into ``layer_errors.json`` in ``args.output_dir`` (the
+    curve), and with ``patience`` the run stops once they stop improving
+    (:class:`HeldOutLayerErrors`).
 
     Only the new parameters of the converted layers train (``train_carried=True`` adds their
     carried ``q/k/v/o_proj``); layers kept as softmax attention, embeddings, MLPs and norms are
@@ -253,10 +238,18 @@ def distill_layerwise(
             if part is not None:
                 part.requires_grad_(True)
     args.remove_unused_columns = False
-    trainer = LayerwiseTrainer(
-        model=LayerwiseMixers(student), args=args, train_dataset=as_dataset(train_data, tokenizer, block_size),
-        data_collator=pad_batch, processing_class=tokenizer, teacher=teacher,
-    )
+    dataset, collate = as_dataset(train_data, tokenizer, block_size), pad_batch
+    if teacher_cache:
+        folder = None if teacher_cache is True else teacher_cache
+        with torch.no_grad():
+            dataset = TeacherActivations(teacher.to(args.device).eval(), dataset, layers, folder, cache_memory_bytes,
+                                         batch_size=args.per_device_train_batch_size)
+        collate = pad_activations
+    mixers = LayerwiseMixers(student)
+    trainer = LayerwiseTrainer(model=mixers, args=args, train_dataset=dataset, data_collator=collate,
+                               processing_class=tokenizer, teacher=teacher)
+    if heldout is not None:
+        trainer.add_callback(HeldOutLayerErrors(mixers, trainer.teacher, heldout, eval_every, patience))
     trainer.train(resume_from_checkpoint=resume_from_checkpoint)
     return student.requires_grad_(True).to(device)
 
@@ -386,6 +379,7 @@ def logit_kl(
 
 __all__ = [
     "DEFAULT_LORA_TARGETS",
+    "HeldOutLayerErrors",
     "LayerwiseMixers",
     "LayerwiseTrainer",
     "LogitTrainer",
