@@ -403,6 +403,13 @@ def test_cli_converts_and_distils(llm_like_teacher, tmp_path):
     assert (work / "layerwise" / "final" / "config.json").is_file()
     assert [p.name for p in (work / "logits").glob("checkpoint-*")] == ["checkpoint-2"]
 
+    # Stage 1 on cached teacher activations, measured on held-out blocks.
+    cached = (*distill[:-1], "--stage1-cache-gib", "0.001", "--heldout-blocks", 2, "--eval-every", 1)
+    assert run_cli(folder, tmp_path / "cached", *cached, "--work-dir", tmp_path / "cached-work") == 0
+    assert (tmp_path / "cached-work" / "teacher_activations" / "manifest.json").is_file()
+    curve = json.loads((tmp_path / "cached-work" / "layerwise" / "layer_errors.json").read_text())
+    assert [point["step"] for point in curve] == [0, 1, 2]
+
     # Resuming a finished run redoes nothing and writes the same model again.
     assert run_cli(folder, dst, *distill, "--resume") == 0
     again = AutoModelForCausalLM.from_pretrained(dst)

@@ -82,6 +82,17 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
     distill.add_argument("--stage1-lr", type=positive_float, default=1e-3, help="stage 1 learning rate (default 1e-3)")
     distill.add_argument("--stage1-train-carried", action="store_true",
                          help="stage 1 also trains the q/k/v/o projections copied from the teacher")
+    distill.add_argument("--stage1-cache-gib", type=float_above(0), default=None, metavar="GIB",
+                         help="stage 1: run the teacher once per block and reuse its activations (up to GIB in "
+                              "memory, the rest in WORK_DIR/teacher_activations, reused by --resume); default: "
+                              "the teacher runs at every step")
+    distill.add_argument("--heldout-blocks", type=int_at_least(0), default=0, metavar="N",
+                         help="stage 1: the last N blocks of the data (after --choice-blocks), held out of "
+                              "training, measure the layer errors every --eval-every steps "
+                              "(WORK_DIR/layerwise/layer_errors.json)")
+    distill.add_argument("--eval-every", type=positive, default=50, help="stage 1: steps between held-out measurements")
+    distill.add_argument("--stage1-patience", type=positive, default=None, metavar="K",
+                         help="stage 1: stop after K held-out measurements without a 1%% gain (needs --heldout-blocks)")
     distill.add_argument("--stage2-steps", type=positive, default=4000, help="stage 2 optimiser steps (default 4000)")
     distill.add_argument("--stage2-lr", type=positive_float, default=None,
                          help="stage 2 learning rate (default 1e-4 with LoRA, 1e-5 for full weights)")
@@ -112,6 +123,8 @@ def run_convert(args: argparse.Namespace) -> int:
         texts = read_texts(args.data) if args.distill else []  # before converting: fail fast
         if _auto_kept(args) is not None and not args.distill:
             raise ValueError("argument --keep-attention: auto:K chooses the layers after stage 1 and needs --distill")
+        if args.stage1_patience is not None and not args.heldout_blocks:
+            raise ValueError("argument --stage1-patience: stopping needs held-out blocks to measure (--heldout-blocks N)")
         with _staged(target, args.dst) as staging:
             student = convert_llama_to_trellis(
                 args.src, staging, keep_attention=None if _auto_kept(args) is not None else parse_layer_list(
@@ -215,6 +228,13 @@ def _distill(student: TrellisForCausalLM, texts: list[str], args: argparse.Names
                              f"pricing the layers holds {args.choice_blocks} out, leaving none to train on")
         choice_rows = data.rows[-args.choice_blocks:]
         data = TokenBlocks(data.rows[: -args.choice_blocks])
+    heldout = None
+    if args.heldout_blocks:
+        if len(data) <= args.heldout_blocks:
+            raise ValueError(f"argument --heldout-blocks: the data holds {len(data)} training blocks; holding "
+                             f"{args.heldout_blocks} out leaves none to train on")
+        heldout = pad_batch([{"input_ids": row} for row in data.rows[-args.heldout_blocks:]])["input_ids"]
+        data = TokenBlocks(data.rows[: -args.heldout_blocks])
     teacher = locate_source(args.src).load_model(dtype=torch.bfloat16 if args.bf16 else torch.float32)
     saved_dtype = student.dtype
     work = _work_dir(args)
@@ -227,6 +247,9 @@ def _distill(student: TrellisForCausalLM, texts: list[str], args: argparse.Names
             student.float(), teacher, data, _training_args(work / "layerwise", args, args.stage1_steps, args.stage1_lr),
             tokenizer=tokenizer, train_carried=args.stage1_train_carried,
             resume_from_checkpoint=_checkpoint(work / "layerwise", args),
+            teacher_cache=None if args.stage1_cache_gib is None else work / "teacher_activations",
+            cache_memory_bytes=int((args.stage1_cache_gib or 0) * 2**30), heldout=heldout, eval_every=args.eval_every,
+            patience=args.stage1_patience,
         )
         student.save_pretrained(layerwise_final)
         tokenizer.save_pretrained(layerwise_final)
