@@ -44,7 +44,7 @@ import math
 import platform
 import time
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from tqdm.auto import tqdm
@@ -63,6 +63,9 @@ from trellis_lm.conversion import (
     layerwise_errors,
 )
 from trellis_lm.conversion.cli import read_texts
+from trellis_lm.eval.decode_cost import decode_cost
+from trellis_lm.eval.harness import evaluate
+from trellis_lm.eval.perplexity import perplexity_by_position
 from trellis_lm.conversion.source import locate_source
 from trellis_lm.training import stdlib_docstrings
 
@@ -87,6 +90,12 @@ class Preset:
     num_slots: int = 64
     chunk_size: int = 64
     threads: Optional[int] = None  # torch CPU threads (None: torch's default)
+    position_length: int = 4096  # tokens of held-out text read in one pass (perplexity by position)
+    position_train_length: int = 1024  # the first position bucket (then doubling)
+    position_files: int = 2
+    decode_contexts: tuple[int, ...] = (1024, 8192)  # decode ms/token and cache bytes after these contexts
+    samples: int = 3  # held-out prompts continued greedily by every model, side by side
+    harness_limit: Optional[int] = None  # items per lm-eval demo task (None: all)
     stage1_cache_gib: float = 2.0  # teacher activations held in memory (the rest on disk)
     stage1_eval_every: int = 10  # stage-1 steps between held-out layer-error measurements
     bf16: bool = False
@@ -98,7 +107,8 @@ PRESETS = {
     # A dry run of every step: seconds on a tiny teacher, a few minutes on SmolLM2.
     "quick": Preset(block_size=32, stage1_steps=3, stage1_batch=2, stage1_lr=1e-2, stage2_steps=2, stage2_batch=2,
                     stage2_lr=1e-3, lora_rank=8, eval_blocks=2, error_blocks=2, attention_every=2, threads=1,
-                    train_chars=200_000),
+                    train_chars=200_000, position_length=128, position_train_length=32, position_files=1,
+                    decode_contexts=(64,), samples=1, harness_limit=2),
     # About 30 minutes on a shared 2-core CPU with one thread: short blocks, few steps, a high
     # learning rate for the few stage-1 steps. Far from converged; it shows the direction.
     "cpu": Preset(block_size=128, stage1_steps=40, stage1_batch=4, stage1_lr=1e-2, stage2_steps=40, stage2_batch=2,
@@ -107,7 +117,8 @@ PRESETS = {
     # stage 1, ~16M in stage 2, bf16 autocast.
     "gpu": Preset(block_size=1024, stage1_steps=2000, stage1_batch=8, stage1_lr=1e-3, stage2_steps=2000,
                   stage2_batch=8, stage2_lr=1e-4, lora_rank=16, eval_blocks=64, error_blocks=8, attention_every=4,
-                  bf16=True, train_chars=200_000_000),
+                  bf16=True, train_chars=200_000_000, position_length=32768, position_files=8,
+                  decode_contexts=(1024, 8192, 32768), samples=5),
 }
 
 
@@ -152,6 +163,30 @@ def measure(student, teacher, eval_blocks: torch.Tensor, error_blocks: torch.Ten
     return {"perplexity": ppl, "layer_errors": mean_errors.tolist(), "seconds": time.perf_counter() - start}
 
 
+@torch.no_grad()
+def final_measures(model, folder: Path, stream: torch.Tensor, prompts: list[torch.Tensor], tokenizer, preset: Preset,
+                   device: torch.device, desc: str) -> dict[str, Any]:
+    """What the issue's users compare once a model is done: perplexity by position on held-out
+    text read in one pass (past the teacher's training context where ``position_length`` allows),
+    decode ms/token and cache bytes after each of ``decode_contexts`` tokens (batch 1, greedy,
+    on ``device``), greedy continuations of ``prompts``, and the bundled lm-eval demo tasks on
+    the saved ``folder``."""
+    model.to(device).eval()
+    files = list(stream[: (stream.numel() // (preset.position_length + 1)) * (preset.position_length + 1)]
+                 .view(-1, preset.position_length + 1))
+    record: dict[str, Any] = {"perplexity_by_position": perplexity_by_position(
+        model, files, preset.position_length, preset.position_train_length, preset.position_files)}
+    record["decode"] = {str(length): decode_cost(model, stream[:length].to(device)) for length in preset.decode_contexts}
+    record["samples"] = [tokenizer.decode(model.generate(p[None].to(device), max_new_tokens=32, do_sample=False)[
+        0, p.numel():].tolist()) for p in prompts]
+    harness = evaluate(folder, ["trellis_demo"], model="hf", batch_size=4, limit=preset.harness_limit,
+                       device=str(device))["results"]
+    record["lm_eval"] = {task: {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
+                         for task, metrics in harness.items()}
+    print(f"{desc}: " + json.dumps({k: record[k] for k in ("perplexity_by_position", "lm_eval")}), flush=True)
+    return record
+
+
 def common_arguments(preset: Preset, device: torch.device) -> dict[str, Any]:
     return dict(use_cpu=device.type == "cpu", bf16=preset.bf16, save_steps=10**9, seed=0,
                 logging_steps=max(1, preset.stage1_steps // 10))
@@ -180,9 +215,11 @@ def conversion_options(preset: Preset) -> dict[str, Any]:
 
 
 def run_variant(name: str, src: Path, out: Path, preset: Preset, teacher, train: TokenBlocks, eval_blocks: torch.Tensor,
-                error_blocks: torch.Tensor, device: torch.device, stage1_student, kept: Optional[list[int]]) -> dict[str, Any]:
+                error_blocks: torch.Tensor, device: torch.device, stage1_student, kept: Optional[list[int]],
+                finish: Callable[[Any, Path, str], dict[str, Any]]) -> dict[str, Any]:
     """Measure the plain conversion keeping ``kept`` (``None``: none), take the stage-1 mixers
-    of ``stage1_student``, measure, stage 2, measure; returns the record of this student."""
+    of ``stage1_student``, measure, stage 2, measure, save and ``finish`` (the final measures);
+    returns the record of this student."""
     record: dict[str, Any] = {"kept_attention": kept or []}
     start = time.perf_counter()
     fresh = convert_llama_to_trellis(src, out / f"{name}-converted", keep_attention=kept, **conversion_options(preset))
@@ -204,6 +241,7 @@ def run_variant(name: str, src: Path, out: Path, preset: Preset, teacher, train:
     record["stage2_seconds"] = time.perf_counter() - start
     record["stage2"] = measure(student, teacher, eval_blocks, error_blocks, device, f"{name} stage 2")
     student.save_pretrained(out / name)
+    record["final"] = finish(student, out / name, name)
     return record
 
 
@@ -311,11 +349,23 @@ def run(src: Optional[Path] = None, preset_name: str = "cpu", out: Path = Path("
     chosen = choose_attention_layers(costs, len(every_kept))
     results["layer_choice"] = {"costs_kl": {str(k): v for k, v in costs.items()}, "kept": chosen,
                                "seconds": time.perf_counter() - start}
+    stream = torch.cat(TokenBlocks.from_texts(held_texts, tokenizer, 10**9).rows)
+    starts = torch.linspace(0, max(stream.numel() - 32, 0), preset.samples).long().tolist() if preset.samples else []
+    prompts = [stream[start : start + 24] for start in starts]
+    results["prompts"] = [tokenizer.decode(p.tolist()) for p in prompts]
+
+    def finish(model, folder: Path, desc: str) -> dict[str, Any]:
+        return final_measures(model, folder, stream, prompts, tokenizer, preset, device, desc)
+
+    teacher_folder = out / "teacher"
+    teacher.save_pretrained(teacher_folder)
+    tokenizer.save_pretrained(teacher_folder)
+    results["teacher"]["final"] = finish(teacher, teacher_folder, "teacher")
     results["students"] = {}
     # The all-Trellis student last: the hybrids copy its stage-1 mixers before its stage 2 changes them.
     for variant, kept in (("hybrid", every_kept), ("hybrid_auto", chosen), ("trellis", None)):
         record = run_variant(variant, src, out, preset, teacher, train, eval_blocks, error_blocks, device,
-                             stage1_student, kept)
+                             stage1_student, kept, finish)
         results["students"][variant] = record
         print(f"{variant}: perplexity " + ", ".join(
             f"{stage} {record[stage]['perplexity']:.2f}" for stage in ("converted", "stage1", "stage2")

@@ -43,7 +43,7 @@ from trellis_lm.conversion import (
     logit_kl,
 )
 from trellis_lm.conversion.cli import add_convert_arguments, run_convert
-from trellis_lm.conversion.distill import TokenBlocks
+from trellis_lm.conversion.distill import TokenBlocks, blocks_read
 from trellis_lm.conversion.llama import repeat_kv_heads
 from trellis_lm.conversion.teacher import TeacherActivations, pad_activations, teacher_attention
 
@@ -479,3 +479,17 @@ def test_held_out_layer_errors_record_the_curve_and_stop_a_stalled_run(llm_like_
                       learning_rate=0.0), heldout=heldout, eval_every=2, patience=2)
     steps = [point["step"] for point in json.loads((tmp_path / "stalled" / "layer_errors.json").read_text())]
     assert steps == [0, 2, 4]
+
+
+def test_a_cached_stage_one_computes_only_the_blocks_its_steps_read(llm_like_teacher, tmp_path):
+    """64 blocks given, 2 steps of 8 rows: 16 blocks cached, evenly spaced over the data (the
+    cache is bounded by the run, not by the data's size)."""
+    teacher, folder = llm_like_teacher
+    student = convert_llama_to_trellis(folder, tmp_path / "s", **SMALL_MEMORY)
+    data = random_tokens(64, 16, seed=1)
+    distill_layerwise(student, teacher, data, quick_args(tmp_path / "run", max_steps=2, learning_rate=1e-2),
+                      teacher_cache=tmp_path / "acts", cache_memory_bytes=0)
+    assert len(list((tmp_path / "acts").glob("block-*.safetensors"))) == 16
+    read = blocks_read(TokenBlocks(list(data)), quick_args(tmp_path / "x", max_steps=2))
+    assert [int(i) for i in read.indices] == list(range(0, 64, 4))
+    assert len(blocks_read(TokenBlocks(list(data)), quick_args(tmp_path / "x", max_steps=9))) == 64

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from peft import LoraConfig, get_peft_model
 from torch import nn
+from torch.utils.data import Dataset, Subset
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, Trainer, TrainerCallback, TrainingArguments
 
 from ..mixers.tokens import ValidTokens
@@ -60,6 +61,19 @@ def distillation_arguments(output_dir: str, **overrides: Any) -> TrainingArgumen
 
 
 # ----------------------------------------------------------------------------- stage 1: layer-wise
+
+
+def blocks_read(dataset: Dataset, args: TrainingArguments) -> Dataset:
+    """The blocks a run of ``args`` reads: every block when it runs whole epochs; with
+    ``max_steps``, as many as its steps take (``max_steps`` x batch x accumulation x processes),
+    evenly spaced over the data when that is fewer. What a cache of teacher activations holds is
+    then bounded by the run, not by the size of the data it was given."""
+    if args.max_steps is None or args.max_steps <= 0:
+        return dataset
+    needed = args.max_steps * args.train_batch_size * args.gradient_accumulation_steps * max(args.world_size, 1)
+    if needed >= len(dataset):
+        return dataset
+    return Subset(dataset, [i * len(dataset) // needed for i in range(needed)])
 
 
 class LayerwiseMixers(nn.Module):
@@ -201,6 +215,8 @@ def distill_layerwise(
     (:class:`~.teacher.TeacherActivations`: in memory up to ``cache_memory_bytes``, the rest in
     the folder ``teacher_cache``, reused when the run resumes; ``True``: in memory only), so
     steps past the first epoch cost the mixers alone; without it the teacher runs at every step.
+    With ``args.max_steps`` the run then trains on the blocks its steps take (:func:`blocks_read`:
+    evenly spaced over the data when fewer than it holds), and only those are computed and kept.
     With ``heldout`` (``[N, T]`` ids of blocks never trained on), the layer errors on them are
     measured every ``eval_every`` steps into ``layer_errors.json`` in ``args.output_dir`` (the
     curve), and with ``patience`` the run stops once they stop improving
@@ -241,6 +257,7 @@ def distill_layerwise(
     dataset, collate = as_dataset(train_data, tokenizer, block_size), pad_batch
     if teacher_cache:
         folder = None if teacher_cache is True else teacher_cache
+        dataset = blocks_read(dataset, args)
         with torch.no_grad():
             dataset = TeacherActivations(teacher.to(args.device).eval(), dataset, layers, folder, cache_memory_bytes,
                                          batch_size=args.per_device_train_batch_size)
@@ -380,6 +397,7 @@ def logit_kl(
 __all__ = [
     "DEFAULT_LORA_TARGETS",
     "HeldOutLayerErrors",
+    "blocks_read",
     "LayerwiseMixers",
     "LayerwiseTrainer",
     "LogitTrainer",
