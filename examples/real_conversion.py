@@ -47,6 +47,9 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 import torch
+from lm_eval import simple_evaluate
+from lm_eval.models.huggingface import HFLM
+from lm_eval.tasks import TaskManager
 from tqdm.auto import tqdm
 
 from trellis_lm.conversion import (
@@ -64,7 +67,7 @@ from trellis_lm.conversion import (
 )
 from trellis_lm.conversion.cli import read_texts
 from trellis_lm.eval.decode_cost import decode_cost
-from trellis_lm.eval.harness import evaluate
+from trellis_lm.eval.harness import TASKS_DIR
 from trellis_lm.eval.perplexity import perplexity_by_position
 from trellis_lm.conversion.source import locate_source
 from trellis_lm.training import stdlib_docstrings
@@ -164,13 +167,13 @@ def measure(student, teacher, eval_blocks: torch.Tensor, error_blocks: torch.Ten
 
 
 @torch.no_grad()
-def final_measures(model, folder: Path, stream: torch.Tensor, prompts: list[torch.Tensor], tokenizer, preset: Preset,
+def final_measures(model, stream: torch.Tensor, prompts: list[torch.Tensor], tokenizer, preset: Preset,
                    device: torch.device, desc: str) -> dict[str, Any]:
     """What the issue's users compare once a model is done: perplexity by position on held-out
     text read in one pass (past the teacher's training context where ``position_length`` allows),
     decode ms/token and cache bytes after each of ``decode_contexts`` tokens (batch 1, greedy,
-    on ``device``), greedy continuations of ``prompts``, and the bundled lm-eval demo tasks on
-    the saved ``folder``."""
+    on ``device``), greedy continuations of ``prompts``, and the bundled lm-eval demo tasks (the
+    model in memory: a GGUF teacher cannot be saved)."""
     model.to(device).eval()
     files = list(stream[: (stream.numel() // (preset.position_length + 1)) * (preset.position_length + 1)]
                  .view(-1, preset.position_length + 1))
@@ -179,8 +182,9 @@ def final_measures(model, folder: Path, stream: torch.Tensor, prompts: list[torc
     record["decode"] = {str(length): decode_cost(model, stream[:length].to(device)) for length in preset.decode_contexts}
     record["samples"] = [tokenizer.decode(model.generate(p[None].to(device), max_new_tokens=32, do_sample=False)[
         0, p.numel():].tolist()) for p in prompts]
-    harness = evaluate(folder, ["trellis_demo"], model="hf", batch_size=4, limit=preset.harness_limit,
-                       device=str(device))["results"]
+    harness = simple_evaluate(model=HFLM(pretrained=model, tokenizer=tokenizer, batch_size=4, device=str(device)),
+                              tasks=["trellis_demo"], task_manager=TaskManager(include_path=str(TASKS_DIR)),
+                              limit=preset.harness_limit)["results"]
     record["lm_eval"] = {task: {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
                          for task, metrics in harness.items()}
     print(f"{desc}: " + json.dumps({k: record[k] for k in ("perplexity_by_position", "lm_eval")}), flush=True)
@@ -216,7 +220,7 @@ def conversion_options(preset: Preset) -> dict[str, Any]:
 
 def run_variant(name: str, src: Path, out: Path, preset: Preset, teacher, train: TokenBlocks, eval_blocks: torch.Tensor,
                 error_blocks: torch.Tensor, device: torch.device, stage1_student, kept: Optional[list[int]],
-                finish: Callable[[Any, Path, str], dict[str, Any]]) -> dict[str, Any]:
+                finish: Callable[[Any, str], dict[str, Any]]) -> dict[str, Any]:
     """Measure the plain conversion keeping ``kept`` (``None``: none), take the stage-1 mixers
     of ``stage1_student``, measure, stage 2, measure, save and ``finish`` (the final measures);
     returns the record of this student."""
@@ -241,7 +245,7 @@ def run_variant(name: str, src: Path, out: Path, preset: Preset, teacher, train:
     record["stage2_seconds"] = time.perf_counter() - start
     record["stage2"] = measure(student, teacher, eval_blocks, error_blocks, device, f"{name} stage 2")
     student.save_pretrained(out / name)
-    record["final"] = finish(student, out / name, name)
+    record["final"] = finish(student, name)
     return record
 
 
@@ -354,13 +358,10 @@ def run(src: Optional[Path] = None, preset_name: str = "cpu", out: Path = Path("
     prompts = [stream[start : start + 24] for start in starts]
     results["prompts"] = [tokenizer.decode(p.tolist()) for p in prompts]
 
-    def finish(model, folder: Path, desc: str) -> dict[str, Any]:
-        return final_measures(model, folder, stream, prompts, tokenizer, preset, device, desc)
+    def finish(model, desc: str) -> dict[str, Any]:
+        return final_measures(model, stream, prompts, tokenizer, preset, device, desc)
 
-    teacher_folder = out / "teacher"
-    teacher.save_pretrained(teacher_folder)
-    tokenizer.save_pretrained(teacher_folder)
-    results["teacher"]["final"] = finish(teacher, teacher_folder, "teacher")
+    results["teacher"]["final"] = finish(teacher, "teacher")
     results["students"] = {}
     # The all-Trellis student last: the hybrids copy its stage-1 mixers before its stage 2 changes them.
     for variant, kept in (("hybrid", every_kept), ("hybrid_auto", chosen), ("trellis", None)):
