@@ -73,7 +73,8 @@ def fingerprint(teacher: PreTrainedModel, layers: Sequence[int], blocks: Dataset
     """What cached activations depend on: the teacher's weights (a sample of them), the layers
     and the blocks' tokens; files of another fingerprint are computed again."""
     digest = hashlib.sha256(json.dumps(list(layers)).encode())
-    for name, tensor in list(teacher.state_dict().items())[:: max(1, len(teacher.state_dict()) // 16)]:
+    tensors = list(teacher.state_dict().items())
+    for name, tensor in tensors[:: max(1, len(tensors) // 16)]:
         digest.update(name.encode())
         digest.update(tensor.detach().float().flatten()[:4096].cpu().numpy().tobytes())
     for index in range(len(blocks)):

@@ -104,20 +104,13 @@ class AttentionMixer(Mixer):
     def forward(self, x: torch.Tensor, valid: Optional[ValidTokens] = None,
                 cache: Union[TrellisCache, CacheCall, None] = None) -> torch.Tensor:
         batch, length, _ = x.shape
-        dim = self.config.head_dim
         call = CacheCall.of(cache)
         entry: Optional[AttentionLayerCache] = call.before(self.layer_idx) if call is not None else None
         has_past = entry is not None and entry.keys is not None
 
-        fused = stacked(self, x)
-        q, k, v = fused[1].values() if fused is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
-        q = q.view(batch, length, -1, dim).transpose(1, 2)  # [B, H, T, d]
-        k = k.view(batch, length, -1, dim).transpose(1, 2)  # [B, H_kv, T, d]
-        v = v.view(batch, length, -1, dim).transpose(1, 2)
         past = entry.positions if has_past else torch.zeros(batch, dtype=torch.long, device=x.device)
         positions = token_positions(valid, past.to(x.device), length)
-        cos, sin = rotary_cos_sin(positions, dim, self.config.rope_theta, q.dtype)
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        q, k, v = self.rotated_qkv(x, positions)
 
         mask = self._mask(valid, entry if has_past else None, batch, length, x.device)
         if has_past:
@@ -143,6 +136,21 @@ class AttentionMixer(Mixer):
         if call is not None:
             self._update(entry, call.entry(self.layer_idx), k, v, valid, positions, batch, length)
         return self.o_proj(out.reshape(batch, length, -1))
+
+    def rotated_qkv(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The queries ``[B, H, T, d]``, keys and values ``[B, H_kv, T, d]`` of ``x [B, T, D]``,
+        q and k turned by RoPE at ``positions [B, T]`` (what :meth:`forward` attends with; the
+        vLLM plugin hands them to vLLM's paged attention)."""
+        batch, length, _ = x.shape
+        dim = self.config.head_dim
+        fused = stacked(self, x)
+        q, k, v = fused[1].values() if fused is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
+        q = q.view(batch, length, -1, dim).transpose(1, 2)
+        k = k.view(batch, length, -1, dim).transpose(1, 2)
+        v = v.view(batch, length, -1, dim).transpose(1, 2)
+        cos, sin = rotary_cos_sin(positions, dim, self.config.rope_theta, q.dtype)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        return q, k, v
 
     @staticmethod
     def _visible_keys(valid: Optional[ValidTokens], entry: Optional[AttentionLayerCache], batch: int, length: int,

@@ -25,7 +25,6 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from vllm.config import VllmConfig
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.attention import Attention
@@ -36,7 +35,6 @@ from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 from vllm.v1.kv_cache_interface import KVCacheSpec
 
 from ...mixers import MIXERS, MemoryMixer, Mixer
-from ...mixers.attention import rotary_cos_sin
 from ...mixers.parts import TrellisRMSNorm
 from ...modeling_trellis import TrellisDecoderLayer
 from .slots import SlotLayout, run_on_slots
@@ -61,15 +59,17 @@ class MemoryStateLayer(nn.Module, MambaBase):
         mixer: the block's memory mixer.
         vllm_config: the engine's configuration.
         prefix: the layer's name (vLLM finds its state and metadata by it).
+        layout: what a slot of the mixer's kind holds (:func:`slot_layouts`).
         page_bytes: the bytes every memory layer's slot is padded to (the largest kind's), so
             layers of different kinds share one page size.
     """
 
-    def __init__(self, mixer: MemoryMixer, vllm_config: VllmConfig, prefix: str, page_bytes: int) -> None:
+    def __init__(self, mixer: MemoryMixer, vllm_config: VllmConfig, prefix: str, layout: SlotLayout,
+                 page_bytes: int) -> None:
         nn.Module.__init__(self)
         self._mixer = (mixer,)  # not a child module: the block owns it and its weights
         self.prefix = prefix
-        self.layout = SlotLayout(type(mixer), mixer.config, vllm_config.model_config.dtype)
+        self.layout = layout
         self.page_bytes = page_bytes
         self.kv_cache: tuple[torch.Tensor, ...] = ()
         self.slot_tensors: tuple[torch.Tensor, ...] = ()
@@ -123,7 +123,7 @@ class PagedAttentionLayer(nn.Module):
     def __init__(self, mixer: Mixer, vllm_config: VllmConfig, prefix: str) -> None:
         super().__init__()
         config = mixer.config
-        self._mixer = (mixer,)
+        self._mixer = (mixer,)  # not a child module: the block owns it and its weights
         self.attn = Attention(
             config.num_heads, config.head_dim, mixer.scaling, num_kv_heads=config.key_value_heads,
             cache_config=vllm_config.cache_config, prefix=f"{prefix}.attn",
@@ -132,14 +132,9 @@ class PagedAttentionLayer(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """``x [N, D]`` at ``positions [N]`` -> ``[N, D]``."""
         mixer = self._mixer[0]
-        config = mixer.config
-        tokens, dim = x.shape[0], config.head_dim
-        q = mixer.q_proj(x).view(1, tokens, -1, dim).transpose(1, 2)
-        k = mixer.k_proj(x).view(1, tokens, -1, dim).transpose(1, 2)
-        cos, sin = rotary_cos_sin(positions[None], dim, config.rope_theta, q.dtype)
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        out = self.attn(q.transpose(1, 2).reshape(tokens, -1), k.transpose(1, 2).reshape(tokens, -1), mixer.v_proj(x))
-        return mixer.o_proj(out)
+        tokens = x.shape[0]
+        q, k, v = (t[0].transpose(0, 1).reshape(tokens, -1) for t in mixer.rotated_qkv(x[None], positions[None]))
+        return mixer.o_proj(self.attn(q, k, v))
 
 
 class TrellisStack(nn.Module):
@@ -155,8 +150,8 @@ class TrellisStack(nn.Module):
         for i, layer in enumerate(self.layers):
             name = f"{prefix}.layers.{i}.serving"
             mixer = layer.self_attn
-            layer.serving = (MemoryStateLayer(mixer, vllm_config, name, page_bytes) if isinstance(mixer, MemoryMixer)
-                             else PagedAttentionLayer(mixer, vllm_config, name))
+            layer.serving = (MemoryStateLayer(mixer, vllm_config, name, layouts[mixer.kind], page_bytes)
+                             if isinstance(mixer, MemoryMixer) else PagedAttentionLayer(mixer, vllm_config, name))
 
     def forward(self, input_ids: Optional[torch.Tensor], positions: torch.Tensor,
                 inputs_embeds: Optional[torch.Tensor] = None) -> torch.Tensor:

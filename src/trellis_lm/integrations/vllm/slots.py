@@ -171,21 +171,23 @@ def _run_rows(mixer: MemoryMixer, layout: SlotLayout, tensors: Sequence[torch.Te
     real = offsets < lengths[:, None]  # [R, L]
     index = (starts[:, None] + offsets).clamp(max=x.shape[0] - 1)
     rows = x[index]  # [R, L, D]; the padding positions hold other tokens, which `valid` skips
-    valid = None if bool(real.all()) else ValidTokens.from_mask(real)
+    padded = not bool(real.all())
+    valid = ValidTokens.from_mask(real) if padded else None
 
     held = layout.read(tensors, slots)
     fresh = computed == 0
     state = layout.mixer_class.state_class(**{name: held[name] for name in layout.state_names})
-    tails = [held.get(name) for name in TAILS]
+    tails = [held.get(name) for name in TAILS]  # None for a kind without short convs (none in its layout)
     if bool(fresh.any()):
         state = mixer.mixed_state(state, ~fresh)
         tails = [None if t is None else t.masked_fill(fresh.view(-1, 1, 1), 0) for t in tails]
-    if mixer.q_conv is None:
-        tails = [None, None]
 
-    y, q_tail, k_tail, new_state = mixer.mix(rows.to(x.dtype), valid, *tails, state, keep_state=True)
+    y, q_tail, k_tail, new_state = mixer.mix(rows, valid, *tails, state, keep_state=True)
     q_tail, k_tail, new_state = mixer.carried_after(*tails, state, q_tail, k_tail, new_state, len(slots))
-    out[index[real]] = y[real]
+    if padded:
+        out[index[real]] = y[real]
+    else:  # every row full (decodes, equal chunks): no mask to gather by
+        out[index] = y
     after = dict(new_state.tensors())
     if q_tail is not None:
         after.update(q_tail=q_tail, k_tail=k_tail)
