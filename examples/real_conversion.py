@@ -1,6 +1,6 @@
 """Convert a real model (SmolLM2-135M-Instruct, GGUF) to Trellis, distil it, and measure what came back.
 
-    python examples/real_conversion.py --preset cpu     # about 30 min on a 2-core CPU, one thread
+    python examples/real_conversion.py --preset cpu     # 11 min on 2 cores with --threads 2 and shorter final measures (docs/conversion.md)
     python examples/real_conversion.py --preset gpu     # the budget meant for one GPU
     python examples/real_conversion.py --preset quick   # minutes: a dry run of every step
     python examples/real_conversion.py --preset cpu --set position_length=2048   # a preset field replaced
