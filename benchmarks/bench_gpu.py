@@ -1,27 +1,26 @@
-"""GPU benchmarks of backend "triton" (issue 3).
+"""GPU benchmarks of backend "triton" (issues 3 and 39), run on the device by benchmarks/gpu_run.sh
+(correctness there is tests/test_triton.py and tests/test_on_cuda.py under pytest on the GPU).
 
-    NOT YET RUN ON A GPU. It was written on a machine without one; only ``--compile-check``
-    (ahead-of-time sm_90 compiles, no GPU needed) has been run. Treat every figure it will
-    print as unverified until someone runs it on a GPU and records the output.
-
-    .venv/bin/python benchmarks/bench_gpu.py                  # correctness smoke check, then everything
-    .venv/bin/python benchmarks/bench_gpu.py --quick          # small sizes: checks the script runs
-    .venv/bin/python benchmarks/bench_gpu.py --only op        # op timings only (or: decode, check)
-    .venv/bin/python benchmarks/bench_gpu.py --compile-check  # no GPU: compile the kernels for sm_90,
-                                                              # report shared memory / registers / spills
+    python benchmarks/bench_gpu.py                  # op timings, then decode
+    python benchmarks/bench_gpu.py --only op        # op timings only (or: decode)
+    python benchmarks/bench_gpu.py --quick          # small sizes: checks the script runs on a GPU
+    TRITON_INTERPRET=1 python benchmarks/bench_gpu.py --quick --dry-run   # the same on a CPU
+    python benchmarks/bench_gpu.py --compile-check  # no GPU: compile the kernels for sm_90,
+                                                    # report shared memory / registers / spills
 
 What it measures (bfloat16 activations, float32 states, chunk 64):
   * op forward and forward+backward at (B, T, H, D, M) = (8, 4096, 16, 64, 64),
     (2, 16384, 16, 64, 64), (1, 32768, 16, 128, 64): Trellis (backend "triton", through the
     public ``trellis_attention``), against fla's ``chunk_gsa`` (M slots, per-slot log gates)
     and ``chunk_gated_delta_rule`` when fla is installed, and PyTorch SDPA flash attention
-    (causal) at the same B, T, H, D.
+    (causal) at the same B, T, H, D; Lattice and KVM (PyTorch paths) at the first shape.
   * chunk 1 (the exact recurrence) forward+backward against chunk 64 at the first shape, and the
     forward's achieved TFLOP/s and memory bandwidth against a bf16 matmul and a device copy
     measured in the same run.
   * decode milliseconds per token, batch 1 and 64, of a 12-layer, 768-wide Trellis model against a
     LlamaForCausalLM of the same size (sdpa attention, DynamicCache) after contexts of 1k, 16k
-    and 128k tokens. Both run eagerly (no CUDA graphs). Trellis's state does not grow, so its
+    and 128k tokens (Llama is not run where its cache would not fit). Both run eagerly (no CUDA
+    graphs). Trellis's state does not grow, so its
     figure should not depend on the context; the attention model's does.
 
 Timings are medians from ``triton.testing.do_bench`` (warm-up and repeats inside). The dot
@@ -45,6 +44,9 @@ import torch.nn.functional as F
 OP_SIZES = [(8, 4096, 16, 64, 64), (2, 16384, 16, 64, 64), (1, 32768, 16, 128, 64)]
 QUICK_OP_SIZES = [(2, 512, 4, 64, 64)]
 CHUNK = 64
+# "cuda"; "cpu" only for ``--quick --dry-run`` under TRITON_INTERPRET=1, which checks that the
+# script runs before device time is spent on it (its timings mean nothing).
+DEVICE = "cuda"
 SMEM_LIMIT = 232448  # bytes of shared memory one block may use on an H100 (227 KB)
 
 
@@ -55,7 +57,20 @@ SMEM_LIMIT = 232448  # bytes of shared memory one block may use on an H100 (227 
 def bench_ms(fn) -> float:
     import triton.testing
 
+    if DEVICE == "cpu":  # a dry run: one call, to see that it runs
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e3
     return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+
+
+def free_cached() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+
+
+def free_bytes() -> int:
+    return torch.cuda.mem_get_info()[0] if DEVICE == "cuda" else 1 << 34
 
 
 def guarded(label: str, fn) -> str:
@@ -63,15 +78,15 @@ def guarded(label: str, fn) -> str:
     try:
         return fn()
     except Exception as exc:  # noqa: BLE001 - report and go on with the other measurements
-        torch.cuda.empty_cache()
+        free_cached()
         return f"{label}: failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
 
 
 def trellis_inputs(B, T, H, D, M, dtype=torch.bfloat16, grad=False, seed=0):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
 
     def rand(*shape):
-        return torch.randn(*shape, generator=gen, device="cuda")
+        return torch.randn(*shape, generator=gen, device=DEVICE)
 
     x = [
         F.normalize(rand(B, T, H, D), dim=-1), F.normalize(rand(B, T, H, D), dim=-1),
@@ -81,45 +96,6 @@ def trellis_inputs(B, T, H, D, M, dtype=torch.bfloat16, grad=False, seed=0):
     x = [t.to(dtype).requires_grad_(grad) for t in x]
     state = (rand(B, H, M, D), rand(B, H, M, D))  # N(0, 1) memories, as the model initialises them
     return x, state
-
-
-# ---------------------------------------------------------------------------------------------
-# Correctness smoke check (first thing a GPU run does: the kernels were only run in the
-# interpreter when this was written).
-
-
-def check() -> list[str]:
-    from trellis_lm.ops import trellis_attention
-
-    rows = ["correctness: triton vs torch backend, float32, random state, mid-chunk resume, varlen:"]
-    for B, T, H, D, M, C in [(2, 300, 4, 64, 64, 64), (2, 257, 2, 48, 40, 32), (1, 100, 2, 128, 64, 1)]:
-        x, state = trellis_inputs(B, T, H, D, M, dtype=torch.float32, grad=True, seed=1)
-        out = {}
-        for backend in ("torch", "triton"):
-            o, s = trellis_attention(*x, initial_state=state, chunk_size=C, backend=backend, output_final_state=True)
-            loss = (o * o).sum() + s.m_k.sum() + s.m_v.square().sum()
-            grads = torch.autograd.grad(loss, x)
-            out[backend] = [o, s.m_k, s.m_v] + list(grads)
-        errs = [((a - b).abs().max() / b.abs().max().clamp(min=1e-6)).item()
-                for a, b in zip(out["triton"], out["torch"])]
-        names = ["o", "m_k", "m_v", "dq", "dk", "dv", "dalpha", "dlog_beta", "dgamma"]
-        worst = max(errs)
-        rows.append(f"  (B,T,H,D,M,C)={(B, T, H, D, M, C)}: max rel err {worst:.1e} "
-                    f"({names[errs.index(worst)]}) {'OK' if worst < 1e-3 else 'MISMATCH'}")
-    # varlen with an empty sequence, resumed mid-chunk
-    lengths = [70, 0, 129, 5]
-    x, _ = trellis_inputs(1, sum(lengths), 2, 64, 64, dtype=torch.float32, seed=2)
-    N = len(lengths)
-    from trellis_lm.ops import TrellisState
-
-    st = TrellisState(*(torch.randn(N, 2, 64, 64, device="cuda") for _ in range(4)),
-                      offset=torch.tensor([3, 0, 63, 10], device="cuda"))
-    cu = torch.tensor([0] + lengths, device="cuda").cumsum(0)
-    o1, s1 = trellis_attention(*x, initial_state=st, chunk_size=64, cu_seqlens=cu, backend="torch", output_final_state=True)
-    o2, s2 = trellis_attention(*x, initial_state=st, chunk_size=64, cu_seqlens=cu, backend="triton", output_final_state=True)
-    err = max(((a - b).abs().max() / b.abs().max()).item() for a, b in ((o2, o1), (s2.m_k, s1.m_k), (s2.anchor_v, s1.anchor_v)))
-    rows.append(f"  varlen {lengths} resumed mid-chunk: max rel err {err:.1e} {'OK' if err < 1e-3 else 'MISMATCH'}")
-    return rows
 
 
 # ---------------------------------------------------------------------------------------------
@@ -150,14 +126,12 @@ def io_bytes(B: int, T: int, H: int, D: int, M: int) -> float:
 
 def measured_ceilings() -> tuple[float, float]:
     """(bf16 matmul TFLOP/s, device-memory copy GB/s) measured on this device, in this run."""
-    n = 8192
-    a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    n = 8192 if DEVICE == "cuda" else 256
+    a, b = (torch.randn(n, n, device=DEVICE, dtype=torch.bfloat16) for _ in range(2))
     tflops = 2 * n**3 / bench_ms(lambda: a @ b) / 1e9
-    src = torch.empty(1 << 30, device="cuda", dtype=torch.uint8)
+    src = torch.empty(1 << (30 if DEVICE == "cuda" else 20), device=DEVICE, dtype=torch.uint8)
     dst = torch.empty_like(src)
     gbps = 2 * src.numel() / bench_ms(lambda: dst.copy_(src)) / 1e6  # read + write
-    del a, b, src, dst
-    torch.cuda.empty_cache()
     return tflops, gbps
 
 
@@ -169,7 +143,7 @@ def time_trellis(B, T, H, D, M, ceilings=None, sequential=False) -> str:
     with torch.no_grad():
         fwd = bench_ms(lambda: trellis_attention(*x, **kw))
     xg, _ = trellis_inputs(B, T, H, D, M, grad=True)
-    do = torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16)
+    do = torch.randn(B, T, H, D, device=DEVICE, dtype=torch.bfloat16)
 
     def fwd_bwd(chunk_size):
         o, _ = trellis_attention(*xg, **dict(kw, chunk_size=chunk_size))
@@ -193,8 +167,8 @@ def time_fla_gsa(B, T, H, D, M) -> str:
     from fla.ops.gsa import chunk_gsa
 
     def inputs(grad):
-        gen = torch.Generator(device="cuda").manual_seed(0)
-        r = lambda *s: torch.randn(*s, generator=gen, device="cuda")  # noqa: E731
+        gen = torch.Generator(device=DEVICE).manual_seed(0)
+        r = lambda *s: torch.randn(*s, generator=gen, device=DEVICE)  # noqa: E731
         t = [r(B, T, H, D), r(B, T, H, D), r(B, T, H, D), r(B, T, H, M), F.logsigmoid(r(B, T, H, M) + 4.0)]
         return [a.to(torch.bfloat16).requires_grad_(grad) for a in t]
 
@@ -203,7 +177,7 @@ def time_fla_gsa(B, T, H, D, M) -> str:
     with torch.no_grad():
         fwd = bench_ms(lambda: chunk_gsa(*x, **extra))
     xg = inputs(True)
-    do = torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16)
+    do = torch.randn(B, T, H, D, device=DEVICE, dtype=torch.bfloat16)
 
     def fwd_bwd():
         o = chunk_gsa(*xg, **extra)[0]
@@ -216,8 +190,8 @@ def time_fla_gdn(B, T, H, D, M) -> str:
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
     def inputs(grad):
-        gen = torch.Generator(device="cuda").manual_seed(0)
-        r = lambda *s: torch.randn(*s, generator=gen, device="cuda")  # noqa: E731
+        gen = torch.Generator(device=DEVICE).manual_seed(0)
+        r = lambda *s: torch.randn(*s, generator=gen, device=DEVICE)  # noqa: E731
         t = [F.normalize(r(B, T, H, D), dim=-1), F.normalize(r(B, T, H, D), dim=-1), r(B, T, H, D),
              F.logsigmoid(r(B, T, H) + 4.0), torch.sigmoid(r(B, T, H))]
         return [a.to(torch.bfloat16).requires_grad_(grad) for a in t]
@@ -227,7 +201,7 @@ def time_fla_gdn(B, T, H, D, M) -> str:
     with torch.no_grad():
         fwd = bench_ms(lambda: chunk_gated_delta_rule(*x, **extra))
     xg = inputs(True)
-    do = torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16)
+    do = torch.randn(B, T, H, D, device=DEVICE, dtype=torch.bfloat16)
 
     def fwd_bwd():
         o = chunk_gated_delta_rule(*xg, **extra)[0]
@@ -239,8 +213,8 @@ def time_fla_gdn(B, T, H, D, M) -> str:
 def time_sdpa(B, T, H, D, M) -> str:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v = (torch.randn(B, H, T, D, generator=gen, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    q, k, v = (torch.randn(B, H, T, D, generator=gen, device=DEVICE, dtype=torch.bfloat16) for _ in range(3))
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION), torch.no_grad():
         fwd = bench_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
     qg, kg, vg = (t.clone().requires_grad_(True) for t in (q, k, v))
@@ -251,6 +225,41 @@ def time_sdpa(B, T, H, D, M) -> str:
             F.scaled_dot_product_attention(qg, kg, vg, is_causal=True).backward(do)
 
     return f"  sdpa flash (causal)     fwd {fwd:8.2f} ms | fwd+bwd {bench_ms(fwd_bwd):8.2f} ms"
+
+
+def time_family(B, T, H, D, M) -> list[str]:
+    """Lattice (M slots of width D) and KVM (chunk 64, a window of 2 chunks, 256 state rows, 4
+    sinks, RoPE on 32 channels) forward and forward+backward through their PyTorch paths."""
+    from trellis_lm.ops import kvm_attention
+    from trellis_lm.ops.lattice import lattice_attention
+
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen, device=DEVICE)
+
+    def timed(name, call, inputs):
+        with torch.no_grad():
+            fwd = bench_ms(lambda: call(*inputs))
+        leaves = [t.detach().requires_grad_() for t in inputs]
+        do = torch.randn(B, T, H, D, device=DEVICE, dtype=torch.bfloat16)
+        both = bench_ms(lambda: call(*leaves)[0].backward(do))
+        return f"  {name:23s} fwd {fwd:8.2f} ms | fwd+bwd {both:8.2f} ms"
+
+    memory = F.normalize(rand(B, H, M, D), dim=-1)
+    lattice = [F.normalize(rand(B, T, H, M), dim=-1).bfloat16(), F.normalize(rand(B, T, H, M), dim=-1).bfloat16(),
+               F.normalize(rand(B, T, H, D), dim=-1).bfloat16(), torch.sigmoid(rand(B, T, H)).bfloat16()]
+    params = dict(norm_weight=torch.ones(H, D, device=DEVICE), norm_bias=torch.zeros(H, D, device=DEVICE),
+                  temperature=torch.ones(H, 2, device=DEVICE))
+    kvm = [F.layer_norm(rand(B, T, H, D), (D,)).bfloat16(), F.layer_norm(rand(B, T, H, D), (D,)).bfloat16(),
+           rand(B, T, H, D).bfloat16(), (0.5 + torch.rand(B, T, H, generator=gen, device=DEVICE)).bfloat16()]
+    return [
+        guarded("  lattice", lambda: timed(f"lattice (torch, M={M})", lambda *x: lattice_attention(
+            *x, initial_state=memory, chunk_size=CHUNK, backend="torch"), lattice)),
+        guarded("  kvm", lambda: timed("kvm (torch, 256 rows)", lambda *x: kvm_attention(
+            *x, **params, chunk_size=CHUNK, window_chunks=2, state_size=256, sinks=4, rope_dims=min(32, D // 2),
+            backend="torch"), kvm)),
+    ]
 
 
 def bench_ops(sizes) -> list[str]:
@@ -266,8 +275,42 @@ def bench_ops(sizes) -> list[str]:
         )
         for label, fn in timers:
             rows.append(guarded(f"  {label}", fn))
-            torch.cuda.empty_cache()
-        print("\n".join(rows[-5:]), flush=True)
+            free_cached()
+        if i == 0:
+            rows += time_family(B, T, H, D, M)
+        print("\n".join(rows[-7 if i == 0 else -5:]), flush=True)
+    return rows
+
+
+def tune(B, T, H, D, M) -> list[str]:
+    """Launch settings and dot precisions of the chunk kernels at one shape: forward+backward
+    time and the forward's error against the float64 PyTorch backend, per variant. The settings
+    are the module's own functions and constant, replaced for the span of one variant."""
+    from unittest import mock
+
+    from trellis_lm.ops import trellis_attention
+    from trellis_lm.ops.trellis import triton_chunk as tc
+
+    x, state = trellis_inputs(B, T, H, D, M, grad=True)
+    do = torch.randn(B, T, H, D, device=DEVICE, dtype=torch.bfloat16)
+    with torch.no_grad():
+        ref, _ = trellis_attention(*[t.double() for t in x], initial_state=tuple(t.double() for t in state),
+                                   chunk_size=CHUNK, backend="torch")
+    rows = [f"tuning at {(B, T, H, D, M)}, chunk {CHUNK}: warps / dot precision -> fwd+bwd ms, forward error:"]
+
+    def variant(warps, precision):
+        with mock.patch.object(tc, "_warps", lambda *dims: warps), mock.patch.object(tc, "DOT_PRECISION", precision):
+            def fwd_bwd():
+                trellis_attention(*x, initial_state=state, chunk_size=CHUNK, backend="triton")[0].backward(do)
+            both = bench_ms(fwd_bwd)
+            with torch.no_grad():
+                o, _ = trellis_attention(*x, initial_state=state, chunk_size=CHUNK, backend="triton")
+        err = ((o.double() - ref).norm() / ref.norm()).item()
+        return f"  warps {warps:2d} {precision:7s}: fwd+bwd {both:8.2f} ms | forward error {err:.1e}"
+
+    for warps, precision in ((tc._warps(D, M), tc.DOT_PRECISION), (4, "tf32x3"), (4, "tf32"), (8, "tf32")):
+        rows.append(guarded(f"  warps {warps} {precision}", lambda: variant(warps, precision)))
+        print(rows[-1], flush=True)
     return rows
 
 
@@ -286,7 +329,7 @@ def same_size_models(hidden, layers, heads, head_dim, slots, vocab, chunk):
                                                op_backend="triton", **common))
     llama = LlamaForCausalLM(LlamaConfig(num_attention_heads=heads, num_key_value_heads=heads, head_dim=head_dim,
                                          max_position_embeddings=1 << 18, attn_implementation="sdpa", **common))
-    return [m.to("cuda", torch.bfloat16).eval() for m in (trellis, llama)]
+    return [m.to(DEVICE, torch.bfloat16).eval() for m in (trellis, llama)]
 
 
 def bench_decode(contexts, batches, steps, prefill_piece, **size) -> list[str]:
@@ -300,9 +343,14 @@ def bench_decode(contexts, batches, steps, prefill_piece, **size) -> list[str]:
     for batch in batches:
         for c in contexts:
             timed = {}
+            kv_bytes = 2 * size["layers"] * batch * c * size["hidden"] * 2  # Llama's bf16 keys and values
             for name, model in (("Trellis", trellis), ("Llama", llama)):
-                timed[name] = guarded(name, lambda: f"{decode_ms_per_token(model, c, steps, prefill_piece, batch):7.2f}")
-                torch.cuda.empty_cache()
+                if name == "Llama" and kv_bytes > 0.8 * free_bytes():
+                    timed[name] = f"not run (its cache would take {kv_bytes / 2**30:.0f} GiB)"
+                    continue
+                piece = min(prefill_piece, max(512, (1 << 17) // batch))  # bounds a piece's activations
+                timed[name] = guarded(name, lambda: f"{decode_ms_per_token(model, c, steps, piece, batch):7.2f}")
+                free_cached()
             rows.append(f"  batch {batch:3d}, context {c:7d}: Trellis {timed['Trellis']} ms/token | "
                         f"Llama {timed['Llama']} ms/token")
             print(rows[-1], flush=True)
@@ -386,27 +434,35 @@ def compile_check(head_dims=(64, 128), slots=64, chunk=CHUNK) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small sizes: checks the script runs")
-    parser.add_argument("--only", choices=["check", "op", "decode"], help="run one part")
+    parser.add_argument("--only", choices=["op", "decode", "tune"], help="run one part (tune: only when asked)")
     parser.add_argument("--compile-check", action="store_true", help="no GPU needed: sm_90 compiles only")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="with --quick and TRITON_INTERPRET=1: run the script on the CPU (timings meaningless)")
     args = parser.parse_args()
     if args.compile_check:
         rows = compile_check()
         sys.exit(1 if any("TOO MUCH" in r for r in rows) else 0)
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_gpu.py needs a CUDA GPU (or --compile-check)")
+    global DEVICE
+    if args.dry_run:
+        if not (args.quick and os.environ.get("TRITON_INTERPRET") == "1"):
+            raise SystemExit("--dry-run needs --quick and TRITON_INTERPRET=1")
+        DEVICE = "cpu"
+    elif not torch.cuda.is_available():
+        raise SystemExit("bench_gpu.py needs a CUDA GPU (or --compile-check, or --quick --dry-run)")
     from trellis_lm.ops.trellis import triton_chunk
 
-    print(f"# {date.today()} | {torch.cuda.get_device_name()} | {platform.machine()} | torch {torch.__version__} "
+    name = torch.cuda.get_device_name() if DEVICE == "cuda" else "CPU dry run"
+    print(f"# {date.today()} | {name} | {platform.machine()} | torch {torch.__version__} "
           f"| dot precision {triton_chunk.DOT_PRECISION}", flush=True)
     rows = []
-    if args.only in (None, "check"):
-        rows += check()
-        print("\n".join(rows), flush=True)
     if args.only in (None, "op"):
-        rows += bench_ops(QUICK_OP_SIZES if args.quick else OP_SIZES)
+        rows += bench_ops([(1, 40, 2, 16, 16)] if args.dry_run else QUICK_OP_SIZES if args.quick else OP_SIZES)
+    if args.only == "tune":
+        rows += tune(*([(1, 40, 2, 16, 16)] if args.dry_run else QUICK_OP_SIZES if args.quick else OP_SIZES)[0])
     if args.only in (None, "decode"):
         if args.quick:
-            rows += bench_decode([256, 1024], [1, 4], steps=10, prefill_piece=512, hidden=256, layers=2, heads=4,
+            contexts = [32, 100] if args.dry_run else [256, 1024]
+            rows += bench_decode(contexts, [1, 4], steps=10, prefill_piece=512, hidden=256, layers=2, heads=4,
                                  head_dim=64, slots=64, vocab=1024, chunk=CHUNK)
         else:
             rows += bench_decode([1024, 16384, 131072], [1, 64], steps=50, prefill_piece=8192, hidden=768, layers=12,

@@ -438,14 +438,8 @@ def test_kernels_compile_for_sm90_within_shared_memory():
 # kernel forgets to write (a masked tail, an empty sequence, a skipped chunk) cannot pass.
 
 
-@needs_triton
-def test_poisoned_allocations_do_not_leak(monkeypatch):
-    lengths = [5, 0, 9]
-    x, state = _inputs(1, sum(lengths), 2, 5, 7, 6, 4, grad=True, rows=len(lengths))
-    cu = torch.tensor([0] + lengths).cumsum(0).to(DEVICE)
-    expected = _grads("reference", x, state, cu, chunk_size=4)
-    o_ref, s_ref = run("reference", x, initial_state=state, cu_seqlens=cu, chunk_size=4)
-
+def poison_allocations(monkeypatch) -> None:
+    """Every floating-point buffer made by ``torch.empty``, ``empty_like`` or ``new_empty`` starts as NaN."""
     def nan_filled(make):
         def poisoned(*args, **kwargs):
             out = make(*args, **kwargs)
@@ -455,6 +449,17 @@ def test_poisoned_allocations_do_not_leak(monkeypatch):
     monkeypatch.setattr(torch, "empty", nan_filled(torch.empty))
     monkeypatch.setattr(torch, "empty_like", nan_filled(torch.empty_like))
     monkeypatch.setattr(torch.Tensor, "new_empty", nan_filled(torch.Tensor.new_empty))
+
+
+@needs_triton
+def test_poisoned_allocations_do_not_leak(monkeypatch):
+    lengths = [5, 0, 9]
+    x, state = _inputs(1, sum(lengths), 2, 5, 7, 6, 4, grad=True, rows=len(lengths))
+    cu = torch.tensor([0] + lengths).cumsum(0).to(DEVICE)
+    expected = _grads("reference", x, state, cu, chunk_size=4)
+    o_ref, s_ref = run("reference", x, initial_state=state, cu_seqlens=cu, chunk_size=4)
+
+    poison_allocations(monkeypatch)
     o, s = run("triton", x, initial_state=state, cu_seqlens=cu, chunk_size=4)
     got = _grads("triton", x, state, cu, chunk_size=4)
     assert torch.isnan(torch.empty(3)).all()  # the poison is in place
@@ -469,32 +474,113 @@ def test_poisoned_allocations_do_not_leak(monkeypatch):
 # float64 torch backend (itself checked against the reference above and in test_ops.py).
 
 
-@pytest.mark.skipif(not ON_GPU, reason="real sizes run on a GPU only")
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 1e-2)])
-@pytest.mark.parametrize("C", [16, 64])
-def test_real_sizes_on_gpu(dtype, tol, C):
-    B, T, H, D, M = 2, 1000, 4, 64, 64  # T is not a multiple of C
-    x64 = [t.cuda() for t in make_inputs(B, T, H, D, D, M, seed=C)]
-    x = [t.to(dtype).requires_grad_() for t in x64]
-    x_ref = [t.detach().double().requires_grad_() for t in x]  # the same rounded inputs
-    state = make_state(B, H, D, D, M, chunk_size=C, dtype=torch.float32).map(lambda t: t.cuda())
-    state_ref = state.map(lambda t: t if t.dtype == torch.long else t.double())
+on_gpu_only = pytest.mark.skipif(not ON_GPU, reason="real sizes run on a GPU only")
+PRECISIONS = [(torch.float32, 1e-4), (torch.bfloat16, 1e-2)]
 
-    def rel(a, b):
-        return ((a.double() - b).norm() / b.norm()).item()
 
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Norm-wise relative error of ``a`` against the float64 ``b``."""
+    return ((a.double() - b).norm() / b.norm()).item()
+
+
+def real_inputs(B, T, H, D, M, C, dtype, *, seed, rows=None):
+    """Real-size inputs in ``dtype`` on the GPU and the same rounded values in float64, a float32
+    mid-chunk state and its float64 copy."""
+    x = [t.cuda().to(dtype).requires_grad_() for t in make_inputs(B, T, H, D, D, M, seed=seed)]
+    x_ref = [t.detach().double().requires_grad_() for t in x]
+    state = make_state(rows or B, H, D, D, M, chunk_size=C, dtype=torch.float32).map(lambda t: t.cuda())
+    return x, x_ref, state, state.map(lambda t: t if t.dtype == torch.long else t.double())
+
+
+def assert_states_within(s: TrellisState, s_ref: TrellisState, tol: float, what: str = "") -> None:
+    for name, t in s.tensors().items():
+        if name == "offset":
+            assert torch.equal(t, s_ref.offset), f"{what}offset"
+        else:
+            assert t.dtype == torch.float32 and rel(t, s_ref.tensors()[name]) < tol, f"{what}{name}"
+
+
+@on_gpu_only
+@pytest.mark.parametrize("dtype,tol", PRECISIONS)
+@pytest.mark.parametrize("C", [1, 16, 32, 64])
+@pytest.mark.parametrize("D", [64, 128])
+def test_real_sizes_on_gpu(dtype, tol, C, D):
+    """Forward, final state and gradients at M = 64, T not a multiple of C (C = 1: the
+    token-by-token kernel), from a mid-chunk state."""
+    B, T, H, M = 2, 1000, 4, 64
+    x, x_ref, state, state_ref = real_inputs(B, T, H, D, M, C, dtype, seed=C + D)
     o, s = run("triton", x, initial_state=state, chunk_size=C)
     o_ref, s_ref = run("torch", x_ref, initial_state=state_ref, chunk_size=C)
-    assert o.dtype == dtype and s.m_k.dtype == torch.float32
+    assert o.dtype == dtype
     assert rel(o, o_ref) < tol
-    for name, t in s.tensors().items():
-        if name != "offset":
-            assert rel(t, s_ref.tensors()[name]) < tol, name
+    assert_states_within(s, s_ref, tol)
     grad_out = torch.randn_like(o_ref)
     got = torch.autograd.grad(o, x, grad_out.to(dtype))
     expected = torch.autograd.grad(o_ref, x_ref, grad_out)
     for name, g, e in zip(NAMES, got, expected):
         assert rel(g, e) < tol, f"d/d{name}"
+
+
+@on_gpu_only
+@pytest.mark.parametrize("dtype,tol", PRECISIONS)
+def test_real_size_varlen_and_resume_on_gpu(dtype, tol):
+    """Packed sequences (one empty, one of a single token) from mid-chunk states, and a call
+    split mid-chunk and resumed from the state the first part returned."""
+    lengths, C = [700, 0, 333, 64, 1], 64
+    x, x_ref, state, state_ref = real_inputs(1, sum(lengths), 4, 64, 64, C, dtype, seed=11, rows=len(lengths))
+    cu = torch.tensor([0] + lengths, device="cuda").cumsum(0)
+    o, s = run("triton", x, initial_state=state, chunk_size=C, cu_seqlens=cu)
+    o_ref, s_ref = run("torch", x_ref, initial_state=state_ref, chunk_size=C, cu_seqlens=cu)
+    assert rel(o, o_ref) < tol
+    assert_states_within(s, s_ref, tol, "varlen ")
+
+    x, x_ref, state, state_ref = real_inputs(2, 1000, 4, 64, 64, C, dtype, seed=12)
+    o_ref, s_ref = run("torch", x_ref, initial_state=state_ref, chunk_size=C)
+    o1, s1 = run("triton", [t[:, :437] for t in x], initial_state=state, chunk_size=C)
+    o2, s2 = run("triton", [t[:, 437:] for t in x], initial_state=s1, chunk_size=C)
+    assert rel(torch.cat([o1, o2], dim=1), o_ref) < tol
+    assert_states_within(s2, s_ref, tol, "resumed ")
+
+
+@on_gpu_only
+def test_real_size_decode_steps_on_gpu():
+    """Twelve single-token steps (backend "triton"'s decode kernel) from rows at offsets 0, 1,
+    C - 1 and 37, each from the state the last returned: one float64 call's outputs and state."""
+    from trellis_lm.ops import trellis_step
+
+    C = 64
+    x, x_ref, state, state_ref = real_inputs(4, 12, 4, 64, 64, C, torch.float32, seed=13)
+    state.offset.copy_(torch.tensor([0, 1, C - 1, 37], device="cuda"))
+    state_ref = state.map(lambda t: t if t.dtype == torch.long else t.double())
+    o_ref, s_ref = run("torch", x_ref, initial_state=state_ref, chunk_size=C)
+    live, outs = state, []
+    with torch.no_grad():
+        for p in range(12):
+            o, live = trellis_step(*[t[:, p : p + 1].detach() for t in x], state=live, backend="triton", chunk_size=C)
+            outs.append(o)
+    assert rel(torch.cat(outs, dim=1), o_ref) < 1e-4
+    assert_states_within(live, s_ref, 1e-4)
+
+
+@on_gpu_only
+@pytest.mark.parametrize("C", [1, 64])
+def test_real_size_poisoned_allocations_on_gpu(monkeypatch, C):
+    """Every buffer the backend allocates starts as NaN: packed sequences at real sizes (an
+    empty one among them), forward and backward, come back finite and right."""
+    lengths = [300, 0, 129]
+    x, x_ref, state, state_ref = real_inputs(1, sum(lengths), 4, 64, 64, C, torch.float32, seed=14,
+                                             rows=len(lengths))
+    cu = torch.tensor([0] + lengths, device="cuda").cumsum(0)
+    o_ref, s_ref = run("torch", x_ref, initial_state=state_ref, chunk_size=C, cu_seqlens=cu)
+    expected = torch.autograd.grad(o_ref, x_ref, torch.ones_like(o_ref))
+    poison_allocations(monkeypatch)
+    o, s = run("triton", x, initial_state=state, chunk_size=C, cu_seqlens=cu)
+    got = torch.autograd.grad(o, x, torch.ones_like(o))
+    assert torch.isnan(torch.empty(3, device="cuda")).all()  # the poison is in place
+    assert o.isfinite().all() and rel(o, o_ref) < 1e-4
+    assert_states_within(s, s_ref, 1e-4)
+    for name, g, e in zip(NAMES, got, expected):
+        assert g.isfinite().all() and rel(g, e) < 1e-4, f"d/d{name}"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -100,7 +100,9 @@ class DecodeStepper:
         ids = torch.randint(0, model.config.vocab_size, (batch, context), generator=gen, device=device)
         self.cache = None
         for start in range(0, context, prefill_piece):
-            out = model(input_ids=ids[:, start : start + prefill_piece], use_cache=True, **{CACHE_ARG: self.cache})
+            # One position's logits: a whole piece's would be batch x piece x vocab (33 GB at 64 x 8k x 32k, bf16).
+            out = model(input_ids=ids[:, start : start + prefill_piece], use_cache=True, logits_to_keep=1,
+                        **{CACHE_ARG: self.cache})
             self.cache = getattr(out, CACHE_ARG)
         self.token = out.logits[:, -1:].argmax(-1)
 

@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# One device run of issue 39, in order of what matters: correctness on the GPU (pytest), then
+# op timings against the peers, then decode, then (if time is left) kernel launch variants.
+# Every phase has its own time limit and writes its log under $OUT; a phase that fails or
+# runs out of time does not stop the next.
+#
+#   bash benchmarks/gpu_run.sh [SECONDS]     # SECONDS: the whole run's budget (default 560)
+#
+# Runs from the repository root with the machine's own python3 (torch, triton, transformers
+# there); peers (flash-linear-attention, fla-core) come as wheels in .whl/ when present.
+set -u
+budget=${1:-560}
+start=$(date +%s)
+out=${OUT:-/tmp/gpu-run}
+mkdir -p "$out"
+export PYTHONPATH="$PWD/src" PYTHONUNBUFFERED=1 TRITON_CACHE_DIR="$PWD/.triton-cache"
+if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+
+left() { echo $(( budget - ($(date +%s) - start) )); }
+
+# phase NAME SHARE COMMAND...: run COMMAND with at most SHARE seconds (fewer if the budget is short).
+phase() {
+    local name=$1 share=$2
+    shift 2
+    local limit
+    limit=$(( $(left) < share ? $(left) : share ))
+    if (( limit < 20 )); then
+        echo "== $name: not run ($(left) s left)" | tee -a "$out/summary.log"
+        return
+    fi
+    echo "== $name (limit ${limit} s)" | tee -a "$out/summary.log"
+    local t0
+    t0=$(date +%s)
+    timeout --signal=INT --kill-after=10 "$limit" "$@" > "$out/$name.log" 2>&1
+    echo "== $name: exit $? after $(( $(date +%s) - t0 )) s" | tee -a "$out/summary.log"
+}
+
+{
+    date -u
+    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
+    python3 -c "import sys, torch, triton, transformers; print(sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+    python3 -c "import fla; print('fla', fla.__version__)" 2>&1 | tail -1
+} > "$out/summary.log" 2>&1
+cat "$out/summary.log"
+
+# Compiles are CPU work and the tests time nothing: warm the Triton cache (our kernels at the
+# benchmark's settings, fla's) beside the tests, so that the timed phases compile little.
+timeout 200 python3 benchmarks/bench_gpu.py --only op --quick > "$out/warm.log" 2>&1 &
+warm=$!
+phase pytest 230 python3 -m pytest -q -n 8 -p no:cacheprovider --timeout 120 -rfE \
+    tests/test_triton.py tests/test_on_cuda.py -k "not compile_for_sm90"
+tail -25 "$out/pytest.log"
+wait $warm
+phase bench_op 190 python3 benchmarks/bench_gpu.py --only op
+sed -n '/# summary/,$p' "$out/bench_op.log"
+phase bench_decode 130 python3 benchmarks/bench_gpu.py --only decode
+tail -8 "$out/bench_decode.log"
+phase tune 120 python3 benchmarks/bench_gpu.py --only tune
+tail -6 "$out/tune.log"
+cat "$out/summary.log"

@@ -1,0 +1,123 @@
+"""On a CUDA GPU: Lattice and KVM at real sizes, the model's ``generate`` against the CPU's, and
+bf16 Trainer steps (issue 39, item 1).
+
+These need a GPU, which CI does not have: they are skipped there and run by the device check
+(``benchmarks/gpu_run.sh``). Trellis's kernels at real sizes are in ``test_triton.py`` (which
+runs every one of its tests on the GPU when there is one). References are the PyTorch backends in
+float64 on the CPU, themselves checked against the per-token references in ``test_*_ops.py``;
+errors are norm-wise relative, ``|got - ref| / |ref|``, bf16 within 1e-2 and float32 within 1e-4.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from op_inputs import make_kvm_inputs
+from tiny_models import random_tokens, tiny_model
+from trellis_lm.ops import kvm_attention
+from trellis_lm.ops.lattice import lattice_attention
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+PRECISIONS = [(torch.float32, 1e-4), (torch.bfloat16, 1e-2)]
+
+
+def rel(got: torch.Tensor, ref: torch.Tensor) -> float:
+    ref = ref.detach().double().cpu()
+    return ((got.detach().double().cpu() - ref).norm() / ref.norm()).item()
+
+
+def check_call(op, inputs64: list[torch.Tensor], dtype: torch.dtype, tol: float, **kw) -> None:
+    """``op`` on CUDA in ``dtype`` (from the same rounded inputs) against ``op`` in float64 on the
+    CPU: outputs, every final state tensor and the gradients of a random projection of both."""
+    x = [t.to("cuda", dtype).requires_grad_() for t in inputs64]
+    x_ref = [t.detach().double().cpu().requires_grad_() for t in x]
+    o, s = op(*x, **kw)
+    o_ref, s_ref = op(*x_ref, **kw)
+    assert o.is_cuda and o.dtype == dtype
+    assert o.isfinite().all()
+    assert rel(o, o_ref) < tol
+    for name, t in s.tensors().items():
+        expected = s_ref.tensors()[name]
+        if t.is_floating_point():
+            assert t.dtype == torch.float32, name  # states stay float32 under low-precision inputs
+            assert rel(t, expected) < tol, name
+        else:
+            assert torch.equal(t.cpu(), expected), name
+    weight = torch.randn(o_ref.shape, dtype=torch.float64)
+    got = torch.autograd.grad((o.float() * weight.to("cuda", torch.float32)).sum(), x)
+    expected = torch.autograd.grad((o_ref * weight).sum(), x_ref)
+    for i, (g, e) in enumerate(zip(got, expected)):
+        assert g.isfinite().all(), f"grad {i}"
+        assert rel(g, e) < tol, f"grad {i}: {rel(g, e):.2e}"
+
+
+@pytest.mark.parametrize("dtype,tol", PRECISIONS)
+@pytest.mark.parametrize("C", [16, 64])
+def test_lattice_at_real_sizes(dtype, tol, C):
+    torch.manual_seed(C)
+    B, T, H, M, D = 2, 1000, 4, 64, 64  # T is not a multiple of C
+    inputs = [F.normalize(torch.randn(B, T, H, M, dtype=torch.float64), dim=-1),
+              F.normalize(torch.randn(B, T, H, M, dtype=torch.float64), dim=-1),
+              F.normalize(torch.randn(B, T, H, D, dtype=torch.float64), dim=-1),
+              torch.sigmoid(torch.randn(B, T, H, dtype=torch.float64))]
+    memory = F.normalize(torch.randn(B, H, M, D), dim=-1)
+
+    def op(q, k, v, gamma, **kw):
+        return lattice_attention(q, k, v, gamma, initial_state=memory.to(q.device), chunk_size=C,
+                                 backend="torch", output_final_state=True)
+
+    check_call(op, inputs, dtype, tol)
+
+
+@pytest.mark.parametrize("dtype,tol", PRECISIONS)
+def test_kvm_at_real_sizes(dtype, tol):
+    (q, k, v, gate), params = make_kvm_inputs(2, 1000, 4, 64, 64, seed=3)
+    settings = dict(chunk_size=64, window_chunks=2, state_size=128, sinks=4, rope_dims=32)
+
+    def op(q, k, v, gate):
+        on = {name: t.to(q.device, torch.float32 if q.dtype != torch.float64 else q.dtype) for name, t in params.items()}
+        return kvm_attention(q, k, v, gate, **on, **settings, backend="torch", output_final_state=True)
+
+    check_call(op, [q, k, v, gate], dtype, tol)
+
+
+def test_generate_on_cuda_gives_the_cpu_tokens():
+    """Greedy float32 tokens of a hybrid with every mixer kind (Trellis on the Triton kernels and
+    their decode step, Lattice, KVM and attention on PyTorch), prompts crossing chunk and KVM
+    fold boundaries, are the CPU's tokens."""
+    model = tiny_model(seed=4, schedule="kvm-hybrid", hidden_size=128, head_dim=64, num_slots=64, chunk_size=16,
+                       intermediate_size=256, kvm_chunk_size=16, kvm_window_chunks=2, kvm_state_size=32,
+                       kvm_rope_dims=16)
+    prompt = random_tokens(3, 77, seed=5)
+    settings = dict(max_new_tokens=40, do_sample=False, min_new_tokens=40)
+    on_cpu = model.generate(prompt, **settings)
+    on_gpu = model.to("cuda").generate(prompt.cuda(), **settings)
+    assert on_gpu.is_cuda
+    assert torch.equal(on_gpu.cpu(), on_cpu)
+
+
+def test_bf16_trainer_steps_are_finite(tmp_path):
+    """A few Trainer steps in bf16 autocast on the GPU, a hybrid with every mixer kind: every
+    logged loss and every parameter finite, and the parameters moved."""
+    from transformers import Trainer, TrainingArguments
+
+    from trainer_helpers import right_padded
+
+    model = tiny_model(seed=6, schedule="kvm-hybrid", hidden_size=128, head_dim=64, num_slots=64, chunk_size=16,
+                       intermediate_size=256, kvm_chunk_size=16, kvm_state_size=32).train()
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    rows = [{"input_ids": random_tokens(1, n, seed=n)[0].tolist()} for n in (200, 130, 97, 64, 150, 33, 180, 120)]
+    args = TrainingArguments(output_dir=str(tmp_path), bf16=True, max_steps=6, per_device_train_batch_size=4,
+                             learning_rate=1e-3, logging_steps=1, save_strategy="no", report_to="none",
+                             disable_tqdm=True)
+    trainer = Trainer(model=model, args=args, train_dataset=rows, data_collator=right_padded)
+    trainer.train()
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    assert len(losses) == 6 and all(torch.isfinite(torch.tensor(losses)))
+    moved = 0
+    for name, p in trainer.model.named_parameters():
+        assert p.isfinite().all(), name
+        moved += not torch.equal(p.detach().cpu(), before[name].cpu())
+    assert moved > len(before) // 2
