@@ -265,20 +265,25 @@ def time_family(B, T, H, D, M) -> list[str]:
 def bench_ops(sizes) -> list[str]:
     ceilings = measured_ceilings()
     rows = [f"measured ceilings: bf16 matmul {ceilings[0]:.0f} TFLOP/s, device copy {ceilings[1]:.0f} GB/s"]
+    print(rows[0], flush=True)
     for i, (B, T, H, D, M) in enumerate(sizes):
         rows.append(f"op, (B, T, H, D, M) = {(B, T, H, D, M)}, chunk {CHUNK}, bf16 in, fp32 state:")
+        print(rows[-1], flush=True)
+        # fla last: its first calls compile and autotune for minutes (an H200 run, 2026-11-26,
+        # had not finished chunk_gsa's after 150 s), which a run's time limit may cut short.
         timers = (
             ("trellis", lambda: time_trellis(B, T, H, D, M, ceilings, sequential=i == 0)),
+            ("sdpa flash", lambda: time_sdpa(B, T, H, D, M)),
             ("fla chunk_gsa", lambda: time_fla_gsa(B, T, H, D, M)),
             ("fla chunk_gated_delta_rule", lambda: time_fla_gdn(B, T, H, D, M)),
-            ("sdpa flash", lambda: time_sdpa(B, T, H, D, M)),
         )
         for label, fn in timers:
             rows.append(guarded(f"  {label}", fn))
+            print(rows[-1], flush=True)
             free_cached()
         if i == 0:
             rows += time_family(B, T, H, D, M)
-        print("\n".join(rows[-7 if i == 0 else -5:]), flush=True)
+            print("\n".join(rows[-2:]), flush=True)
     return rows
 
 

@@ -479,3 +479,29 @@ def test_inference_after_fused_adamw_steps_uses_the_new_weights():
     fresh.load_state_dict(model.state_dict())
     with torch.no_grad():
         torch.testing.assert_close(after, fresh(ids).logits, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("schedule", ["trellis", "lattice", "kvm"])
+def test_padded_rows_keep_the_op_output_dtype_when_values_differ(schedule, monkeypatch):
+    """Under CUDA autocast a layer's values can be bf16 while its queries are float32 (norms run
+    in float32 there), and the op answers in the queries' dtype: with padding, the packed op's
+    output goes back in that dtype (a padded bf16 Trainer step on a GPU failed here)."""
+    model = tiny_model(schedule=schedule)
+    mixer = model.model.layers[0].self_attn
+    attend, seen = mixer._attend, {}
+
+    def capture(inputs, initial_state, valid, keep_state):
+        seen.update(inputs=inputs, initial_state=initial_state, valid=valid)
+        return attend(inputs, initial_state, valid, keep_state)
+
+    monkeypatch.setattr(mixer, "_attend", capture)
+    ids, mask = right_pad([random_tokens(1, 9, seed=1)[0], random_tokens(1, 5, seed=2)[0]])
+    model(input_ids=ids, attention_mask=mask)
+    inputs = list(seen["inputs"])
+    inputs[2] = inputs[2].bfloat16()  # the values
+    o, _ = attend(tuple(inputs), seen["initial_state"], seen["valid"], False)
+    o_all, _ = attend(tuple(inputs), seen["initial_state"], None, False)  # right padding: causal, same tokens
+    assert o.dtype == o_all.dtype
+    valid = mask.bool()
+    torch.testing.assert_close(o[valid], o_all[valid])
+    assert not o[~valid].any()

@@ -41,12 +41,18 @@ def run(backend, x, **kw):
     return trellis_attention(*x, backend=backend, output_final_state=True, **kw)
 
 
+# The interpreter computes in numpy float32; on a GPU the kernels' products are tf32x3 dots and
+# fused multiply-adds, summed in another order: there the bound is issue 39's float32 one (an
+# H200 run measured 2.8e-5 on one gradient of test_full_forget_is_finite).
+F32_TOL = 1e-4 if ON_GPU else 2e-5
+
+
 def assert_close_f32(got, expected, name=""):
     """Max error relative to the tensor's scale (float32 arithmetic in a different order)."""
     got, expected = got.double().cpu(), expected.double().cpu()
     scale = expected.abs().max().clamp(min=1e-6)
     err = (got - expected).abs().max() / scale
-    assert err < 2e-5, f"{name}: max error {err:.2e} relative to max |expected| {scale:.2e}"
+    assert err < F32_TOL, f"{name}: max error {err:.2e} relative to max |expected| {scale:.2e}"
 
 
 def assert_states_close(a: TrellisState, b: TrellisState):

@@ -553,7 +553,9 @@ class MemoryMixer(Mixer):
         if valid is None:
             return self.run_op(inputs, initial_state, keep_state, None)
         value = inputs[2]
-        o = value.new_zeros(value.shape)
+        # The op answers in the queries' dtype, which under CUDA autocast can differ from the
+        # values' (norms run in float32 there, projections in bf16).
+        o = value.new_zeros(value.shape, dtype=inputs[0].dtype)
         if not bool(valid.lengths.any()):
             return o, None
         packed = tuple(t[valid.mask].unsqueeze(0) for t in inputs)
