@@ -353,6 +353,32 @@ def test_logit_distillation_lowers_kl(llm_like_teacher, tmp_path, lora_rank, lea
     assert (checkpoint / ("adapter_model.safetensors" if lora_rank else "model.safetensors")).is_file()
 
 
+def test_held_out_perplexity_records_stage_two_s_learning_curve(llm_like_teacher, tmp_path):
+    """The curve's steps, its first point the student's perplexity before stage 2, its last the
+    returned (LoRA-merged) student's, measured independently; a bad ``eval_every`` is refused."""
+    import math
+
+    teacher, folder = llm_like_teacher
+    student = convert_llama_to_trellis(folder, tmp_path / "trellis", **SMALL_MEMORY).float()
+    heldout = random_tokens(5, 24, seed=97)  # 5 rows: the measure's batches of 4 leave one over
+
+    def perplexity(model):
+        with torch.no_grad():
+            return math.exp(model.eval()(input_ids=heldout, labels=heldout).loss.item())
+
+    before = perplexity(student)
+    student = distill_logits(student, teacher, random_tokens(64, 24, seed=3), quick_args(
+        tmp_path / "run", max_steps=7, learning_rate=1e-2), lora_rank=8, heldout=heldout, eval_every=3)
+    curve = json.loads((tmp_path / "run" / "perplexity.json").read_text())
+    assert [point["step"] for point in curve] == [0, 3, 6, 7]
+    assert curve[0]["perplexity"] == pytest.approx(before, rel=1e-5)
+    assert curve[-1]["perplexity"] == pytest.approx(perplexity(student), rel=1e-4)
+    assert curve[-1]["perplexity"] != pytest.approx(curve[0]["perplexity"], rel=1e-4)  # measured as it trained
+    with pytest.raises(ValueError, match="eval_every must be an integer >= 1"):
+        distill_logits(student, teacher, random_tokens(8, 24, seed=3), quick_args(tmp_path / "bad", max_steps=1),
+                       heldout=heldout, eval_every=0)
+
+
 def test_padding_is_left_out_of_both_measures(converted):
     """Right-padding a batch with junk tokens changes neither the layer errors nor the KL."""
     _, teacher, _, folder = converted

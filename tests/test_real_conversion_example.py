@@ -60,6 +60,11 @@ def check_results(results: dict, results_dir: Path, name: str, layers: int) -> N
             assert record[stage]["perplexity"] > 1
         # Stage 1 moves every converted layer off its zero-output start.
         assert all(error != 1.0 for error in record["stage1"]["layer_errors"])
+        # Stage 2's learning curve: from the stage-1 student to the returned one.
+        curve = record["stage2_curve"]
+        assert [p["step"] for p in curve][0] == 0 and curve[-1]["step"] == saved["preset"]["stage2_steps"]
+        assert curve[0]["perplexity"] == pytest.approx(record["stage1"]["perplexity"], rel=1e-4)
+        assert curve[-1]["perplexity"] == pytest.approx(record["stage2"]["perplexity"], rel=1e-4)
     assert saved == json.loads(json.dumps(results))
 
 

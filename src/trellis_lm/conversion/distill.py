@@ -22,6 +22,7 @@ is left out of every loss.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
@@ -109,6 +110,13 @@ class LayerwiseMixers(nn.Module):
         return torch.stack(errors)
 
 
+def checked_every(eval_every: Any) -> int:
+    """``eval_every`` (steps between held-out measurements), or a ``ValueError`` naming it."""
+    if isinstance(eval_every, bool) or not isinstance(eval_every, int) or eval_every < 1:
+        raise ValueError(f"eval_every must be an integer >= 1 (optimiser steps between measurements), got {eval_every!r}")
+    return eval_every
+
+
 class HeldOutLayerErrors(TrainerCallback):
     """Stage 1's measure on held-out blocks, and its stopping rule: every ``every`` steps the
     layer errors of the held-out blocks are measured and recorded (``layer_errors.json`` in the
@@ -162,6 +170,44 @@ class HeldOutLayerErrors(TrainerCallback):
         Path(args.output_dir).mkdir(parents=True, exist_ok=True)
         (Path(args.output_dir) / "layer_errors.json").write_text(json.dumps(self.curve, indent=1))
         return mean
+
+
+class HeldOutPerplexity(TrainerCallback):
+    """Stage 2's learning curve: every ``every`` optimiser steps (and at the first and last), the
+    perplexity of the model in training on held-out blocks ``input_ids [N, T]`` (never trained
+    on), ``batch_size`` rows at a time, in evaluation mode (state passing leaves evaluation
+    forwards alone); recorded in ``perplexity.json`` in the run's folder as ``[{"step",
+    "perplexity"}]``."""
+
+    def __init__(self, input_ids: torch.Tensor, every: int = 50, batch_size: int = 4) -> None:
+        self.input_ids, self.every, self.batch_size = input_ids, every, batch_size
+        self.curve: list[dict[str, Any]] = []
+
+    @torch.no_grad()
+    def measure(self, model: nn.Module) -> float:
+        device = next(model.parameters()).device
+        total, count = 0.0, 0
+        for rows in self.input_ids.split(self.batch_size):
+            rows = rows.to(device)
+            tokens = rows.numel() - rows.shape[0]
+            total += model(input_ids=rows, labels=rows, use_cache=False).loss.item() * tokens
+            count += tokens
+        return math.exp(total / count)
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: Optional[nn.Module] = None, **kwargs: Any) -> None:
+        self._record(state.global_step, args, model)
+
+    def on_step_end(self, args: Any, state: Any, control: Any, model: Optional[nn.Module] = None, **kwargs: Any) -> None:
+        if state.global_step % self.every == 0 or state.global_step == state.max_steps:
+            self._record(state.global_step, args, model)
+
+    def _record(self, step: int, args: Any, model: nn.Module) -> None:
+        was_training = model.training
+        model.eval()
+        self.curve.append({"step": step, "perplexity": self.measure(model)})
+        model.train(was_training)
+        Path(args.output_dir).mkdir(parents=True, exist_ok=True)
+        (Path(args.output_dir) / "perplexity.json").write_text(json.dumps(self.curve, indent=1))
 
 
 class _TeacherTrainer(Trainer):
@@ -266,7 +312,7 @@ def distill_layerwise(
     trainer = LayerwiseTrainer(model=mixers, args=args, train_dataset=dataset, data_collator=collate,
                                processing_class=tokenizer, teacher=teacher)
     if heldout is not None:
-        trainer.add_callback(HeldOutLayerErrors(mixers, trainer.teacher, heldout, eval_every, patience))
+        trainer.add_callback(HeldOutLayerErrors(mixers, trainer.teacher, heldout, checked_every(eval_every), patience))
     trainer.train(resume_from_checkpoint=resume_from_checkpoint)
     return student.requires_grad_(True).to(device)
 
@@ -345,8 +391,14 @@ def distill_logits(
     resume_from_checkpoint: Union[str, bool, None] = None,
     state_passing: float = DEFAULT_PROBABILITY,
     state_passing_from: float = DEFAULT_START_FRACTION,
+    heldout: Optional[torch.Tensor] = None,
+    eval_every: int = 50,
 ) -> TrellisForCausalLM:
     """Stage 2: fine-tune end to end against the teacher's logits; returns the trained student.
+
+    With ``heldout`` (``[N, T]`` ids of blocks never trained on), the student's perplexity on
+    them is measured every ``eval_every`` steps into ``perplexity.json`` in ``args.output_dir``
+    (:class:`HeldOutPerplexity`: the stage's learning curve).
 
     ``state_passing`` > 0 starts each student row from the final memory states of a row of the
     previous batch with that probability (:mod:`trellis_lm.state_passing`), so the student learns
@@ -376,6 +428,8 @@ def distill_logits(
     )
     if state_passing:
         trainer.add_callback(StatePassingCallback(state_passing, state_passing_from, seed=args.seed))
+    if heldout is not None:
+        trainer.add_callback(HeldOutPerplexity(heldout, checked_every(eval_every)))
     trainer.train(resume_from_checkpoint=resume_from_checkpoint)
     return (student if lora_rank is None else model.merge_and_unload()).requires_grad_(True)
 
@@ -397,6 +451,7 @@ def logit_kl(
 __all__ = [
     "DEFAULT_LORA_TARGETS",
     "HeldOutLayerErrors",
+    "HeldOutPerplexity",
     "blocks_read",
     "LayerwiseMixers",
     "LayerwiseTrainer",
