@@ -31,6 +31,10 @@ come from the rest, or from ``--train-data`` files (``.txt`` / ``.jsonl``, as ``
 convert --data`` reads them). The docstrings hold a few million tokens: the ``gpu`` preset's
 budget repeats them several times, so give it ``--train-data`` when you have a corpus.
 
+A run started again with the same ``--out`` resumes: stage 1's student, the layer choice, the
+teacher's measures and each finished student are kept there with their numbers (``record.json``),
+and the teacher's stage-1 activations by fingerprint; a student's stage 2 cut short starts over.
+
 Writes ``<results-dir>/conversion_data/<name>.json`` (every number, the preset, timings) and
 ``<results-dir>/figures/<name>.png`` (layer errors and perplexities); models go to ``--out``.
 """
@@ -53,6 +57,7 @@ from lm_eval.models.huggingface import HFLM
 from lm_eval.tasks import TaskManager
 from tqdm.auto import tqdm
 
+from trellis_lm import TrellisForCausalLM
 from trellis_lm.conversion import (
     TokenBlocks,
     choose_attention_layers,
@@ -74,6 +79,7 @@ from trellis_lm.conversion.source import locate_source
 from trellis_lm.training import stdlib_docstrings
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+RECORD = "record.json"  # a finished step's numbers, beside its model in --out (what a rerun resumes from)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -258,6 +264,19 @@ def run_variant(name: str, src: Path, out: Path, preset: Preset, teacher, train:
     return record
 
 
+def kept_record(path: Path, compute: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """``compute()``'s record, kept in ``path`` (JSON): a run started again into the same
+    ``--out`` takes it from there, so an interrupted run resumes after its last finished step
+    (stage 1, the layer choice, the teacher's measures, each student)."""
+    if path.is_file():
+        print(f"resumed: {path}", flush=True)
+        return json.loads(path.read_text())
+    record = compute()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=1))
+    return record
+
+
 def plot(results: dict[str, Any], path: Path) -> None:
     """Three panels: each converted layer's error per stage (every student), the perplexities,
     and stage 2's learning curves (held-out perplexity along its steps)."""
@@ -363,14 +382,26 @@ def run(src: Optional[Path] = None, preset_name: str = "cpu", out: Path = Path("
     results["teacher"] = {"perplexity": perplexity(teacher, eval_blocks, device, "teacher: perplexity"),
                           "seconds": time.perf_counter() - start}
     print(f"teacher perplexity {results['teacher']['perplexity']:.2f}", flush=True)
-    stage1_student, results["stage1"] = shared_stage1(src, out, preset, teacher, train, error_blocks, device)
+    stage1_dir = out / "stage1-student"
+    if (stage1_dir / RECORD).is_file():
+        stage1_student = TrellisForCausalLM.from_pretrained(stage1_dir).float()
+        results["stage1"] = json.loads((stage1_dir / RECORD).read_text())
+        print(f"resumed: {stage1_dir}", flush=True)
+    else:
+        stage1_student, results["stage1"] = shared_stage1(src, out, preset, teacher, train, error_blocks, device)
+        stage1_student.save_pretrained(stage1_dir)
+        (stage1_dir / RECORD).write_text(json.dumps(results["stage1"], indent=1))
     every = layer_mixers(teacher.config.num_hidden_layers, attention_every=preset.attention_every)
     every_kept = [i for i, kind in enumerate(every) if kind == "attention"]
-    start = time.perf_counter()
-    costs = conversion_costs(stage1_student.to(device), teacher.to(device), error_blocks.to(device))
-    chosen = choose_attention_layers(costs, len(every_kept))
-    results["layer_choice"] = {"costs_kl": {str(k): v for k, v in costs.items()}, "kept": chosen,
-                               "seconds": time.perf_counter() - start}
+
+    def choose() -> dict[str, Any]:
+        start = time.perf_counter()
+        costs = conversion_costs(stage1_student.to(device), teacher.to(device), error_blocks.to(device))
+        return {"costs_kl": {str(k): v for k, v in costs.items()}, "kept": choose_attention_layers(costs, len(every_kept)),
+                "seconds": time.perf_counter() - start}
+
+    results["layer_choice"] = kept_record(out / "layer_choice" / RECORD, choose)
+    chosen = results["layer_choice"]["kept"]
     stream = torch.cat(TokenBlocks.from_texts(held_texts, tokenizer, 10**9).rows)
     starts = torch.linspace(0, max(stream.numel() - 32, 0), preset.samples).long().tolist() if preset.samples else []
     prompts = [stream[start : start + 24] for start in starts]
@@ -379,12 +410,12 @@ def run(src: Optional[Path] = None, preset_name: str = "cpu", out: Path = Path("
     def finish(model, desc: str) -> dict[str, Any]:
         return final_measures(model, stream, prompts, tokenizer, preset, device, desc)
 
-    results["teacher"]["final"] = finish(teacher, "teacher")
+    results["teacher"]["final"] = kept_record(out / "teacher" / RECORD, lambda: finish(teacher, "teacher"))
     results["students"] = {}
     # The all-Trellis student last: the hybrids copy its stage-1 mixers before its stage 2 changes them.
     for variant, kept in (("hybrid", every_kept), ("hybrid_auto", chosen), ("trellis", None)):
-        record = run_variant(variant, src, out, preset, teacher, train, eval_blocks, error_blocks, device,
-                             stage1_student, kept, finish)
+        record = kept_record(out / variant / RECORD, lambda: run_variant(
+            variant, src, out, preset, teacher, train, eval_blocks, error_blocks, device, stage1_student, kept, finish))
         results["students"][variant] = record
         print(f"{variant}: perplexity " + ", ".join(
             f"{stage} {record[stage]['perplexity']:.2f}" for stage in ("converted", "stage1", "stage2")

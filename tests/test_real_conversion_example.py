@@ -76,6 +76,30 @@ def test_quick_preset_on_a_tiny_teacher(tmp_path):
     results = example.run(tmp_path / "teacher", "quick", tmp_path / "out", tmp_path / "results", name="tiny",
                           texts=texts, num_slots=8, chunk_size=8)
     check_results(results, tmp_path / "results", "tiny", layers=4)
+    # Started again into the same --out, it resumes: the hybrid's record lost (as if the run had
+    # stopped during it), the rest taken from the first run; the same numbers but for timings.
+    (tmp_path / "out" / "hybrid" / "record.json").unlink()
+    kept = tmp_path / "out" / "hybrid_auto" / "record.json"
+    kept.write_text(json.dumps({**json.loads(kept.read_text()), "marker": "kept"}))
+    again = example.run(tmp_path / "teacher", "quick", tmp_path / "out", tmp_path / "results2", name="tiny",
+                        texts=texts, num_slots=8, chunk_size=8)
+    assert again["students"]["hybrid_auto"]["marker"] == "kept"
+
+    def untimed(x, path=""):
+        """(path, value) of every leaf but timings."""
+        if isinstance(x, dict):
+            return [leaf for k, v in x.items() if "seconds" not in k and k != "ms_per_token"
+                    for leaf in untimed(v, f"{path}/{k}")]
+        if isinstance(x, list):
+            return [leaf for i, v in enumerate(x) for leaf in untimed(v, f"{path}/{i}")]
+        return [(path, x)]
+
+    for part in ("stage1", "layer_choice", "teacher"):
+        assert untimed(again[part]) == untimed(results[part]), part
+    recomputed, first = untimed(again["students"]["hybrid"]), untimed(results["students"]["hybrid"])
+    assert [path for path, _ in recomputed] == [path for path, _ in first]
+    for (path, value), (_, expected) in zip(recomputed, first):
+        assert value == (pytest.approx(expected, rel=1e-4) if isinstance(expected, float) else expected), path
 
 
 def test_preset_fields_are_set_from_the_command_line():
