@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # One device run of issue 39, in order of what matters: correctness on the GPU (pytest), then
 # op timings against the peers, then decode, then (if time is left) kernel launch variants.
+# Shares from the first run (H200, 2026-11-26): pytest took 102 s, decode 70 s; fla's first
+# calls compile and autotune for minutes, hence the op phase's larger share.
 # Every phase has its own time limit and writes its log under $OUT; a phase that fails or
 # runs out of time does not stop the next.
 #
@@ -50,13 +52,13 @@ cat "$out/summary.log"
 # benchmark's settings, fla's) beside the tests, so that the timed phases compile little.
 timeout 200 python3 benchmarks/bench_gpu.py --only op --quick > "$out/warm.log" 2>&1 &
 warm=$!
-phase pytest 230 python3 -m pytest -q -n 8 -p no:cacheprovider --timeout 120 -rfE \
+phase pytest 150 python3 -m pytest -q -n 8 -p no:cacheprovider --timeout 120 -rfE \
     tests/test_triton.py tests/test_on_cuda.py -k "not compile_for_sm90"
 tail -25 "$out/pytest.log"
 wait $warm
-phase bench_op 190 python3 benchmarks/bench_gpu.py --only op
+phase bench_op 300 python3 benchmarks/bench_gpu.py --only op
 sed -n '/# summary/,$p' "$out/bench_op.log"
-phase bench_decode 130 python3 benchmarks/bench_gpu.py --only decode
+phase bench_decode 100 python3 benchmarks/bench_gpu.py --only decode
 tail -8 "$out/bench_decode.log"
 phase tune 120 python3 benchmarks/bench_gpu.py --only tune
 tail -6 "$out/tune.log"
