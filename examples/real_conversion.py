@@ -45,7 +45,6 @@ import argparse
 import dataclasses
 import importlib.util
 import json
-import math
 import platform
 import time
 from pathlib import Path
@@ -72,6 +71,7 @@ from trellis_lm.conversion import (
     layerwise_errors,
 )
 from trellis_lm.conversion.cli import read_texts
+from trellis_lm.conversion.distill import block_perplexity
 from trellis_lm.eval.decode_cost import decode_cost
 from trellis_lm.eval.harness import TASKS_DIR
 from trellis_lm.eval.perplexity import perplexity_by_position
@@ -151,25 +151,18 @@ def split_texts(texts: Sequence[str], heldout_fraction: float) -> tuple[list[str
     return list(texts[:cut]), list(texts[cut:])
 
 
-@torch.no_grad()
-def perplexity(model, blocks: torch.Tensor, device: torch.device, desc: str, batch_size: int = 4) -> float:
-    """exp of the mean next-token loss over ``blocks [N, T]`` (every row full length)."""
-    model.to(device).eval()
-    total, count = 0.0, 0
-    for start in tqdm(range(0, len(blocks), batch_size), desc=desc, leave=False):
-        batch = blocks[start : start + batch_size].to(device)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            loss = model(input_ids=batch, labels=batch).loss
-        tokens = batch.numel() - batch.shape[0]
-        total, count = total + loss.item() * tokens, count + tokens
-    return math.exp(total / count)
+def perplexity(model, blocks: torch.Tensor, device: torch.device) -> float:
+    """:func:`~trellis_lm.conversion.distill.block_perplexity` of ``blocks [N, T]`` on ``device``
+    (bf16 autocast on a GPU), the measure stage 2's learning curve takes too."""
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+        return block_perplexity(model.to(device).eval(), blocks)
 
 
 def measure(student, teacher, eval_blocks: torch.Tensor, error_blocks: torch.Tensor, device: torch.device,
             desc: str) -> dict[str, Any]:
     """Held-out perplexity and each converted layer's relative error (float32, on ``device``)."""
     start = time.perf_counter()
-    ppl = perplexity(student, eval_blocks, device, f"{desc}: perplexity")
+    ppl = perplexity(student, eval_blocks, device)
     teacher.to(device)
     errors = []
     for row in tqdm(error_blocks.split(2), desc=f"{desc}: layer errors", leave=False):
@@ -379,18 +372,18 @@ def run(src: Optional[Path] = None, preset_name: str = "cpu", out: Path = Path("
                     "threads": torch.get_num_threads()},
     }
     start = time.perf_counter()
-    results["teacher"] = {"perplexity": perplexity(teacher, eval_blocks, device, "teacher: perplexity"),
+    results["teacher"] = {"perplexity": perplexity(teacher, eval_blocks, device),
                           "seconds": time.perf_counter() - start}
     print(f"teacher perplexity {results['teacher']['perplexity']:.2f}", flush=True)
     stage1_dir = out / "stage1-student"
-    if (stage1_dir / RECORD).is_file():
-        stage1_student = TrellisForCausalLM.from_pretrained(stage1_dir).float()
-        results["stage1"] = json.loads((stage1_dir / RECORD).read_text())
-        print(f"resumed: {stage1_dir}", flush=True)
-    else:
-        stage1_student, results["stage1"] = shared_stage1(src, out, preset, teacher, train, error_blocks, device)
-        stage1_student.save_pretrained(stage1_dir)
-        (stage1_dir / RECORD).write_text(json.dumps(results["stage1"], indent=1))
+
+    def stage1() -> dict[str, Any]:
+        student, record = shared_stage1(src, out, preset, teacher, train, error_blocks, device)
+        student.save_pretrained(stage1_dir)
+        return record
+
+    results["stage1"] = kept_record(stage1_dir / RECORD, stage1)
+    stage1_student = TrellisForCausalLM.from_pretrained(stage1_dir).float()  # fresh or resumed: the same path
     every = layer_mixers(teacher.config.num_hidden_layers, attention_every=preset.attention_every)
     every_kept = [i for i, kind in enumerate(every) if kind == "attention"]
 

@@ -172,6 +172,21 @@ class HeldOutLayerErrors(TrainerCallback):
         return mean
 
 
+@torch.no_grad()
+def block_perplexity(model: nn.Module, input_ids: torch.Tensor, batch_size: int = 4) -> float:
+    """exp of the mean next-token loss over the blocks ``input_ids [N, T]`` (every row full
+    length), ``batch_size`` rows at a time on the model's device, the model as it is (set
+    evaluation mode first)."""
+    device = next(model.parameters()).device
+    total, count = 0.0, 0
+    for rows in input_ids.split(batch_size):
+        rows = rows.to(device)
+        tokens = rows.numel() - rows.shape[0]
+        total += model(input_ids=rows, labels=rows, use_cache=False).loss.item() * tokens
+        count += tokens
+    return math.exp(total / count)
+
+
 class HeldOutPerplexity(TrainerCallback):
     """Stage 2's learning curve: every ``every`` optimiser steps (and at the first and last), the
     perplexity of the model in training on held-out blocks ``input_ids [N, T]`` (never trained
@@ -183,17 +198,6 @@ class HeldOutPerplexity(TrainerCallback):
         self.input_ids, self.every, self.batch_size = input_ids, every, batch_size
         self.curve: list[dict[str, Any]] = []
 
-    @torch.no_grad()
-    def measure(self, model: nn.Module) -> float:
-        device = next(model.parameters()).device
-        total, count = 0.0, 0
-        for rows in self.input_ids.split(self.batch_size):
-            rows = rows.to(device)
-            tokens = rows.numel() - rows.shape[0]
-            total += model(input_ids=rows, labels=rows, use_cache=False).loss.item() * tokens
-            count += tokens
-        return math.exp(total / count)
-
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Optional[nn.Module] = None, **kwargs: Any) -> None:
         self._record(state.global_step, args, model)
 
@@ -204,7 +208,7 @@ class HeldOutPerplexity(TrainerCallback):
     def _record(self, step: int, args: Any, model: nn.Module) -> None:
         was_training = model.training
         model.eval()
-        self.curve.append({"step": step, "perplexity": self.measure(model)})
+        self.curve.append({"step": step, "perplexity": block_perplexity(model, self.input_ids, self.batch_size)})
         model.train(was_training)
         Path(args.output_dir).mkdir(parents=True, exist_ok=True)
         (Path(args.output_dir) / "perplexity.json").write_text(json.dumps(self.curve, indent=1))
@@ -452,6 +456,7 @@ __all__ = [
     "DEFAULT_LORA_TARGETS",
     "HeldOutLayerErrors",
     "HeldOutPerplexity",
+    "block_perplexity",
     "blocks_read",
     "LayerwiseMixers",
     "LayerwiseTrainer",
