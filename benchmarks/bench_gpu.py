@@ -3,6 +3,7 @@
 
     python benchmarks/bench_gpu.py                  # op timings, then decode
     python benchmarks/bench_gpu.py --only op        # op timings only (or: decode)
+    python benchmarks/bench_gpu.py --only profile   # where the time goes (kernels by device time)
     python benchmarks/bench_gpu.py --quick          # small sizes: checks the script runs on a GPU
     TRITON_INTERPRET=1 python benchmarks/bench_gpu.py --quick --dry-run   # the same on a CPU
     python benchmarks/bench_gpu.py --compile-check  # no GPU: compile the kernels for sm_90,
@@ -18,10 +19,14 @@ What it measures (bfloat16 activations, float32 states, chunk 64):
     forward's achieved TFLOP/s and memory bandwidth against a bf16 matmul and a device copy
     measured in the same run.
   * decode milliseconds per token, batch 1 and 64, of a 12-layer, 768-wide Trellis model against a
-    LlamaForCausalLM of the same size (sdpa attention, DynamicCache) after contexts of 1k, 16k
-    and 128k tokens (Llama is not run where its cache would not fit). Both run eagerly (no CUDA
-    graphs). Trellis's state does not grow, so its
-    figure should not depend on the context; the attention model's does.
+    LlamaForCausalLM of the same size (sdpa attention) after contexts of 1k, 16k and 128k tokens
+    (Llama is not run where its cache would not fit), each eagerly and with CUDA graphs: Trellis
+    with ``compile_decode`` (its runs of memory blocks replayed from graphs), the Llama with
+    transformers' StaticCache and ``torch.compile(mode="reduce-overhead")`` at batch 1. Trellis's
+    state does not grow, so its figure should not depend on the context; the attention model's does.
+  * ``--only profile``: where the time goes, by ``torch.profiler``: the kernels of one op
+    forward+backward at the first shape (chunk 64 and chunk 1) and of one decode step after 1k
+    tokens (eager and with CUDA graphs), by device time, against the wall time of the call.
 
 Timings are medians from ``triton.testing.do_bench`` (warm-up and repeats inside). The dot
 precision of the Trellis kernels is ``TRELLIS_TRITON_DOT_PRECISION`` (default tf32x3); the
@@ -34,6 +39,7 @@ import argparse
 import inspect
 import os
 import platform
+import statistics
 import sys
 import time
 from datetime import date
@@ -44,6 +50,9 @@ import torch.nn.functional as F
 OP_SIZES = [(8, 4096, 16, 64, 64), (2, 16384, 16, 64, 64), (1, 32768, 16, 128, 64)]
 QUICK_OP_SIZES = [(2, 512, 4, 64, 64)]
 CHUNK = 64
+# The decode models: the issue's 12 layers of width 768, and a small one for --quick.
+FULL_DECODE = dict(hidden=768, layers=12, heads=12, head_dim=64, slots=64, vocab=32000, chunk=CHUNK)
+QUICK_DECODE = dict(hidden=256, layers=2, heads=4, head_dim=64, slots=64, vocab=1024, chunk=CHUNK)
 # "cuda"; "cpu" only for ``--quick --dry-run`` under TRITON_INTERPRET=1, which checks that the
 # script runs before device time is spent on it (its timings mean nothing).
 DEVICE = "cuda"
@@ -337,28 +346,144 @@ def same_size_models(hidden, layers, heads, head_dim, slots, vocab, chunk):
     return [m.to(DEVICE, torch.bfloat16).eval() for m in (trellis, llama)]
 
 
+class StaticCacheStepper:
+    """A transformers model (the Llama) with ``context`` tokens of ``batch`` rows in a
+    ``StaticCache``, each :meth:`step` one token through its forward compiled with
+    ``mode="reduce-overhead"`` (CUDA graphs): transformers' recipe for fast decoding, the
+    counterpart of Trellis's ``compile_decode``. The cache holds ``context + steps`` positions,
+    so a step attends over what a step at this context needs; the forward compiles once per
+    cache length (the first, untimed step)."""
+
+    @torch.no_grad()
+    def __init__(self, model, context: int, piece: int, batch: int, steps: int) -> None:
+        from transformers import StaticCache
+
+        self.sync = torch.cuda.synchronize if DEVICE == "cuda" else (lambda: None)
+        self.cache = StaticCache(config=model.config, max_cache_len=context + steps + 1)
+        gen = torch.Generator(device=DEVICE).manual_seed(0)
+        ids = torch.randint(0, model.config.vocab_size, (batch, context), generator=gen, device=DEVICE)
+        for start in range(0, context, piece):
+            out = model(input_ids=ids[:, start : start + piece], past_key_values=self.cache, use_cache=True,
+                        logits_to_keep=1)
+        self.token, self.position = out.logits[:, -1:].argmax(-1), context
+        self.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+
+    @torch.no_grad()
+    def step(self) -> float:
+        self.sync()
+        start = time.perf_counter()
+        position = torch.tensor([self.position], device=DEVICE)
+        out = self.forward(input_ids=self.token, past_key_values=self.cache, cache_position=position, use_cache=True)
+        self.sync()
+        elapsed = time.perf_counter() - start
+        self.token, self.position = out.logits[:, -1:].argmax(-1), self.position + 1
+        return elapsed
+
+
+def static_llama_ms(model, context: int, steps: int, piece: int, batch: int) -> float:
+    stepper = StaticCacheStepper(model, context, piece, batch, steps)
+    return statistics.median([stepper.step() for _ in range(steps + 1)][1:]) * 1e3
+
+
 def bench_decode(contexts, batches, steps, prefill_piece, **size) -> list[str]:
+    """ms/token of Trellis eager and with ``compile_decode`` (CUDA graphs of its runs of blocks),
+    and of the Llama eager (DynamicCache) and, at batch 1, compiled with CUDA graphs
+    (StaticCache, :class:`StaticCacheStepper`)."""
     from trellis_lm.benchmark import decode_ms_per_token
 
     trellis, llama = same_size_models(**size)
     n_t = sum(p.numel() for p in trellis.parameters()) / 1e6
     n_l = sum(p.numel() for p in llama.parameters()) / 1e6
-    rows = [f"decode, bf16, eager, {size}; Trellis {n_t:.1f}M params (op backend triton), "
-            f"Llama {n_l:.1f}M params (sdpa, DynamicCache):"]
+    rows = [f"decode, bf16, {size}; Trellis {n_t:.1f}M params (op backend triton): eager | compile_decode "
+            f"(CUDA graphs); Llama {n_l:.1f}M params (sdpa): eager, DynamicCache | StaticCache + torch.compile "
+            "reduce-overhead (batch 1):"]
     for batch in batches:
         for c in contexts:
             timed = {}
             kv_bytes = 2 * size["layers"] * batch * c * size["hidden"] * 2  # Llama's bf16 keys and values
-            for name, model in (("Trellis", trellis), ("Llama", llama)):
-                if name == "Llama" and kv_bytes > 0.8 * free_bytes():
-                    timed[name] = f"not run (its cache would take {kv_bytes / 2**30:.0f} GiB)"
-                    continue
-                piece = min(prefill_piece, max(512, (1 << 17) // batch))  # bounds a piece's activations
-                timed[name] = guarded(name, lambda: f"{decode_ms_per_token(model, c, steps, piece, batch):7.2f}")
+            piece = min(prefill_piece, max(512, (1 << 17) // batch))  # bounds a piece's activations
+            for graphs in (False, True):
+                trellis.config.compile_decode = graphs
+                timed["Trellis", graphs] = guarded(
+                    "Trellis", lambda: f"{decode_ms_per_token(trellis, c, steps, piece, batch):7.2f}")
                 free_cached()
-            rows.append(f"  batch {batch:3d}, context {c:7d}: Trellis {timed['Trellis']} ms/token | "
-                        f"Llama {timed['Llama']} ms/token")
+            for graphs, run in ((False, decode_ms_per_token), (True, static_llama_ms)):
+                if kv_bytes > 0.8 * free_bytes():
+                    timed["Llama", graphs] = f"not run (its cache would take {kv_bytes / 2**30:.0f} GiB)"
+                elif graphs and batch > 1:
+                    timed["Llama", graphs] = "-"
+                else:
+                    timed["Llama", graphs] = guarded("Llama", lambda: f"{run(llama, c, steps, piece, batch):7.2f}")
+                free_cached()
+            rows.append(f"  batch {batch:3d}, context {c:7d}: Trellis {timed['Trellis', False]} | "
+                        f"{timed['Trellis', True]} ms/token; Llama {timed['Llama', False]} | {timed['Llama', True]} "
+                        "ms/token")
             print(rows[-1], flush=True)
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# Where the time goes.
+
+
+def profiled(label: str, fn, top: int = 8) -> list[str]:
+    """One call of ``fn`` (after an untimed one) under ``torch.profiler``: the device time of its
+    kernels against the host's wall time around the call (a large gap: bound by launches), how
+    many kernels it launched, and the ``top`` kernels by device time (on a CPU dry run, the
+    operators by CPU time)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    sync = torch.cuda.synchronize if DEVICE == "cuda" else (lambda: None)
+    fn()
+    sync()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEVICE == "cuda" else [])
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        fn()
+        sync()
+        wall = (time.perf_counter() - start) * 1e3
+    events = prof.key_averages()
+    kernels = [e for e in events if e.device_type == DeviceType.CUDA]
+    busy = sum(e.self_device_time_total for e in kernels) / 1e3
+    rows = [f"{label}: wall {wall:.2f} ms, kernels {sum(e.count for e in kernels)} taking {busy:.2f} ms of device time"]
+    ranked = sorted(kernels or events, key=lambda e: -(e.self_device_time_total if kernels else e.self_cpu_time_total))
+    for e in ranked[:top]:
+        ms = (e.self_device_time_total if kernels else e.self_cpu_time_total) / 1e3
+        rows.append(f"    {ms:8.3f} ms  x{e.count:<5d} {e.key[:90]}")
+    print("\n".join(rows), flush=True)
+    return rows
+
+
+def profiled_rows(label: str, fn) -> list[str]:
+    """:func:`profiled`, or the line saying why it failed."""
+    result = guarded(label, lambda: profiled(label, fn))
+    return [result] if isinstance(result, str) else result
+
+
+def profile_all(op_size, decode_size, context: int) -> list[str]:
+    """Where the time goes: the Trellis op's forward+backward at ``op_size`` (chunk 64 and the
+    exact recurrence, chunk 1), and one decode step of the model of ``decode_size`` after
+    ``context`` tokens, batch 1, eager and with ``compile_decode`` (CUDA graphs)."""
+    from trellis_lm.benchmark import DecodeStepper, as_generate_runs
+    from trellis_lm.ops import trellis_attention
+
+    B, T, H, D, M = op_size
+    x, state = trellis_inputs(B, T, H, D, M, grad=True)
+    do = torch.randn(B, T, H, D, device=DEVICE, dtype=torch.bfloat16)
+    rows = []
+    for chunk in (CHUNK, 1):
+        def fwd_bwd():
+            trellis_attention(*x, initial_state=state, chunk_size=chunk, backend="triton")[0].backward(do)
+        rows += profiled_rows(f"op fwd+bwd {op_size}, chunk {chunk}", fwd_bwd)
+        free_cached()
+    trellis, _ = same_size_models(**decode_size)
+    for graphs in (False, True):
+        trellis.config.compile_decode = graphs
+        with as_generate_runs([trellis]):
+            stepper = DecodeStepper(trellis, context)
+            rows += profiled_rows(f"decode step, context {context}, batch 1, "
+                                  f"{'compile_decode (CUDA graphs)' if graphs else 'eager'}", stepper.step)
     return rows
 
 
@@ -439,7 +564,8 @@ def compile_check(head_dims=(64, 128), slots=64, chunk=CHUNK) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small sizes: checks the script runs")
-    parser.add_argument("--only", choices=["op", "decode", "tune"], help="run one part (tune: only when asked)")
+    parser.add_argument("--only", choices=["op", "decode", "profile", "tune"],
+                        help="run one part (profile and tune: only when asked)")
     parser.add_argument("--compile-check", action="store_true", help="no GPU needed: sm_90 compiles only")
     parser.add_argument("--dry-run", action="store_true",
                         help="with --quick and TRITON_INTERPRET=1: run the script on the CPU (timings meaningless)")
@@ -464,14 +590,17 @@ def main() -> None:
         rows += bench_ops([(1, 40, 2, 16, 16)] if args.dry_run else QUICK_OP_SIZES if args.quick else OP_SIZES)
     if args.only == "tune":
         rows += tune(*([(1, 40, 2, 16, 16)] if args.dry_run else QUICK_OP_SIZES if args.quick else OP_SIZES)[0])
+    if args.only == "profile":
+        if args.quick:
+            rows += profile_all((1, 40, 2, 16, 16) if args.dry_run else QUICK_OP_SIZES[0], QUICK_DECODE, 100)
+        else:
+            rows += profile_all(OP_SIZES[0], FULL_DECODE, 1024)
     if args.only in (None, "decode"):
         if args.quick:
             contexts = [32, 100] if args.dry_run else [256, 1024]
-            rows += bench_decode(contexts, [1, 4], steps=10, prefill_piece=512, hidden=256, layers=2, heads=4,
-                                 head_dim=64, slots=64, vocab=1024, chunk=CHUNK)
+            rows += bench_decode(contexts, [1, 4], steps=10, prefill_piece=512, **QUICK_DECODE)
         else:
-            rows += bench_decode([1024, 16384, 131072], [1, 64], steps=50, prefill_piece=8192, hidden=768, layers=12,
-                                 heads=12, head_dim=64, slots=64, vocab=32000, chunk=CHUNK)
+            rows += bench_decode([1024, 16384, 131072], [1, 64], steps=50, prefill_piece=8192, **FULL_DECODE)
     print("\n# summary\n" + "\n".join(rows))
 
 

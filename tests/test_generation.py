@@ -127,30 +127,42 @@ def compiled_runs(monkeypatch):
     return runs
 
 
-@needs_compiler
-@pytest.mark.usefixtures("fresh_compiler")
-@pytest.mark.parametrize(
-    ("schedule", "overrides", "runs"),
-    [("trellis", {}, [2]),
-     ("trellis", {"compress_fn": "l2norm", "mix_fn": "softmax", "use_forget_gate": False, "conv_size": 0}, [2]),
-     ("lattice", {}, [2]),
-     # trellis, trellis | attention (eager) | lattice; kvm (eager) | lattice | attention | trellis
-     ("hybrid", {"head_dim": 6}, [2, 1]),  # attention turns channel pairs
-     ("kvm-hybrid", {"head_dim": 6}, [1, 1])],
-)
-def test_compiled_decode_step_equals_eager(schedule, overrides, runs, compiled_runs):
-    # float64, odd sizes; the decode steps cross chunk starts (every 3rd token), where anchors move.
+# Schedules of memory blocks with (schedule, overrides, runs of memory blocks in a decode step).
+DECODE_RUNS = [
+    ("trellis", {}, [2]),
+    ("trellis", {"compress_fn": "l2norm", "mix_fn": "softmax", "use_forget_gate": False, "conv_size": 0}, [2]),
+    ("lattice", {}, [2]),
+    # trellis, trellis | attention (eager) | lattice; kvm (eager) | lattice | attention | trellis
+    ("hybrid", {"head_dim": 6}, [2, 1]),  # attention turns channel pairs
+    ("kvm-hybrid", {"head_dim": 6}, [1, 1]),
+]
+
+
+def eager_and_compiling(schedule: str, overrides: dict) -> tuple[TrellisForCausalLM, TrellisForCausalLM, torch.Tensor]:
+    """A float64 model of odd sizes, the same with ``compile_decode``, and tokens whose
+    single-token steps after a 4-token prefill cross chunk starts (every 3rd token), where
+    anchors move: feed them in ``DECODE_PIECES``."""
     sizes = dict(chunk_size=3, num_heads=3, head_dim=5, num_slots=7) | overrides
     eager = tiny_model(seed=5, dtype=torch.float64, schedule=schedule, **sizes)
-    compiled = copy.deepcopy(eager)
-    compiled.config.compile_decode = True
-    ids = random_tokens(2, 12, seed=2)
-    pieces = [4] + [1] * 8
-    fused = logits_in_pieces(compiled, ids, pieces)
+    compiling = copy.deepcopy(eager)
+    compiling.config.compile_decode = True
+    return eager, compiling, random_tokens(2, 12, seed=2)
+
+
+DECODE_PIECES = [4] + [1] * 8
+
+
+@needs_compiler
+@pytest.mark.usefixtures("fresh_compiler")
+@pytest.mark.parametrize(("schedule", "overrides", "runs"), DECODE_RUNS)
+def test_compiled_decode_step_equals_eager(schedule, overrides, runs, compiled_runs):
+    eager, compiled, ids = eager_and_compiling(schedule, overrides)
+    with torch.no_grad():  # a step recording gradients runs eagerly
+        fused = logits_in_pieces(compiled, ids, DECODE_PIECES)
     # Every single-token step ran each run of compilable blocks as one compiled call; the
     # prefill ran eagerly.
     assert compiled_runs == runs * 8
-    torch.testing.assert_close(fused, logits_in_pieces(eager, ids, pieces), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(fused, logits_in_pieces(eager, ids, DECODE_PIECES), rtol=1e-12, atol=1e-12)
 
 
 @needs_compiler
@@ -190,8 +202,32 @@ def test_a_hooked_block_decodes_eagerly_among_compiled_ones(compiled_runs):
     compiled.config.compile_decode = True
     seen = []
     compiled.model.layers[0].self_attn.register_forward_hook(lambda module, args, out: seen.append(args[0].shape[1]))
-    torch.testing.assert_close(logits_in_pieces(compiled, ids, [4, 1, 1, 1, 1]), eager, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        torch.testing.assert_close(logits_in_pieces(compiled, ids, [4, 1, 1, 1, 1]), eager, rtol=1e-5, atol=1e-5)
     assert seen == [4, 1, 1, 1, 1] and compiled_runs == [1, 1] * 4
+
+
+@needs_compiler
+@pytest.mark.usefixtures("fresh_compiler")
+def test_a_step_recording_gradients_decodes_eagerly(compiled_runs):
+    # The compiled step is traced for inference; a step under autograd (gradients through a
+    # cached decode step) once crashed the process (heap corruption) or failed on the state's
+    # integer offsets. It runs eagerly: same logits and gradients, nothing compiled.
+    def step_and_grads(model):
+        ids = random_tokens(2, 5, seed=1)
+        cache = TrellisCache(model.config)
+        with torch.no_grad():
+            model(ids[:, :4], past_key_values=cache)
+        logits = model(ids[:, 4:], past_key_values=cache).logits
+        logits.square().sum().backward()
+        return logits.detach(), model.model.embed_tokens.weight.grad
+
+    eager = tiny_model(seed=3, schedule="hybrid", head_dim=6)
+    compiled = copy.deepcopy(eager)
+    compiled.config.compile_decode = True
+    for got, want in zip(step_and_grads(compiled), step_and_grads(eager)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert compiled_runs == []
 
 
 @needs_compiler

@@ -121,3 +121,28 @@ def test_bf16_trainer_steps_are_finite(tmp_path):
         assert p.isfinite().all(), name
         moved += not torch.equal(p.detach().cpu(), before[name].cpu())
     assert moved > len(before) // 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_generate_with_cuda_graphs_gives_the_eager_tokens(dtype, monkeypatch):
+    """``compile_decode`` on CUDA: generate() replays each run of memory blocks (here Lattice, and
+    Trellis on its Triton step, between eager KVM and attention blocks) from a CUDA graph, with
+    the eager steps' greedy tokens and final cache."""
+    import trellis_lm.decode_graphs as decode_graphs
+
+    captured = []
+    real = decode_graphs.capture_cuda_graph
+    monkeypatch.setattr(decode_graphs, "capture_cuda_graph", lambda fn: captured.append(fn) or real(fn))
+    model = tiny_model(seed=4, schedule="kvm-hybrid", hidden_size=128, head_dim=64, num_slots=64, chunk_size=16,
+                       intermediate_size=256, kvm_chunk_size=16, kvm_window_chunks=2, kvm_state_size=32,
+                       kvm_rope_dims=16).to("cuda", dtype)
+    prompt = random_tokens(3, 77, seed=5).cuda()
+    settings = dict(max_new_tokens=40, do_sample=False, min_new_tokens=40, return_dict_in_generate=True)
+    eager = model.generate(prompt, **settings)
+    model.config.compile_decode = True
+    graphed = model.generate(prompt, **settings)
+    assert len(captured) == 2 and model.model.decode_graphs is None
+    assert torch.equal(graphed.sequences, eager.sequences)
+    for mine, theirs in zip(graphed.past_key_values.layers, eager.past_key_values.layers):
+        for name, tensor in mine.tensors().items():
+            torch.testing.assert_close(tensor, theirs.tensors()[name], rtol=0, atol=0, msg=name)

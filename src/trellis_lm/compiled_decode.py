@@ -13,6 +13,9 @@ condition) run eagerly between runs.
 The compiled function takes the blocks and their carried entries as arguments, so one
 compilation per process serves every model whose runs share shapes, dtypes and settings; past
 torch.compile's recompile limit new ones decode eagerly (the same function) with a warning.
+
+On a GPU the same runs are each replayed from a CUDA graph instead (:mod:`.decode_graphs`), within
+the span that ``generate()`` holds.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from __future__ import annotations
 import itertools
 import warnings
 from functools import cache
-from typing import Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -30,18 +33,25 @@ from .mixers.stacking import plain_forward_hooks
 from .mixers.tokens import ValidTokens
 from .ops import OpState
 
+if TYPE_CHECKING:  # the graphs run this module's run_blocks
+    from .decode_graphs import DecodeGraphs
+
 
 def compiles_decode(model: nn.Module, hidden: torch.Tensor, valid: Optional[ValidTokens], call: Optional[CacheCall],
                     output_hidden_states: Optional[bool]) -> bool:
     """Whether ``model`` (a :class:`~trellis_lm.TrellisModel`) runs this call's blocks through
     :func:`decode_blocks`: ``config.compile_decode``, one token per row of ``hidden [B, 1, D]``
-    on a CPU (GPUs have fused decode kernels), no padding among the step's tokens (packing
-    padded rows depends on the mask's values; a padded prompt's steps have none), a cache that
-    records no calls for rollback (it keeps each mixer's input), no per-block hidden states
-    asked for, and no global forward hook (it expects every module to be called). Which blocks
-    then compile is :func:`compiles`'s answer, block by block."""
+    on a CPU, or on a GPU within a span of CUDA graphs (``model.decode_graphs``, see
+    :mod:`trellis_lm.decode_graphs`: ``generate()`` holds one; other GPU calls run eagerly),
+    autograd off (a step that records gradients runs eagerly: the compiled step is traced for
+    inference), no padding among the step's tokens (packing padded rows depends on the mask's values; a
+    padded prompt's steps have none), a cache that records no calls for rollback (it keeps each
+    mixer's input), no per-block hidden states asked for, and no global forward hook (it
+    expects every module to be called). Which blocks then compile is :func:`compiles`'s
+    answer, block by block."""
     return bool(model.config.compile_decode and call is not None and hidden.shape[1] == 1
-                and hidden.device.type == "cpu" and valid is None and not call.cache.records_calls
+                and (model.decode_graphs is not None or hidden.device.type == "cpu") and not torch.is_grad_enabled()
+                and valid is None and not call.cache.records_calls
                 and not output_hidden_states and plain_forward_hooks())
 
 
@@ -56,10 +66,12 @@ def compiles(block: nn.Module, call: CacheCall) -> bool:
             and mixer.carried(call)[2] is not None)
 
 
-def decode_blocks(blocks: Sequence[nn.Module], hidden: torch.Tensor, call: CacheCall) -> torch.Tensor:
+def decode_blocks(blocks: Sequence[nn.Module], hidden: torch.Tensor, call: CacheCall,
+                  graphs: Optional[DecodeGraphs] = None) -> torch.Tensor:
     """The decoder ``blocks`` on ``hidden [B, 1, D]``, continuing ``call``'s cache, each run of
-    blocks that :func:`compiles` by one compiled call (:func:`compiled_or_eager`), the others as
-    usual. Returns the last block's output ``[B, 1, D]``."""
+    blocks that :func:`compiles` by one compiled call (:func:`compiled_or_eager`), or by one
+    replay of its CUDA graph where ``graphs`` are given, the others as usual. Returns the last
+    block's output ``[B, 1, D]``."""
     for compiled, run in itertools.groupby(blocks, key=lambda block: compiles(block, call)):
         run = tuple(run)
         if not compiled:
@@ -67,7 +79,7 @@ def decode_blocks(blocks: Sequence[nn.Module], hidden: torch.Tensor, call: Cache
                 hidden = block(hidden, None, call)
             continue
         carried = [_contiguous(block.self_attn.carried(call)) for block in run]
-        hidden, after = compiled_or_eager(run, hidden, carried)
+        hidden, after = (graphs or compiled_or_eager)(run, hidden, carried)
         for block, before, entry in zip(run, carried, after):
             block.self_attn.keep(call, before, entry, hidden.shape[0])
     return hidden

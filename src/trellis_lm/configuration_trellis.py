@@ -139,10 +139,13 @@ class TrellisConfig(PreTrainedConfig):
             context; a KVM step folds its window on a condition on the data), and so does a
             block with a forward hook on it or on its mixer (a hook expects the call). Steps
             whose own token is padding in some row (not a padded prompt: its steps compile), with
-            a rollback window (assisted decoding) or asking for every block's hidden states run
-            eagerly too. Past torch.compile's recompile limit new shapes decode eagerly, with
-            a warning. Prefill, training and GPUs (their fused Triton decode kernel) are not
-            affected.
+            a rollback window (assisted decoding), asking for every block's hidden states or
+            recording gradients run eagerly too. Past torch.compile's recompile limit new shapes decode eagerly, with
+            a warning. On GPUs, within a ``generate()`` call (and without autograd), the same
+            runs are each captured once as a CUDA graph and replayed every step
+            (:mod:`trellis_lm.decode_graphs`): one launch per run instead of dozens per block,
+            since a small model's GPU decode step is bound by kernel launches; GPU calls outside
+            ``generate()`` decode eagerly. Prefill and training are not affected.
     """
 
     model_type: ClassVar[str] = "trellis"

@@ -29,6 +29,7 @@ from transformers.utils import logging
 
 from .cache_trellis import CACHE_ARG, CACHE_NAMES, CacheCall, TrellisCache, one_cache
 from .compiled_decode import compiles_decode, decode_blocks
+from .decode_graphs import DecodeGraphs, decode_graphs
 from .configuration_trellis import TrellisConfig
 from .model_card_trellis import CARD_NAME, hub_card_text, is_generated, write_model_card
 from .mixers import build_mixer
@@ -226,6 +227,7 @@ class TrellisModel(TrellisPreTrainedModel):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(TrellisDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = TrellisRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.decode_graphs: Optional[DecodeGraphs] = None  # set within `decode_graphs` (a generate call)
         self.post_init()
 
     def forward(
@@ -321,7 +323,7 @@ class TrellisModel(TrellisPreTrainedModel):
         hidden_states = inputs_embeds
         all_hidden_states = (hidden_states,) if output_hidden_states else None
         if compiles_decode(self, hidden_states, valid, call, output_hidden_states):
-            hidden_states = decode_blocks(self.layers, hidden_states, call)
+            hidden_states = decode_blocks(self.layers, hidden_states, call, self.decode_graphs)
         else:
             for layer in self.layers:
                 # Positional: transformers' checkpointing wrapper drops a keyword `cache` (it assumes a
@@ -489,7 +491,9 @@ class TrellisForCausalLM(TrellisPreTrainedModel, GenerationMixin):
 
         The weights are read when the call begins (each layer's projections of one input
         stacked into one matrix, see :func:`~trellis_lm.mixers.stacking.stacked_projections`):
-        a weight changed during the call, e.g. from a streamer, is not seen before it ends."""
+        a weight changed during the call, e.g. from a streamer, is not seen before it ends; nor
+        by the CUDA graphs that ``config.compile_decode`` captures on a GPU for the call
+        (:mod:`trellis_lm.decode_graphs`)."""
         cache = one_cache(kwargs.pop("cache", None), kwargs.pop("past_key_values", None))
         if cache is not None:
             kwargs[CACHE_ARG] = cache
@@ -497,7 +501,7 @@ class TrellisForCausalLM(TrellisPreTrainedModel, GenerationMixin):
         kwargs["logits_processor"] = LogitsProcessorList([RefuseNonFiniteLogits(), *processors])
         # The weights do not change during the call: each layer's projections of one input are
         # stacked once, so a decode step runs them as one matmul (mixers.stacking).
-        with stacked_projections(self):
+        with stacked_projections(self), decode_graphs(self):
             return super().generate(*args, **kwargs)
 
     def prepare_inputs_for_generation(
