@@ -538,7 +538,10 @@ def compile_check(head_dims=(64, 128), slots=64, chunk=CHUNK) -> list[str]:
             ("chain_bwd", tc._chain_bwd_kernel,
              dict(BT=BT, BM=BM, BD=BD, BDR=BD, CF=2, ADD_ALPHA=True, FINISH=True, PREC=P),
              tc._stages("chain", BT, BM, BD, BD)),
-            ("recurrent", tc._recurrent_kernel, dict(BM=BM, BDK=BD, BDV=BD, CF=2, MF=0, PACKED=False), 1),
+            ("recurrent", tc._recurrent_kernel,
+             dict(BM=BM, BDK=BD, BDV=BD, CF=2, MF=0, PACKED=False, SEG=tc.RECURRENT_SEGMENT), 1),
+            ("recur_bwd", tc._recurrent_bwd_kernel,
+             dict(SEG=tc.RECURRENT_SEGMENT, BM=BM, BDK=BD, BDV=BD, CF=2, MF=0), 1),
         ]
         for name, fn, constexprs, stages in kernels:
             names = fn.arg_names

@@ -77,7 +77,8 @@ def _grads(backend, x, state, cu_seqlens=None, **kw):
 
 
 @pytest.mark.parametrize("C,cf,mf", [
-    (1, "layernorm", "ln_silu"), (4, "layernorm", "ln_silu"), (5, "l2norm", "softmax"), (3, "identity", "l2_silu"),
+    (1, "layernorm", "ln_silu"), (1, "l2norm", "softmax"), (1, "layernorm", "l2_silu"),  # token by token
+    (4, "layernorm", "ln_silu"), (5, "l2norm", "softmax"), (3, "identity", "l2_silu"),
 ])
 def test_mirror_matches_reference_autograd_float64(C, cf, mf):
     x = make_inputs(2, 11, 2, 3, 4, 5, requires_grad=True, seed=C)
@@ -95,36 +96,38 @@ def test_mirror_matches_reference_autograd_float64(C, cf, mf):
         torch.testing.assert_close(g, e, rtol=1e-8, atol=1e-9, msg=lambda m: f"d/d{name}: {m}")
 
 
-def test_mirror_varlen_gradients_float64():
+@pytest.mark.parametrize("C", [3, 1])
+def test_mirror_varlen_gradients_float64(C):
     lengths = [4, 0, 7, 1]
     x = make_inputs(1, sum(lengths), 2, 3, 3, 4, requires_grad=True, seed=3)
-    state = make_state(4, 2, 3, 3, 4, chunk_size=3, requires_grad=True)
+    state = make_state(4, 2, 3, 3, 4, chunk_size=C, requires_grad=True)
     cu = torch.tensor([0] + lengths).cumsum(0)
     BACKENDS.register(MIRROR)
     try:
-        got = _grads("mirror", x, state, cu, chunk_size=3)
-        expected = _grads("reference", x, state, cu, chunk_size=3)
+        got = _grads("mirror", x, state, cu, chunk_size=C)
+        expected = _grads("reference", x, state, cu, chunk_size=C)
     finally:
         BACKENDS.unregister("mirror")
     for name, g, e in zip(NAMES, got, expected):
         torch.testing.assert_close(g, e, rtol=1e-8, atol=1e-9, msg=lambda m: f"d/d{name}: {m}")
 
 
-def test_mirror_full_forget_float64():
+@pytest.mark.parametrize("C", [4, 1])
+def test_mirror_full_forget_float64(C):
     """log_beta = -inf inside a chunk, at a chunk start and at the first token: the hand-derived
     backward stays exact (its decays are direct sums, as in the kernels)."""
     x = list(make_inputs(2, 11, 2, 3, 4, 5, seed=5))
     x[4] = x[4].clone()
     x[4][0, 0], x[4][0, 4], x[4][1, 6, 1] = float("-inf"), float("-inf"), float("-inf")
     x = [t.requires_grad_() for t in x]
-    state = make_state(2, 2, 3, 4, 5, chunk_size=4, requires_grad=True)
+    state = make_state(2, 2, 3, 4, 5, chunk_size=C, requires_grad=True)
     BACKENDS.register(MIRROR)
     try:
-        o, _ = run("mirror", x, initial_state=state, chunk_size=4)
-        o_ref, _ = run("reference", x, initial_state=state, chunk_size=4)
+        o, _ = run("mirror", x, initial_state=state, chunk_size=C)
+        o_ref, _ = run("reference", x, initial_state=state, chunk_size=C)
         torch.testing.assert_close(o, o_ref, rtol=1e-9, atol=1e-9)
-        got = _grads("mirror", x, state, chunk_size=4)
-        expected = _grads("reference", x, state, chunk_size=4)
+        got = _grads("mirror", x, state, chunk_size=C)
+        expected = _grads("reference", x, state, chunk_size=C)
     finally:
         BACKENDS.unregister("mirror")
     for name, g, e in zip(NAMES, got, expected):
@@ -282,6 +285,31 @@ def test_gradients_match_reference(C, cf, mf, T):
     kw = dict(chunk_size=C, compress_fn=cf, mix_fn=mf)
     got = _grads("triton", x, state, **kw)
     expected = _grads("reference", x, state, **kw)
+    for name, g, e in zip(NAMES, got, expected):
+        assert e.abs().max() > 0 or name.startswith("anchor"), name
+        assert_close_f32(g, e, f"d/d{name}")
+
+
+@needs_triton
+@pytest.mark.parametrize("cf,mf,lengths", [
+    ("layernorm", "ln_silu", None), ("l2norm", "softmax", None), ("layernorm", "l2_silu", [5, 0, 9, 1, 4]),
+])
+def test_exact_recurrence_backward_across_segments(cf, mf, lengths, monkeypatch):
+    """C = 1: the forward saves the memories every RECURRENT_SEGMENT tokens and the backward
+    recomputes the rest a segment at a time; here segments of 4 tokens, so a sequence spans
+    several, the last one short (and in packed input: an empty sequence, a 1-token one, one of
+    exactly one segment). Spare checkpoint slots hold NaN (poisoned): never read."""
+    from trellis_lm.ops.trellis import triton_chunk
+
+    monkeypatch.setattr(triton_chunk, "RECURRENT_SEGMENT", 4)
+    rows = None if lengths is None else len(lengths)
+    x, state = _inputs(1 if lengths else 2, sum(lengths) if lengths else 13, 2, 5, 7, 6, 1, seed=3, grad=True,
+                       rows=rows)
+    cu = None if lengths is None else torch.tensor([0] + lengths, device=DEVICE).cumsum(0)
+    kw = dict(chunk_size=1, compress_fn=cf, mix_fn=mf)
+    expected = _grads("reference", x, state, cu, **kw)
+    poison_allocations(monkeypatch)
+    got = _grads("triton", x, state, cu, **kw)
     for name, g, e in zip(NAMES, got, expected):
         assert e.abs().max() > 0 or name.startswith("anchor"), name
         assert_close_f32(g, e, f"d/d{name}")

@@ -26,6 +26,11 @@ Backward (hand-derived; ``D[r,i] = gamma_i e^{c_r - c_i}``, ``w_i = gamma_i e^{c
        first chunk after a mid-chunk resume, the initial anchor.
     3. ``dlog_beta`` is the reverse cumulative sum inside each chunk of ``dc``, the gradient
        in the log-decays ``c``.
+
+At ``C = 1`` (every token its own chunk, the anchors the memories before it) the backward is
+instead one reverse pass over the tokens (:func:`token_backward`, both passes at once): what the
+recurrent backward kernel computes from memories it recomputes from checkpoints, so that it
+keeps ``T / 64`` memories per sequence and head where step 1 of the forward would keep ``T``.
 """
 
 from __future__ import annotations
@@ -198,6 +203,49 @@ def chunk_chain_backward(x, a, lb, g, s, anchor, du_local, p, r, ds_next, cf):
     return dx, dalpha, dgamma, dc, ds_start, danchor
 
 
+def _mv(m: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``[H, P, R] @ [H, R]`` -> ``[H, P]``."""
+    return (m @ x[..., None])[..., 0]
+
+
+def token_backward(q, k, v, a, lb, g, s_k, s_v, do, g_k, g_v, cf, mf):
+    """Backward through one token of the exact recurrence (``C = 1``: every token's anchors are
+    the memories before it), heads batched: q, k ``[H, Dk]``, v, do ``[H, Dv]``, a ``[H, M]``,
+    lb, g ``[H]``, the memories before the token ``s_k [H, M, Dk]``, ``s_v [H, M, Dv]``, and
+    ``g_k``, ``g_v`` the gradients in the memories after it.
+
+    Returns a dict: ``dq``, ``dk``, ``dv``, ``dalpha``, ``dlog_beta``, ``dgamma`` of the token,
+    and ``g_k``, ``g_v``: the gradients in the memories before it. What the recurrent backward
+    kernel computes per token, in reverse, from the memories it recomputes from checkpoints.
+    """
+    beta = lb.exp()
+    z_k, z_v = _mv(s_k, k), _mv(s_v, v)
+    u_k, u_v = compress_residual_vjp(cf, z_k, a), compress_residual_vjp(cf, z_v, a)
+    b3, g3 = beta[:, None, None], g[:, None, None]
+    s_k2 = b3 * s_k - g3 * u_k[..., None] * k[:, None, :]
+    s_v2 = b3 * s_v - g3 * u_v[..., None] * v[:, None, :]
+    y = _mv(s_k2, q)
+    # Value read o = S_V'^T h, then the value write S_V' = beta S_V - gamma u_v v^T.
+    g_v = g_v + mix(mf, y)[..., None] * do[:, None, :]
+    dh = _mv(s_v2, do)
+    gv = _mv(g_v, v)
+    dbeta = (g_v * s_v).sum((-1, -2))
+    dgamma = -(u_v * gv).sum(-1)
+    dz_v, dalpha = residual_vjp_backward(cf, z_v, a, -g[:, None] * gv)
+    dv = -g[:, None] * _mv(_t(g_v), u_v) + _mv(_t(s_v), dz_v)
+    # Key read y = S_K' q, h = f(y), then the key write.
+    dy = mix_backward(mf, y, dh)
+    g_k = g_k + dy[..., None] * q[:, None, :]
+    dq = _mv(_t(s_k2), dy)
+    gk = _mv(g_k, k)
+    dbeta = dbeta + (g_k * s_k).sum((-1, -2))
+    dgamma = dgamma - (u_k * gk).sum(-1)
+    dz_k, dalpha_k = residual_vjp_backward(cf, z_k, a, -g[:, None] * gk)
+    dk = -g[:, None] * _mv(_t(g_k), u_k) + _mv(_t(s_k), dz_k)
+    return dict(dq=dq, dk=dk, dv=dv, dalpha=dalpha + dalpha_k, dlog_beta=dbeta * beta, dgamma=dgamma,
+                g_k=b3 * g_k + dz_k[..., None] * k[:, None, :], g_v=b3 * g_v + dz_v[..., None] * v[:, None, :])
+
+
 def reverse_cumsum(x: torch.Tensor) -> torch.Tensor:
     return x.flip(-1).cumsum(-1).flip(-1)
 
@@ -249,6 +297,8 @@ def mirror_forward(q, k, v, alpha, log_beta, gamma, state: TrellisState, chunk_s
 def mirror_backward(q, k, v, alpha, log_beta, gamma, state: TrellisState, chunk_size, cf, mf, cu_seqlens,
                     h_k, h_v, d_o, d_final: TrellisState):
     """Manual backward: gradients for ``(q, k, v, alpha, log_beta, gamma)`` and the initial state."""
+    if chunk_size == 1:
+        return mirror_token_backward(q, k, v, alpha, log_beta, gamma, state, cf, mf, cu_seqlens, h_k, h_v, d_o, d_final)
     batch, length, heads, _ = q.shape
     plan = make_plan(state.offset, batch, length, chunk_size, cu_seqlens)
     Q, K, V, A, LB, G, DO = (_flat(t) for t in (q, k, v, alpha, log_beta, gamma, d_o))
@@ -299,6 +349,37 @@ def mirror_backward(q, k, v, alpha, log_beta, gamma, state: TrellisState, chunk_
     unflat = lambda x, like: x.movedim(0, 1).reshape(like.shape)  # noqa: E731
     out = (unflat(grads["q"], q), unflat(grads["k"], k), unflat(grads["v"], v), unflat(grads["alpha"], alpha),
            unflat(dlb, log_beta), unflat(grads["gamma"], gamma))
+    return out + (d_init["m_k"], d_init["m_v"], d_init["anchor_k"], d_init["anchor_v"])
+
+
+def mirror_token_backward(q, k, v, alpha, log_beta, gamma, state: TrellisState, cf, mf, cu_seqlens, h_k, h_v, d_o,
+                          d_final: TrellisState):
+    """The manual backward at ``C = 1`` (the recurrent backward kernel's decomposition): per
+    sequence, tokens in reverse through :func:`token_backward`, from the memories before each
+    token (``h_*[slot]``, every token its own chunk). The final anchors are the memories before
+    the last token; an empty sequence hands its gradients through."""
+    batch, length, heads, _ = q.shape
+    plan = make_plan(state.offset, batch, length, 1, cu_seqlens)
+    Q, K, V, A, LB, G, DO = (_flat(t) for t in (q, k, v, alpha, log_beta, gamma, d_o))
+    names = ("dq", "dk", "dv", "dalpha", "dlog_beta", "dgamma")
+    grads = {name: torch.zeros_like(t) for name, t in zip(names, (Q, K, V, A, LB, G))}
+    d_init = {name: torch.zeros_like(t) for name, t in state.tensors().items() if name != "offset"}
+    for n in range(plan.offset.numel()):
+        g_k, g_v = d_final.m_k[n], d_final.m_v[n]
+        tokens = list(_chunk_ranges(plan, n, 1))
+        if not tokens:
+            d_init["anchor_k"][n], d_init["anchor_v"][n] = d_final.anchor_k[n], d_final.anchor_v[n]
+        for i, (slot, t, _, _) in enumerate(reversed(tokens)):
+            step = token_backward(Q[:, t], K[:, t], V[:, t], A[:, t], LB[:, t], G[:, t], h_k[slot], h_v[slot],
+                                  DO[:, t], g_k, g_v, cf, mf)
+            for name in names:
+                grads[name][:, t] = step[name]
+            g_k, g_v = step["g_k"], step["g_v"]
+            if i == 0:  # the final anchors are the memories before the last token
+                g_k, g_v = g_k + d_final.anchor_k[n], g_v + d_final.anchor_v[n]
+        d_init["m_k"][n], d_init["m_v"][n] = g_k, g_v
+    unflat = lambda x, like: x.movedim(0, 1).reshape(like.shape)  # noqa: E731
+    out = tuple(unflat(grads[name], like) for name, like in zip(names, (q, k, v, alpha, log_beta, gamma)))
     return out + (d_init["m_k"], d_init["m_v"], d_init["anchor_k"], d_init["anchor_v"])
 
 

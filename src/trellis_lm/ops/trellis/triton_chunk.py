@@ -11,8 +11,9 @@ forward
                             start memories, chunks in parallel.
     ``_recurrent_kernel``   grid (sequences, heads): the per-token loop of the design page
                             (both passes fused, memories on-chip). Used for ``chunk_size=1``
-                            (the exact recurrence) and for one-token decode steps, where the
-                            chunk form would pad every token to a 16-row tile. The backend's
+                            (the exact recurrence; it then saves the memories every
+                            ``RECURRENT_SEGMENT`` tokens) and for one-token decode steps, where
+                            the chunk form would pad every token to a 16-row tile. The backend's
                             single-token step launches it directly, and can update a state in
                             place (:mod:`.triton_step`).
 backward (recomputes every chunk's intermediates from the saved chunk-start memories)
@@ -21,6 +22,9 @@ backward (recomputes every chunk's intermediates from the saved chunk-start memo
                             carries the memory gradient back, through the anchors (the
                             second-order terms through ``vjp_phi``), and finishes
                             ``dlog_beta`` as a reverse cumulative sum inside every chunk.
+    ``_recurrent_bwd_kernel`` grid (sequences, heads), ``chunk_size=1`` only: tokens in
+                            reverse (both passes), each segment's memories recomputed from
+                            its checkpoint into scratch first.
 
 Tiles: rows (tokens of a chunk) and the head and slot dims are padded to the next power of
 two >= 16 (``tl.dot``'s minimum) and masked. Decays are accumulated in log space inside a
@@ -60,6 +64,10 @@ from .state import TrellisState
 from ..varlen import chunk_slots, make_plan
 
 DOT_PRECISION = os.environ.get("TRELLIS_TRITON_DOT_PRECISION", "tf32x3")
+# At C = 1 the forward saves the memories before every this-many tokens and the backward
+# recomputes the others, a segment at a time (_recurrent_bwd_kernel): saved memory T / 64 of
+# the chunk kernels' at C = 1, scratch of 64 memories per sequence and head.
+RECURRENT_SEGMENT = 64
 _EPS = tl.constexpr(EPS)
 
 # ---------------------------------------------------------------------------------------------
@@ -175,74 +183,102 @@ def _mix_bwd(y, gh, cm, M, MF: tl.constexpr):
 # Loads and stores. Token tensors are [tokens, H, D] contiguous; memories [rows, H, M, D].
 
 
+# A tile's pointers are its block's start, offset in int64 as a scalar, plus int32 offsets
+# inside the block: an int64 offset per element would hold two registers each, and the
+# [64, 64] tiles already fill the register file (the sm_90 compiles spill; see BENCHMARKS.md).
+
+
 @triton.jit
-def _tok_offsets(tok0, nrows, h, H, D, BT: tl.constexpr, BD: tl.constexpr):
+def _tok_ptrs(ptr, tok0, nrows, h, H, D, BT: tl.constexpr, BD: tl.constexpr):
     r = tl.arange(0, BT)
     d = tl.arange(0, BD)
-    rows = (tok0 + r).to(tl.int64)
-    offs = (rows[:, None] * H + h) * D + d[None, :]
+    block = ptr + (tok0.to(tl.int64) * H + h) * D
     mask = (r < nrows)[:, None] & (d < D)[None, :]
-    return offs, mask
+    return block + (r[:, None] * (H * D) + d[None, :]), mask
 
 
 @triton.jit
 def _load_tok(ptr, tok0, nrows, h, H, D, BT: tl.constexpr, BD: tl.constexpr):
-    offs, mask = _tok_offsets(tok0, nrows, h, H, D, BT, BD)
-    return tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    ptrs, mask = _tok_ptrs(ptr, tok0, nrows, h, H, D, BT, BD)
+    return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
 
 
 @triton.jit
 def _store_tok(ptr, x, tok0, nrows, h, H, D, BT: tl.constexpr, BD: tl.constexpr):
-    offs, mask = _tok_offsets(tok0, nrows, h, H, D, BT, BD)
-    tl.store(ptr + offs, x.to(ptr.dtype.element_ty), mask=mask)
+    ptrs, mask = _tok_ptrs(ptr, tok0, nrows, h, H, D, BT, BD)
+    tl.store(ptrs, x.to(ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _scal_offsets(tok0, nrows, h, H, BT: tl.constexpr):
+def _scal_ptrs(ptr, tok0, nrows, h, H, BT: tl.constexpr):
     r = tl.arange(0, BT)
-    return (tok0 + r).to(tl.int64) * H + h, r < nrows
+    return ptr + (tok0.to(tl.int64) * H + h) + r * H, r < nrows
 
 
 @triton.jit
 def _load_scal(ptr, tok0, nrows, h, H, BT: tl.constexpr):
-    offs, mask = _scal_offsets(tok0, nrows, h, H, BT)
-    return tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    ptrs, mask = _scal_ptrs(ptr, tok0, nrows, h, H, BT)
+    return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
 
 
 @triton.jit
 def _store_scal(ptr, x, tok0, nrows, h, H, BT: tl.constexpr):
-    offs, mask = _scal_offsets(tok0, nrows, h, H, BT)
-    tl.store(ptr + offs, x, mask=mask)
+    ptrs, mask = _scal_ptrs(ptr, tok0, nrows, h, H, BT)
+    tl.store(ptrs, x, mask=mask)
 
 
 @triton.jit
-def _mat_offsets(index, M, D, BM: tl.constexpr, BD: tl.constexpr):
-    """Offsets of memory number `index` (= row * H + head) of shape [M, D]."""
+def _mat_ptrs(ptr, index, M, D, BM: tl.constexpr, BD: tl.constexpr):
+    """Pointers to memory number `index` (= row * H + head) of shape [M, D]."""
     m = tl.arange(0, BM)
     d = tl.arange(0, BD)
-    offs = index.to(tl.int64) * M * D + m[:, None] * D + d[None, :]
-    return offs, (m < M)[:, None] & (d < D)[None, :]
+    block = ptr + index.to(tl.int64) * M * D
+    return block + (m[:, None] * D + d[None, :]), (m < M)[:, None] & (d < D)[None, :]
 
 
 @triton.jit
 def _load_mat(ptr, index, M, D, BM: tl.constexpr, BD: tl.constexpr):
-    offs, mask = _mat_offsets(index, M, D, BM, BD)
-    return tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    ptrs, mask = _mat_ptrs(ptr, index, M, D, BM, BD)
+    return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
 
 
 @triton.jit
 def _load_mat_if(ptr, index, M, D, BM: tl.constexpr, BD: tl.constexpr, pred):
     """_load_mat where the scalar `pred` holds, zeros elsewhere (no memory traffic)."""
-    offs, mask = _mat_offsets(index, M, D, BM, BD)
+    ptrs, mask = _mat_ptrs(ptr, index, M, D, BM, BD)
     # (Written as a product: the interpreter turns `block & scalar` into int32, not a mask.)
     mask = (mask.to(tl.int32) * pred.to(tl.int32)) != 0
-    return tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
 
 
 @triton.jit
 def _store_mat(ptr, x, index, M, D, BM: tl.constexpr, BD: tl.constexpr):
-    offs, mask = _mat_offsets(index, M, D, BM, BD)
-    tl.store(ptr + offs, x, mask=mask)
+    ptrs, mask = _mat_ptrs(ptr, index, M, D, BM, BD)
+    tl.store(ptrs, x, mask=mask)
+
+
+@triton.jit
+def _load_vec(ptr, tok, h, H, D, BD: tl.constexpr):
+    """Token ``tok``'s (a flat int64 index) vector of head ``h``, ``[BD]`` in float32."""
+    d = tl.arange(0, BD)
+    return tl.load(ptr + (tok * H + h) * D + d, mask=d < D, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _store_vec(ptr, x, tok, h, H, D, BD: tl.constexpr):
+    """Write ``x [BD]`` as token ``tok``'s vector of head ``h`` (in the pointer's dtype)."""
+    d = tl.arange(0, BD)
+    tl.store(ptr + (tok * H + h) * D + d, x.to(ptr.dtype.element_ty), mask=d < D)
+
+
+@triton.jit
+def _write_inputs(k_ptr, v_ptr, al_ptr, lb_ptr, g_ptr, tok, h, H, M, DK, DV,
+                  BM: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr):
+    """What one token's writes read: k, v, alpha (a ``[1, BM]`` row), beta and gamma."""
+    al = _load_vec(al_ptr, tok, h, H, M, BM)[None, :]
+    beta = tl.exp(tl.load(lb_ptr + tok * H + h).to(tl.float32))
+    gam = tl.load(g_ptr + tok * H + h).to(tl.float32)
+    return _load_vec(k_ptr, tok, h, H, DK, BDK), _load_vec(v_ptr, tok, h, H, DV, BDV), al, beta, gam
 
 
 @triton.jit
@@ -387,15 +423,18 @@ def _output_fwd_kernel(
 @triton.jit
 def _recurrent_kernel(
     q_ptr, k_ptr, v_ptr, al_ptr, lb_ptr, g_ptr, mk0_ptr, mv0_ptr, ak0_ptr, av0_ptr,
-    seq_start_ptr, seq_len_ptr, off_ptr,
-    o_ptr, mk_ptr, mv_ptr, ak_ptr, av_ptr,
+    seq_start_ptr, seq_len_ptr, off_ptr, base_ptr,
+    o_ptr, mk_ptr, mv_ptr, ak_ptr, av_ptr, ck_ptr, cv_ptr,
     H, M, DK, DV, C, T,
     BM: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, CF: tl.constexpr, MF: tl.constexpr,
-    PACKED: tl.constexpr,
+    PACKED: tl.constexpr, SEG: tl.constexpr,
 ):
     """Token by token. The outputs may be the input state tensors (in-place update): every
     program reads its own memories before the loop and writes them after it. Unless PACKED,
-    row n is tokens n*T .. n*T + T - 1 and the seq_* pointers are not read."""
+    row n is tokens n*T .. n*T + T - 1 and the seq_* pointers are not read. With SEG > 0 the
+    memories before every SEG-th token of a sequence are saved, its segment i's at slot
+    ``base[n] + i`` of ck / cv (the recurrent backward's checkpoints); with SEG = 0 the base,
+    ck and cv pointers are not read."""
     n = tl.program_id(0)
     h = tl.program_id(1)
     if PACKED:
@@ -407,8 +446,6 @@ def _recurrent_kernel(
     off = tl.load(off_ptr + n)
     m = tl.arange(0, BM)
     cm = (m < M)[None, :]
-    dk = tl.arange(0, BDK)
-    dv = tl.arange(0, BDV)
     SK = _load_mat(mk0_ptr, n * H + h, M, DK, BM, BDK)
     SV = _load_mat(mv0_ptr, n * H + h, M, DV, BM, BDV)
     keep = (off > 0) | (L == 0)
@@ -419,12 +456,13 @@ def _recurrent_kernel(
         new_chunk = (off + t) % C == 0
         AK = tl.where(new_chunk, SK, AK)
         AV = tl.where(new_chunk, SV, AV)
-        kk = tl.load(k_ptr + (tok * H + h) * DK + dk, mask=dk < DK, other=0.0).to(tl.float32)
-        qq = tl.load(q_ptr + (tok * H + h) * DK + dk, mask=dk < DK, other=0.0).to(tl.float32)
-        vv = tl.load(v_ptr + (tok * H + h) * DV + dv, mask=dv < DV, other=0.0).to(tl.float32)
-        al = tl.load(al_ptr + (tok * H + h) * M + m, mask=m < M, other=0.0).to(tl.float32)[None, :]
-        beta = tl.exp(tl.load(lb_ptr + tok * H + h).to(tl.float32))
-        gam = tl.load(g_ptr + tok * H + h).to(tl.float32)
+        if SEG > 0:
+            if t % SEG == 0:
+                base = tl.load(base_ptr + n)
+                _store_mat(ck_ptr, SK, (base + t // SEG) * H + h, M, DK, BM, BDK)
+                _store_mat(cv_ptr, SV, (base + t // SEG) * H + h, M, DV, BM, BDV)
+        kk, vv, al, beta, gam = _write_inputs(k_ptr, v_ptr, al_ptr, lb_ptr, g_ptr, tok, h, H, M, DK, DV, BM, BDK, BDV)
+        qq = _load_vec(q_ptr, tok, h, H, DK, BDK)
         # identity (CF == 0) takes its residuals at the current memories (design page, section 1).
         if CF == 0:
             zk = tl.sum(SK * kk[None, :], axis=1)[None, :]
@@ -438,7 +476,7 @@ def _recurrent_kernel(
         uv = _residual_vjp(zv, al, cm, M, CF)
         SV = beta * SV - gam * tl.reshape(uv, [BM])[:, None] * vv[None, :]
         o = tl.sum(SV * tl.reshape(hh, [BM])[:, None], axis=0)
-        tl.store(o_ptr + (tok * H + h) * DV + dv, o.to(o_ptr.dtype.element_ty), mask=dv < DV)
+        _store_vec(o_ptr, o, tok, h, H, DV, BDV)
     _store_mat(mk_ptr, SK, n * H + h, M, DK, BM, BDK)
     _store_mat(mv_ptr, SV, n * H + h, M, DV, BM, BDV)
     _store_mat(ak_ptr, AK, n * H + h, M, DK, BM, BDK)
@@ -585,6 +623,117 @@ def _chain_bwd_kernel(
     _store_mat(da0_ptr, dA0, n * H + h, M, D, BM, BD)
 
 
+@triton.jit
+def _token_reads(SK, SV, kk, vv, al, beta, gam, cm, M, BM: tl.constexpr, CF: tl.constexpr):
+    """One token's writes from the memories before it (the anchors at C = 1): ``(z_k, u_k, z_v,
+    u_v, SK', SV')``, z and u as ``[1, BM]`` rows."""
+    zk = tl.sum(SK * kk[None, :], axis=1)[None, :]
+    zv = tl.sum(SV * vv[None, :], axis=1)[None, :]
+    uk = _residual_vjp(zk, al, cm, M, CF)
+    uv = _residual_vjp(zv, al, cm, M, CF)
+    SK2 = beta * SK - gam * tl.reshape(uk, [BM])[:, None] * kk[None, :]
+    SV2 = beta * SV - gam * tl.reshape(uv, [BM])[:, None] * vv[None, :]
+    return zk, uk, zv, uv, SK2, SV2
+
+
+@triton.jit
+def _recurrent_bwd_kernel(
+    q_ptr, k_ptr, v_ptr, al_ptr, lb_ptr, g_ptr, do_ptr, ck_ptr, cv_ptr, dmk_ptr, dmv_ptr, dak_ptr, dav_ptr,
+    seq_start_ptr, seq_len_ptr, base_ptr, sk_ptr, sv_ptr,
+    dq_ptr, dk_ptr, dv_ptr, dal_ptr, dlb_ptr, dg_ptr, dmk0_ptr, dmv0_ptr, dak0_ptr, dav0_ptr,
+    H, M, DK, DV,
+    SEG: tl.constexpr, BM: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, CF: tl.constexpr, MF: tl.constexpr,
+):
+    """:mod:`.kernel_mirror`: mirror_token_backward (C = 1) for one sequence and head.
+
+    Segments of SEG tokens in reverse: the memories before each token of the segment are
+    recomputed from its checkpoint into this program's scratch rows of sk / sv
+    (``[rows * H, SEG, M, D]``), then the tokens run in reverse through token_backward, the
+    memories after a token being those before the next one (after the segment's last token:
+    where the recomputation ended). Memory: checkpoints every SEG tokens and SEG memories of
+    scratch per program, where the chunk kernels at C = 1 would save every token's memories."""
+    n = tl.program_id(0)
+    h = tl.program_id(1)
+    start = tl.load(seq_start_ptr + n)
+    L = tl.load(seq_len_ptr + n)
+    base = tl.load(base_ptr + n)
+    m = tl.arange(0, BM)
+    cm = (m < M)[None, :]
+    scratch = (n * H + h) * SEG
+    GK = _load_mat(dmk_ptr, n * H + h, M, DK, BM, BDK)
+    GV = _load_mat(dmv_ptr, n * H + h, M, DV, BM, BDV)
+    n_seg = tl.cdiv(L, SEG)
+    for ii in range(0, n_seg):
+        s = n_seg - 1 - ii
+        lo = s * SEG
+        hi = tl.minimum(lo + SEG, L)
+        SK = _load_mat(ck_ptr, (base + s) * H + h, M, DK, BM, BDK)
+        SV = _load_mat(cv_ptr, (base + s) * H + h, M, DV, BM, BDV)
+        for t in range(lo, hi):
+            _store_mat(sk_ptr, SK, scratch + t - lo, M, DK, BM, BDK)
+            _store_mat(sv_ptr, SV, scratch + t - lo, M, DV, BM, BDV)
+            tok = (start + t).to(tl.int64)
+            kk, vv, al, beta, gam = _write_inputs(k_ptr, v_ptr, al_ptr, lb_ptr, g_ptr, tok, h, H, M, DK, DV,
+                                                  BM, BDK, BDV)
+            _, _, _, _, SK, SV = _token_reads(SK, SV, kk, vv, al, beta, gam, cm, M, BM, CF)
+        tl.debug_barrier()  # the scratch rows written above, read below by other threads
+        # SK, SV: the memories after the segment's last token.
+        for tt in range(lo, hi):
+            t = hi - 1 - (tt - lo)
+            SK2, SV2 = SK, SV
+            SK = _load_mat(sk_ptr, scratch + t - lo, M, DK, BM, BDK)
+            SV = _load_mat(sv_ptr, scratch + t - lo, M, DV, BM, BDV)
+            tok = (start + t).to(tl.int64)
+            kk, vv, al, beta, gam = _write_inputs(k_ptr, v_ptr, al_ptr, lb_ptr, g_ptr, tok, h, H, M, DK, DV,
+                                                  BM, BDK, BDV)
+            qq = _load_vec(q_ptr, tok, h, H, DK, BDK)
+            dO = _load_vec(do_ptr, tok, h, H, DV, BDV)
+            zk, uk, zv, uv, _, _ = _token_reads(SK, SV, kk, vv, al, beta, gam, cm, M, BM, CF)
+            y = tl.sum(SK2 * qq[None, :], axis=1)[None, :]
+            hh = _mix(y, cm, M, MF)
+            # Value read o = SV'^T h, then the value write SV' = beta SV - gamma uv v^T.
+            GV += tl.reshape(hh, [BM])[:, None] * dO[None, :]
+            dh = tl.sum(SV2 * dO[None, :], axis=1)[None, :]
+            gv = tl.sum(GV * vv[None, :], axis=1)[None, :]
+            dbeta = tl.sum(tl.sum(GV * SV, axis=1), axis=0)
+            dgam = -tl.sum(tl.sum(uv * gv, axis=1), axis=0)
+            dzv, dal = _residual_vjp_bwd(zv, al, -gam * gv, cm, M, CF)
+            uv_c = tl.reshape(uv, [BM])[:, None]
+            dzv_c = tl.reshape(dzv, [BM])[:, None]
+            dvv = tl.sum(dzv_c * SV - gam * uv_c * GV, axis=0)
+            GV = beta * GV + dzv_c * vv[None, :]
+            # Key read y = SK' q, h = f(y), then the key write.
+            dy = _mix_bwd(y, dh, cm, M, MF)
+            dy_c = tl.reshape(dy, [BM])[:, None]
+            GK += dy_c * qq[None, :]
+            dqq = tl.sum(dy_c * SK2, axis=0)
+            gk = tl.sum(GK * kk[None, :], axis=1)[None, :]
+            dbeta += tl.sum(tl.sum(GK * SK, axis=1), axis=0)
+            dgam -= tl.sum(tl.sum(uk * gk, axis=1), axis=0)
+            dzk, dal_k = _residual_vjp_bwd(zk, al, -gam * gk, cm, M, CF)
+            uk_c = tl.reshape(uk, [BM])[:, None]
+            dzk_c = tl.reshape(dzk, [BM])[:, None]
+            dkk = tl.sum(dzk_c * SK - gam * uk_c * GK, axis=0)
+            GK = beta * GK + dzk_c * kk[None, :]
+            if t == L - 1:  # the final anchors are the memories before the last token
+                GK += _load_mat(dak_ptr, n * H + h, M, DK, BM, BDK)
+                GV += _load_mat(dav_ptr, n * H + h, M, DV, BM, BDV)
+            _store_vec(dq_ptr, dqq, tok, h, H, DK, BDK)
+            _store_vec(dk_ptr, dkk, tok, h, H, DK, BDK)
+            _store_vec(dv_ptr, dvv, tok, h, H, DV, BDV)
+            _store_vec(dal_ptr, tl.reshape(dal + dal_k, [BM]), tok, h, H, M, BM)
+            tl.store(dlb_ptr + tok * H + h, dbeta * beta)
+            tl.store(dg_ptr + tok * H + h, dgam)
+        tl.debug_barrier()  # the next segment overwrites the scratch rows read above
+    _store_mat(dmk0_ptr, GK, n * H + h, M, DK, BM, BDK)
+    _store_mat(dmv0_ptr, GV, n * H + h, M, DV, BM, BDV)
+    # An empty sequence hands its anchors through; otherwise the given anchors are replaced
+    # before they are read (every token starts a chunk).
+    empty = L == 0
+    _store_mat(dak0_ptr, tl.where(empty, _load_mat(dak_ptr, n * H + h, M, DK, BM, BDK), 0.0), n * H + h, M, DK, BM, BDK)
+    _store_mat(dav0_ptr, tl.where(empty, _load_mat(dav_ptr, n * H + h, M, DV, BM, BDV), 0.0), n * H + h, M, DV, BM, BDV)
+
+
 # ---------------------------------------------------------------------------------------------
 # Host side.
 
@@ -642,9 +791,11 @@ def _state_pass(x, alpha, log_beta, gamma, m0, a0, plan, chunk_size, cf):
 
 
 def recurrent_launch(q, k, v, alpha, log_beta, gamma, m_k, m_v, anchor_k, anchor_v, offset, cu_seqlens,
-                     o, outs, chunk_size, cf, mf):
+                     o, outs, chunk_size, cf, mf, checkpoints=None):
     """One launch of the token-by-token kernel; ``outs`` = new (m_k, m_v, anchor_k, anchor_v),
-    which may be the state tensors themselves (in-place update)."""
+    which may be the state tensors themselves (in-place update). ``checkpoints``: ``(plan,
+    c_k, c_v)`` to save the memories before every ``RECURRENT_SEGMENT``-th token of each
+    sequence at the slots of ``plan`` (:func:`_segment_plan`), for the recurrent backward."""
     length, heads, dk = q.shape[1:]
     dv, slots_m = v.shape[-1], alpha.shape[-1]
     rows = offset.numel()
@@ -652,30 +803,68 @@ def recurrent_launch(q, k, v, alpha, log_beta, gamma, m_k, m_v, anchor_k, anchor
         seq_start = seq_len = offset  # not read
     else:
         seq_start, seq_len = cu_seqlens[:-1].contiguous(), (cu_seqlens[1:] - cu_seqlens[:-1]).contiguous()
+    base, c_k, c_v = (offset, m_k, m_v) if checkpoints is None else (checkpoints[0].chunk_base, *checkpoints[1:])
     if rows * heads:
         _recurrent_kernel[(rows, heads)](
             q, k, v, alpha, log_beta, gamma, m_k, m_v, anchor_k, anchor_v,
-            seq_start, seq_len, offset,
-            o, *outs,
+            seq_start, seq_len, offset, base,
+            o, *outs, c_k, c_v,
             heads, slots_m, dk, dv, chunk_size, length,
             BM=_pow2(slots_m), BDK=_pow2(dk), BDV=_pow2(dv), CF=cf, MF=mf, PACKED=cu_seqlens is not None,
+            SEG=0 if checkpoints is None else RECURRENT_SEGMENT,
             num_warps=_warps(dk, dv, slots_m), num_stages=1,
         )
 
 
+def _segment_plan(offset, batch, length, cu_seqlens):
+    """Where the recurrent backward's checkpoints go: segments of ``RECURRENT_SEGMENT`` tokens
+    are the chunks of this plan (at C = 1 every offset is 0)."""
+    return make_plan(offset, batch, length, RECURRENT_SEGMENT, cu_seqlens)
+
+
+def _recurrent_backward(q, k, v, alpha, log_beta, gamma, offset, cu_seqlens, c_k, c_v, d_o, d_mk, d_mv, d_ak, d_av,
+                        cf, mf):
+    """The gradients of :func:`_backward_impl` at ``chunk_size = 1`` (:func:`_recurrent_bwd_kernel`)."""
+    batch, length, heads, dk = q.shape
+    dv, slots_m = v.shape[-1], alpha.shape[-1]
+    rows = offset.numel()
+    plan = _segment_plan(offset, batch, length, cu_seqlens)
+    grads = [torch.empty_like(t) for t in (q, k, v, alpha, log_beta, gamma)]
+    d_init = [torch.empty_like(t) for t in (d_mk, d_mv, d_ak, d_av)]
+    scratch = [q.new_empty((rows * heads * RECURRENT_SEGMENT, slots_m, d)) for d in (dk, dv)]
+    if rows * heads:
+        _recurrent_bwd_kernel[(rows, heads)](
+            q, k, v, alpha, log_beta, gamma, d_o, c_k, c_v, d_mk, d_mv, d_ak, d_av,
+            plan.seq_start, plan.seq_len, plan.chunk_base, *scratch,
+            *grads, *d_init,
+            heads, slots_m, dk, dv,
+            SEG=RECURRENT_SEGMENT, BM=_pow2(slots_m), BDK=_pow2(dk), BDV=_pow2(dv), CF=cf, MF=mf,
+            num_warps=_warps(dk, dv, slots_m), num_stages=1,
+        )
+    return (*grads, *d_init)
+
+
 def _forward_impl(q, k, v, alpha, log_beta, gamma, m_k, m_v, anchor_k, anchor_v, offset, cu_seqlens,
                   chunk_size, compress_fn, mix_fn):
-    """All tensors contiguous float32 on one device. Returns (o, m_k, m_v, a_k, a_v, h_k, h_v);
-    h_* are empty when the recurrent kernel ran (nothing saved: the backward recomputes them)."""
+    """All tensors contiguous float32 on one device. Returns (o, m_k, m_v, a_k, a_v, h_k, h_v):
+    h_* the memories at every chunk start, at C = 1 those before every ``RECURRENT_SEGMENT``-th
+    token of each sequence (the recurrent backward's checkpoints), and empty for one token at
+    C > 1 (the backward recomputes its chunk start)."""
     batch, length, heads, dk = q.shape
     dv, slots_m = v.shape[-1], alpha.shape[-1]
     cf, mf = _codes(compress_fn, mix_fn)
     o = torch.empty_like(v)
     if _use_recurrent(length, chunk_size):
         outs = [torch.empty_like(t) for t in (m_k, m_v, anchor_k, anchor_v)]
+        if chunk_size > 1:  # one token mid-chunk: the backward rebuilds its chunk start
+            recurrent_launch(q, k, v, alpha, log_beta, gamma, m_k, m_v, anchor_k, anchor_v, offset, cu_seqlens,
+                             o, outs, chunk_size, cf, mf)
+            return (o, *outs, q.new_empty((0,)), q.new_empty((0,)))
+        plan = _segment_plan(offset, batch, length, cu_seqlens)
+        c_k, c_v = (m.new_empty((plan.slots,) + tuple(m.shape[1:])) for m in (m_k, m_v))
         recurrent_launch(q, k, v, alpha, log_beta, gamma, m_k, m_v, anchor_k, anchor_v, offset, cu_seqlens,
-                         o, outs, chunk_size, cf, mf)
-        return (o, *outs, q.new_empty((0,)), q.new_empty((0,)))
+                         o, outs, chunk_size, cf, mf, checkpoints=(plan, c_k, c_v))
+        return (o, *outs, c_k, c_v)
     plan = make_plan(offset, batch, length, chunk_size, cu_seqlens)
     h_k, mk_out, ak_out = _state_pass(k, alpha, log_beta, gamma, m_k, anchor_k, plan, chunk_size, cf)
     h_v, mv_out, av_out = _state_pass(v, alpha, log_beta, gamma, m_v, anchor_v, plan, chunk_size, cf)
@@ -698,8 +887,11 @@ def _backward_impl(q, k, v, alpha, log_beta, gamma, m_k, m_v, anchor_k, anchor_v
     dv, slots_m = v.shape[-1], alpha.shape[-1]
     rows = offset.numel()
     cf, mf = _codes(compress_fn, mix_fn)
+    if chunk_size == 1:
+        return _recurrent_backward(q, k, v, alpha, log_beta, gamma, offset, cu_seqlens, h_k, h_v, d_o,
+                                   d_mk, d_mv, d_ak, d_av, cf, mf)
     plan = make_plan(offset, batch, length, chunk_size, cu_seqlens)
-    if h_k.numel() == 0 and plan.slots > 0:  # the forward ran token by token: rebuild the chunk starts
+    if h_k.numel() == 0 and plan.slots > 0:  # one token mid-chunk: rebuild its chunk start
         h_k = _state_pass(k, alpha, log_beta, gamma, m_k, anchor_k, plan, chunk_size, cf)[0]
         h_v = _state_pass(v, alpha, log_beta, gamma, m_v, anchor_v, plan, chunk_size, cf)[0]
     BT, BM, BDK, BDV = _row_tile(chunk_size, length), _pow2(slots_m), _pow2(dk), _pow2(dv)
@@ -762,9 +954,10 @@ def _(q, k, v, alpha, log_beta, gamma, m_k, m_v, anchor_k, anchor_v, offset, cu_
     _refuse_identity(compress_fn)
     batch, length = q.shape[:2]
     news = [torch.empty_like(t) for t in (m_k, m_v, anchor_k, anchor_v)]
-    if _use_recurrent(length, chunk_size):
+    if _use_recurrent(length, chunk_size) and chunk_size > 1:
         return (torch.empty_like(v), *news, q.new_empty((0,)), q.new_empty((0,)))
-    slots = chunk_slots(offset.shape[0], batch, length, chunk_size, cu_seqlens is not None)
+    saved_every = RECURRENT_SEGMENT if chunk_size == 1 else chunk_size
+    slots = chunk_slots(offset.shape[0], batch, length, saved_every, cu_seqlens is not None)
     return (torch.empty_like(v), *news, m_k.new_empty((slots,) + tuple(m_k.shape[1:])),
             m_v.new_empty((slots,) + tuple(m_v.shape[1:])))
 
