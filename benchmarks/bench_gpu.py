@@ -298,8 +298,9 @@ def bench_ops(sizes) -> list[str]:
 
 def tune(B, T, H, D, M) -> list[str]:
     """Launch settings and dot precisions of the chunk kernels at one shape: forward+backward
-    time and the forward's error against the float64 PyTorch backend, per variant. The settings
-    are the module's own functions and constant, replaced for the span of one variant."""
+    time, and the forward's and the input gradients' errors (the largest, norm-relative) against
+    the float64 PyTorch backend, per variant. The settings are the module's own functions and
+    constant, replaced for the span of one variant."""
     from unittest import mock
 
     from trellis_lm.ops import trellis_attention
@@ -307,22 +308,29 @@ def tune(B, T, H, D, M) -> list[str]:
 
     x, state = trellis_inputs(B, T, H, D, M, grad=True)
     do = torch.randn(B, T, H, D, device=DEVICE, dtype=torch.bfloat16)
-    with torch.no_grad():
-        ref, _ = trellis_attention(*[t.double() for t in x], initial_state=tuple(t.double() for t in state),
-                                   chunk_size=CHUNK, backend="torch")
-    rows = [f"tuning at {(B, T, H, D, M)}, chunk {CHUNK}: warps / dot precision -> fwd+bwd ms, forward error:"]
+    x64 = [t.detach().double().requires_grad_() for t in x]
+    ref, _ = trellis_attention(*x64, initial_state=tuple(t.double() for t in state), chunk_size=CHUNK, backend="torch")
+    ref_grads = torch.autograd.grad(ref, x64, do.double())
+    ref = ref.detach()
+    rows = [f"tuning at {(B, T, H, D, M)}, chunk {CHUNK}: warps / dot precision -> fwd+bwd ms, errors:"]
+
+    def rel(a, b):
+        return ((a.double() - b).norm() / b.norm()).item()
 
     def variant(warps, precision):
         with mock.patch.object(tc, "_warps", lambda *dims: warps), mock.patch.object(tc, "DOT_PRECISION", precision):
             def fwd_bwd():
-                trellis_attention(*x, initial_state=state, chunk_size=CHUNK, backend="triton")[0].backward(do)
-            both = bench_ms(fwd_bwd)
-            with torch.no_grad():
-                o, _ = trellis_attention(*x, initial_state=state, chunk_size=CHUNK, backend="triton")
-        err = ((o.double() - ref).norm() / ref.norm()).item()
-        return f"  warps {warps:2d} {precision:7s}: fwd+bwd {both:8.2f} ms | forward error {err:.1e}"
+                return trellis_attention(*x, initial_state=state, chunk_size=CHUNK, backend="triton")[0]
 
-    for warps, precision in ((tc._warps(D, M), tc.DOT_PRECISION), (4, "tf32x3"), (4, "tf32"), (8, "tf32")):
+            both = bench_ms(lambda: fwd_bwd().backward(do))
+            o = fwd_bwd()
+            grads = torch.autograd.grad(o, x, do)
+        grad_err = max(rel(g, e) for g, e in zip(grads, ref_grads))
+        return (f"  warps {warps:2d} {precision:7s}: fwd+bwd {both:8.2f} ms | forward error {rel(o.detach(), ref):.1e}"
+                f" | largest gradient error {grad_err:.1e}")
+
+    variants = ((tc._warps(D, M), tc.DOT_PRECISION), (8, "bf16"), (4, "bf16"), (4, "tf32x3"), (4, "tf32"), (8, "tf32"))
+    for warps, precision in variants:
         rows.append(guarded(f"  warps {warps} {precision}", lambda: variant(warps, precision)))
         print(rows[-1], flush=True)
     return rows

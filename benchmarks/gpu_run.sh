@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One device run of issue 39, in order of what matters: correctness on the GPU (pytest), then
-# decode (eager and with CUDA graphs, against a Llama eager and compiled), where the time goes
-# (profiles of the op and a decode step), then op timings against the peers, then (if time is
-# left) kernel launch variants.
+# decode (eager and with CUDA graphs, against a Llama eager and compiled), kernel variants (bf16
+# dots, warps: time and error), where the time goes (profiles of the op and a decode step), then
+# op timings against the peers with what time is left.
 # Shares from the first run (H200, 2026-11-26): pytest took 102 s, decode 70 s eagerly (the
 # compiled Llama adds a compile per context); fla's first calls compile and autotune for
 # minutes, hence the op phase's larger share.
@@ -59,12 +59,12 @@ phase pytest 150 python3 -m pytest -q -n 8 -p no:cacheprovider --timeout 120 -rf
     tests/test_triton.py tests/test_on_cuda.py -k "not compile_for_sm90"
 tail -25 "$out/pytest.log"
 wait $warm
-phase bench_decode 170 python3 benchmarks/bench_gpu.py --only decode
+phase bench_decode 150 python3 benchmarks/bench_gpu.py --only decode
 tail -8 "$out/bench_decode.log"
-phase profile 90 python3 benchmarks/bench_gpu.py --only profile
+phase tune 100 python3 benchmarks/bench_gpu.py --only tune
+tail -7 "$out/tune.log"
+phase profile 70 python3 benchmarks/bench_gpu.py --only profile
 grep -E "wall|failed" "$out/profile.log"
 phase bench_op 280 python3 benchmarks/bench_gpu.py --only op
 sed -n '/# summary/,$p' "$out/bench_op.log"
-phase tune 120 python3 benchmarks/bench_gpu.py --only tune
-tail -6 "$out/tune.log"
 cat "$out/summary.log"

@@ -316,6 +316,33 @@ def test_exact_recurrence_backward_across_segments(cf, mf, lengths, monkeypatch)
 
 
 @needs_triton
+@pytest.mark.parametrize("C,T,cf,mf", [(4, 13, "layernorm", "ln_silu"), (16, 40, "l2norm", "softmax")])
+def test_bf16_dots_stay_at_bf16_error(C, T, cf, mf, monkeypatch):
+    """TRELLIS_TRITON_DOT_PRECISION=bf16 (every product's operands rounded to bfloat16, float32
+    sums and memories), an opt-in setting for the GPU to time (bench_gpu.py --only tune):
+    forward, state and gradients at bfloat16's error, norm-relative to the float32 reference,
+    under 3e-2 (0.7e-2 to 1.4e-2 measured on these inputs; issue 39's 1e-2 bound is for bf16 inputs with
+    the default float32 products), and not the default's numbers (the setting is read). The
+    interpreter takes the bfloat16-rounded operands in float32 (see _kernel_precision)."""
+    from trellis_lm.ops.trellis import triton_chunk
+
+    x, state = _inputs(2, T, 2, 16, 16, 16, C, seed=C, grad=True)
+    kw = dict(chunk_size=C, compress_fn=cf, mix_fn=mf)
+    o_ref, s_ref = run("reference", x, initial_state=state, **kw)
+    expected = _grads("reference", x, state, **kw)
+    o_f32, _ = run("triton", x, initial_state=state, **kw)
+    monkeypatch.setattr(triton_chunk, "DOT_PRECISION", "bf16")
+    o, s = run("triton", x, initial_state=state, **kw)
+    rel = lambda a, b: ((a - b).norm() / b.norm()).item()  # noqa: E731
+    assert 1e-4 < rel(o, o_ref) < 3e-2 and rel(o_f32, o_ref) < 1e-5
+    for name, t in s.tensors().items():
+        if name != "offset":
+            assert rel(t, s_ref.tensors()[name]) < 3e-2, name
+    for name, g, e in zip(NAMES, _grads("triton", x, state, **kw), expected):
+        assert rel(g, e) < 3e-2, f"d/d{name}: {rel(g, e):.1e}"
+
+
+@needs_triton
 def test_gradients_flow_through_anchors():
     """Mid-chunk resume: the first chunk's writes are taken at the given anchors."""
     x, state = _inputs(1, 6, 1, 3, 3, 4, 4, seed=4, grad=True)

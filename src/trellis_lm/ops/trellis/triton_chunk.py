@@ -32,7 +32,10 @@ chunk. Products use ``tl.dot`` with ``input_precision`` from the environment var
 ``TRELLIS_TRITON_DOT_PRECISION``, default ``"tf32x3"`` (three tf32 products on tensor cores,
 about float32 accuracy). ``"ieee"`` (plain float32 FMAs) compiles slowly and overflows shared
 memory at head dim 128 on an H100; ``"tf32"`` is faster and less accurate (~1e-3) and needs
-more shared memory than tf32x3 with these tiles. (The interpreter always computes in float32.)
+more shared memory than tf32x3 with these tiles; ``"bf16"`` rounds both operands of every
+product to bfloat16 (accumulating in float32, memories kept in float32): one tensor-core pass on
+half the registers, for bf16 training where its error bound holds (``bench_gpu.py --only tune``
+measures both). (The interpreter computes tf32 products in float32.)
 
 Shared memory, from ahead-of-time compiles for sm_90 with tf32x3 at C = M = 64 (no GPU was
 available to run them): every kernel fits the H100's 227 KB at D = 64 and D = 128 with the
@@ -63,12 +66,29 @@ from .compress_mix import COMPRESS_FNS, EPS, MIX_FNS
 from .state import TrellisState
 from ..varlen import chunk_slots, make_plan
 
+DOT_PRECISIONS = ("tf32x3", "tf32", "ieee", "bf16")
 DOT_PRECISION = os.environ.get("TRELLIS_TRITON_DOT_PRECISION", "tf32x3")
+if DOT_PRECISION not in DOT_PRECISIONS:
+    raise ValueError(f"TRELLIS_TRITON_DOT_PRECISION must be one of {DOT_PRECISIONS}, got {DOT_PRECISION!r}")
 # At C = 1 the forward saves the memories before every this-many tokens and the backward
 # recomputes the others, a segment at a time (_recurrent_bwd_kernel): saved memory T / 64 of
 # the chunk kernels' at C = 1, scratch of 64 memories per sequence and head.
 RECURRENT_SEGMENT = 64
 _EPS = tl.constexpr(EPS)
+
+@triton.jit
+def _dot(a, b, PREC: tl.constexpr):
+    """``a @ b`` accumulated in float32, the operands as ``PREC`` (:func:`_kernel_precision`)
+    says: ``"bf16"`` rounds both to bfloat16 (one tensor-core pass, half the registers per
+    operand), ``"bf16_rounded"`` the same products in float32, the others are ``tl.dot``'s
+    ``input_precision``."""
+    if PREC == "bf16":
+        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+    elif PREC == "bf16_rounded":
+        return tl.dot(a.to(tl.bfloat16).to(tl.float32), b.to(tl.bfloat16).to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b, input_precision=PREC)
+
 
 # ---------------------------------------------------------------------------------------------
 # Row-wise functions over the slot axis (axis 1 of an [R, BM] tile; `cm` masks the real slots).
@@ -352,8 +372,8 @@ def _state_fwd_kernel(
         g = _load_scal(g_ptr, start + lo, nrows, h, H, BT)
         _, c_last = _log_decays(lb, nrows, BT)
         w = g * tl.exp(_log_after(lb, BT))
-        U = _residual_vjp(tl.dot(X, tl.trans(A), input_precision=PREC), Al, cm, M, CF)
-        S = tl.exp(c_last) * S - tl.dot(tl.trans(U * w[:, None]), X, input_precision=PREC)
+        U = _residual_vjp(_dot(X, tl.trans(A), PREC), Al, cm, M, CF)
+        S = tl.exp(c_last) * S - _dot(tl.trans(U * w[:, None]), X, PREC)
     _store_mat(m_out_ptr, S, n * H + h, M, D, BM, BD)
     _store_mat(a_out_ptr, A, n * H + h, M, D, BM, BD)
 
@@ -407,13 +427,13 @@ def _output_fwd_kernel(
         tok0, nrows, cm, SK, SV, AK, AV, Q, K, V, Al, E, mu, Dm = _chunk_operands(
             q_ptr, k_ptr, v_ptr, al_ptr, lb_ptr, g_ptr, ak0_ptr, av0_ptr, hk_ptr, hv_ptr,
             seq_start_ptr, seq_len_ptr, off_ptr, cidx_ptr, n, j, h, H, M, DK, DV, C, BT, BM, BDK, BDV)
-        UK = _residual_vjp(tl.dot(K, tl.trans(AK), input_precision=PREC), Al, cm, M, CF)
-        QK = tl.dot(Q, tl.trans(K), input_precision=PREC)
-        Y = mu[:, None] * tl.dot(Q, tl.trans(SK), input_precision=PREC) - tl.dot(Dm * QK, UK, input_precision=PREC)
+        UK = _residual_vjp(_dot(K, tl.trans(AK), PREC), Al, cm, M, CF)
+        QK = _dot(Q, tl.trans(K), PREC)
+        Y = mu[:, None] * _dot(Q, tl.trans(SK), PREC) - _dot(Dm * QK, UK, PREC)
         Hh = _mix(Y, cm, M, MF)
-        UV = _residual_vjp(tl.dot(V, tl.trans(AV), input_precision=PREC), Al, cm, M, CF)
-        HU = tl.dot(Hh, tl.trans(UV), input_precision=PREC)
-        O = mu[:, None] * tl.dot(Hh, SV, input_precision=PREC) - tl.dot(Dm * HU, V, input_precision=PREC)
+        UV = _residual_vjp(_dot(V, tl.trans(AV), PREC), Al, cm, M, CF)
+        HU = _dot(Hh, tl.trans(UV), PREC)
+        O = mu[:, None] * _dot(Hh, SV, PREC) - _dot(Dm * HU, V, PREC)
         _store_tok(o_ptr, O, tok0, nrows, h, H, DV, BT, BDV)
     else:  # a spare slot of the saved-memory buffer: give it defined contents
         _store_mat(hk_ptr, tl.zeros([BM, BDK], dtype=tl.float32), j * H + h, M, DK, BM, BDK)
@@ -506,32 +526,32 @@ def _local_bwd_kernel(
             seq_start_ptr, seq_len_ptr, off_ptr, cidx_ptr, n, j, h, H, M, DK, DV, C, BT, BM, BDK, BDV)
         dO = _load_tok(do_ptr, tok0, nrows, h, H, DV, BT, BDV)
         # Recompute the chunk's forward.
-        UK = _residual_vjp(tl.dot(K, tl.trans(AK), input_precision=PREC), Al, cm, M, CF)
-        P = tl.dot(Q, tl.trans(SK), input_precision=PREC)
-        QK = tl.dot(Q, tl.trans(K), input_precision=PREC)
-        Y = mu[:, None] * P - tl.dot(Dm * QK, UK, input_precision=PREC)
+        UK = _residual_vjp(_dot(K, tl.trans(AK), PREC), Al, cm, M, CF)
+        P = _dot(Q, tl.trans(SK), PREC)
+        QK = _dot(Q, tl.trans(K), PREC)
+        Y = mu[:, None] * P - _dot(Dm * QK, UK, PREC)
         Hh = _mix(Y, cm, M, MF)
-        UV = _residual_vjp(tl.dot(V, tl.trans(AV), input_precision=PREC), Al, cm, M, CF)
-        HS = tl.dot(Hh, SV, input_precision=PREC)
-        HU = tl.dot(Hh, tl.trans(UV), input_precision=PREC)
+        UV = _residual_vjp(_dot(V, tl.trans(AV), PREC), Al, cm, M, CF)
+        HS = _dot(Hh, SV, PREC)
+        HU = _dot(Hh, tl.trans(UV), PREC)
         # Value read: O = mu * H SV - (D * H UV^T) V.
-        dOV = tl.dot(dO, tl.trans(V), input_precision=PREC)
+        dOV = _dot(dO, tl.trans(V), PREC)
         dHU = -Dm * dOV
         dD = -HU * dOV
-        dV = -tl.dot(tl.trans(Dm * HU), dO, input_precision=PREC)
+        dV = -_dot(tl.trans(Dm * HU), dO, PREC)
         dmu = tl.sum(HS * dO, axis=1)
-        dH = mu[:, None] * tl.dot(dO, tl.trans(SV), input_precision=PREC) + tl.dot(dHU, UV, input_precision=PREC)
-        dUV = tl.dot(tl.trans(dHU), Hh, input_precision=PREC)
+        dH = mu[:, None] * _dot(dO, tl.trans(SV), PREC) + _dot(dHU, UV, PREC)
+        dUV = _dot(tl.trans(dHU), Hh, PREC)
         # Key read: Y = mu * Q SK^T - (D * Q K^T) UK, H = f(Y).
         dY = _mix_bwd(Y, dH, cm, M, MF)
         dmu += tl.sum(P * dY, axis=1)
         PK = mu[:, None] * dY
-        dQKD = -tl.dot(dY, tl.trans(UK), input_precision=PREC)
+        dQKD = -_dot(dY, tl.trans(UK), PREC)
         dQK = Dm * dQKD
         dD += QK * dQKD
-        dQ = tl.dot(PK, SK, input_precision=PREC) + tl.dot(dQK, K, input_precision=PREC)
-        dK = tl.dot(tl.trans(dQK), Q, input_precision=PREC)
-        dUK = -tl.dot(tl.trans(Dm * QK), dY, input_precision=PREC)
+        dQ = _dot(PK, SK, PREC) + _dot(dQK, K, PREC)
+        dK = _dot(tl.trans(dQK), Q, PREC)
+        dUK = -_dot(tl.trans(Dm * QK), dY, PREC)
         # Gates: D[r, i] = gamma_i exp(c_r - c_i), mu_r = exp(c_r).
         dg = tl.sum(dD * E, axis=0)
         dDD = dD * Dm
@@ -591,16 +611,16 @@ def _chain_bwd_kernel(
         wexp = tl.where(r < nrows, tl.exp(_log_after(lb, BT)), 0.0)
         w = g * wexp
         mu_last = tl.exp(c_last)
-        Z = tl.dot(X, tl.trans(A), input_precision=PREC)
+        Z = _dot(X, tl.trans(A), PREC)
         U = _residual_vjp(Z, Al, cm, M, CF)
-        XdS = tl.dot(X, tl.trans(dS), input_precision=PREC)
+        XdS = _dot(X, tl.trans(dS), PREC)
         dU = dU - w[:, None] * XdS
         dw = -tl.sum(U * XdS, axis=1)
-        dX = -tl.dot(w[:, None] * U, dS, input_precision=PREC)
+        dX = -_dot(w[:, None] * U, dS, PREC)
         dmu_last = tl.sum(tl.sum(S * dS, axis=1), axis=0)
         dZ, dAl = _residual_vjp_bwd(Z, Al, dU, cm, M, CF)
-        dX += tl.dot(dZ, A, input_precision=PREC)
-        dA = tl.dot(tl.trans(dZ), X, input_precision=PREC)
+        dX += _dot(dZ, A, PREC)
+        dA = _dot(tl.trans(dZ), X, PREC)
         dA += tl.where(ii == 0, dA_fin, 0.0)  # the final state's anchor is the last chunk's
         dg = dw * wexp
         dc = -dw * w + tl.where(r == nrows - 1, tl.sum(dw * w, axis=0) + dmu_last * mu_last, 0.0)
@@ -616,7 +636,7 @@ def _chain_bwd_kernel(
             _store_scal(dlb_ptr, tl.cumsum(dc, axis=0, reverse=True), tok0, nrows, h, H, BT)
         else:
             _store_scal(dc_ptr, dc, tok0, nrows, h, H, BT)
-        dS = mu_last * dS + tl.dot(tl.trans(P), R, input_precision=PREC) + tl.where(resumed, 0.0, dA)
+        dS = mu_last * dS + _dot(tl.trans(P), R, PREC) + tl.where(resumed, 0.0, dA)
         dA0 += tl.where(resumed, dA, 0.0)
     dA0 = tl.where(n_chunks == 0, dA_fin, dA0)  # an empty sequence hands its anchor through
     _store_mat(dm0_ptr, dS, n * H + h, M, D, BM, BD)
@@ -738,6 +758,17 @@ def _recurrent_bwd_kernel(
 # Host side.
 
 
+def _kernel_precision() -> str:
+    """``DOT_PRECISION`` as the kernels take it. Triton's interpreter multiplies bfloat16 tiles
+    wrongly (triton 3.6 to 3.9 return garbage for ``tl.dot`` of two bfloat16 tiles), so there
+    ``"bf16"`` becomes ``"bf16_rounded"``: the operands rounded to bfloat16 and multiplied in
+    float32, the same products (one of two bfloat16 numbers is exact in float32), summed in
+    float32 as the tensor cores do."""
+    if DOT_PRECISION == "bf16" and os.environ.get("TRITON_INTERPRET") == "1":
+        return "bf16_rounded"
+    return DOT_PRECISION
+
+
 def _pow2(n: int) -> int:
     return max(16, triton.next_power_of_2(n))
 
@@ -784,7 +815,7 @@ def _state_pass(x, alpha, log_beta, gamma, m0, a0, plan, chunk_size, cf):
             plan.seq_start, plan.seq_len, plan.offset, plan.chunk_base,
             hs, m_out, a_out,
             heads, slots_m, dim, chunk_size,
-            BT=_row_tile(chunk_size, x.shape[1]), BM=_pow2(slots_m), BD=_pow2(dim), CF=cf, PREC=DOT_PRECISION,
+            BT=_row_tile(chunk_size, x.shape[1]), BM=_pow2(slots_m), BD=_pow2(dim), CF=cf, PREC=_kernel_precision(),
             num_warps=_warps(dim, slots_m), num_stages=_stages("state"),
         )
     return hs, m_out, a_out
@@ -874,7 +905,7 @@ def _forward_impl(q, k, v, alpha, log_beta, gamma, m_k, m_v, anchor_k, anchor_v,
         o,
         heads, slots_m, dk, dv, chunk_size,
         BT=_row_tile(chunk_size, length), BM=_pow2(slots_m), BDK=_pow2(dk), BDV=_pow2(dv), CF=cf, MF=mf,
-        PREC=DOT_PRECISION,
+        PREC=_kernel_precision(),
         num_warps=_warps(dk, dv, slots_m), num_stages=_stages("output"),
     )
     return o, mk_out, mv_out, ak_out, av_out, h_k, h_v
@@ -907,7 +938,7 @@ def _backward_impl(q, k, v, alpha, log_beta, gamma, m_k, m_v, anchor_k, anchor_v
             plan.seq_start, plan.seq_len, plan.offset, plan.chunk_seq, plan.chunk_idx,
             dq, dk_, dv_, du_k, du_v, p_k, p_v, d_gamma, dc,
             heads, slots_m, dk, dv, chunk_size,
-            BT=BT, BM=BM, BDK=BDK, BDV=BDV, CF=cf, MF=mf, PREC=DOT_PRECISION, num_warps=warps,
+            BT=BT, BM=BM, BDK=BDK, BDV=BDV, CF=cf, MF=mf, PREC=_kernel_precision(), num_warps=warps,
             num_stages=_stages("local"),
         )
     passes = (  # values first, keys last (the key pass finishes dlog_beta)
@@ -922,7 +953,7 @@ def _backward_impl(q, k, v, alpha, log_beta, gamma, m_k, m_v, anchor_k, anchor_v
                 dx, d_alpha, d_gamma, dc, d_lb, d_m0[which], d_a0[which],
                 heads, slots_m, dim, r.shape[-1], chunk_size,
                 BT=BT, BM=BM, BD=bd, BDR=_pow2(r.shape[-1]), CF=cf, ADD_ALPHA=finish, FINISH=finish,
-                PREC=DOT_PRECISION, num_warps=warps, num_stages=_stages("chain", BT, BM, bd, _pow2(r.shape[-1])),
+                PREC=_kernel_precision(), num_warps=warps, num_stages=_stages("chain", BT, BM, bd, _pow2(r.shape[-1])),
             )
     return dq, dk_, dv_, d_alpha, d_lb, d_gamma, d_m0[0], d_m0[1], d_a0[0], d_a0[1]
 
