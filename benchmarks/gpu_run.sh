@@ -59,7 +59,7 @@ phase pytest 150 python3 -m pytest -q -n 8 -p no:cacheprovider --timeout 120 -rf
     tests/test_triton.py tests/test_on_cuda.py -k "not compile_for_sm90"
 tail -25 "$out/pytest.log"
 wait $warm
-phase bench_decode 150 python3 benchmarks/bench_gpu.py --only decode
+phase bench_decode 200 python3 benchmarks/bench_gpu.py --only decode
 tail -8 "$out/bench_decode.log"
 phase tune 100 python3 benchmarks/bench_gpu.py --only tune
 tail -7 "$out/tune.log"
