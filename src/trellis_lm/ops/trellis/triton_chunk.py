@@ -49,6 +49,7 @@ identity too. CPU tensors need ``TRITON_INTERPRET=1``.
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Optional
 
@@ -821,6 +822,31 @@ def _state_pass(x, alpha, log_beta, gamma, m0, a0, plan, chunk_size, cf):
     return hs, m_out, a_out
 
 
+@functools.cache
+def _side_stream(device: torch.device) -> "torch.cuda.Stream":
+    return torch.cuda.Stream(device)
+
+
+def _both_state_passes(k, v, alpha, log_beta, gamma, keys, values, plan, chunk_size, cf):
+    """:func:`_state_pass` of the keys (memory and anchor ``keys``) and of the values. They
+    share nothing, and each has one program per sequence and head, too few to fill a GPU for a
+    small batch of long sequences: on a GPU the value pass runs on a side stream beside the key
+    pass. The side stream joins the caller's before anything returns (the caller frees nothing
+    it still reads). Returns both passes' results."""
+    if not k.is_cuda:
+        return (_state_pass(k, alpha, log_beta, gamma, *keys, plan, chunk_size, cf),
+                _state_pass(v, alpha, log_beta, gamma, *values, plan, chunk_size, cf))
+    main, side = torch.cuda.current_stream(k.device), _side_stream(k.device)
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        value_pass = _state_pass(v, alpha, log_beta, gamma, *values, plan, chunk_size, cf)
+    key_pass = _state_pass(k, alpha, log_beta, gamma, *keys, plan, chunk_size, cf)
+    main.wait_stream(side)
+    for t in value_pass:  # made on the side stream, used and freed on the caller's
+        t.record_stream(main)
+    return key_pass, value_pass
+
+
 def recurrent_launch(q, k, v, alpha, log_beta, gamma, m_k, m_v, anchor_k, anchor_v, offset, cu_seqlens,
                      o, outs, chunk_size, cf, mf, checkpoints=None):
     """One launch of the token-by-token kernel; ``outs`` = new (m_k, m_v, anchor_k, anchor_v),
@@ -897,8 +923,8 @@ def _forward_impl(q, k, v, alpha, log_beta, gamma, m_k, m_v, anchor_k, anchor_v,
                          o, outs, chunk_size, cf, mf, checkpoints=(plan, c_k, c_v))
         return (o, *outs, c_k, c_v)
     plan = make_plan(offset, batch, length, chunk_size, cu_seqlens)
-    h_k, mk_out, ak_out = _state_pass(k, alpha, log_beta, gamma, m_k, anchor_k, plan, chunk_size, cf)
-    h_v, mv_out, av_out = _state_pass(v, alpha, log_beta, gamma, m_v, anchor_v, plan, chunk_size, cf)
+    (h_k, mk_out, ak_out), (h_v, mv_out, av_out) = _both_state_passes(
+        k, v, alpha, log_beta, gamma, (m_k, anchor_k), (m_v, anchor_v), plan, chunk_size, cf)
     _output_fwd_kernel[(plan.slots, heads)](
         q, k, v, alpha, log_beta, gamma, anchor_k, anchor_v, h_k, h_v,
         plan.seq_start, plan.seq_len, plan.offset, plan.chunk_seq, plan.chunk_idx,
@@ -923,8 +949,8 @@ def _backward_impl(q, k, v, alpha, log_beta, gamma, m_k, m_v, anchor_k, anchor_v
                                    d_mk, d_mv, d_ak, d_av, cf, mf)
     plan = make_plan(offset, batch, length, chunk_size, cu_seqlens)
     if h_k.numel() == 0 and plan.slots > 0:  # one token mid-chunk: rebuild its chunk start
-        h_k = _state_pass(k, alpha, log_beta, gamma, m_k, anchor_k, plan, chunk_size, cf)[0]
-        h_v = _state_pass(v, alpha, log_beta, gamma, m_v, anchor_v, plan, chunk_size, cf)[0]
+        (h_k, _, _), (h_v, _, _) = _both_state_passes(
+            k, v, alpha, log_beta, gamma, (m_k, anchor_k), (m_v, anchor_v), plan, chunk_size, cf)
     BT, BM, BDK, BDV = _row_tile(chunk_size, length), _pow2(slots_m), _pow2(dk), _pow2(dv)
     dq, dk_, dv_ = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     du_k, du_v, p_k, p_v, d_alpha = (torch.empty_like(alpha) for _ in range(5))
