@@ -537,16 +537,16 @@ def compile_check(head_dims=(64, 128), slots=64, chunk=CHUNK) -> list[str]:
     for D in head_dims:
         BT, BM, BD = tc._pow2(chunk), tc._pow2(slots), tc._pow2(D)
         warps = tc._warps(D, D, slots)
-        P = tc.DOT_PRECISION
+        P = tc._kernel_precision()
         kernels = [
             ("state_fwd", tc._state_fwd_kernel, dict(BT=BT, BM=BM, BD=BD, CF=2, PREC=P), tc._stages("state")),
             ("output_fwd", tc._output_fwd_kernel, dict(BT=BT, BM=BM, BDK=BD, BDV=BD, CF=2, MF=0, PREC=P),
              tc._stages("output")),
             ("local_bwd", tc._local_bwd_kernel, dict(BT=BT, BM=BM, BDK=BD, BDV=BD, CF=2, MF=0, PREC=P),
              tc._stages("local")),
-            ("chain_bwd", tc._chain_bwd_kernel,
-             dict(BT=BT, BM=BM, BD=BD, BDR=BD, CF=2, ADD_ALPHA=True, FINISH=True, PREC=P),
+            ("chain_bwd", tc._chain_bwd_kernel, dict(BT=BT, BM=BM, BD=BD, BDR=BD, CF=2, PREC=P),
              tc._stages("chain", BT, BM, BD, BD)),
+            ("gates_bwd", tc._gates_bwd_kernel, dict(BT=BT, BM=BM), 1),
             ("recurrent", tc._recurrent_kernel,
              dict(BM=BM, BDK=BD, BDV=BD, CF=2, MF=0, PACKED=False, SEG=tc.RECURRENT_SEGMENT), 1),
             ("recur_bwd", tc._recurrent_bwd_kernel,

@@ -4,9 +4,10 @@ The math, piece by piece, is stated in plain PyTorch in :mod:`.kernel_mirror` (r
 docstring first); every kernel here computes one of those pieces for one head:
 
 forward
-    ``_state_fwd_kernel``   grid (sequences, heads), one launch per pass (keys, values): the
-                            chain of memories across chunks, kept on-chip in float32 with
-                            its anchor; saves the memory at every chunk start.
+    ``_state_fwd_kernel``   grid (sequences, heads), one launch per pass (keys, values; on a
+                            GPU side by side, two streams): the chain of memories across
+                            chunks, kept on-chip in float32 with its anchor; saves the memory
+                            at every chunk start.
     ``_output_fwd_kernel``  grid (chunk slots, heads): both reads of a chunk from its saved
                             start memories, chunks in parallel.
     ``_recurrent_kernel``   grid (sequences, heads): the per-token loop of the design page
@@ -20,8 +21,11 @@ backward (recomputes every chunk's intermediates from the saved chunk-start memo
     ``_local_bwd_kernel``   grid (chunk slots, heads): gradients that need no later chunk.
     ``_chain_bwd_kernel``   grid (sequences, heads), one launch per pass, chunks in reverse:
                             carries the memory gradient back, through the anchors (the
-                            second-order terms through ``vjp_phi``), and finishes
-                            ``dlog_beta`` as a reverse cumulative sum inside every chunk.
+                            second-order terms through ``vjp_phi``). The two passes write
+                            separate outputs, so on a GPU they run side by side (two streams).
+    ``_gates_bwd_kernel``   grid (chunk slots, heads): sums the local and both chains' parts of
+                            ``dalpha`` and ``dgamma``, and finishes ``dlog_beta`` as a reverse
+                            cumulative sum inside every chunk.
     ``_recurrent_bwd_kernel`` grid (sequences, heads), ``chunk_size=1`` only: tokens in
                             reverse (both passes), each segment's memories recomputed from
                             its checkpoint into scratch first.
@@ -572,15 +576,16 @@ def _local_bwd_kernel(
 def _chain_bwd_kernel(
     x_ptr, al_ptr, lb_ptr, g_ptr, a0_ptr, hs_ptr, du_ptr, p_ptr, r_ptr, dm_fin_ptr, da_fin_ptr,
     seq_start_ptr, seq_len_ptr, off_ptr, base_ptr,
-    dx_ptr, dal_ptr, dg_ptr, dc_ptr, dlb_ptr, dm0_ptr, da0_ptr,
+    dx_ptr, dal_ptr, dg_ptr, dc_ptr, dm0_ptr, da0_ptr,
     H, M, D, DR, C,
-    BT: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, BDR: tl.constexpr,
-    CF: tl.constexpr, ADD_ALPHA: tl.constexpr, FINISH: tl.constexpr, PREC: tl.constexpr,
+    BT: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, BDR: tl.constexpr, CF: tl.constexpr,
+    PREC: tl.constexpr,
 ):
     """:mod:`.kernel_mirror`: chunk_chain_backward over one sequence's chunks in reverse, one pass.
 
-    Adds into dx, dg, dc (written by the local kernel) and into dal when ADD_ALPHA; with
-    FINISH (the last pass) also writes dlb, the reverse cumulative sum of dc in each chunk.
+    Adds into dx (the pass's own input, written by the local kernel); writes this pass's parts
+    of dalpha, dgamma and dc, which :func:`_gates_bwd_kernel` sums with the other pass's and the
+    local kernel's (so the two passes share no output and may run at once).
     """
     n = tl.program_id(0)
     h = tl.program_id(1)
@@ -627,21 +632,41 @@ def _chain_bwd_kernel(
         dc = -dw * w + tl.where(r == nrows - 1, tl.sum(dw * w, axis=0) + dmu_last * mu_last, 0.0)
         dX += _load_tok(dx_ptr, tok0, nrows, h, H, D, BT, BD)
         _store_tok(dx_ptr, dX, tok0, nrows, h, H, D, BT, BD)
-        if ADD_ALPHA:
-            dAl += _load_tok(dal_ptr, tok0, nrows, h, H, M, BT, BM)
         _store_tok(dal_ptr, dAl, tok0, nrows, h, H, M, BT, BM)
-        dg += _load_scal(dg_ptr, tok0, nrows, h, H, BT)
         _store_scal(dg_ptr, dg, tok0, nrows, h, H, BT)
-        dc += _load_scal(dc_ptr, tok0, nrows, h, H, BT)
-        if FINISH:
-            _store_scal(dlb_ptr, tl.cumsum(dc, axis=0, reverse=True), tok0, nrows, h, H, BT)
-        else:
-            _store_scal(dc_ptr, dc, tok0, nrows, h, H, BT)
+        _store_scal(dc_ptr, dc, tok0, nrows, h, H, BT)
         dS = mu_last * dS + _dot(tl.trans(P), R, PREC) + tl.where(resumed, 0.0, dA)
         dA0 += tl.where(resumed, dA, 0.0)
     dA0 = tl.where(n_chunks == 0, dA_fin, dA0)  # an empty sequence hands its anchor through
     _store_mat(dm0_ptr, dS, n * H + h, M, D, BM, BD)
     _store_mat(da0_ptr, dA0, n * H + h, M, D, BM, BD)
+
+
+@triton.jit
+def _gates_bwd_kernel(
+    dg_ptr, dc_ptr, dgk_ptr, dck_ptr, dgv_ptr, dcv_ptr, dalk_ptr, dalv_ptr,
+    seq_start_ptr, seq_len_ptr, off_ptr, cseq_ptr, cidx_ptr,
+    dgam_ptr, dlb_ptr, dal_ptr,
+    H, M, C,
+    BT: tl.constexpr, BM: tl.constexpr,
+):
+    """The local kernel's and both chains' parts of one chunk slot and head summed: dgamma,
+    dalpha, and dlog_beta, the reverse cumulative sum of dc inside the chunk."""
+    j = tl.program_id(0)
+    h = tl.program_id(1)
+    n = tl.load(cseq_ptr + j)
+    if n >= 0:
+        i = tl.load(cidx_ptr + j)
+        lo, nrows = _chunk_rows(i, tl.load(off_ptr + n), tl.load(seq_len_ptr + n), C)
+        tok0 = tl.load(seq_start_ptr + n) + lo
+        dc = (_load_scal(dc_ptr, tok0, nrows, h, H, BT) + _load_scal(dck_ptr, tok0, nrows, h, H, BT)
+              + _load_scal(dcv_ptr, tok0, nrows, h, H, BT))
+        _store_scal(dlb_ptr, tl.cumsum(dc, axis=0, reverse=True), tok0, nrows, h, H, BT)
+        dg = (_load_scal(dg_ptr, tok0, nrows, h, H, BT) + _load_scal(dgk_ptr, tok0, nrows, h, H, BT)
+              + _load_scal(dgv_ptr, tok0, nrows, h, H, BT))
+        _store_scal(dgam_ptr, dg, tok0, nrows, h, H, BT)
+        dal = _load_tok(dalk_ptr, tok0, nrows, h, H, M, BT, BM) + _load_tok(dalv_ptr, tok0, nrows, h, H, M, BT, BM)
+        _store_tok(dal_ptr, dal, tok0, nrows, h, H, M, BT, BM)
 
 
 @triton.jit
@@ -827,24 +852,38 @@ def _side_stream(device: torch.device) -> "torch.cuda.Stream":
     return torch.cuda.Stream(device)
 
 
-def _both_state_passes(k, v, alpha, log_beta, gamma, keys, values, plan, chunk_size, cf):
-    """:func:`_state_pass` of the keys (memory and anchor ``keys``) and of the values. They
-    share nothing, and each has one program per sequence and head, too few to fill a GPU for a
-    small batch of long sequences: on a GPU the value pass runs on a side stream beside the key
-    pass. The side stream joins the caller's before anything returns (the caller frees nothing
-    it still reads). Returns both passes' results."""
-    if not k.is_cuda:
-        return (_state_pass(k, alpha, log_beta, gamma, *keys, plan, chunk_size, cf),
-                _state_pass(v, alpha, log_beta, gamma, *values, plan, chunk_size, cf))
-    main, side = torch.cuda.current_stream(k.device), _side_stream(k.device)
+def _tensors_in(results) -> list[torch.Tensor]:
+    """The tensors of nested tuples of tensors."""
+    if isinstance(results, torch.Tensor):
+        return [results]
+    return [t for item in results for t in _tensors_in(item)]
+
+
+def _side_by_side(like: torch.Tensor, first, second) -> tuple:
+    """``(*first(), *second())`` of two launches that share no output and read nothing the other
+    writes: the key and value passes of a chain, each one program per sequence and head, too
+    few to fill a GPU for a small batch of long sequences. On a GPU (``like``'s device) ``second``
+    runs on a side stream beside ``first``, and the side stream joins the caller's before
+    anything returns (the caller frees nothing they still read)."""
+    if not like.is_cuda:
+        return (*first(), *second())
+    main, side = torch.cuda.current_stream(like.device), _side_stream(like.device)
     side.wait_stream(main)
     with torch.cuda.stream(side):
-        value_pass = _state_pass(v, alpha, log_beta, gamma, *values, plan, chunk_size, cf)
-    key_pass = _state_pass(k, alpha, log_beta, gamma, *keys, plan, chunk_size, cf)
+        later = second()
+    earlier = first()
     main.wait_stream(side)
-    for t in value_pass:  # made on the side stream, used and freed on the caller's
+    for t in _tensors_in(later):  # made on the side stream, used and freed on the caller's
         t.record_stream(main)
-    return key_pass, value_pass
+    return (*earlier, *later)
+
+
+def _both_state_passes(k, v, alpha, log_beta, gamma, keys, values, plan, chunk_size, cf):
+    """:func:`_state_pass` of the keys (memory and anchor ``keys``) and of the values, side by
+    side (:func:`_side_by_side`). Returns both passes' results."""
+    return _side_by_side(
+        k, lambda: (_state_pass(k, alpha, log_beta, gamma, *keys, plan, chunk_size, cf),),
+        lambda: (_state_pass(v, alpha, log_beta, gamma, *values, plan, chunk_size, cf),))
 
 
 def recurrent_launch(q, k, v, alpha, log_beta, gamma, m_k, m_v, anchor_k, anchor_v, offset, cu_seqlens,
@@ -953,10 +992,8 @@ def _backward_impl(q, k, v, alpha, log_beta, gamma, m_k, m_v, anchor_k, anchor_v
             k, v, alpha, log_beta, gamma, (m_k, anchor_k), (m_v, anchor_v), plan, chunk_size, cf)
     BT, BM, BDK, BDV = _row_tile(chunk_size, length), _pow2(slots_m), _pow2(dk), _pow2(dv)
     dq, dk_, dv_ = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    du_k, du_v, p_k, p_v, d_alpha = (torch.empty_like(alpha) for _ in range(5))
-    d_gamma, dc, d_lb = torch.empty_like(gamma), torch.empty_like(gamma), torch.empty_like(log_beta)
-    d_m0 = [torch.empty_like(m_k), torch.empty_like(m_v)]
-    d_a0 = [torch.empty_like(anchor_k), torch.empty_like(anchor_v)]
+    du_k, du_v, p_k, p_v = (torch.empty_like(alpha) for _ in range(4))
+    d_gamma, dc = torch.empty_like(gamma), torch.empty_like(gamma)
     warps = _warps(dk, dv, slots_m)
     if plan.slots * heads:
         _local_bwd_kernel[(plan.slots, heads)](
@@ -967,21 +1004,36 @@ def _backward_impl(q, k, v, alpha, log_beta, gamma, m_k, m_v, anchor_k, anchor_v
             BT=BT, BM=BM, BDK=BDK, BDV=BDV, CF=cf, MF=mf, PREC=_kernel_precision(), num_warps=warps,
             num_stages=_stages("local"),
         )
-    passes = (  # values first, keys last (the key pass finishes dlog_beta)
-        (v, anchor_v, h_v, du_v, p_v, d_o, d_mv, d_av, dv_, 1, dv, BDV, False),
-        (k, anchor_k, h_k, du_k, p_k, q, d_mk, d_ak, dk_, 0, dk, BDK, True),
-    )
-    if rows * heads:
-        for x, a0, hs, du, p, r, dm_fin, da_fin, dx, which, dim, bd, finish in passes:
+
+    def chain(x, a0, hs, du, p, r, dm_fin, da_fin, dx):
+        """One pass's chain: its parts of (dalpha, dgamma, dc) and the gradients of its initial
+        memory and anchor; adds into ``dx``."""
+        parts = (torch.empty_like(alpha), torch.empty_like(gamma), torch.empty_like(gamma))
+        d_init = (torch.empty_like(dm_fin), torch.empty_like(da_fin))
+        dim, r_dim = x.shape[-1], r.shape[-1]
+        if rows * heads:
             _chain_bwd_kernel[(rows, heads)](
                 x, alpha, log_beta, gamma, a0, hs, du, p, r, dm_fin, da_fin,
                 plan.seq_start, plan.seq_len, plan.offset, plan.chunk_base,
-                dx, d_alpha, d_gamma, dc, d_lb, d_m0[which], d_a0[which],
-                heads, slots_m, dim, r.shape[-1], chunk_size,
-                BT=BT, BM=BM, BD=bd, BDR=_pow2(r.shape[-1]), CF=cf, ADD_ALPHA=finish, FINISH=finish,
-                PREC=_kernel_precision(), num_warps=warps, num_stages=_stages("chain", BT, BM, bd, _pow2(r.shape[-1])),
+                dx, *parts, *d_init,
+                heads, slots_m, dim, r_dim, chunk_size,
+                BT=BT, BM=BM, BD=_pow2(dim), BDR=_pow2(r_dim), CF=cf, PREC=_kernel_precision(), num_warps=warps,
+                num_stages=_stages("chain", BT, BM, _pow2(dim), _pow2(r_dim)),
             )
-    return dq, dk_, dv_, d_alpha, d_lb, d_gamma, d_m0[0], d_m0[1], d_a0[0], d_a0[1]
+        return parts, d_init
+
+    (dal_k, dg_k, dc_k), keys, (dal_v, dg_v, dc_v), values = _side_by_side(
+        q, lambda: chain(k, anchor_k, h_k, du_k, p_k, q, d_mk, d_ak, dk_),
+        lambda: chain(v, anchor_v, h_v, du_v, p_v, d_o, d_mv, d_av, dv_))
+    d_alpha, d_lb, d_gamma_all = torch.empty_like(alpha), torch.empty_like(log_beta), torch.empty_like(gamma)
+    if plan.slots * heads:
+        _gates_bwd_kernel[(plan.slots, heads)](
+            d_gamma, dc, dg_k, dc_k, dg_v, dc_v, dal_k, dal_v,
+            plan.seq_start, plan.seq_len, plan.offset, plan.chunk_seq, plan.chunk_idx,
+            d_gamma_all, d_lb, d_alpha,
+            heads, slots_m, chunk_size, BT=BT, BM=BM, num_warps=warps,
+        )
+    return dq, dk_, dv_, d_alpha, d_lb, d_gamma_all, keys[0], values[0], keys[1], values[1]
 
 
 # ---------------------------------------------------------------------------------------------
