@@ -23,7 +23,7 @@ from __future__ import annotations
 import itertools
 import warnings
 from functools import cache
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -33,8 +33,9 @@ from .mixers.stacking import plain_forward_hooks
 from .mixers.tokens import ValidTokens
 from .ops import OpState
 
-if TYPE_CHECKING:  # the graphs run this module's run_blocks
-    from .decode_graphs import DecodeGraphs
+# What runs a run of blocks instead of run_blocks: (blocks, hidden, carried) -> (hidden, carried after).
+RunOfBlocks = Callable[[tuple[nn.Module, ...], torch.Tensor, list[tuple[Any, Any, Any]]],
+                       tuple[torch.Tensor, list[tuple[Any, Any, Any]]]]
 
 
 def compiles_decode(model: nn.Module, hidden: torch.Tensor, valid: Optional[ValidTokens], call: Optional[CacheCall],
@@ -67,11 +68,11 @@ def compiles(block: nn.Module, call: CacheCall) -> bool:
 
 
 def decode_blocks(blocks: Sequence[nn.Module], hidden: torch.Tensor, call: CacheCall,
-                  graphs: Optional[DecodeGraphs] = None) -> torch.Tensor:
+                  graphs: Optional[RunOfBlocks] = None) -> torch.Tensor:
     """The decoder ``blocks`` on ``hidden [B, 1, D]``, continuing ``call``'s cache, each run of
     blocks that :func:`compiles` by one compiled call (:func:`compiled_or_eager`), or by one
-    replay of its CUDA graph where ``graphs`` are given, the others as usual. Returns the last
-    block's output ``[B, 1, D]``."""
+    replay of its CUDA graph where ``graphs`` (a :class:`~trellis_lm.decode_graphs.DecodeGraphs`)
+    are given, the others as usual. Returns the last block's output ``[B, 1, D]``."""
     for compiled, run in itertools.groupby(blocks, key=lambda block: compiles(block, call)):
         run = tuple(run)
         if not compiled:
