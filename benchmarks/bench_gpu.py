@@ -25,6 +25,9 @@ What it measures (bfloat16 activations, float32 states, chunk 64):
     transformers' StaticCache and ``torch.compile(mode="reduce-overhead")`` at batch 1 (1k and
     128k: each context compiles anew). Trellis's
     state does not grow, so its figure should not depend on the context; the attention model's does.
+  * ``--only tune``: launch settings and dot precisions at the first shape (time, forward and
+    gradient errors), and the key and value chains on two streams against one after the other
+    at the second.
   * ``--only profile``: where the time goes, by ``torch.profiler``: the kernels of one op
     forward+backward at the first shape (chunk 64 and chunk 1) and of one decode step after 1k
     tokens (eager and with CUDA graphs), by device time, against the wall time of the call.
@@ -337,6 +340,30 @@ def tune(B, T, H, D, M) -> list[str]:
     return rows
 
 
+def streams_ab(B, T, H, D, M) -> list[str]:
+    """Forward+backward with the key and value chains side by side on two streams (the backend)
+    and one after the other (``_side_by_side`` replaced for the span), at a shape with few
+    programs per chain (one per sequence and head)."""
+    from unittest import mock
+
+    from trellis_lm.ops import trellis_attention
+    from trellis_lm.ops.trellis import triton_chunk as tc
+
+    x, state = trellis_inputs(B, T, H, D, M, grad=True)
+    do = torch.randn(B, T, H, D, device=DEVICE, dtype=torch.bfloat16)
+
+    def fwd_bwd():
+        trellis_attention(*x, initial_state=state, chunk_size=CHUNK, backend="triton")[0].backward(do)
+
+    side_by_side = guarded("side by side", lambda: f"{bench_ms(fwd_bwd):8.2f} ms")
+    with mock.patch.object(tc, "_side_by_side", lambda like, first, second: (*first(), *second())):
+        in_turn = guarded("in turn", lambda: f"{bench_ms(fwd_bwd):8.2f} ms")
+    rows = [f"key and value chains at {(B, T, H, D, M)}, chunk {CHUNK}, fwd+bwd: side by side (two streams) "
+            f"{side_by_side} | one after the other {in_turn}"]
+    print(rows[0], flush=True)
+    return rows
+
+
 # ---------------------------------------------------------------------------------------------
 # Decode.
 
@@ -601,7 +628,9 @@ def main() -> None:
     if args.only in (None, "op"):
         rows += bench_ops([(1, 40, 2, 16, 16)] if args.dry_run else QUICK_OP_SIZES if args.quick else OP_SIZES)
     if args.only == "tune":
-        rows += tune(*([(1, 40, 2, 16, 16)] if args.dry_run else QUICK_OP_SIZES if args.quick else OP_SIZES)[0])
+        sizes = [(1, 40, 2, 16, 16)] * 2 if args.dry_run else QUICK_OP_SIZES * 2 if args.quick else OP_SIZES
+        rows += tune(*sizes[0])
+        rows += streams_ab(*sizes[1])
     if args.only == "profile":
         if args.quick:
             rows += profile_all((1, 40, 2, 16, 16) if args.dry_run else QUICK_OP_SIZES[0], QUICK_DECODE, 100)

@@ -9,12 +9,16 @@
 # Every phase has its own time limit and writes its log under $OUT; a phase that fails or
 # runs out of time does not stop the next.
 #
-#   bash benchmarks/gpu_run.sh [SECONDS]     # SECONDS: the whole run's budget (default 560)
+#   bash benchmarks/gpu_run.sh [SECONDS] [PHASES]
+#     SECONDS: the whole run's budget (default 560); PHASES: a comma-separated subset of
+#     pytest,bench_decode,tune,profile,bench_op (default: all), e.g. a second call's
+#     "bash benchmarks/gpu_run.sh 300 bench_op" for what the first one's budget left out.
 #
 # Runs from the repository root with the machine's own python3 (torch, triton, transformers
 # there); peers (flash-linear-attention, fla-core) come as wheels in .whl/ when present.
 set -u
 budget=${1:-560}
+phases=",${2:-pytest,bench_decode,tune,profile,bench_op},"
 start=$(date +%s)
 out=${OUT:-/tmp/gpu-run}
 mkdir -p "$out"
@@ -30,6 +34,7 @@ left() { echo $(( budget - ($(date +%s) - start) )); }
 phase() {
     local name=$1 share=$2
     shift 2
+    [[ $phases == *",$name,"* ]] || return 0
     local limit
     limit=$(( $(left) < share ? $(left) : share ))
     if (( limit < 20 )); then
@@ -51,20 +56,30 @@ phase() {
 } > "$out/summary.log" 2>&1
 cat "$out/summary.log"
 
+# show NAME COMMAND...: what a phase's log says, when it ran.
+show() {
+    local log="$out/$1.log"
+    shift
+    [[ -f $log ]] && "$@" "$log"
+}
+
 # Compiles are CPU work and the tests time nothing: warm the Triton cache (our kernels at the
 # benchmark's settings, fla's) beside the tests, so that the timed phases compile little.
-timeout 200 python3 benchmarks/bench_gpu.py --only op --quick > "$out/warm.log" 2>&1 &
-warm=$!
+warm=
+if [[ $phases == *",pytest,"* ]]; then
+    timeout 200 python3 benchmarks/bench_gpu.py --only op --quick > "$out/warm.log" 2>&1 &
+    warm=$!
+fi
 phase pytest 150 python3 -m pytest -q -n 8 -p no:cacheprovider --timeout 120 -rfE \
     tests/test_triton.py tests/test_on_cuda.py -k "not compile_for_sm90"
-tail -25 "$out/pytest.log"
-wait $warm
+show pytest tail -25
+[[ -n $warm ]] && wait "$warm"
 phase bench_decode 200 python3 benchmarks/bench_gpu.py --only decode
-tail -8 "$out/bench_decode.log"
-phase tune 100 python3 benchmarks/bench_gpu.py --only tune
-tail -7 "$out/tune.log"
+show bench_decode tail -8
+phase tune 130 python3 benchmarks/bench_gpu.py --only tune
+show tune tail -8
 phase profile 70 python3 benchmarks/bench_gpu.py --only profile
-grep -E "wall|failed" "$out/profile.log"
+show profile grep -E "wall|failed"
 phase bench_op 280 python3 benchmarks/bench_gpu.py --only op
-sed -n '/# summary/,$p' "$out/bench_op.log"
+show bench_op sed -n '/# summary/,$p'
 cat "$out/summary.log"
