@@ -145,7 +145,9 @@ class TrellisConfig(PreTrainedConfig):
             runs are each captured once as a CUDA graph and replayed every step
             (:mod:`trellis_lm.decode_graphs`): one launch per run instead of dozens per block,
             since a small model's GPU decode step is bound by kernel launches; GPU calls outside
-            ``generate()`` decode eagerly. Prefill and training are not affected.
+            ``generate()`` decode eagerly, unless a decode loop of one's own runs within
+            ``trellis_lm.decode_graphs.decode_graphs(model)`` (weights unchanged inside it).
+            Prefill and training are not affected.
     """
 
     model_type: ClassVar[str] = "trellis"
