@@ -126,6 +126,24 @@ def test_two_caches_taking_turns_and_a_reordered_cache():
     torch.testing.assert_close(replayed, turns(model), rtol=1e-12, atol=1e-12)
 
 
+def test_a_failed_capture_decodes_eagerly_with_a_warning():
+    # An operation a CUDA graph cannot hold (or no memory for one) must not fail generate().
+    model = tiny_model(seed=7, schedule="hybrid", head_dim=6)
+    ids = random_tokens(2, 5, seed=6)
+    eager = model.generate(ids, max_new_tokens=6, do_sample=False)
+    model.config.compile_decode = True
+    attempts = []
+
+    def failing(fn):
+        attempts.append(fn)
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    with pytest.warns(RuntimeWarning, match="operation not permitted.*decodes eagerly"):
+        with decode_graphs(model, capture=failing):
+            assert torch.equal(model.generate(ids, max_new_tokens=6, do_sample=False), eager)
+    assert len(attempts) == 1  # the first failure ends the span's captures
+
+
 def test_no_graphs_with_autograd_or_for_a_model_off_the_gpu():
     model = tiny_model(seed=2)
     model.config.compile_decode = True

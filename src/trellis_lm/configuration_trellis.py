@@ -146,8 +146,9 @@ class TrellisConfig(PreTrainedConfig):
             (:mod:`trellis_lm.decode_graphs`): one launch per run instead of dozens per block,
             since a small model's GPU decode step is bound by kernel launches; GPU calls outside
             ``generate()`` decode eagerly, unless a decode loop of one's own runs within
-            ``trellis_lm.decode_graphs.decode_graphs(model)`` (weights unchanged inside it).
-            Prefill and training are not affected.
+            ``trellis_lm.decode_graphs.decode_graphs(model)`` (weights unchanged inside it); a
+            capture that fails warns and leaves the call's steps eager. Prefill and training are
+            not affected.
     """
 
     model_type: ClassVar[str] = "trellis"

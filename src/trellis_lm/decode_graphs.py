@@ -20,6 +20,7 @@ read): captured on a span's first step of each shape and freed when it ends.
 
 from __future__ import annotations
 
+import warnings
 from contextlib import contextmanager, nullcontext
 from typing import Any, Callable, Iterator, Optional, Sequence
 
@@ -109,23 +110,36 @@ class GraphedRun:
 
 class DecodeGraphs:
     """The graphs of one span (see :func:`decode_graphs`) of a model on ``device``, one per run of
-    blocks and signature."""
+    blocks and signature. A capture that fails (an operation a CUDA graph cannot hold, memory)
+    leaves the span's steps eager, with a warning saying why: the same numbers, not a failed
+    ``generate()``."""
 
     def __init__(self, capture: Capture, device: torch.device) -> None:
         self.capture = capture
         self.device = device
         self.runs: dict[tuple, GraphedRun] = {}
+        self.failed = False
 
     def __call__(self, blocks: tuple[nn.Module, ...], hidden: torch.Tensor,
                  carried: Sequence[Entry]) -> tuple[torch.Tensor, list[Entry]]:
         """:func:`~.compiled_decode.run_blocks` of ``blocks`` by the graph captured for this run and
-        signature (captured now on the first such step)."""
+        signature (captured now on the first such step), or eagerly after a failed capture."""
+        if self.failed:
+            return run_blocks(blocks, hidden, carried)
         key = (tuple(id(block) for block in blocks), signature(hidden, carried))
         # Captures and replays go to the current stream of the model's device, not of the current one.
         with torch.cuda.device(self.device) if self.device.type == "cuda" else nullcontext():
             run = self.runs.get(key)
             if run is None:
-                run = self.runs[key] = GraphedRun(blocks, hidden, carried, self.capture)
+                try:
+                    run = self.runs[key] = GraphedRun(blocks, hidden, carried, self.capture)
+                except RuntimeError as error:
+                    self.failed = True
+                    self.runs.clear()
+                    warnings.warn(f"compile_decode: capturing a decode step as a CUDA graph failed ({error}); "
+                                  "this generate() call decodes eagerly (same numbers, slower)",
+                                  RuntimeWarning, stacklevel=2)
+                    return run_blocks(blocks, hidden, carried)
             return run(hidden, carried)
 
 
