@@ -43,7 +43,6 @@ import argparse
 import inspect
 import os
 import platform
-import statistics
 import sys
 import time
 from datetime import date
@@ -382,50 +381,37 @@ def same_size_models(hidden, layers, heads, head_dim, slots, vocab, chunk):
     return [m.to(DEVICE, torch.bfloat16).eval() for m in (trellis, llama)]
 
 
-class StaticCacheStepper:
-    """A transformers model (the Llama) with ``context`` tokens of ``batch`` rows in a
-    ``StaticCache``, each :meth:`step` one token through its forward compiled with
-    ``mode="reduce-overhead"`` (CUDA graphs): transformers' recipe for fast decoding, the
-    counterpart of Trellis's ``compile_decode``. The cache holds ``context + steps`` positions,
-    so a step attends over what a step at this context needs; the forward compiles once per
-    cache length (the first, untimed step)."""
+def static_cache_stepper(steps: int):
+    """A :class:`~trellis_lm.benchmark.DecodeStepper` maker for the Llama in a ``StaticCache``
+    of ``context + steps`` positions (a step attends over what a step at this context needs),
+    each step through its forward compiled with ``mode="reduce-overhead"`` (CUDA graphs):
+    transformers' recipe for fast decoding, the counterpart of Trellis's ``compile_decode``. The
+    forward compiles once per cache length (the first, untimed step)."""
+    from transformers import StaticCache
 
-    @torch.no_grad()
-    def __init__(self, model, context: int, piece: int, batch: int, steps: int) -> None:
-        from transformers import StaticCache
+    from trellis_lm.benchmark import DecodeStepper
+    from trellis_lm.cache_trellis import CACHE_ARG
 
-        self.sync = torch.cuda.synchronize if DEVICE == "cuda" else (lambda: None)
-        self.cache = StaticCache(config=model.config, max_cache_len=context + steps + 1)
-        gen = torch.Generator(device=DEVICE).manual_seed(0)
-        ids = torch.randint(0, model.config.vocab_size, (batch, context), generator=gen, device=DEVICE)
-        for start in range(0, context, piece):
-            out = model(input_ids=ids[:, start : start + piece], past_key_values=self.cache, use_cache=True,
-                        logits_to_keep=1)
-        self.token, self.position = out.logits[:, -1:].argmax(-1), context
-        self.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+    class StaticCacheStepper(DecodeStepper):
+        def __init__(self, model, context: int, prefill_piece: int, batch: int) -> None:
+            cache = StaticCache(config=model.config, max_cache_len=context + steps + 1)
+            super().__init__(model, context, prefill_piece, batch, cache=cache)
+            self.position = context
+            self.compiled = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
 
-    @torch.no_grad()
-    def step(self) -> float:
-        self.sync()
-        start = time.perf_counter()
-        position = torch.tensor([self.position], device=DEVICE)
-        out = self.forward(input_ids=self.token, past_key_values=self.cache, cache_position=position, use_cache=True)
-        self.sync()
-        elapsed = time.perf_counter() - start
-        self.token, self.position = out.logits[:, -1:].argmax(-1), self.position + 1
-        return elapsed
+        def forward(self, token):
+            position = torch.tensor([self.position], device=token.device)
+            self.position += 1
+            return self.compiled(input_ids=token, use_cache=True, cache_position=position, **{CACHE_ARG: self.cache})
 
-
-def static_llama_ms(model, context: int, steps: int, piece: int, batch: int) -> float:
-    stepper = StaticCacheStepper(model, context, piece, batch, steps)
-    return statistics.median([stepper.step() for _ in range(steps + 1)][1:]) * 1e3
+    return StaticCacheStepper
 
 
 def bench_decode(contexts, batches, steps, prefill_piece, **size) -> list[str]:
     """ms/token of Trellis eager and with ``compile_decode`` (CUDA graphs of its runs of blocks),
     and of the Llama eager (DynamicCache) and, at batch 1 and the first and last context,
-    compiled with CUDA graphs (StaticCache, :class:`StaticCacheStepper`)."""
-    from trellis_lm.benchmark import decode_ms_per_token
+    compiled with CUDA graphs (StaticCache, :func:`static_cache_stepper`)."""
+    from trellis_lm.benchmark import DecodeStepper, decode_ms_per_token
 
     trellis, llama = same_size_models(**size)
     n_t = sum(p.numel() for p in trellis.parameters()) / 1e6
@@ -443,13 +429,14 @@ def bench_decode(contexts, batches, steps, prefill_piece, **size) -> list[str]:
                 timed["Trellis", graphs] = guarded(
                     "Trellis", lambda: f"{decode_ms_per_token(trellis, c, steps, piece, batch):7.2f}")
                 free_cached()
-            for graphs, run in ((False, decode_ms_per_token), (True, static_llama_ms)):
+            for graphs, stepper in ((False, DecodeStepper), (True, static_cache_stepper(steps))):
                 if kv_bytes > 0.8 * free_bytes():
                     timed["Llama", graphs] = f"not run (its cache would take {kv_bytes / 2**30:.0f} GiB)"
                 elif graphs and (batch > 1 or c not in (contexts[0], contexts[-1])):
                     timed["Llama", graphs] = "-"  # each context compiles anew (about a minute): the ends only
                 else:
-                    timed["Llama", graphs] = guarded("Llama", lambda: f"{run(llama, c, steps, piece, batch):7.2f}")
+                    timed["Llama", graphs] = guarded(
+                        "Llama", lambda: f"{decode_ms_per_token(llama, c, steps, piece, batch, stepper):7.2f}")
                 free_cached()
             rows.append(f"  batch {batch:3d}, context {c:7d}: Trellis {timed['Trellis', False]} | "
                         f"{timed['Trellis', True]} ms/token; Llama {timed['Llama', False]} | {timed['Llama', True]} "

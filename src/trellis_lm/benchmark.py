@@ -14,6 +14,7 @@ import platform
 import statistics
 import time
 from datetime import date
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -91,15 +92,16 @@ def same_size_models(hidden: int, layers: int, heads: int, head_dim: int, slots:
 class DecodeStepper:
     """A model with ``context`` tokens of ``batch`` rows already in its cache, on its device
     (prefilled in pieces, to bound an attention baseline's memory); each :meth:`step` times
-    one single-token forward that extends the cache."""
+    one single-token forward that extends the cache. ``cache``: one to prefill into (default:
+    the one the model's first call makes); a subclass may step another way (:meth:`forward`)."""
 
     @torch.no_grad()
-    def __init__(self, model, context: int, prefill_piece: int = 1024, batch: int = 1) -> None:
+    def __init__(self, model, context: int, prefill_piece: int = 1024, batch: int = 1, cache: Any = None) -> None:
         self.model, device = model, model.device
         self.sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
         gen = torch.Generator(device=device).manual_seed(0)
         ids = torch.randint(0, model.config.vocab_size, (batch, context), generator=gen, device=device)
-        self.cache = None
+        self.cache = cache
         for start in range(0, context, prefill_piece):
             # One position's logits: a whole piece's would be batch x piece x vocab (33 GB at 64 x 8k x 32k, bf16).
             out = model(input_ids=ids[:, start : start + prefill_piece], use_cache=True, logits_to_keep=1,
@@ -107,12 +109,16 @@ class DecodeStepper:
             self.cache = getattr(out, CACHE_ARG)
         self.token = out.logits[:, -1:].argmax(-1)
 
+    def forward(self, token: torch.Tensor) -> Any:
+        """The model's output for ``token [B, 1]`` continuing the cache: what :meth:`step` times."""
+        return self.model(input_ids=token, use_cache=True, **{CACHE_ARG: self.cache})
+
     @torch.no_grad()
     def step(self) -> float:
         """Seconds for one decode step."""
         self.sync()
         start = time.perf_counter()
-        out = self.model(input_ids=self.token, use_cache=True, **{CACHE_ARG: self.cache})
+        out = self.forward(self.token)
         self.sync()
         elapsed = time.perf_counter() - start
         self.cache, self.token = getattr(out, CACHE_ARG), out.logits[:, -1:].argmax(-1)
@@ -131,11 +137,12 @@ def as_generate_runs(models) -> contextlib.ExitStack:
     return span
 
 
-def decode_ms_per_token(model, context: int, steps: int, prefill_piece: int = 1024, batch: int = 1) -> float:
-    """Median milliseconds of a single-token forward after ``context`` tokens (see :class:`DecodeStepper`),
-    stepped as ``generate()`` steps."""
+def decode_ms_per_token(model, context: int, steps: int, prefill_piece: int = 1024, batch: int = 1,
+                        stepper: Callable[..., DecodeStepper] = DecodeStepper) -> float:
+    """Median milliseconds of a single-token forward after ``context`` tokens (see :class:`DecodeStepper`;
+    ``stepper`` makes it from ``(model, context, prefill_piece, batch)``), stepped as ``generate()`` steps."""
     with as_generate_runs([model]):
-        stepper = DecodeStepper(model, context, prefill_piece, batch)
+        stepper = stepper(model, context, prefill_piece, batch)
         return statistics.median([stepper.step() for _ in range(steps + 1)][1:]) * 1e3
 
 

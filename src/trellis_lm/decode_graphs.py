@@ -71,21 +71,21 @@ def entries_from(like: Sequence[Entry], tensors: Iterator[torch.Tensor]) -> list
              state.map(lambda _: next(tensors))) for q_tail, k_tail, state in like]
 
 
-def signature(hidden: torch.Tensor, entries: Sequence[Entry]) -> tuple:
-    """What a graph is specialised to: the shapes, dtypes and devices of its inputs, and which
-    tails are absent."""
-    tensors = [hidden, *entry_tensors(entries)]
+def signature(entries: Sequence[Entry], inputs: Sequence[torch.Tensor]) -> tuple:
+    """What a graph is specialised to: the shapes, dtypes and devices of its ``inputs`` (the
+    hidden state, then :func:`entry_tensors` of ``entries``), and which tails are absent."""
     absent = tuple((q is None, k is None, type(s)) for q, k, s in entries)
-    return absent, tuple((tuple(t.shape), t.dtype, t.device) for t in tensors)
+    return absent, tuple((tuple(t.shape), t.dtype, t.device) for t in inputs)
 
 
 class GraphedRun:
-    """A run of memory ``blocks`` (:func:`~.compiled_decode.run_blocks`) captured for inputs like
-    ``hidden [B, 1, D]`` and ``carried`` (each mixer's ``(q_tail, k_tail, state)``)."""
+    """A run of memory ``blocks`` (:func:`~.compiled_decode.run_blocks`) captured for ``inputs``
+    like these: the hidden state ``[B, 1, D]``, then the tensors of ``carried`` (each mixer's
+    ``(q_tail, k_tail, state)``, :func:`entry_tensors`)."""
 
-    def __init__(self, blocks: tuple[nn.Module, ...], hidden: torch.Tensor, carried: Sequence[Entry],
+    def __init__(self, blocks: tuple[nn.Module, ...], carried: Sequence[Entry], inputs: Sequence[torch.Tensor],
                  capture: Capture) -> None:
-        self.inputs = [t.clone() for t in (hidden, *entry_tensors(carried))]
+        self.inputs = [t.clone() for t in inputs]
         static = iter(self.inputs)
         static_hidden, static_carried = next(static), entries_from(carried, static)
         self._after_like: list[Entry] = []
@@ -97,10 +97,11 @@ class GraphedRun:
 
         self.graph, self.outputs = capture(step)
 
-    def __call__(self, hidden: torch.Tensor, carried: Sequence[Entry]) -> tuple[torch.Tensor, list[Entry]]:
-        """The run on ``hidden`` continuing ``carried``: the output ``[B, 1, D]`` and each mixer's
-        entry after it, all new tensors (nothing given is written into)."""
-        torch._foreach_copy_(self.inputs, [hidden, *entry_tensors(carried)])
+    def __call__(self, inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[Entry]]:
+        """The run on ``inputs`` (the hidden state, then the carried entries' tensors, as at the
+        capture): the output ``[B, 1, D]`` and each mixer's entry after it, all new tensors
+        (nothing given is written into)."""
+        torch._foreach_copy_(self.inputs, list(inputs))
         self.graph.replay()
         fresh = [torch.empty_like(t) for t in self.outputs]
         torch._foreach_copy_(fresh, self.outputs)
@@ -126,13 +127,14 @@ class DecodeGraphs:
         signature (captured now on the first such step), or eagerly after a failed capture."""
         if self.failed:
             return run_blocks(blocks, hidden, carried)
-        key = (tuple(id(block) for block in blocks), signature(hidden, carried))
+        inputs = [hidden, *entry_tensors(carried)]
+        key = (tuple(id(block) for block in blocks), signature(carried, inputs))
         # Captures and replays go to the current stream of the model's device, not of the current one.
         with torch.cuda.device(self.device) if self.device.type == "cuda" else nullcontext():
             run = self.runs.get(key)
             if run is None:
                 try:
-                    run = self.runs[key] = GraphedRun(blocks, hidden, carried, self.capture)
+                    run = self.runs[key] = GraphedRun(blocks, carried, inputs, self.capture)
                 except RuntimeError as error:
                     self.failed = True
                     self.runs.clear()
@@ -140,7 +142,7 @@ class DecodeGraphs:
                                   "this generate() call decodes eagerly (same numbers, slower)",
                                   RuntimeWarning, stacklevel=2)
                     return run_blocks(blocks, hidden, carried)
-            return run(hidden, carried)
+            return run(inputs)
 
 
 @contextmanager

@@ -81,6 +81,7 @@ if DOT_PRECISION not in DOT_PRECISIONS:
 RECURRENT_SEGMENT = 64
 _EPS = tl.constexpr(EPS)
 
+
 @triton.jit
 def _dot(a, b, PREC: tl.constexpr):
     """``a @ b`` accumulated in float32, the operands as ``PREC`` (:func:`_kernel_precision`)
