@@ -34,7 +34,8 @@ What it measures (bfloat16 activations, float32 states, chunk 64):
 
 Timings are medians from ``triton.testing.do_bench`` (warm-up and repeats inside). The dot
 precision of the Trellis kernels is ``TRELLIS_TRITON_DOT_PRECISION`` (default tf32x3); the
-run prints it.
+run prints it. ``--only op`` also times the Trellis op with bf16 products (the precision of
+the peers' kernels) at every shape.
 """
 
 from __future__ import annotations
@@ -43,15 +44,20 @@ import argparse
 import inspect
 import os
 import platform
+import re
 import sys
 import time
 from datetime import date
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
 
 OP_SIZES = [(8, 4096, 16, 64, 64), (2, 16384, 16, 64, 64), (1, 32768, 16, 128, 64)]
 QUICK_OP_SIZES = [(2, 512, 4, 64, 64)]
+# What the op shapes' kernels are compiled for (heads and head dims; fla's autotuning is keyed
+# on them too), at few tokens: see warm().
+WARM_SIZES = [(1, 256, 16, 64, 64), (1, 256, 16, 128, 64)]
 CHUNK = 64
 # The decode models: the issue's 12 layers of width 768, and a small one for --quick.
 FULL_DECODE = dict(hidden=768, layers=12, heads=12, head_dim=64, slots=64, vocab=32000, chunk=CHUNK)
@@ -147,9 +153,15 @@ def measured_ceilings() -> tuple[float, float]:
     return tflops, gbps
 
 
-def time_trellis(B, T, H, D, M, ceilings=None, sequential=False) -> str:
+def time_trellis(B, T, H, D, M, ceilings=None, sequential=False, precision=None) -> str:
+    """The op forward and forward+backward (bf16 inputs); ``precision``: the kernels' dot
+    precision for the span of the call instead of the backend's choice."""
     from trellis_lm.ops import trellis_attention
+    from trellis_lm.ops.trellis import triton_chunk as tc
 
+    if precision is not None:
+        with mock.patch.object(tc, "DOT_PRECISION", precision):
+            return time_trellis(B, T, H, D, M, ceilings, sequential)
     x, state = trellis_inputs(B, T, H, D, M)
     kw = dict(initial_state=state, chunk_size=CHUNK, backend="triton")
     with torch.no_grad():
@@ -162,7 +174,8 @@ def time_trellis(B, T, H, D, M, ceilings=None, sequential=False) -> str:
         o.backward(do)
 
     both = bench_ms(lambda: fwd_bwd(CHUNK))
-    row = f"  trellis (triton)        fwd {fwd:8.2f} ms | fwd+bwd {both:8.2f} ms"
+    label = f"trellis ({tc.DOT_PRECISION} dots)"
+    row = f"  {label:23s} fwd {fwd:8.2f} ms | fwd+bwd {both:8.2f} ms"
     if ceilings is not None:
         tflops = chunk_form_flops(B, T, H, D, M, CHUNK) / fwd / 1e9
         gbps = io_bytes(B, T, H, D, M) / fwd / 1e6
@@ -275,27 +288,58 @@ def time_family(B, T, H, D, M) -> list[str]:
 
 
 def bench_ops(sizes) -> list[str]:
+    """Every shape's Trellis rows (tf32x3 and bf16 products), SDPA flash and, at the first, Lattice
+    and KVM; then every shape's fla rows. fla comes last: its first calls compile and autotune
+    for minutes (an H200 run, 2026-11-26, had not finished chunk_gsa's after 150 s), which a run's
+    time limit may cut short, and the goals against SDPA are at the second shape."""
     ceilings = measured_ceilings()
     rows = [f"measured ceilings: bf16 matmul {ceilings[0]:.0f} TFLOP/s, device copy {ceilings[1]:.0f} GB/s"]
     print(rows[0], flush=True)
-    for i, (B, T, H, D, M) in enumerate(sizes):
-        rows.append(f"op, (B, T, H, D, M) = {(B, T, H, D, M)}, chunk {CHUNK}, bf16 in, fp32 state:")
+
+    def shape(B, T, H, D, M, timers, what):
+        rows.append(f"op, (B, T, H, D, M) = {(B, T, H, D, M)}, chunk {CHUNK}, bf16 in, fp32 state{what}:")
         print(rows[-1], flush=True)
-        # fla last: its first calls compile and autotune for minutes (an H200 run, 2026-11-26,
-        # had not finished chunk_gsa's after 150 s), which a run's time limit may cut short.
-        timers = (
-            ("trellis", lambda: time_trellis(B, T, H, D, M, ceilings, sequential=i == 0)),
-            ("sdpa flash", lambda: time_sdpa(B, T, H, D, M)),
-            ("fla chunk_gsa", lambda: time_fla_gsa(B, T, H, D, M)),
-            ("fla chunk_gated_delta_rule", lambda: time_fla_gdn(B, T, H, D, M)),
-        )
         for label, fn in timers:
             rows.append(guarded(f"  {label}", fn))
             print(rows[-1], flush=True)
             free_cached()
+
+    for i, (B, T, H, D, M) in enumerate(sizes):
+        shape(B, T, H, D, M, (
+            ("trellis", lambda: time_trellis(B, T, H, D, M, ceilings, sequential=i == 0)),
+            ("trellis, bf16 dots", lambda: time_trellis(B, T, H, D, M, precision="bf16")),
+            ("sdpa flash", lambda: time_sdpa(B, T, H, D, M)),
+        ), "")
         if i == 0:
             rows += time_family(B, T, H, D, M)
             print("\n".join(rows[-2:]), flush=True)
+    for B, T, H, D, M in sizes:
+        shape(B, T, H, D, M, (
+            ("fla chunk_gsa", lambda: time_fla_gsa(B, T, H, D, M)),
+            ("fla chunk_gated_delta_rule", lambda: time_fla_gdn(B, T, H, D, M)),
+        ), ", fla's kernels")
+    return rows
+
+
+def warm(what: str, sizes) -> list[str]:
+    """Compile what ``--only op`` will run, at few tokens: ``"trellis"`` (both dot precisions)
+    or fla's ``"fla_gsa"`` or ``"fla_gdn"``, so that several processes can compile beside the GPU
+    tests (Triton compiles on one CPU core per process; fla autotunes over dozens of configs per
+    kernel, minutes of compiles). Binaries land in TRITON_CACHE_DIR. fla's autotuner runs every
+    config here, but with FLA_CACHE_RESULTS=0 (read when fla is imported) it keeps no choice on
+    disk: the timed run still picks its configs at its own shapes, from compiled binaries."""
+    os.environ["FLA_CACHE_RESULTS"] = "0"
+    timers = {
+        "trellis": lambda *shape: [time_trellis(*shape), time_trellis(*shape, precision="bf16")],
+        "fla_gsa": lambda *shape: [time_fla_gsa(*shape)],
+        "fla_gdn": lambda *shape: [time_fla_gdn(*shape)],
+    }[what]
+    rows = []
+    for shape in sizes:
+        start = time.perf_counter()
+        rows += [guarded(f"  warm {what} {shape}", lambda: "\n".join(timers(*shape)))]
+        rows.append(f"  warm {what} {shape}: {time.perf_counter() - start:.0f} s")
+        print("\n".join(rows[-2:]), flush=True)
     return rows
 
 
@@ -304,8 +348,6 @@ def tune(B, T, H, D, M) -> list[str]:
     time, and the forward's and the input gradients' errors (the largest, norm-relative) against
     the float64 PyTorch backend, per variant. The settings are the module's own functions and
     constant, replaced for the span of one variant."""
-    from unittest import mock
-
     from trellis_lm.ops import trellis_attention
     from trellis_lm.ops.trellis import triton_chunk as tc
 
@@ -321,7 +363,7 @@ def tune(B, T, H, D, M) -> list[str]:
         return ((a.double() - b).norm() / b.norm()).item()
 
     def variant(warps, precision):
-        with mock.patch.object(tc, "_warps", lambda *dims: warps), mock.patch.object(tc, "DOT_PRECISION", precision):
+        with mock.patch.object(tc, "_warps", lambda *args: warps), mock.patch.object(tc, "DOT_PRECISION", precision):
             def fwd_bwd():
                 return trellis_attention(*x, initial_state=state, chunk_size=CHUNK, backend="triton")[0]
 
@@ -332,7 +374,7 @@ def tune(B, T, H, D, M) -> list[str]:
         return (f"  warps {warps:2d} {precision:7s}: fwd+bwd {both:8.2f} ms | forward error {rel(o.detach(), ref):.1e}"
                 f" | largest gradient error {grad_err:.1e}")
 
-    variants = ((tc._warps(D, M), tc.DOT_PRECISION), (8, "bf16"), (4, "bf16"), (4, "tf32x3"), (4, "tf32"), (8, "tf32"))
+    variants = ((8, "bf16"), (8, "tf32x3"), (8, "tf32"), (4, "bf16"))
     for warps, precision in variants:
         rows.append(guarded(f"  warps {warps} {precision}", lambda: variant(warps, precision)))
         print(rows[-1], flush=True)
@@ -343,8 +385,6 @@ def streams_ab(B, T, H, D, M) -> list[str]:
     """Forward+backward with the key and value chains side by side on two streams (the backend)
     and one after the other (``_side_by_side`` replaced for the span), at a shape with few
     programs per chain (one per sequence and head)."""
-    from unittest import mock
-
     from trellis_lm.ops import trellis_attention
     from trellis_lm.ops.trellis import triton_chunk as tc
 
@@ -528,7 +568,7 @@ def compile_check(head_dims=(64, 128), slots=64, chunk=CHUNK) -> list[str]:
 
     from trellis_lm.ops.trellis import triton_chunk as tc
 
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     int_ptrs = ("seq_start", "seq_len", "off_ptr", "base_ptr", "cseq", "cidx")
 
     def arg_type(name):
@@ -537,27 +577,33 @@ def compile_check(head_dims=(64, 128), slots=64, chunk=CHUNK) -> list[str]:
         return "i32"
 
     def resources(kernel):
-        try:
-            with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-                f.write(kernel.asm["cubin"])
-            out = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True).stdout
-            line = next(l for l in out.splitlines() if "REG" in l).split()
-            return " ".join(w for w in line if w.startswith(("REG", "STACK")))
-        except Exception:  # noqa: BLE001
-            return ""
+        """ptxas's own report of the PTX: registers, spilled bytes, and whether it had to
+        serialize the tensor-core (wgmma) instructions for lack of registers."""
+        with tempfile.TemporaryDirectory() as tmp:
+            ptx = os.path.join(tmp, "k.ptx")
+            with open(ptx, "w") as f:
+                f.write(kernel.asm["ptx"])
+            out = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", ptx, "-o", os.path.join(tmp, "k.o")],
+                                 capture_output=True, text=True).stderr
+        used = re.search(r"Used (\d+) registers", out)
+        spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", out)
+        if not used or not spills:
+            return "ptxas: " + (out.strip().splitlines() or ["no report"])[-1]
+        serialized = " | wgmma SERIALIZED" if "serialized" in out else ""
+        return f"regs {used[1]}, spills {spills[1]} B stored / {spills[2]} B loaded{serialized}"
 
     rows = [f"ahead-of-time compile for sm_90, chunk {chunk}, M = {slots}, dot precision {tc.DOT_PRECISION}:"]
     failed = False
     for D in head_dims:
         BT, BM, BD = tc._pow2(chunk), tc._pow2(slots), tc._pow2(D)
-        warps = tc._warps(D, D, slots)
         P = tc._kernel_precision()
         kernels = [
             ("state_fwd", tc._state_fwd_kernel, dict(BT=BT, BM=BM, BD=BD, CF=2, PREC=P), tc._stages("state")),
             ("output_fwd", tc._output_fwd_kernel, dict(BT=BT, BM=BM, BDK=BD, BDV=BD, CF=2, MF=0, PREC=P),
              tc._stages("output")),
-            ("local_bwd", tc._local_bwd_kernel, dict(BT=BT, BM=BM, BDK=BD, BDV=BD, CF=2, MF=0, PREC=P),
+            ("value_bwd", tc._value_bwd_kernel, dict(BT=BT, BM=BM, BDK=BD, BDV=BD, CF=2, MF=0, PREC=P),
              tc._stages("local")),
+            ("key_bwd", tc._key_bwd_kernel, dict(BT=BT, BM=BM, BDK=BD, CF=2, PREC=P), tc._stages("local")),
             ("chain_bwd", tc._chain_bwd_kernel, dict(BT=BT, BM=BM, BD=BD, BDR=BD, CF=2, PREC=P),
              tc._stages("chain", BT, BM, BD, BD)),
             ("gates_bwd", tc._gates_bwd_kernel, dict(BT=BT, BM=BM), 1),
@@ -571,6 +617,7 @@ def compile_check(head_dims=(64, 128), slots=64, chunk=CHUNK) -> list[str]:
             signature = {n: ("constexpr" if n in constexprs else arg_type(n)) for n in names}
             src = ASTSource(fn, signature, {(names.index(k),): v for k, v in constexprs.items()})
             start = time.perf_counter()
+            warps = tc._warps("recurrent" if name.startswith("recur") else "chunk", D, D, slots)
             kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                                     options=dict(num_warps=warps, num_stages=stages))
             shared = kernel.metadata.shared
@@ -593,6 +640,8 @@ def main() -> None:
     parser.add_argument("--only", choices=["op", "decode", "profile", "tune"],
                         help="run one part (profile and tune: only when asked)")
     parser.add_argument("--compile-check", action="store_true", help="no GPU needed: sm_90 compiles only")
+    parser.add_argument("--warm", choices=["trellis", "fla_gsa", "fla_gdn"],
+                        help="compile (and autotune, unsaved) the kernels --only op runs, at few tokens")
     parser.add_argument("--dry-run", action="store_true",
                         help="with --quick and TRITON_INTERPRET=1: run the script on the CPU (timings meaningless)")
     args = parser.parse_args()
@@ -612,7 +661,9 @@ def main() -> None:
     print(f"# {date.today()} | {name} | {platform.machine()} | torch {torch.__version__} "
           f"| dot precision {triton_chunk.DOT_PRECISION}", flush=True)
     rows = []
-    if args.only in (None, "op"):
+    if args.warm:
+        rows += warm(args.warm, [(1, 40, 2, 16, 16)] if args.dry_run else WARM_SIZES)
+    elif args.only in (None, "op"):
         rows += bench_ops([(1, 40, 2, 16, 16)] if args.dry_run else QUICK_OP_SIZES if args.quick else OP_SIZES)
     if args.only == "tune":
         sizes = [(1, 40, 2, 16, 16)] * 2 if args.dry_run else QUICK_OP_SIZES * 2 if args.quick else OP_SIZES
@@ -623,7 +674,7 @@ def main() -> None:
             rows += profile_all((1, 40, 2, 16, 16) if args.dry_run else QUICK_OP_SIZES[0], QUICK_DECODE, 100)
         else:
             rows += profile_all(OP_SIZES[0], FULL_DECODE, 1024)
-    if args.only in (None, "decode"):
+    if args.only in (None, "decode") and not args.warm:
         if args.quick:
             contexts = [32, 100] if args.dry_run else [256, 1024]
             rows += bench_decode(contexts, [1, 4], steps=10, prefill_piece=512, **QUICK_DECODE)

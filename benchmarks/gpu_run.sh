@@ -1,24 +1,27 @@
 #!/usr/bin/env bash
 # One device run of issue 39, in order of what matters: correctness on the GPU (pytest), then
-# decode (eager and with CUDA graphs, against a Llama eager and compiled), kernel variants (bf16
-# dots, warps: time and error), where the time goes (profiles of the op and a decode step), then
-# op timings against the peers with what time is left.
+# decode (eager and with CUDA graphs, against a Llama eager and compiled), op timings (ours at
+# both dot precisions and SDPA at every shape, then fla's), where the time goes (profiles of the
+# op and a decode step), then kernel variants (dot precisions, warps: time and error).
 # Shares from the first run (H200, 2026-11-26): pytest took 102 s, decode 70 s eagerly (the
 # compiled Llama adds a compile per context); fla's first calls compile and autotune for
-# minutes, hence the op phase's larger share.
+# minutes: beside the tests, three processes compile what the op phase runs (bench_gpu.py
+# --warm; fla's autotuning choices are not kept, so the op phase still makes its own).
 # Every phase has its own time limit and writes its log under $OUT; a phase that fails or
 # runs out of time does not stop the next.
 #
 #   bash benchmarks/gpu_run.sh [SECONDS] [PHASES]
 #     SECONDS: the whole run's budget (default 560); PHASES: a comma-separated subset of
-#     pytest,bench_decode,tune,profile,bench_op (default: all), e.g. a second call's
-#     "bash benchmarks/gpu_run.sh 300 bench_op" for what the first one's budget left out.
+#     pytest,bench_decode,bench_op,profile,tune (default: all), e.g. a second call's
+#     "bash benchmarks/gpu_run.sh 250 profile,tune" for what the first one's budget left out
+#     (on the same machine, while it is still held: the Triton cache is in the working tree).
+# At most 8 files come back from $OUT: the run writes 7 (summary, warm and one per phase).
 #
 # Runs from the repository root with the machine's own python3 (torch, triton, transformers
 # there); peers (flash-linear-attention, fla-core) come as wheels in .whl/ when present.
 set -u
 budget=${1:-560}
-phases=",${2:-pytest,bench_decode,tune,profile,bench_op},"
+phases=",${2:-pytest,bench_decode,bench_op,profile,tune},"
 start=$(date +%s)
 out=${OUT:-/tmp/gpu-run}
 mkdir -p "$out"
@@ -65,21 +68,30 @@ show() {
 
 # Compiles are CPU work and the tests time nothing: warm the Triton cache (our kernels at the
 # benchmark's settings, fla's) beside the tests, so that the timed phases compile little.
-warm=
+warm=()
 if [[ $phases == *",pytest,"* ]]; then
-    timeout 200 python3 benchmarks/bench_gpu.py --only op --quick > "$out/warm.log" 2>&1 &
-    warm=$!
+    for what in trellis fla_gsa fla_gdn; do
+        timeout 240 python3 benchmarks/bench_gpu.py --warm "$what" > "$out/warm_$what.log" 2>&1 &
+        warm+=($!)
+    done
 fi
 phase pytest 150 python3 -m pytest -q -n 8 -p no:cacheprovider --timeout 120 -rfE \
     tests/test_triton.py tests/test_on_cuda.py -k "not compile_for_sm90"
 show pytest tail -25
-[[ -n $warm ]] && wait "$warm"
+if (( ${#warm[@]} )); then
+    wait "${warm[@]}"
+    echo "== warm: done after $(( $(date +%s) - start )) s" | tee -a "$out/summary.log"
+    for what in trellis fla_gsa fla_gdn; do
+        { echo "### $what"; cat "$out/warm_$what.log"; } >> "$out/warm.log" && rm "$out/warm_$what.log"
+    done
+    grep -E "warm .*: [0-9]+ s|failed" "$out/warm.log"
+fi
 phase bench_decode 200 python3 benchmarks/bench_gpu.py --only decode
 show bench_decode tail -8
-phase tune 130 python3 benchmarks/bench_gpu.py --only tune
-show tune tail -8
-phase profile 70 python3 benchmarks/bench_gpu.py --only profile
-show profile grep -E "wall|failed"
 phase bench_op 280 python3 benchmarks/bench_gpu.py --only op
 show bench_op sed -n '/# summary/,$p'
+phase profile 70 python3 benchmarks/bench_gpu.py --only profile
+show profile grep -E "wall|failed"
+phase tune 130 python3 benchmarks/bench_gpu.py --only tune
+show tune tail -8
 cat "$out/summary.log"

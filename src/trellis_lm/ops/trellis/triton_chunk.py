@@ -18,7 +18,11 @@ forward
                             single-token step launches it directly, and can update a state in
                             place (:mod:`.triton_step`).
 backward (recomputes every chunk's intermediates from the saved chunk-start memories)
-    ``_local_bwd_kernel``   grid (chunk slots, heads): gradients that need no later chunk.
+    ``_value_bwd_kernel``,  grid (chunk slots, heads), one after the other: gradients that need
+    ``_key_bwd_kernel``     no later chunk, the value read's and then the key read's (the first
+                            hands the second the gradient at the mixing input). As one kernel
+                            they spilled more and ptxas serialized its tensor-core products
+                            for lack of registers (sm_90 compiles; BENCHMARKS.md).
     ``_chain_bwd_kernel``   grid (sequences, heads), one launch per pass, chunks in reverse:
                             carries the memory gradient back, through the anchors (the
                             second-order terms through ``vjp_phi``). The two passes write
@@ -34,12 +38,14 @@ Tiles: rows (tokens of a chunk) and the head and slot dims are padded to the nex
 two >= 16 (``tl.dot``'s minimum) and masked. Decays are accumulated in log space inside a
 chunk. Products use ``tl.dot`` with ``input_precision`` from the environment variable
 ``TRELLIS_TRITON_DOT_PRECISION``, default ``"tf32x3"`` (three tf32 products on tensor cores,
-about float32 accuracy). ``"ieee"`` (plain float32 FMAs) compiles slowly and overflows shared
-memory at head dim 128 on an H100; ``"tf32"`` is faster and less accurate (~1e-3) and needs
-more shared memory than tf32x3 with these tiles; ``"bf16"`` rounds both operands of every
-product to bfloat16 (accumulating in float32, memories kept in float32): one tensor-core pass on
-half the registers, for bf16 training where its error bound holds (``bench_gpu.py --only tune``
-measures both). (The interpreter computes tf32 products in float32.)
+about float32 accuracy: the op computes in float32 whatever its inputs' dtype, as the torch
+backend does). ``"ieee"`` (plain float32 FMAs) compiles slowly and overflows shared memory at
+head dim 128 on an H100; ``"tf32"`` (one tf32 product, ~1e-3) needs more shared memory, over
+the H100's at head dim 128; ``"bf16"`` rounds both operands of every product to bfloat16
+(accumulating in float32, memories kept in float32): one tensor-core pass on half the
+registers, within issue 39's 1e-2 bound for bf16 inputs (tests/test_triton.py), for bf16
+training (``bench_gpu.py --only tune`` times the settings with their errors). (The interpreter
+computes tf32 products in float32.)
 
 Shared memory, from ahead-of-time compiles for sm_90 with tf32x3 at C = M = 64 (no GPU was
 available to run them): every kernel fits the H100's 227 KB at D = 64 and D = 128 with the
@@ -385,15 +391,16 @@ def _state_fwd_kernel(
 
 
 @triton.jit
-def _chunk_operands(
-    q_ptr, k_ptr, v_ptr, al_ptr, lb_ptr, g_ptr, ak0_ptr, av0_ptr, hk_ptr, hv_ptr,
+def _key_operands(
+    q_ptr, k_ptr, al_ptr, lb_ptr, g_ptr, ak0_ptr, hk_ptr,
     seq_start_ptr, seq_len_ptr, off_ptr, cidx_ptr, n, j, h,
-    H, M, DK, DV, C,
-    BT: tl.constexpr, BM: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr,
+    H, M, DK, C,
+    BT: tl.constexpr, BM: tl.constexpr, BDK: tl.constexpr,
 ):
-    """Everything a chunk-parallel kernel reads for chunk slot ``j`` (of sequence ``n``), head
-    ``h``: its rows, saved start memories, anchors (the given ones in a resumed first chunk),
-    inputs, and the decays ``E[r, i] = exp(c_r - c_i)``, ``mu = exp(c)``, ``Dm = E * gamma``."""
+    """What the key read of chunk slot ``j`` (of sequence ``n``), head ``h``, reads: its rows,
+    saved start memory, anchor (the given one in a resumed first chunk), inputs, and the decays
+    ``E[r, i] = exp(c_r - c_i)``, ``mu = exp(c)``, ``Dm = E * gamma``. Returns
+    ``(tok0, nrows, cm, resumed, SK, AK, Q, K, Al, E, mu, Dm)``."""
     i = tl.load(cidx_ptr + j)
     start = tl.load(seq_start_ptr + n)
     L = tl.load(seq_len_ptr + n)
@@ -401,20 +408,35 @@ def _chunk_operands(
     lo, nrows = _chunk_rows(i, off, L, C)
     tok0 = start + lo
     cm = (tl.arange(0, BM) < M)[None, :]
-    SK = _load_mat(hk_ptr, j * H + h, M, DK, BM, BDK)
-    SV = _load_mat(hv_ptr, j * H + h, M, DV, BM, BDV)
     resumed = (i == 0) & (off > 0)
+    SK = _load_mat(hk_ptr, j * H + h, M, DK, BM, BDK)
     AK = tl.where(resumed, _load_mat_if(ak0_ptr, n * H + h, M, DK, BM, BDK, resumed), SK)
-    AV = tl.where(resumed, _load_mat_if(av0_ptr, n * H + h, M, DV, BM, BDV, resumed), SV)
     Q = _load_tok(q_ptr, tok0, nrows, h, H, DK, BT, BDK)
     K = _load_tok(k_ptr, tok0, nrows, h, H, DK, BT, BDK)
-    V = _load_tok(v_ptr, tok0, nrows, h, H, DV, BT, BDV)
     Al = _load_tok(al_ptr, tok0, nrows, h, H, M, BT, BM)
     lb = _load_scal(lb_ptr, tok0, nrows, h, H, BT)
     g = _load_scal(g_ptr, tok0, nrows, h, H, BT)
     c, _ = _log_decays(lb, nrows, BT)
     E = _decay_matrix(lb, nrows, BT)
-    return tok0, nrows, cm, SK, SV, AK, AV, Q, K, V, Al, E, tl.exp(c), E * g[None, :]
+    return tok0, nrows, cm, resumed, SK, AK, Q, K, Al, E, tl.exp(c), E * g[None, :]
+
+
+@triton.jit
+def _value_operands(v_ptr, av0_ptr, hv_ptr, tok0, nrows, resumed, n, j, h, H, M, DV,
+                    BT: tl.constexpr, BM: tl.constexpr, BDV: tl.constexpr):
+    """The value pass's ``(SV, AV, V)`` of the chunk :func:`_key_operands` read."""
+    SV = _load_mat(hv_ptr, j * H + h, M, DV, BM, BDV)
+    AV = tl.where(resumed, _load_mat_if(av0_ptr, n * H + h, M, DV, BM, BDV, resumed), SV)
+    return SV, AV, _load_tok(v_ptr, tok0, nrows, h, H, DV, BT, BDV)
+
+
+@triton.jit
+def _key_read(Q, K, SK, AK, Al, mu, Dm, cm, M, CF: tl.constexpr, MF: tl.constexpr, PREC: tl.constexpr):
+    """A chunk's key read (design page, section 2): ``Y = mu * Q SK^T - (D * Q K^T) UK`` and
+    ``H = f(Y)``, with ``UK`` the key writes from the anchor."""
+    UK = _residual_vjp(_dot(K, tl.trans(AK), PREC), Al, cm, M, CF)
+    Y = mu[:, None] * _dot(Q, tl.trans(SK), PREC) - _dot(Dm * _dot(Q, tl.trans(K), PREC), UK, PREC)
+    return Y, _mix(Y, cm, M, MF)
 
 
 @triton.jit
@@ -430,13 +452,11 @@ def _output_fwd_kernel(
     h = tl.program_id(1)
     n = tl.load(cseq_ptr + j)
     if n >= 0:
-        tok0, nrows, cm, SK, SV, AK, AV, Q, K, V, Al, E, mu, Dm = _chunk_operands(
-            q_ptr, k_ptr, v_ptr, al_ptr, lb_ptr, g_ptr, ak0_ptr, av0_ptr, hk_ptr, hv_ptr,
-            seq_start_ptr, seq_len_ptr, off_ptr, cidx_ptr, n, j, h, H, M, DK, DV, C, BT, BM, BDK, BDV)
-        UK = _residual_vjp(_dot(K, tl.trans(AK), PREC), Al, cm, M, CF)
-        QK = _dot(Q, tl.trans(K), PREC)
-        Y = mu[:, None] * _dot(Q, tl.trans(SK), PREC) - _dot(Dm * QK, UK, PREC)
-        Hh = _mix(Y, cm, M, MF)
+        tok0, nrows, cm, resumed, SK, AK, Q, K, Al, E, mu, Dm = _key_operands(
+            q_ptr, k_ptr, al_ptr, lb_ptr, g_ptr, ak0_ptr, hk_ptr,
+            seq_start_ptr, seq_len_ptr, off_ptr, cidx_ptr, n, j, h, H, M, DK, C, BT, BM, BDK)
+        SV, AV, V = _value_operands(v_ptr, av0_ptr, hv_ptr, tok0, nrows, resumed, n, j, h, H, M, DV, BT, BM, BDV)
+        _, Hh = _key_read(Q, K, SK, AK, Al, mu, Dm, cm, M, CF, MF, PREC)
         UV = _residual_vjp(_dot(V, tl.trans(AV), PREC), Al, cm, M, CF)
         HU = _dot(Hh, tl.trans(UV), PREC)
         O = mu[:, None] * _dot(Hh, SV, PREC) - _dot(Dm * HU, V, PREC)
@@ -514,63 +534,86 @@ def _recurrent_kernel(
 
 
 @triton.jit
-def _local_bwd_kernel(
+def _gate_parts(dD, dmu, E, Dm, mu):
+    """(dgamma, dc) of ``D = E * gamma`` and ``mu = exp(c)`` for cotangents ``dD`` and ``dmu``
+    (``E[r, i] = exp(c_r - c_i)``, ``Dm = D``): linear in both, so parts may be summed."""
+    dDD = dD * Dm
+    return tl.sum(dD * E, axis=0), dmu * mu + tl.sum(dDD, axis=1) - tl.sum(dDD, axis=0)
+
+
+@triton.jit
+def _value_bwd_kernel(
     q_ptr, k_ptr, v_ptr, al_ptr, lb_ptr, g_ptr, ak0_ptr, av0_ptr, hk_ptr, hv_ptr, do_ptr,
     seq_start_ptr, seq_len_ptr, off_ptr, cseq_ptr, cidx_ptr,
-    dq_ptr, dk_ptr, dv_ptr, duk_ptr, duv_ptr, pk_ptr, pv_ptr, dg_ptr, dc_ptr,
+    dv_ptr, duv_ptr, pv_ptr, dy_ptr, dg_ptr, dc_ptr,
     H, M, DK, DV, C,
     BT: tl.constexpr, BM: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr,
     CF: tl.constexpr, MF: tl.constexpr, PREC: tl.constexpr,
 ):
-    """:mod:`.kernel_mirror`: chunk_local_backward for one chunk and head."""
+    """:mod:`.kernel_mirror`: chunk_local_backward for one chunk and head, its first half: the
+    value read back to ``dY``, the gradient at the mixing function's input, which
+    :func:`_key_bwd_kernel` takes on (two kernels: one held every tile of both and spilled)."""
     j = tl.program_id(0)
     h = tl.program_id(1)
     n = tl.load(cseq_ptr + j)
     if n >= 0:
-        tok0, nrows, cm, SK, SV, AK, AV, Q, K, V, Al, E, mu, Dm = _chunk_operands(
-            q_ptr, k_ptr, v_ptr, al_ptr, lb_ptr, g_ptr, ak0_ptr, av0_ptr, hk_ptr, hv_ptr,
-            seq_start_ptr, seq_len_ptr, off_ptr, cidx_ptr, n, j, h, H, M, DK, DV, C, BT, BM, BDK, BDV)
+        tok0, nrows, cm, resumed, SK, AK, Q, K, Al, E, mu, Dm = _key_operands(
+            q_ptr, k_ptr, al_ptr, lb_ptr, g_ptr, ak0_ptr, hk_ptr,
+            seq_start_ptr, seq_len_ptr, off_ptr, cidx_ptr, n, j, h, H, M, DK, C, BT, BM, BDK)
+        SV, AV, V = _value_operands(v_ptr, av0_ptr, hv_ptr, tok0, nrows, resumed, n, j, h, H, M, DV, BT, BM, BDV)
         dO = _load_tok(do_ptr, tok0, nrows, h, H, DV, BT, BDV)
-        # Recompute the chunk's forward.
-        UK = _residual_vjp(_dot(K, tl.trans(AK), PREC), Al, cm, M, CF)
-        P = _dot(Q, tl.trans(SK), PREC)
-        QK = _dot(Q, tl.trans(K), PREC)
-        Y = mu[:, None] * P - _dot(Dm * QK, UK, PREC)
-        Hh = _mix(Y, cm, M, MF)
+        Y, Hh = _key_read(Q, K, SK, AK, Al, mu, Dm, cm, M, CF, MF, PREC)  # the forward, recomputed
         UV = _residual_vjp(_dot(V, tl.trans(AV), PREC), Al, cm, M, CF)
-        HS = _dot(Hh, SV, PREC)
         HU = _dot(Hh, tl.trans(UV), PREC)
         # Value read: O = mu * H SV - (D * H UV^T) V.
         dOV = _dot(dO, tl.trans(V), PREC)
         dHU = -Dm * dOV
-        dD = -HU * dOV
-        dV = -_dot(tl.trans(Dm * HU), dO, PREC)
-        dmu = tl.sum(HS * dO, axis=1)
+        dmu = tl.sum(_dot(Hh, SV, PREC) * dO, axis=1)
         dH = mu[:, None] * _dot(dO, tl.trans(SV), PREC) + _dot(dHU, UV, PREC)
-        dUV = _dot(tl.trans(dHU), Hh, PREC)
+        _store_tok(dv_ptr, -_dot(tl.trans(Dm * HU), dO, PREC), tok0, nrows, h, H, DV, BT, BDV)
+        _store_tok(duv_ptr, _dot(tl.trans(dHU), Hh, PREC), tok0, nrows, h, H, M, BT, BM)
+        _store_tok(pv_ptr, mu[:, None] * Hh, tok0, nrows, h, H, M, BT, BM)
+        _store_tok(dy_ptr, _mix_bwd(Y, dH, cm, M, MF), tok0, nrows, h, H, M, BT, BM)
+        dg, dc = _gate_parts(-HU * dOV, dmu, E, Dm, mu)
+        _store_scal(dg_ptr, dg, tok0, nrows, h, H, BT)
+        _store_scal(dc_ptr, dc, tok0, nrows, h, H, BT)
+
+
+@triton.jit
+def _key_bwd_kernel(
+    q_ptr, k_ptr, al_ptr, lb_ptr, g_ptr, ak0_ptr, hk_ptr,
+    seq_start_ptr, seq_len_ptr, off_ptr, cseq_ptr, cidx_ptr,
+    dq_ptr, dk_ptr, duk_ptr, pk_ptr, dg_ptr, dc_ptr,
+    H, M, DK, C,
+    BT: tl.constexpr, BM: tl.constexpr, BDK: tl.constexpr,
+    CF: tl.constexpr, PREC: tl.constexpr,
+):
+    """:mod:`.kernel_mirror`: chunk_local_backward for one chunk and head, its second half: the
+    key read, from the ``dY`` that :func:`_value_bwd_kernel` left in ``duk`` (overwritten here
+    by ``dU_k``, row for row, by the program that read it); adds its parts of dgamma and dc to
+    that kernel's."""
+    j = tl.program_id(0)
+    h = tl.program_id(1)
+    n = tl.load(cseq_ptr + j)
+    if n >= 0:
+        tok0, nrows, cm, _, SK, AK, Q, K, Al, E, mu, Dm = _key_operands(
+            q_ptr, k_ptr, al_ptr, lb_ptr, g_ptr, ak0_ptr, hk_ptr,
+            seq_start_ptr, seq_len_ptr, off_ptr, cidx_ptr, n, j, h, H, M, DK, C, BT, BM, BDK)
+        dY = _load_tok(duk_ptr, tok0, nrows, h, H, M, BT, BM)
         # Key read: Y = mu * Q SK^T - (D * Q K^T) UK, H = f(Y).
-        dY = _mix_bwd(Y, dH, cm, M, MF)
-        dmu += tl.sum(P * dY, axis=1)
+        UK = _residual_vjp(_dot(K, tl.trans(AK), PREC), Al, cm, M, CF)
+        QK = _dot(Q, tl.trans(K), PREC)
+        dmu = tl.sum(_dot(Q, tl.trans(SK), PREC) * dY, axis=1)
         PK = mu[:, None] * dY
         dQKD = -_dot(dY, tl.trans(UK), PREC)
         dQK = Dm * dQKD
-        dD += QK * dQKD
-        dQ = _dot(PK, SK, PREC) + _dot(dQK, K, PREC)
-        dK = _dot(tl.trans(dQK), Q, PREC)
-        dUK = -_dot(tl.trans(Dm * QK), dY, PREC)
-        # Gates: D[r, i] = gamma_i exp(c_r - c_i), mu_r = exp(c_r).
-        dg = tl.sum(dD * E, axis=0)
-        dDD = dD * Dm
-        dc = dmu * mu + tl.sum(dDD, axis=1) - tl.sum(dDD, axis=0)
-        _store_tok(dq_ptr, dQ, tok0, nrows, h, H, DK, BT, BDK)
-        _store_tok(dk_ptr, dK, tok0, nrows, h, H, DK, BT, BDK)
-        _store_tok(dv_ptr, dV, tok0, nrows, h, H, DV, BT, BDV)
-        _store_tok(duk_ptr, dUK, tok0, nrows, h, H, M, BT, BM)
-        _store_tok(duv_ptr, dUV, tok0, nrows, h, H, M, BT, BM)
+        _store_tok(duk_ptr, -_dot(tl.trans(Dm * QK), dY, PREC), tok0, nrows, h, H, M, BT, BM)
         _store_tok(pk_ptr, PK, tok0, nrows, h, H, M, BT, BM)
-        _store_tok(pv_ptr, mu[:, None] * Hh, tok0, nrows, h, H, M, BT, BM)
-        _store_scal(dg_ptr, dg, tok0, nrows, h, H, BT)
-        _store_scal(dc_ptr, dc, tok0, nrows, h, H, BT)
+        _store_tok(dq_ptr, _dot(PK, SK, PREC) + _dot(dQK, K, PREC), tok0, nrows, h, H, DK, BT, BDK)
+        _store_tok(dk_ptr, _dot(tl.trans(dQK), Q, PREC), tok0, nrows, h, H, DK, BT, BDK)
+        dg, dc = _gate_parts(QK * dQKD, dmu, E, Dm, mu)
+        _store_scal(dg_ptr, _load_scal(dg_ptr, tok0, nrows, h, H, BT) + dg, tok0, nrows, h, H, BT)
+        _store_scal(dc_ptr, _load_scal(dc_ptr, tok0, nrows, h, H, BT) + dc, tok0, nrows, h, H, BT)
 
 
 @triton.jit
@@ -584,9 +627,9 @@ def _chain_bwd_kernel(
 ):
     """:mod:`.kernel_mirror`: chunk_chain_backward over one sequence's chunks in reverse, one pass.
 
-    Adds into dx (the pass's own input, written by the local kernel); writes this pass's parts
+    Adds into dx (the pass's own input, written by the local kernels); writes this pass's parts
     of dalpha, dgamma and dc, which :func:`_gates_bwd_kernel` sums with the other pass's and the
-    local kernel's (so the two passes share no output and may run at once).
+    local kernels' (so the two passes share no output and may run at once).
     """
     n = tl.program_id(0)
     h = tl.program_id(1)
@@ -651,7 +694,7 @@ def _gates_bwd_kernel(
     H, M, C,
     BT: tl.constexpr, BM: tl.constexpr,
 ):
-    """The local kernel's and both chains' parts of one chunk slot and head summed: dgamma,
+    """The local kernels' and both chains' parts of one chunk slot and head summed: dgamma,
     dalpha, and dlog_beta, the reverse cumulative sum of dc inside the chunk."""
     j = tl.program_id(0)
     h = tl.program_id(1)
@@ -806,10 +849,16 @@ def _row_tile(chunk_size: int, length: int) -> int:
     return _pow2(min(chunk_size, length))
 
 
-def _warps(*dims: int) -> int:
-    """Warps per program. The chunk kernels hold many [64, 64] float32 tiles at once; the
-    sm_90 compiles spill fewer registers with 8 warps at D <= 64 and 16 above (untimed)."""
-    return 8 if max(dims) <= 64 else 16
+def _warps(kernel: str, *dims: int) -> int:
+    """Warps per program of a ``"chunk"`` or ``"recurrent"`` kernel, chosen from the sm_90
+    compiles (``bench_gpu.py --compile-check``: ptxas's spilled bytes and whether it serializes
+    the tensor-core instructions; untimed). The chunk kernels hold many [64, D] float32 tiles:
+    8 warps spill least at D = 64 and 128 (16 warps cap a thread at 128 registers, and at
+    D = 128 ptxas then serializes every chunk kernel's wgmma). The token-by-token kernels hold
+    [M, D] memories and single rows: 16 warps spill less above D = 64."""
+    if kernel == "recurrent" and max(dims) > 64:
+        return 16
+    return 8
 
 
 def _stages(kernel: str, *tiles: int) -> int:
@@ -843,7 +892,7 @@ def _state_pass(x, alpha, log_beta, gamma, m0, a0, plan, chunk_size, cf):
             hs, m_out, a_out,
             heads, slots_m, dim, chunk_size,
             BT=_row_tile(chunk_size, x.shape[1]), BM=_pow2(slots_m), BD=_pow2(dim), CF=cf, PREC=_kernel_precision(),
-            num_warps=_warps(dim, slots_m), num_stages=_stages("state"),
+            num_warps=_warps("chunk"), num_stages=_stages("state"),
         )
     return hs, m_out, a_out
 
@@ -909,7 +958,7 @@ def recurrent_launch(q, k, v, alpha, log_beta, gamma, m_k, m_v, anchor_k, anchor
             heads, slots_m, dk, dv, chunk_size, length,
             BM=_pow2(slots_m), BDK=_pow2(dk), BDV=_pow2(dv), CF=cf, MF=mf, PACKED=cu_seqlens is not None,
             SEG=0 if checkpoints is None else RECURRENT_SEGMENT,
-            num_warps=_warps(dk, dv, slots_m), num_stages=1,
+            num_warps=_warps("recurrent", dk, dv, slots_m), num_stages=1,
         )
 
 
@@ -936,7 +985,7 @@ def _recurrent_backward(q, k, v, alpha, log_beta, gamma, offset, cu_seqlens, c_k
             *grads, *d_init,
             heads, slots_m, dk, dv,
             SEG=RECURRENT_SEGMENT, BM=_pow2(slots_m), BDK=_pow2(dk), BDV=_pow2(dv), CF=cf, MF=mf,
-            num_warps=_warps(dk, dv, slots_m), num_stages=1,
+            num_warps=_warps("recurrent", dk, dv, slots_m), num_stages=1,
         )
     return (*grads, *d_init)
 
@@ -972,7 +1021,7 @@ def _forward_impl(q, k, v, alpha, log_beta, gamma, m_k, m_v, anchor_k, anchor_v,
         heads, slots_m, dk, dv, chunk_size,
         BT=_row_tile(chunk_size, length), BM=_pow2(slots_m), BDK=_pow2(dk), BDV=_pow2(dv), CF=cf, MF=mf,
         PREC=_kernel_precision(),
-        num_warps=_warps(dk, dv, slots_m), num_stages=_stages("output"),
+        num_warps=_warps("chunk"), num_stages=_stages("output"),
     )
     return o, mk_out, mv_out, ak_out, av_out, h_k, h_v
 
@@ -995,14 +1044,21 @@ def _backward_impl(q, k, v, alpha, log_beta, gamma, m_k, m_v, anchor_k, anchor_v
     dq, dk_, dv_ = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     du_k, du_v, p_k, p_v = (torch.empty_like(alpha) for _ in range(4))
     d_gamma, dc = torch.empty_like(gamma), torch.empty_like(gamma)
-    warps = _warps(dk, dv, slots_m)
+    warps = _warps("chunk")
     if plan.slots * heads:
-        _local_bwd_kernel[(plan.slots, heads)](
-            q, k, v, alpha, log_beta, gamma, anchor_k, anchor_v, h_k, h_v, d_o,
-            plan.seq_start, plan.seq_len, plan.offset, plan.chunk_seq, plan.chunk_idx,
-            dq, dk_, dv_, du_k, du_v, p_k, p_v, d_gamma, dc,
+        chunks = (plan.seq_start, plan.seq_len, plan.offset, plan.chunk_seq, plan.chunk_idx)
+        _value_bwd_kernel[(plan.slots, heads)](
+            q, k, v, alpha, log_beta, gamma, anchor_k, anchor_v, h_k, h_v, d_o, *chunks,
+            dv_, du_v, p_v, du_k, d_gamma, dc,
             heads, slots_m, dk, dv, chunk_size,
             BT=BT, BM=BM, BDK=BDK, BDV=BDV, CF=cf, MF=mf, PREC=_kernel_precision(), num_warps=warps,
+            num_stages=_stages("local"),
+        )
+        _key_bwd_kernel[(plan.slots, heads)](
+            q, k, alpha, log_beta, gamma, anchor_k, h_k, *chunks,
+            dq, dk_, du_k, p_k, d_gamma, dc,
+            heads, slots_m, dk, chunk_size,
+            BT=BT, BM=BM, BDK=BDK, CF=cf, PREC=_kernel_precision(), num_warps=warps,
             num_stages=_stages("local"),
         )
 
