@@ -6,7 +6,8 @@
 # Shares from the first run (H200, 2026-11-26): pytest took 102 s, decode 70 s eagerly (the
 # compiled Llama adds a compile per context); fla's first calls compile and autotune for
 # minutes: beside the tests, three processes compile what the op phase runs (bench_gpu.py
-# --warm; fla's autotuning choices are not kept, so the op phase still makes its own).
+# --warm; fla's autotuning choices are not kept, so the op phase still makes its own), for as
+# long as the tests take (what they leave uncompiled, the op phase compiles).
 # Every phase has its own time limit and writes its log under $OUT; a phase that fails or
 # runs out of time does not stop the next.
 #
@@ -71,7 +72,7 @@ show() {
 warm=()
 if [[ $phases == *",pytest,"* ]]; then
     for what in trellis fla_gsa fla_gdn; do
-        timeout 240 python3 benchmarks/bench_gpu.py --warm "$what" > "$out/warm_$what.log" 2>&1 &
+        timeout 150 python3 benchmarks/bench_gpu.py --warm "$what" > "$out/warm_$what.log" 2>&1 &
         warm+=($!)
     done
 fi
