@@ -564,16 +564,16 @@ def _value_bwd_kernel(
         dO = _load_tok(do_ptr, tok0, nrows, h, H, DV, BT, BDV)
         Y, Hh = _key_read(Q, K, SK, AK, Al, mu, Dm, cm, M, CF, MF, PREC)  # the forward, recomputed
         UV = _residual_vjp(_dot(V, tl.trans(AV), PREC), Al, cm, M, CF)
-        HU = _dot(Hh, tl.trans(UV), PREC)
-        # Value read: O = mu * H SV - (D * H UV^T) V.
+        # Value read: O = mu * H SV - (D * H UV^T) V; dY first, so that Y dies early.
         dOV = _dot(dO, tl.trans(V), PREC)
         dHU = -Dm * dOV
-        dmu = tl.sum(_dot(Hh, SV, PREC) * dO, axis=1)
         dH = mu[:, None] * _dot(dO, tl.trans(SV), PREC) + _dot(dHU, UV, PREC)
-        _store_tok(dv_ptr, -_dot(tl.trans(Dm * HU), dO, PREC), tok0, nrows, h, H, DV, BT, BDV)
+        _store_tok(dy_ptr, _mix_bwd(Y, dH, cm, M, MF), tok0, nrows, h, H, M, BT, BM)
         _store_tok(duv_ptr, _dot(tl.trans(dHU), Hh, PREC), tok0, nrows, h, H, M, BT, BM)
         _store_tok(pv_ptr, mu[:, None] * Hh, tok0, nrows, h, H, M, BT, BM)
-        _store_tok(dy_ptr, _mix_bwd(Y, dH, cm, M, MF), tok0, nrows, h, H, M, BT, BM)
+        HU = _dot(Hh, tl.trans(UV), PREC)
+        _store_tok(dv_ptr, -_dot(tl.trans(Dm * HU), dO, PREC), tok0, nrows, h, H, DV, BT, BDV)
+        dmu = tl.sum(_dot(Hh, SV, PREC) * dO, axis=1)
         dg, dc = _gate_parts(-HU * dOV, dmu, E, Dm, mu)
         _store_scal(dg_ptr, dg, tok0, nrows, h, H, BT)
         _store_scal(dc_ptr, dc, tok0, nrows, h, H, BT)
