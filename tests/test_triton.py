@@ -603,12 +603,17 @@ def assert_states_within(s: TrellisState, s_ref: TrellisState, tol: float, what:
 
 
 @on_gpu_only
-@pytest.mark.parametrize("dtype,tol", PRECISIONS)
+@pytest.mark.parametrize("dtype,tol,products", [(torch.float32, 1e-4, "tf32x3"), (torch.bfloat16, 1e-2, "tf32x3"),
+                                                (torch.bfloat16, 1e-2, "bf16")])
 @pytest.mark.parametrize("C", [1, 16, 32, 64])
 @pytest.mark.parametrize("D", [64, 128])
-def test_real_sizes_on_gpu(dtype, tol, C, D):
+def test_real_sizes_on_gpu(dtype, tol, products, C, D, monkeypatch):
     """Forward, final state and gradients at M = 64, T not a multiple of C (C = 1: the
-    token-by-token kernel), from a mid-chunk state."""
+    token-by-token kernel, which has no matrix products), from a mid-chunk state; bf16 inputs
+    also with bf16 products (TRELLIS_TRITON_DOT_PRECISION=bf16)."""
+    from trellis_lm.ops.trellis import triton_chunk
+
+    monkeypatch.setattr(triton_chunk, "DOT_PRECISION", products)
     B, T, H, M = 2, 1000, 4, 64
     x, x_ref, state, state_ref = real_inputs(B, T, H, D, M, C, dtype, seed=C + D)
     o, s = run("triton", x, initial_state=state, chunk_size=C)
