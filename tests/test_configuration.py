@@ -9,6 +9,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from tiny_models import tiny_config
 from trellis_lm import TrellisConfig, TrellisForCausalLM, TrellisModel
+from trellis_lm.mixers import MIXERS
 from trellis_lm.ops import BACKENDS, COMPRESS_FNS, MIX_FNS
 
 
@@ -71,6 +72,19 @@ def test_invalid_values_name_the_field(field, value, expected):
     with pytest.raises(ValueError, match=f"TrellisConfig.{field} must be .*") as error:
         tiny_config(**{field: value})
     assert expected in str(error.value)
+
+
+@pytest.mark.parametrize("compress_fn, mix_fn", [("layernorm", "ln_silu"), ("layernorm", "softmax"), ("l2norm", "ln_silu")])
+def test_one_slot_is_refused_where_a_layernorm_runs_over_the_slots(compress_fn, mix_fn):
+    # A LayerNorm over one slot is 0 with a zero gradient: ln_silu reads 0 for every input,
+    # layernorm writes nothing. The layer would train as a constant.
+    with pytest.raises(ValueError, match=r"TrellisConfig.num_slots must be at least 2 in Trellis layers"):
+        tiny_config(num_slots=1, compress_fn=compress_fn, mix_fn=mix_fn)
+    with pytest.raises(ValueError, match=r"num_slots must be at least 2"):
+        MIXERS["trellis"](hidden_size=16, num_heads=2, head_dim=8, num_slots=1, compress_fn=compress_fn, mix_fn=mix_fn)
+    # One slot is a working memory where nothing normalises over the slots, and for other kinds.
+    assert tiny_config(num_slots=1, compress_fn="l2norm", mix_fn="softmax").num_slots == 1
+    assert tiny_config("lattice", num_slots=1, compress_fn=compress_fn, mix_fn=mix_fn).num_slots == 1
 
 
 def test_accepted_edge_values():

@@ -14,7 +14,7 @@ from ..cache_trellis import MemoryLayerCache, TensorSpec
 from ..ops import COMPRESS_FNS, MIX_FNS, TrellisState, trellis_attention, trellis_step
 from ..ops.trellis import BACKENDS
 from .base import MemoryMixer, Projections, chunked_memory_layout
-from .fields import CHUNK_SIZE, CONV_SIZE, NUM_SLOTS, choice, flag, positive
+from .fields import CHUNK_SIZE, CONV_SIZE, NUM_SLOTS, ConfigField, choice, flag, positive
 from .parts import at_least_float32, l2_normalize
 
 
@@ -61,6 +61,15 @@ class TrellisAttention(MemoryMixer):
     config_fields = (
         NUM_SLOTS, CHUNK_SIZE, choice("compress_fn", COMPRESS_FNS), choice("mix_fn", MIX_FNS), CONV_SIZE,
         flag("use_forget_gate"), positive("gate_logit_normalizer"),
+    )
+    # A LayerNorm over one slot is 0 with a zero gradient: mix_fn "ln_silu" then reads 0 for every
+    # input and compress_fn "layernorm" writes nothing, a memory that cannot be addressed.
+    layer_checks = (
+        ConfigField(
+            "num_slots", lambda v, c: v >= 2 or (c.compress_fn != "layernorm" and c.mix_fn != "ln_silu"),
+            lambda c: f"at least 2 in Trellis layers with compress_fn={c.compress_fn!r} and mix_fn={c.mix_fn!r}: a "
+                      "LayerNorm over one slot is 0 (ln_silu reads 0 for every input, layernorm writes nothing)",
+        ),
     )
     compilable = True
     teacher_parts = {"q_proj": "copy", "k_proj": "heads", "v_proj": "heads", "o_proj": "copy"}
