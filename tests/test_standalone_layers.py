@@ -70,3 +70,22 @@ def test_standalone_arguments_are_checked():
     # A field of another kind is not this layer's argument.
     with pytest.raises(TypeError, match="kvm_state_size"):
         trellis(**SIZES, kvm_state_size=8)
+
+
+@pytest.mark.parametrize("kind", sorted(FIELDS))
+def test_a_standalone_layer_refuses_what_it_cannot_read_by_name(kind):
+    layer = standalone(kind)
+    width = SIZES["hidden_size"]
+    for x in (torch.randn(5, width), torch.randn(2, 0, width), torch.randn(2, 4, width + 1)):
+        for cache in (None, TrellisCache(layer.config)):
+            with pytest.raises(ValueError, match=rf"takes x \[batch, tokens >= 1, hidden_size = {width}\]"):
+                layer(x.double(), None, cache)
+    x = torch.randn(2, 4, width, dtype=torch.float64)
+    beyond = MIXERS[kind](layer.config, 3).double()
+    with pytest.raises(ValueError, match=r"layer_idx = 3 reads entry 3 of its cache, whose entries are \["):
+        beyond(x, None, TrellisCache(layer.config))
+    other = "attention" if kind != "attention" else "trellis"
+    with pytest.raises(ValueError, match=rf"entries are \['{other}'\]"):
+        layer(x, None, TrellisCache([other]))
+    with pytest.raises(TypeError, match=r"takes a TrellisConfig as config, got a dict: pass a dict's fields as keyword"):
+        MIXERS[kind](dict(**SIZES, **FIELDS[kind]), 0)

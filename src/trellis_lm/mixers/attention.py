@@ -103,8 +103,8 @@ class AttentionMixer(Mixer):
 
     def forward(self, x: torch.Tensor, valid: Optional[ValidTokens] = None,
                 cache: Union[TrellisCache, CacheCall, None] = None) -> torch.Tensor:
+        call = self.checked_call(x, cache)
         batch, length, _ = x.shape
-        call = CacheCall.of(cache)
         entry: Optional[AttentionLayerCache] = call.before(self.layer_idx) if call is not None else None
         has_past = entry is not None and entry.keys is not None
 

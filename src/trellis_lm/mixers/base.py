@@ -13,7 +13,7 @@ state is before the first token.
 
 from __future__ import annotations
 
-from typing import Any, Callable, ClassVar, Optional, Sequence, Union
+from typing import Any, Callable, ClassVar, Mapping, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -139,6 +139,9 @@ class Mixer(nn.Module):
     def __init__(self, config: Any = None, layer_idx: int = 0, **arguments: Any) -> None:
         super().__init__()
         standalone = config is None
+        if isinstance(config, Mapping):
+            raise TypeError(f"{type(self).__name__}() takes a TrellisConfig as config, got a {type(config).__name__}: "
+                            f"pass a dict's fields as keyword arguments, {type(self).__name__}(**fields)")
         if standalone:
             config = self.standalone_config(**arguments)
         elif arguments:
@@ -191,6 +194,25 @@ class Mixer(nn.Module):
         :class:`~trellis_lm.cache_trellis.CacheCall`) the layer continues its entry and
         replaces it with the state after ``x``."""
         raise NotImplementedError
+
+    def checked_call(self, x: torch.Tensor, cache: Union[TrellisCache, CacheCall, None]) -> Optional[CacheCall]:
+        """``cache`` as one call's view (:class:`~trellis_lm.cache_trellis.CacheCall`), after checking
+        what a layer called on its own can be given wrong: ``x`` must be ``[B, T >= 1, hidden_size]``
+        and the cache must hold an entry of this kind at ``layer_idx``. A model checks its inputs
+        before its layers see them; these checks cost a few attribute reads per call."""
+        hidden = self.config.hidden_size
+        if x.dim() != 3 or x.shape[1] == 0 or x.shape[2] != hidden:
+            raise ValueError(f"{type(self).__name__} takes x [batch, tokens >= 1, hidden_size = {hidden}], "
+                             f"got shape {tuple(x.shape)}")
+        call = CacheCall.of(cache)
+        if call is not None:
+            layers = call.cache.layers
+            if self.layer_idx >= len(layers) or layers[self.layer_idx].kind != self.kind:
+                held = [layer.kind for layer in layers]
+                raise ValueError(f"{type(self).__name__} with layer_idx = {self.layer_idx} reads entry {self.layer_idx} "
+                                 f"of its cache, whose entries are {held}: make the cache from this layer's "
+                                 "config (TrellisCache(layer.config)), or give the layer its index in that cache")
+        return call
 
     def init_weights(self, init: Any) -> None:
         """Initialise what the generic ``nn.Linear`` / ``nn.Embedding`` rules do not cover, with
@@ -394,7 +416,7 @@ class MemoryMixer(Mixer):
 
     def forward(self, x: torch.Tensor, valid: Optional[ValidTokens] = None,
                 cache: Union[TrellisCache, CacheCall, None] = None) -> torch.Tensor:
-        call = CacheCall.of(cache)
+        call = self.checked_call(x, cache)
         if call is None:
             return self.mix(x, valid, None, None, None, keep_state=False)[0]
         carried = self.carried(call)
