@@ -164,6 +164,74 @@ def test_a_cache_binds_to_the_first_model_that_uses_it(tmp_path):
         other(random_tokens(2, 1), cache=unbound)
 
 
+# Issue 50, item 4: what a tampered file holds is refused without config= too (the file records
+# its model, whose sizes bound every tensor), never computed with.
+TAMPERED = [
+    ("trellis", "layers.0.offset", lambda t: t + 4, r"'offset' holds values in \[5, 5\], allowed: \[0, 3\]"),
+    ("trellis", "layers.0.offset", lambda t: t - 2, r"'offset' holds values in \[-1, -1\]"),
+    ("trellis", "layers.0.offset", lambda t: t.double(), r"'offset' has dtype F64, the model needs one of \['I64'\]"),
+    ("trellis", "layers.1.m_k", lambda t: t.long(), r"'m_k' has dtype I64"),
+    ("trellis", "layers.1.m_v", lambda t: t.half(), r"'m_v' has dtype F16, the model needs one of \['F32', 'F64'\]"),
+    ("trellis", "layers.0.q_tail", lambda t: t[:, :-1], r"'q_tail' has shape \[2, 2, 16\], the model needs \[rows, 3, 16\]"),
+    ("lattice", "layers.1.offset", lambda t: t + 4, r"'offset' holds values in \[5, 5\]"),
+    ("lattice", "layers.0.memory", lambda t: t.bfloat16(), r"'memory' has dtype BF16"),
+    ("hybrid", "layers.2.positions", lambda t: t - 1, r"'positions' holds \[4, 4\], but the rows' visible columns count"),
+    ("hybrid", "layers.2.positions", lambda t: t + 10, r"'positions' holds values in \[15, 15\], allowed: \[0, seen"),
+    ("hybrid", "layers.2.keys", lambda t: t[:, :, :-1], r"'keys' has shape \[2, 2, 4, 8\], the model needs \[rows, 2, columns"),
+    ("kvm", "layers.0.seen", lambda t: t + 10, r"'seen' holds values in \[15, 15\], allowed: \[0, seen_tokens = 5\]"),
+    ("kvm", "layers.1.seen", lambda t: t - 3, r"layer 1 \(kvm\): its counters do not hold together"),
+    ("kvm-hybrid", "layers.0.used", lambda t: t + 5, r"'used' holds values in \[8, 8\], allowed: \[0, 4\]"),
+    ("kvm-hybrid", "layers.0.window_k", lambda t: t.float().half(), r"'window_k' has dtype F16"),
+]
+
+
+@pytest.mark.parametrize("schedule, key, change, match", TAMPERED, ids=[f"{s}-{k}-{i}" for i, (s, k, _, _) in enumerate(TAMPERED)])
+def test_a_tampered_cache_file_is_refused_without_config_too(tmp_path, schedule, key, change, match):
+    model, path = cache_file(tmp_path, schedule)
+    rewrite(path, lambda t: t.update({key: change(t[key]).contiguous()}))
+    with pytest.raises(ValueError, match=match):
+        TrellisCache.load(path)
+    with pytest.raises(ValueError, match=match.split(",")[0]):
+        TrellisCache.load(path, config=model.config)
+
+
+@pytest.mark.parametrize("tampered, match", [
+    (TAMPERED[0], r"layer 0 \(trellis\) tensor 'offset' holds values in \[5, 5\], allowed: \[0, 3\]"),
+    (TAMPERED[5], r"layer 0 \(trellis\) tensor 'q_tail' has shape"),
+    (TAMPERED[6], r"layer 1 \(lattice\) tensor 'offset' holds values"),
+    (TAMPERED[12], r"layer 1 \(kvm\): its counters do not hold together"),
+], ids=["trellis-offset", "trellis-tail", "lattice-offset", "kvm-seen"])
+def test_a_file_that_records_no_model_is_checked_by_the_first_model_that_uses_it(tmp_path, tampered, match):
+    # Without a model to read sizes from, load checks what holds whatever the sizes; the rest
+    # is checked when the cache binds, before any layer reads it.
+    schedule, key, change, _ = tampered
+    model, path = cache_file(tmp_path, schedule)
+    rewrite(path, change_metadata=lambda m: m.update(signature="null"))
+    ids = torch.cat([random_tokens(2, 5), random_tokens(2, 3, seed=3)], dim=1)  # what cache_file read, then more
+    good = TrellisCache.load(path)
+    torch.testing.assert_close(model(ids[:, 5:], cache=good).logits, model(ids).logits[:, 5:], rtol=1e-5, atol=1e-5)
+    rewrite(path, lambda t: t.update({key: change(t[key]).contiguous()}))
+    loaded = TrellisCache.load(path)
+    before = snapshot(loaded)
+    with pytest.raises(ValueError, match=r"^the cache: " + match):
+        model(ids[:, 5:6], cache=loaded)
+    assert_unchanged(loaded, before)
+    assert loaded.signature is None
+
+
+def test_a_folder_or_an_impossible_model_is_refused_as_a_cache_file(tmp_path):
+    with pytest.raises(ValueError, match="is a folder: expected a cache file written by TrellisCache.save"):
+        TrellisCache.load(tmp_path)
+    model, path = cache_file(tmp_path, "trellis")
+    rewrite(path, change_metadata=lambda m: m.update(signature=m["signature"].replace('"chunk_size": 4', '"chunk_size": 0')))
+    with pytest.raises(ValueError, match=r"metadata 'signature' is not a model this code can build: .*chunk_size"):
+        TrellisCache.load(path)
+    _, path = cache_file(tmp_path, "trellis")
+    rewrite(path, change_metadata=lambda m: m.update(layer_kinds='["lattice", "lattice"]'))
+    with pytest.raises(ValueError, match=r"'signature' records the layers \['trellis', 'trellis'\], 'layer_kinds'"):
+        TrellisCache.load(path)
+
+
 # ----------------------------------------------------------------------------- item 5
 
 

@@ -148,6 +148,19 @@ class LayerCache:
         """The names a non-empty entry holds whatever the configuration."""
         return cls.tensor_names()
 
+    @classmethod
+    def state_names(cls) -> list[str]:
+        """The names of an op state's tensors (float32, or float64 in a float64 model)."""
+        return []
+
+    @classmethod
+    def value_problem(cls, tensors: dict[str, torch.Tensor], config: Any) -> Optional[str]:
+        """What makes a whole entry read from a file impossible for its kind, beyond each
+        tensor's own bounds (``TensorSpec.most``): counters that disagree with each other or
+        with the buffers they index. ``None`` when nothing is found; ``config`` is the model's
+        (``None``: the checks that need it are left to the model that binds the cache)."""
+        return None
+
 
 def _all_or_none(names: list[str], tensors: dict[str, torch.Tensor], what: str) -> Optional[dict[str, torch.Tensor]]:
     """The tensors named ``names``, all of them or (when none is there) ``None``."""
@@ -198,6 +211,10 @@ class MemoryLayerCache(LayerCache):
     def required_names(cls) -> list[str]:
         return cls.state_class.field_names()  # the tails: only where the model has a short conv
 
+    @classmethod
+    def state_names(cls) -> list[str]:
+        return cls.state_class.field_names()
+
 
 @dataclass
 class AttentionLayerCache(LayerCache):
@@ -221,6 +238,15 @@ class AttentionLayerCache(LayerCache):
     def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> "AttentionLayerCache":
         """Inverse of :meth:`tensors`; raises ``ValueError`` when the entry is incomplete."""
         return cls(**(_all_or_none([f.name for f in fields(cls)], tensors, "an attention layer's entry") or {}))
+
+    @classmethod
+    def value_problem(cls, tensors: dict[str, torch.Tensor], config: Any) -> Optional[str]:
+        """A row's next position counts its visible columns (the real tokens of its document)."""
+        visible = tensors["visible"].sum(dim=1)
+        if not torch.equal(tensors["positions"], visible):
+            return (f"tensor 'positions' holds {tensors['positions'].tolist()}, but the rows' visible columns count "
+                    f"{visible.tolist()} (a row's next position is its visible real tokens)")
+        return None
 
     def take_back(self, count: int, record: Optional["StepRecord"]) -> None:
         """Forget the last ``count`` columns, as ``DynamicCache`` crops (the real tokens among
@@ -597,9 +623,15 @@ class TrellisCache(Cache):
     def bind(self, config: Any) -> None:
         """Check the cache against ``config``'s model (:meth:`check_compatible`) and, when it
         records no model yet (made from a list of kinds, or read from a file without one), bind
-        it to this one: a later model with other layer functions is then refused."""
+        it to this one: a later model with other layer functions is then refused. A cache read
+        from a file that records no model has its tensors checked against this model's layers
+        here (shapes, dtypes, counters: what :meth:`load` could not check without a model)."""
         self.check_compatible(config)
         if self.signature is None:
+            _check_layers("the cache", self.kinds, self.seen_tokens, config,
+                          [{name: (tuple(t.shape), _file_dtype(t)) for name, t in layer.tensors().items()}
+                           for layer in self.layers],
+                          lambda index, name: self.layers[index].tensors()[name])
             self.signature = config.layer_signature()
 
     def save(self, path: Union[str, os.PathLike]) -> None:
@@ -627,13 +659,21 @@ class TrellisCache(Cache):
         """Read a cache written by :meth:`save`, onto ``device`` (default: CPU).
 
         The file's header is checked against its tensors before any tensor is read: every layer
-        holds its whole entry once the cache has seen tokens (and none before), and no tensor is
-        unknown. Given the model's ``config`` the file must record the model that made it (a file
-        whose metadata says ``signature: null`` is refused), and every tensor's shape and dtype
-        must be the one the layer's mixer declares for that config (``Mixer.cache_layout``;
-        attention columns must then equal ``seen_tokens``); counters are checked against their
-        bounds once read. Without ``config`` the cache binds to the first model that uses it.
+        holds its whole entry once the cache has seen tokens (and none before), no tensor is
+        unknown, and every tensor's shape and dtype is the one the layer's mixer declares
+        (``Mixer.cache_layout``: attention columns equal ``seen_tokens``, op states are float32 or
+        float64, counters are integers); counters are then checked against their bounds and each
+        other. The layers' sizes come from the model the file records (its metadata
+        ``signature``), or from ``config`` (the model's config: the file must then record the
+        same model, and one that records none is refused).
+
+        Without ``config``, a file that records no model (``signature: null``, e.g. a cache made
+        from a list of kinds) can only be checked for what holds whatever the sizes (names,
+        dtypes, ranks, rows, columns, counters against the token count); the rest is checked
+        when the cache binds to the first model that uses it, before that model reads it.
         """
+        if os.path.isdir(path):
+            raise ValueError(f"{path} is a folder: expected a cache file written by TrellisCache.save")
         with safe_open(os.fspath(path), framework="pt", device=str(device or "cpu")) as f:
             metadata = f.metadata() or {}
             kinds, seen, signature = _read_header(metadata, path)
@@ -645,39 +685,92 @@ class TrellisCache(Cache):
                 per_layer[int(parts[1])][parts[2]] = key
             cache = cls(kinds)
             cache.signature = signature
-            layouts: list[Optional[dict[str, TensorSpec]]] = [None] * len(kinds)
             if config is not None:
                 if signature is None:
                     raise ValueError(
                         f"{path} records no model (metadata 'signature' is null), so it cannot be checked against "
-                        "this one: load it without config= (it then binds to the first model that uses it)"
+                        "this one: load it without config= (it is then checked by the first model that uses it)"
                     )
                 cache.check_compatible(config)
-                layouts = config.cache_layouts()
-            sizes = {"rows": None}
-            for index, (kind, keys) in enumerate(zip(kinds, per_layer)):
-                headers = {name: (tuple(f.get_slice(key).get_shape()), f.get_slice(key).get_dtype())
-                           for name, key in keys.items()}
-                _check_entry(f"{path}: layer {index} ({kind})", kind, headers, seen, layouts[index], sizes)
-            cache.layers = []
-            for index, (kind, keys, layout) in enumerate(zip(kinds, per_layer, layouts)):
-                tensors = {name: f.get_tensor(key) for name, key in keys.items()}
-                _check_counters(f"{path}: layer {index} ({kind})", tensors, layout or {}, seen)
-                cache.layers.append(LAYER_CACHES[kind].from_tensors(tensors))
+            elif signature is not None:
+                config = _config_of(signature, kinds, path)
+            headers = [{name: (tuple(f.get_slice(key).get_shape()), f.get_slice(key).get_dtype())
+                        for name, key in keys.items()} for keys in per_layer]
+            tensors = _check_layers(str(path), kinds, seen, config, headers,
+                                    lambda index, name: f.get_tensor(per_layer[index][name]))
+            cache.layers = [LAYER_CACHES[kind].from_tensors(layer) for kind, layer in zip(kinds, tensors)]
         cache.seen_tokens = seen
         return cache
 
 
-# safetensors' dtype names, by the kinds a TensorSpec names.
+# safetensors' dtype names, by the kinds a TensorSpec names; an op state's floats are float32 or
+# float64 (the ops carry them so in every model dtype).
 FILE_DTYPES = {"float": {"F16", "BF16", "F32", "F64"}, "int64": {"I64"}, "bool": {"BOOL"}}
+STATE_FLOATS = {"F32", "F64"}
+_DTYPE_NAMES = {torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32", torch.float64: "F64",
+                torch.int64: "I64", torch.bool: "BOOL"}
+
+
+def _file_dtype(tensor: torch.Tensor) -> str:
+    """``tensor``'s dtype as safetensors names it (others by torch's name, which no spec accepts)."""
+    return _DTYPE_NAMES.get(tensor.dtype, str(tensor.dtype))
+
+
+def _config_of(signature: dict, kinds: list[str], path: Any) -> Any:
+    """The configuration of the model a cache file records (its metadata ``signature``), which
+    gives its layers' sizes: built and checked as any config is."""
+    from .configuration_trellis import TrellisConfig  # (it imports the mixers, which import this module)
+
+    if signature.get("mixer_types") != kinds:
+        raise ValueError(f"{path}: metadata 'signature' records the layers {signature.get('mixer_types')!r}, "
+                         f"'layer_kinds' {kinds}")
+    fields = {name: value for name, value in signature.items() if name != "mixer_types"}
+    try:
+        return TrellisConfig(num_hidden_layers=len(kinds), mixer_types=kinds, **fields)
+    except (ValueError, TypeError) as error:
+        raise ValueError(f"{path}: metadata 'signature' is not a model this code can build: {error}") from None
+
+
+def _check_layers(where: str, kinds: list[str], seen: int, config: Any,
+                  headers: list[dict[str, tuple[tuple[int, ...], str]]],
+                  read: Callable[[int, str], torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+    """Check a cache's entries, one ``name -> (shape, safetensors dtype)`` dict per layer of
+    ``kinds``, against the layouts of ``config``'s model (``None``: only what holds whatever the
+    sizes), all of them before any tensor is read; then read each (``read(layer, name)``) and
+    check its counters and values. Returns the tensors per layer; raises a ``ValueError``
+    starting with ``where`` and naming the layer."""
+    exact = config is not None
+    layouts = config.cache_layouts() if exact else _loose_layouts(kinds)
+    sizes: dict[str, Optional[int]] = {"rows": None}
+    for index, (kind, layer) in enumerate(zip(kinds, headers)):
+        _check_entry(f"{where}: layer {index} ({kind})", kind, layer, seen, layouts[index], sizes, exact)
+    read_layers = []
+    for index, (kind, layer) in enumerate(zip(kinds, headers)):
+        tensors = {name: read(index, name) for name in layer}
+        _check_counters(f"{where}: layer {index} ({kind})", tensors, layouts[index], seen, exact)
+        problem = LAYER_CACHES[kind].value_problem(tensors, config) if tensors else None
+        if problem:
+            raise ValueError(f"{where}: layer {index} ({kind}): {problem}")
+        read_layers.append(tensors)
+    return read_layers
+
+
+def _loose_layouts(kinds: list[str]) -> list[dict[str, TensorSpec]]:
+    """The layouts of ``kinds`` in a model of default sizes: their names, ranks, dtypes and named
+    dims hold whatever the sizes (a check without the model reads nothing else of them)."""
+    from .configuration_trellis import TrellisConfig  # (it imports the mixers, which import this module)
+
+    return TrellisConfig(num_hidden_layers=len(kinds), mixer_types=kinds).cache_layouts()
 
 
 def _check_entry(where: str, kind: str, headers: dict[str, tuple[tuple[int, ...], str]], seen: int,
-                 layout: Optional[dict[str, TensorSpec]], sizes: dict[str, Optional[int]]) -> None:
+                 layout: dict[str, TensorSpec], sizes: dict[str, Optional[int]], exact: bool) -> None:
     """Check one layer's tensors (``name -> (shape, safetensors dtype)``) against what its kind
-    holds and, given, the ``layout`` its mixer declares; ``sizes`` carries the batch rows from
+    holds and the ``layout`` its mixer declares (``exact``: for the model's sizes; else only
+    names, ranks, dtypes and the dims a name ties together); ``sizes`` carries the batch rows from
     layer to layer. Raises a ``ValueError`` starting with ``where``."""
-    known = layout.keys() if layout is not None else LAYER_CACHES[kind].tensor_names()
+    entry = LAYER_CACHES[kind]
+    known = layout.keys() if exact else entry.tensor_names()
     unknown = sorted(set(headers) - set(known))
     if unknown:
         raise ValueError(f"{where} holds an unknown tensor {unknown[0]!r}; its entry holds {sorted(known)}")
@@ -690,49 +783,58 @@ def _check_entry(where: str, kind: str, headers: dict[str, tuple[tuple[int, ...]
             f"{where} holds no state, although the cache has seen {seen} tokens (seen_tokens): the layer would "
             "silently restart from its initial memories"
         )
-    required = list(layout) if layout is not None else LAYER_CACHES[kind].required_names()
+    required = list(layout) if exact else entry.required_names()
     missing = [name for name in required if name not in headers]
     if missing:
         raise ValueError(
             f"{where}: a {kind} layer's state needs tensors {required}, the file holds {sorted(headers)} (missing {missing})"
         )
-    if layout is None:
-        return
+    state = set(entry.state_names())
     layer_sizes = dict(sizes, columns=seen)
     for name, (shape, dtype) in headers.items():
-        spec = layout[name]
-        if dtype not in FILE_DTYPES[spec.dtype]:
-            raise ValueError(f"{where} tensor {name!r} has dtype {dtype}, the model needs {spec.dtype}")
+        spec = layout.get(name)
+        if spec is None:  # (a tail, checked against a model without short convs: the model checks it)
+            continue
+        allowed = STATE_FLOATS if spec.dtype == "float" and name in state else FILE_DTYPES[spec.dtype]
+        if dtype not in allowed:
+            raise ValueError(f"{where} tensor {name!r} has dtype {dtype}, the model needs one of {sorted(allowed)}")
         fits = len(shape) == len(spec.dims)
         for size, dim in zip(shape, spec.dims) if fits else ():
             if isinstance(dim, int):
-                fits = fits and size == dim
+                fits = fits and (size == dim or not exact)
             else:
-                fits = fits and (dim.most is None or size <= dim.most) and layer_sizes.get(dim.name) in (None, size)
+                fits = fits and (dim.most is None or size <= dim.most or not exact)
+                fits = fits and layer_sizes.get(dim.name) in (None, size)
                 layer_sizes[dim.name] = size
         if not fits:
             raise ValueError(
-                f"{where} tensor {name!r} has shape {list(shape)}, the model needs {_describe(spec.dims)} "
+                f"{where} tensor {name!r} has shape {list(shape)}, the model needs {_describe(spec.dims, exact)} "
                 f"(rows = {sizes['rows'] or 'as the other tensors'}, columns = seen_tokens = {seen})"
             )
     sizes["rows"] = layer_sizes.get("rows", sizes["rows"])
 
 
-def _describe(dims: tuple[Union[int, Dim], ...]) -> str:
-    return "[" + ", ".join(str(d) if isinstance(d, int) else d.name + (f" <= {d.most}" if d.most is not None else "")
-                           for d in dims) + "]"
+def _describe(dims: tuple[Union[int, Dim], ...], exact: bool = True) -> str:
+    def one(dim: Union[int, Dim]) -> str:
+        if isinstance(dim, int):
+            return str(dim) if exact else "a size of the model"
+        return dim.name + (f" <= {dim.most}" if dim.most is not None and exact else "")
+
+    return "[" + ", ".join(map(one, dims)) + "]"
 
 
-def _check_counters(where: str, tensors: dict[str, torch.Tensor], layout: dict[str, TensorSpec], seen: int) -> None:
+def _check_counters(where: str, tensors: dict[str, torch.Tensor], layout: dict[str, TensorSpec], seen: int,
+                    exact: bool = True) -> None:
     """Counters (``TensorSpec.most``) must lie in ``[0, most]``: a state's offsets and token
-    counts index into its buffers."""
+    counts index into its buffers (``most`` from the model's sizes is checked when ``exact``;
+    ``COLUMNS``, the tokens seen, always)."""
     for name, spec in layout.items():
         if spec.most is None or name not in tensors or tensors[name].numel() == 0:
             continue
-        most = seen if spec.most is COLUMNS else spec.most
+        most = seen if spec.most is COLUMNS else spec.most if exact else None
         low, high = int(tensors[name].min()), int(tensors[name].max())
-        if low < 0 or high > most:
-            bound = f"seen_tokens = {seen}" if spec.most is COLUMNS else str(most)
+        if low < 0 or (most is not None and high > most):
+            bound = f"seen_tokens = {seen}" if spec.most is COLUMNS else str(most) if exact else "the model's bound"
             raise ValueError(f"{where} tensor {name!r} holds values in [{low}, {high}], allowed: [0, {bound}]")
 
 

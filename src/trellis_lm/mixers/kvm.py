@@ -11,6 +11,7 @@ from torch import nn
 from ..cache_trellis import COLUMNS, ROWS, Dim, MemoryLayerCache, TensorSpec
 from ..ops import KVMState, kvm_attention, kvm_step
 from ..ops.kvm import BACKENDS, BUDGETS
+from ..ops.kvm.dispatch import check_counters, kvm_config
 from .base import MemoryMixer, Projections
 from .fields import ROPE_THETA, ConfigField, choice, integer, is_int, positive
 from .tokens import ValidTokens, token_positions
@@ -41,6 +42,25 @@ class KVMLayerCache(MemoryLayerCache):
     merged means (no short-conv tails)."""
 
     state_class = KVMState
+
+    @classmethod
+    def value_problem(cls, tensors: dict[str, torch.Tensor], config: Any) -> Optional[str]:
+        """The counters against each other and the buffers, as the op checks a state it is given
+        (``seen`` and ``covered`` agree with the chunking, ``used`` and the window fit their
+        buffers): a state that breaks them would index past its buffers."""
+        if config is None:
+            return None
+        settings = kvm_config(
+            config.kvm_chunk_size, config.kvm_window_chunks, config.kvm_rotary_dims, config.kvm_sinks,
+            config.kvm_state_size, config.kvm_budget, config.kvm_budget_scale, config.kvm_budget_exponent,
+            config.kvm_budget_saturation, 1, config.kvm_budget_min,
+        )
+        room = (tensors["keys"].shape[2], tensors["window_k"].shape[2])
+        try:
+            check_counters(*(tensors[name].tolist() for name in ("seen", "covered", "used")), room, settings)
+        except ValueError as error:
+            return f"its counters do not hold together: {error}"
+        return None
 
 
 class KVMAttention(MemoryMixer):

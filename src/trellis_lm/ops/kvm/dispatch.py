@@ -45,7 +45,7 @@ def _expect_positive(name: str, value: object) -> float:
 def _initial_state(initial_state: Optional[KVMState], rows: int, heads: int, dk: int, dv: int,
                    config: KVMConfig, dtype: torch.dtype, device: torch.device) -> KVMState:
     """``None`` or a :class:`KVMState`, its shapes checked against the call (values are checked
-    by :func:`_check_counters`), converted to ``dtype``."""
+    by :func:`check_counters`), converted to ``dtype``."""
     if initial_state is None:  # empty buffers: the backends grow them as the tokens need
         return KVMState.empty(rows, heads, 0, 0, dk, dv, dtype=dtype, device=device)
     if not isinstance(initial_state, KVMState):
@@ -78,7 +78,7 @@ def _initial_state(initial_state: Optional[KVMState], rows: int, heads: int, dk:
     })
 
 
-def _check_counters(seen: list[int], covered: list[int], used: list[int], room: tuple[int, int],
+def check_counters(seen: list[int], covered: list[int], used: list[int], room: tuple[int, int],
                     config: KVMConfig) -> None:
     """The initial state's counters, read back, against each other, the call's sizes and the
     state's buffers ``room = (R, W')``."""
@@ -239,7 +239,7 @@ def kvm_attention(
             "temperature": (temperature, -sys.float_info.max, sys.float_info.max, "finite"),
         }, (state.seen, state.covered, state.used) if initial_state is not None else ())
         if counters:
-            _check_counters(*counters, state.room, config)
+            check_counters(*counters, state.room, config)
     inputs = [as_dtype(t, dtype, q.device) for t in (q, k, v, gate, norm_weight, norm_bias, temperature)]
     with in_compute_dtype(q.device):
         o, final = forward(*inputs, state, config, cu_seqlens)
