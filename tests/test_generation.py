@@ -207,6 +207,48 @@ def test_a_hooked_block_decodes_eagerly_among_compiled_ones(compiled_runs):
     assert seen == [4, 1, 1, 1, 1] and compiled_runs == [1, 1] * 4
 
 
+# Where a hook is added after the first compilation (issue 50, item 5): on a block's projection,
+# its MLP, a norm's pre-hook. (module path in layer 0 of a trellis model, hook kind)
+LATE_HOOKS = [("self_attn.q_proj", "forward"), ("mlp", "forward"), ("post_attention_layernorm", "pre"),
+              ("self_attn.o_norm", "forward")]
+
+
+@needs_compiler
+@pytest.mark.usefixtures("fresh_compiler")
+@pytest.mark.parametrize("second_model", [False, True], ids=["same-model", "second-model"])
+def test_a_hook_added_after_compiling_is_called_every_step(compiled_runs, second_model):
+    # The compiled run is shared by every model of these shapes: a hook added to any module of a
+    # block once it compiled (on this model or another instance) must be called at every step
+    # and change the tokens as it does eagerly; the hooked block runs eagerly.
+    ids = random_tokens(1, 5, seed=7)
+    model = tiny_model(seed=8)
+    model.config.compile_decode = True
+    model.generate(ids, max_new_tokens=4, do_sample=False)  # compiles the run of both blocks
+    assert compiled_runs == [2] * 3
+    for path, kind in LATE_HOOKS:
+        target = tiny_model(seed=8) if second_model else model
+        target.config.compile_decode = True
+        eager = copy.deepcopy(target)
+        eager.config.compile_decode = False
+        calls = {"compiled": [], "eager": []}
+
+        def hook_on(m, name):
+            module = m.model.layers[0].get_submodule(path)
+            if kind == "pre":
+                return module.register_forward_pre_hook(lambda mod, args: (calls[name].append(1), (args[0] * 1.5,))[1])
+            return module.register_forward_hook(lambda mod, args, out: (calls[name].append(1), out * 1.5)[1])
+
+        handles = [hook_on(target, "compiled"), hook_on(eager, "eager")]
+        del compiled_runs[:]
+        want = eager.generate(ids, max_new_tokens=6, do_sample=False)
+        assert torch.equal(target.generate(ids, max_new_tokens=6, do_sample=False), want), path
+        assert len(calls["compiled"]) == len(calls["eager"]) == 6, path  # the prefill and every step
+        assert compiled_runs == [1] * 5, path  # layer 1 still compiles, layer 0 runs eagerly
+        for handle in handles:
+            handle.remove()
+    assert not torch.equal(want, model.generate(ids, max_new_tokens=6, do_sample=False))  # (the hooks change tokens)
+
+
 @needs_compiler
 @pytest.mark.usefixtures("fresh_compiler")
 def test_a_step_recording_gradients_decodes_eagerly(compiled_runs):

@@ -59,10 +59,12 @@ def compiles_decode(model: nn.Module, hidden: torch.Tensor, valid: Optional[Vali
 def compiles(block: nn.Module, call: CacheCall) -> bool:
     """Whether ``block`` runs compiled in this step: its mixer is ``compilable`` and past its
     first call (a carried state), no activation checkpointing in training, and no forward hook
-    on the block or its mixer, which a compiled run does not call (hooks on their parts are
-    traced with them)."""
+    or pre-hook on any module of the block. The compiled run is shared by every model of its
+    shapes and does not call the modules' hooks: one added after it was traced (here or on
+    another model) would be skipped, or its effect kept from the trace, so a hooked block runs
+    eagerly."""
     mixer = block.self_attn
-    hooked = any(m._forward_hooks or m._forward_pre_hooks for m in (block, mixer))
+    hooked = any(m._forward_hooks or m._forward_pre_hooks for m in block.modules())
     return (mixer.compilable and not hooked and not (block.training and block.gradient_checkpointing)
             and mixer.carried(call)[2] is not None)
 

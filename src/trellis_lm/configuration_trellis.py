@@ -137,7 +137,7 @@ class TrellisConfig(PreTrainedConfig):
             decoding on CPUs is bound by per-operation overhead (BENCHMARKS.md, issue 40).
             Attention and KVM blocks between runs decode eagerly (attention's keys grow with the
             context; a KVM step folds its window on a condition on the data), and so does a
-            block with a forward hook on it or on its mixer (a hook expects the call). Steps
+            block with a forward hook or pre-hook on any of its modules (a hook expects the call). Steps
             whose own token is padding in some row (not a padded prompt: its steps compile), with
             a rollback window (assisted decoding), asking for every block's hidden states or
             recording gradients run eagerly too. Past torch.compile's recompile limit new shapes decode eagerly, with
