@@ -428,6 +428,14 @@ def test_prompt_lookup_and_assistant_drafts_are_bounded():
     with pytest.raises(ValueError, match="num_assistant_tokens"):
         model.generate(ids, max_new_tokens=2, do_sample=False, assistant_model=tiny_model(seed=1),
                        num_assistant_tokens=10**6)
+    # None, zero or negative drafts, or a fraction, are refused by name (issue 50), not with an
+    # upstream message about n-gram sizes or a failed crop.
+    for drafts in (0, -1, 2.5):
+        with pytest.raises(ValueError, match=r"prompt_lookup_num_tokens must be an integer in \[1, 256\]"):
+            model.generate(ids, max_new_tokens=2, do_sample=False, prompt_lookup_num_tokens=drafts)
+        with pytest.raises(ValueError, match=r"num_assistant_tokens must be an integer in \[1, 256\]"):
+            model.generate(ids, max_new_tokens=2, do_sample=False, assistant_model=tiny_model(seed=1),
+                           num_assistant_tokens=drafts)
 
 
 # ----------------------------------------------------------------------------- item 13

@@ -127,3 +127,38 @@ def test_a_copied_prompt_state_serves_many_continuations(schedule):
             torch.testing.assert_close(logits, model(torch.cat([prompt, question], dim=1)).logits[:, 12:],
                                        rtol=1e-5, atol=1e-5)
         assert read_once.get_seq_length() == 12  # the copies did not touch it
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_speculative_decoding_continuing_a_cache_gives_the_greedy_tokens(schedule):
+    # transformers' first verification feeds the whole sequence and its drafts whatever the
+    # cache has seen (issue 50, item 3): only the unseen tokens may reach the cache.
+    model = tiny_model(seed=5, schedule=schedule, dtype=torch.float64)
+    draft = tiny_model(seed=6, schedule="trellis", dtype=torch.float64)
+    ids = torch.cat([random_tokens(1, 6, seed=7)] * 2, dim=1)  # repeats itself: prompt lookup finds drafts
+    first = model.generate(ids, max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
+    sequences, returned = first.sequences, cache_of(first)  # the cache has seen all but the last token
+    plain = model.generate(sequences, max_new_tokens=10, do_sample=False)
+    greedy = model.generate(sequences, cache=copy.deepcopy(returned), max_new_tokens=10, do_sample=False)
+    assert torch.equal(greedy, plain)
+    for speculative in (dict(prompt_lookup_num_tokens=3), dict(assistant_model=draft), dict(assistant_model=model)):
+        continued = model.generate(sequences, cache=copy.deepcopy(returned), max_new_tokens=10, do_sample=False,
+                                   **speculative)
+        assert torch.equal(continued, greedy), speculative
+
+    # The README's pattern: a document read once, a copy of its state per continuation.
+    document, question = ids, random_tokens(1, 3, seed=9)
+    with torch.no_grad():
+        read_once = cache_of(model(document, use_cache=True))
+    asked = torch.cat([document, question], dim=1)
+    greedy = model.generate(asked, max_new_tokens=10, do_sample=False)
+    for speculative in ({}, dict(prompt_lookup_num_tokens=3), dict(assistant_model=draft)):
+        continued = model.generate(asked, cache=copy.deepcopy(read_once), max_new_tokens=10, do_sample=False,
+                                   **speculative)
+        assert torch.equal(continued, greedy), speculative
+    # A cache that has seen the whole input leaves no token to check the first draft against.
+    for speculative in ({}, dict(prompt_lookup_num_tokens=3), dict(assistant_model=draft)):
+        cache = copy.deepcopy(read_once)
+        with pytest.raises(ValueError, match=r"the cache has already taken in 12 tokens, but input_ids holds 12"):
+            model.generate(document, cache=cache, max_new_tokens=4, do_sample=False, **speculative)
+        assert cache.get_seq_length() == 12

@@ -497,12 +497,31 @@ class TrellisForCausalLM(TrellisPreTrainedModel, GenerationMixin):
         cache = one_cache(kwargs.pop("cache", None), kwargs.pop("past_key_values", None))
         if cache is not None:
             kwargs[CACHE_ARG] = cache
+            self._check_speculative_continuation(args[0] if args else kwargs.get("inputs", kwargs.get("input_ids")),
+                                                 cache, kwargs)
         processors = LogitsProcessorList(kwargs.pop("logits_processor", None) or [])
         kwargs["logits_processor"] = LogitsProcessorList([RefuseNonFiniteLogits(), *processors])
         # The weights do not change during the call: each layer's projections of one input are
         # stacked once, so a decode step runs them as one matmul (mixers.stacking).
         with stacked_projections(self), decode_graphs(self):
             return super().generate(*args, **kwargs)
+
+    @staticmethod
+    def _check_speculative_continuation(inputs: Any, cache: Any, kwargs: dict[str, Any]) -> None:
+        """Assisted and prompt-lookup decoding continue a cache from the whole sequence, whose
+        first verification feeds the tokens the cache has not seen with the drafts: at least one
+        must be unseen, or the first draft would have no logits to be checked against (plain
+        decoding refuses such an input in :meth:`prepare_inputs_for_generation`)."""
+        config = kwargs.get("generation_config")
+        speculative = kwargs.get("assistant_model") is not None or kwargs.get(
+            "prompt_lookup_num_tokens", getattr(config, "prompt_lookup_num_tokens", None)) is not None
+        seen = cache.get_seq_length() if isinstance(cache, TrellisCache) else 0
+        if speculative and seen and isinstance(inputs, torch.Tensor) and seen >= inputs.shape[-1]:
+            raise ValueError(
+                f"the cache has already taken in {seen} tokens, but input_ids holds {inputs.shape[-1]}: assisted and "
+                "prompt-lookup decoding continue a cache from the whole sequence, the tokens the cache has seen "
+                "followed by at least one new one (e.g. torch.cat([output.sequences, new_ids], dim=1))"
+            )
 
     def prepare_inputs_for_generation(
         self,
@@ -521,6 +540,12 @@ class TrellisForCausalLM(TrellisPreTrainedModel, GenerationMixin):
         part at prefill, 1 afterwards, ``None`` to feed everything). Prompt embeddings are
         used on the first step only. The 2-D mask is passed whole; ``forward`` reads its tail.
         The cache comes under either name and goes on under the running transformers' name.
+
+        The first verification of assisted and prompt-lookup decoding says ``None`` whatever the
+        cache holds: transformers then feeds the whole sequence and its drafts, a cache that has
+        seen all but the last token would take them in twice (a Llama's ``DynamicCache`` does the
+        same). Where the inputs hold the whole sequence (a mask and positions, when given, as long
+        as them), only the tokens the cache has not seen are fed, so the tokens are greedy's.
         """
         cache = one_cache(cache, past_key_values)
         seen = cache.get_seq_length() if isinstance(cache, TrellisCache) else 0
@@ -535,6 +560,13 @@ class TrellisForCausalLM(TrellisPreTrainedModel, GenerationMixin):
                 "the new ones (e.g. torch.cat([output.sequences, new_ids], dim=1)); a cache that generate() "
                 "already extended cannot be reused for a shorter input"
             )
+
+        length = (inputs_embeds if inputs_embeds is not None and is_first_iteration else input_ids).shape[1]
+        positions = kwargs.get("position_ids")
+        whole = ((attention_mask is None or attention_mask.shape[-1] == length)
+                 and (positions is None or positions.shape[-1] == length))
+        if next_sequence_length is None and is_first_iteration and seen and whole:
+            next_sequence_length = length - seen
 
         def unseen(x: torch.Tensor) -> torch.Tensor:
             return x if next_sequence_length is None else x[:, x.shape[1] - next_sequence_length :]
@@ -580,12 +612,15 @@ class TrellisForCausalLM(TrellisPreTrainedModel, GenerationMixin):
         # the candidate generator crops the draft's cache back to the accepted tokens too.
         if (getattr(generation_mode, "value", generation_mode) == "assisted_generation"
                 or getattr(generation_config, "is_assistant", False)):
-            drafts = generation_config.prompt_lookup_num_tokens or generation_config.num_assistant_tokens or 0
-            if drafts > MAX_DRAFT_TOKENS:
-                name = "prompt_lookup_num_tokens" if generation_config.prompt_lookup_num_tokens else "num_assistant_tokens"
+            lookup = generation_config.prompt_lookup_num_tokens
+            name = "prompt_lookup_num_tokens" if lookup is not None else "num_assistant_tokens"
+            drafts = lookup if lookup is not None else generation_config.num_assistant_tokens
+            if getattr(generation_config, "is_assistant", False):  # the draft model's own call: its drafts are 0
+                drafts = drafts or 0
+            elif isinstance(drafts, bool) or not isinstance(drafts, int) or not 1 <= drafts <= MAX_DRAFT_TOKENS:
                 raise ValueError(
-                    f"{name} must be at most {MAX_DRAFT_TOKENS} for a Trellis model, got {drafts}: the cache keeps the "
-                    "layer inputs of that many tokens to take rejected drafts back"
+                    f"{name} must be an integer in [1, {MAX_DRAFT_TOKENS}] for a Trellis model, got {drafts!r}: the "
+                    "draft tokens per verification, whose layer inputs the cache keeps to take rejected ones back"
                 )
             # A verification feeds the drafts and one token and takes back at most the drafts;
             # a draft model's crops reach over as many one-token calls.
