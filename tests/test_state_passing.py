@@ -6,6 +6,8 @@ import copy
 
 import pytest
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from tiny_models import SCHEDULES, random_tokens, tiny_model
 from trainer_helpers import ROWS, sgd_trainer, trained_parameters
@@ -174,3 +176,109 @@ def test_the_callback_can_begin_late_and_refuses_bad_settings(tmp_path):
     for bad in (dict(probability=0.0), dict(probability=1.5), dict(start_fraction=1.0), dict(start_fraction=-0.1)):
         with pytest.raises(ValueError, match="probability|start_fraction"):
             StatePassingCallback(**bad)
+
+
+# ----------------------------------------------------------------------------- issue 50
+
+
+def test_a_run_resumed_from_a_moved_or_renamed_checkpoint_continues_its_states(tmp_path):
+    # The states are read from the checkpoint actually resumed, wherever it is and whatever its
+    # name; one without them resumes with a warning naming it.
+    def trainer(output_dir, max_steps: int = 4):
+        run = sgd_trainer(str(output_dir), rows=ROWS * 2, dtype=torch.float64, schedule="kvm-hybrid",
+                          max_steps=max_steps, per_device_train_batch_size=2, save_strategy="steps", save_steps=2)
+        run.add_callback(StatePassingCallback(probability=1.0, seed=0))
+        return run
+
+    expected = trained_parameters(trainer(tmp_path / "straight"))
+    moved = tmp_path / "elsewhere" / "my-step-2"
+    moved.parent.mkdir()
+    (tmp_path / "straight" / "checkpoint-2").rename(moved)
+    resumed = trainer(tmp_path / "resumed")  # its own output folder holds no checkpoint-2
+    resumed.train(resume_from_checkpoint=str(moved))
+    for name, parameter in resumed.model.named_parameters():
+        torch.testing.assert_close(parameter.detach(), expected[name], msg=name, rtol=1e-10, atol=1e-12)
+    # The resumed run does not read the output folder's own checkpoint-2 (of another run) either.
+    (moved / CHECKPOINT_NAME.format(rank=0)).unlink()
+    with pytest.warns(RuntimeWarning, match=rf"resuming from {moved}, which holds no state_passing-rank0.safetensors"):
+        trainer(tmp_path / "resumed").train(resume_from_checkpoint=str(moved))
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_a_training_call_that_raises_leaves_the_carried_states_as_they_were(schedule):
+    model = tiny_model(schedule=schedule, dtype=torch.float64).train()
+    first, second, third = random_tokens(2, 7, seed=1), random_tokens(2, 5, seed=2), random_tokens(2, 6, seed=3)
+    with StatePassing(probability=1.0).attached(model) as passing:
+        model(first, labels=first)
+        held = copy.deepcopy(passing.carried)
+        with pytest.raises(Exception):  # the loss fails after the model body kept the batch's final states
+            model(second, labels=second[:, :3])
+        assert passing.carried.keys() == held.keys()
+        for index, (q_tail, k_tail, state) in held.items():
+            for name, tensor in state.tensors().items():
+                torch.testing.assert_close(passing.carried[index][2].tensors()[name], tensor, rtol=0, atol=0)
+        passed = model(third).logits
+    model.eval()
+    torch.testing.assert_close(passed, model(third, cache=carried_cache(model, first)).logits, **EXACT)
+
+
+def saved_states(tmp_path, schedule: str = "trellis", **overrides):
+    model = tiny_model(schedule=schedule, **overrides).train()
+    passing = StatePassing(probability=1.0)
+    with passing.attached(model):
+        model(random_tokens(2, 6))
+    path = tmp_path / "states.safetensors"
+    passing.save(path)
+    return model, path
+
+
+@pytest.mark.parametrize(
+    "other, match",
+    [(dict(chunk_size=3), r"carried by a model with chunk_size=4, this model has chunk_size=3"),
+     (dict(schedule="lattice"), r"carried by a model with mixer_types=\['trellis', 'trellis'\]"),
+     (dict(num_slots=5), r"num_slots=6, this model has num_slots=5")],
+)
+def test_a_state_file_loads_only_into_a_model_with_the_same_layers(tmp_path, other, match):
+    _, path = saved_states(tmp_path)
+    passing = StatePassing()
+    with pytest.raises(ValueError, match=match):
+        passing.load(path, tiny_model(**other))
+    assert passing.carried == {}
+
+
+def test_a_state_file_that_is_not_what_save_wrote_is_refused_by_name(tmp_path):
+    model, path = saved_states(tmp_path)
+    passing = StatePassing()
+    passing.load(path, model)  # the good file
+    assert sorted(passing.carried) == [0, 1]
+
+    def rewritten(change_tensors=None, change_metadata=None):
+        with safe_open(str(path), framework="pt") as f:
+            tensors, metadata = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+        change_tensors and change_tensors(tensors)
+        change_metadata and change_metadata(metadata)
+        bad = tmp_path / "bad.safetensors"
+        save_file(tensors, str(bad), metadata=metadata)
+        return bad
+
+    unsigned = dict(change_metadata=lambda m: m.pop("signature"))  # as files written before issue 50
+    cases = [
+        (dict(change_tensors=lambda t: t.pop("generator")), model, r"holds no 'generator'"),
+        (dict(change_tensors=lambda t: t.update({"layers.5.m_k": t["layers.0.m_k"].clone()})), model,
+         r"state for layer 5, which is not in the model"),
+        (dict(change_tensors=lambda t: t.update({"layers.0.offset": t["layers.0.offset"] + 4})), model,
+         r"layer 0 \(trellis\) tensor 'offset' holds values in \[\d, \d\], allowed: \[0, 3\]"),
+        (dict(change_tensors=lambda t: t.update({"layers.1.m_v": t["layers.1.m_v"].half()})), model,
+         r"layer 1 \(trellis\) tensor 'm_v' has dtype F16"),
+        (unsigned, tiny_model(num_slots=5), r"layer 0 \(trellis\) tensor '\w+' has shape \[2, 2, 6, 8\], the model needs \[rows, 2, 5, 8\] \(rows = as"),
+        (unsigned, tiny_model(schedule="lattice"), r"unknown tensor"),
+    ]
+    for change, into, match in cases:
+        with pytest.raises(ValueError, match=match):
+            StatePassing().load(rewritten(**change), into)
+    with pytest.raises(ValueError, match="is a folder: expected a state file"):
+        StatePassing().load(tmp_path, model)
+    hybrid = tiny_model(schedule="hybrid")
+    _, path = saved_states(tmp_path, schedule="kvm-hybrid")
+    with pytest.raises(ValueError, match=r"mixer_types"):
+        StatePassing().load(path, hybrid)

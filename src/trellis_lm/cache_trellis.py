@@ -755,6 +755,20 @@ def _check_layers(where: str, kinds: list[str], seen: int, config: Any,
     return read_layers
 
 
+def check_entry_tensors(where: str, kind: str, tensors: dict[str, torch.Tensor], config: Any, index: int) -> None:
+    """Check the tensors of one memory layer's entry (e.g. a state carried between training
+    batches) against layer ``index`` of ``config``'s model, which is of ``kind``: names, shapes,
+    dtypes, counters (those bounded by the tokens seen, not known here, only from below) and
+    their agreement. Raises a ``ValueError`` starting with ``where``."""
+    layout = config.cache_layouts()[index]
+    headers = {name: (tuple(t.shape), _file_dtype(t)) for name, t in tensors.items()}
+    _check_entry(where, kind, headers, None, layout, {"rows": None}, exact=True)
+    _check_counters(where, tensors, layout, None)
+    problem = LAYER_CACHES[kind].value_problem(tensors, config)
+    if problem:
+        raise ValueError(f"{where}: {problem}")
+
+
 def _loose_layouts(kinds: list[str]) -> list[dict[str, TensorSpec]]:
     """The layouts of ``kinds`` in a model of default sizes: their names, ranks, dtypes and named
     dims hold whatever the sizes (a check without the model reads nothing else of them)."""
@@ -763,18 +777,19 @@ def _loose_layouts(kinds: list[str]) -> list[dict[str, TensorSpec]]:
     return TrellisConfig(num_hidden_layers=len(kinds), mixer_types=kinds).cache_layouts()
 
 
-def _check_entry(where: str, kind: str, headers: dict[str, tuple[tuple[int, ...], str]], seen: int,
+def _check_entry(where: str, kind: str, headers: dict[str, tuple[tuple[int, ...], str]], seen: Optional[int],
                  layout: dict[str, TensorSpec], sizes: dict[str, Optional[int]], exact: bool) -> None:
     """Check one layer's tensors (``name -> (shape, safetensors dtype)``) against what its kind
     holds and the ``layout`` its mixer declares (``exact``: for the model's sizes; else only
     names, ranks, dtypes and the dims a name ties together); ``sizes`` carries the batch rows from
-    layer to layer. Raises a ``ValueError`` starting with ``where``."""
+    layer to layer; ``seen``: the tokens the entry has seen (``None``: not known, an entry that
+    holds tensors has seen some). Raises a ``ValueError`` starting with ``where``."""
     entry = LAYER_CACHES[kind]
     known = layout.keys() if exact else entry.tensor_names()
     unknown = sorted(set(headers) - set(known))
     if unknown:
         raise ValueError(f"{where} holds an unknown tensor {unknown[0]!r}; its entry holds {sorted(known)}")
-    if not seen:
+    if seen is not None and not seen:
         if headers:
             raise ValueError(f"{where} holds tensors {sorted(headers)}, but the cache has seen no tokens (seen_tokens = 0)")
         return
@@ -809,7 +824,8 @@ def _check_entry(where: str, kind: str, headers: dict[str, tuple[tuple[int, ...]
         if not fits:
             raise ValueError(
                 f"{where} tensor {name!r} has shape {list(shape)}, the model needs {_describe(spec.dims, exact)} "
-                f"(rows = {sizes['rows'] or 'as the other tensors'}, columns = seen_tokens = {seen})"
+                f"(rows = {sizes['rows'] or 'as the other tensors'}"
+                + (f", columns = seen_tokens = {seen})" if seen is not None else ")")
             )
     sizes["rows"] = layer_sizes.get("rows", sizes["rows"])
 
@@ -823,7 +839,7 @@ def _describe(dims: tuple[Union[int, Dim], ...], exact: bool = True) -> str:
     return "[" + ", ".join(map(one, dims)) + "]"
 
 
-def _check_counters(where: str, tensors: dict[str, torch.Tensor], layout: dict[str, TensorSpec], seen: int,
+def _check_counters(where: str, tensors: dict[str, torch.Tensor], layout: dict[str, TensorSpec], seen: Optional[int],
                     exact: bool = True) -> None:
     """Counters (``TensorSpec.most``) must lie in ``[0, most]``: a state's offsets and token
     counts index into its buffers (``most`` from the model's sizes is checked when ``exact``;
@@ -831,7 +847,7 @@ def _check_counters(where: str, tensors: dict[str, torch.Tensor], layout: dict[s
     for name, spec in layout.items():
         if spec.most is None or name not in tensors or tensors[name].numel() == 0:
             continue
-        most = seen if spec.most is COLUMNS else spec.most if exact else None
+        most = seen if spec.most is COLUMNS else spec.most if exact else None  # (seen None: not known)
         low, high = int(tensors[name].min()), int(tensors[name].max())
         if low < 0 or (most is not None and high > most):
             bound = f"seen_tokens = {seen}" if spec.most is COLUMNS else str(most) if exact else "the model's bound"
@@ -898,6 +914,6 @@ def _read_header(metadata: Mapping[str, str], path: Any) -> tuple[list[str], int
 
 
 __all__ = [
-    "CACHE_ARG", "CACHE_NAMES", "one_cache", "AttentionLayerCache", "CacheCall", "LayerCache", "MemoryLayerCache", "TrellisCache",
+    "CACHE_ARG", "CACHE_NAMES", "one_cache", "AttentionLayerCache", "check_entry_tensors", "CacheCall", "LayerCache", "MemoryLayerCache", "TrellisCache",
     "register_layer_cache", "same_definition",
 ]

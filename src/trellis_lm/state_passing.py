@@ -24,6 +24,11 @@ option adds), or in a loop of your own::
             loss = model(**batch).loss     # rows start from the previous batch's final states
             ...
 
+A loop that stops and resumes saves the carried states with its checkpoints
+(:meth:`StatePassing.save`) and loads them into a ``StatePassing`` of the same seed before its
+first resumed step (:meth:`StatePassing.load`; ``docs/architecture.md``, "State passing in a
+training loop of one's own"); the callback does it for the Trainer.
+
 The model itself holds nothing: the carried states live in the :class:`StatePassing` object, and
 a model trained this way saves, loads and generates like any other. Rows are matched by index;
 a batch with more rows than the previous one starts the extra rows fresh. In a row that packs
@@ -33,17 +38,21 @@ carried state; pad rows instead (the pretraining recipe does when state passing 
 
 from __future__ import annotations
 
+import json
 import os
+import sys
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Optional, Union
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 from torch import nn
-from transformers import TrainerCallback
+from transformers import Trainer, TrainerCallback
 
-from .cache_trellis import CACHE_NAMES, MemoryLayerCache, TrellisCache
+from .cache_trellis import CACHE_NAMES, MemoryLayerCache, TrellisCache, check_entry_tensors
 from .modeling_trellis import TrellisModel
 
 CHECKPOINT_NAME = "state_passing-rank{rank}.safetensors"
@@ -81,18 +90,23 @@ class StatePassing:
             raise ValueError(f"state passing's probability must be a number in (0, 1], got {probability!r}")
         self.probability = float(probability)
         self.generator = torch.Generator().manual_seed(seed)
-        # Per layer index, the memory entries (tails, state) of the last training batch's rows.
+        # Per layer index, the memory entries (tails, state) of the last training batch's rows,
+        # and the fields that define the function of the model that made them.
         self.carried: dict[int, tuple[Optional[torch.Tensor], Optional[torch.Tensor], Any]] = {}
+        self.signature: Optional[dict[str, Any]] = None
         self._given: Optional[TrellisCache] = None  # the cache the running forward got from us
 
     @contextmanager
     def attached(self, model: nn.Module) -> Iterator["StatePassing"]:
-        """Hooks on ``model``'s :class:`TrellisModel` for the block's duration: every forward in
+        """Hooks for the block's duration: every forward of ``model``'s :class:`TrellisModel` in
         training mode without a cache of its own gets the carried states as its initial cache,
-        and leaves its final states to the next one. Evaluation forwards are untouched."""
+        and leaves its final states to the next one once the call of ``model`` itself returns
+        (a call that raises, e.g. in its loss, leaves the carried states as they were).
+        Evaluation forwards are untouched."""
         base = trellis_model(model)
-        handles = [base.register_forward_pre_hook(self._before, with_kwargs=True),
-                   base.register_forward_hook(self._after, with_kwargs=True)]
+        handles = [model.register_forward_pre_hook(self._call_begins),
+                   base.register_forward_pre_hook(self._before, with_kwargs=True),
+                   model.register_forward_hook(self._call_ends)]
         try:
             yield self
         finally:
@@ -126,6 +140,7 @@ class StatePassing:
 
     def keep_final(self, cache: TrellisCache) -> None:
         """Keep the memory layers' entries of ``cache`` (detached) for the next batch."""
+        self.signature = cache.signature
         self.carried = {
             index: (_detached(layer.q_tail), _detached(layer.k_tail), layer.state.map(torch.Tensor.detach))
             for index, layer in enumerate(cache.layers)
@@ -140,33 +155,69 @@ class StatePassing:
         self._given = self.initial_cache(module, inputs.shape[0])
         return args, dict(kwargs, cache=self._given, use_cache=True)
 
-    def _after(self, module: TrellisModel, args: tuple, kwargs: dict, output: Any) -> None:
-        if self._given is not None and kwargs.get("cache") is self._given:
+    def _call_begins(self, module: nn.Module, args: tuple) -> None:
+        self._given = None  # (what a call that raised left)
+
+    def _call_ends(self, module: nn.Module, args: tuple, output: Any) -> None:
+        # All or nothing: the states are kept only once the whole call (loss included) returned.
+        if self._given is not None:
             self.keep_final(self._given)
         self._given = None
 
     def save(self, path: Union[str, os.PathLike]) -> None:
-        """Write the carried states and the draws' generator to one safetensors file."""
+        """Write the carried states, the draws' generator and the fields that define the model
+        that made the states to one safetensors file."""
         tensors = {"generator": self.generator.get_state()}
         for index, (q_tail, k_tail, state) in self.carried.items():
             named = {"q_tail": q_tail, "k_tail": k_tail, **state.tensors()}
             tensors.update({f"layers.{index}.{name}": t.contiguous().cpu() for name, t in named.items() if t is not None})
-        save_file(tensors, os.fspath(path), metadata={"probability": repr(self.probability)})
+        metadata = {"probability": repr(self.probability), "signature": json.dumps(self.signature)}
+        save_file(tensors, os.fspath(path), metadata=metadata)
 
     def load(self, path: Union[str, os.PathLike], model: nn.Module) -> None:
-        """Read what :meth:`save` wrote, for ``model`` (its layers say which state each holds)."""
-        tensors = load_file(os.fspath(path))
-        self.generator.set_state(tensors.pop("generator"))
+        """Read what :meth:`save` wrote, for ``model``: the file must hold the generator, and
+        states of ``model``'s memory layers only, made by a model with the same layer functions
+        (the fields the file records; files written before it recorded them are checked by
+        shape), each of the shapes and dtypes the layer's mixer declares. Anything else is a
+        ``ValueError`` naming the file and what differs; nothing is changed then."""
+        where = os.fspath(path)
+        if os.path.isdir(where):
+            raise ValueError(f"{where} is a folder: expected a state file written by StatePassing.save")
+        with safe_open(where, framework="pt") as f:
+            metadata = f.metadata() or {}
+            tensors = {key: f.get_tensor(key) for key in f.keys()}
+        generator = tensors.pop("generator", None)
+        if generator is None or generator.dtype != torch.uint8 or generator.dim() != 1:
+            raise ValueError(f"{where} holds no 'generator' (the per-row draws' random state, a uint8 vector): not a "
+                             "file StatePassing.save wrote")
         base = trellis_model(model)
-        device = next(base.parameters()).device
+        config = base.config
+        recorded = json.loads(metadata.get("signature") or "null")
+        if recorded is not None:
+            for name, value in config.layer_signature().items():
+                if recorded.get(name) != value:
+                    raise ValueError(f"{where}: the states were carried by a model with {name}={recorded.get(name)!r}, "
+                                     f"this model has {name}={value!r}")
         per_layer: dict[int, dict[str, torch.Tensor]] = {}
         for key, tensor in tensors.items():
-            _, index, name = key.split(".", 2)
-            per_layer.setdefault(int(index), {})[name] = tensor.to(device)
-        self.carried = {}
-        for index, named in per_layer.items():
-            entry = type(base.layers[index].self_attn).cache_class.from_tensors(named)
-            self.carried[index] = (entry.q_tail, entry.k_tail, entry.state)
+            parts = key.split(".", 2)
+            if len(parts) != 3 or parts[0] != "layers" or not parts[1].isdigit():
+                raise ValueError(f"{where}: tensor {key!r} is not 'layers.<index>.<name>'")
+            per_layer.setdefault(int(parts[1]), {})[parts[2]] = tensor
+        device = next(base.parameters()).device
+        carried = {}
+        for index, named in sorted(per_layer.items()):
+            kind = config.layer_kinds[index] if index < len(config.layer_kinds) else None
+            entry_class = base.layers[index].self_attn.cache_class if kind is not None else None
+            if entry_class is None or not issubclass(entry_class, MemoryLayerCache):
+                raise ValueError(f"{where} holds a state for layer {index}, which is "
+                                 f"{'not in the model' if kind is None else f'a {kind} layer, which carries none'} "
+                                 f"(the model's layers: {config.layer_kinds})")
+            check_entry_tensors(f"{where}: layer {index} ({kind})", kind, named, config, index)
+            entry = entry_class.from_tensors({name: t.to(device) for name, t in named.items()})
+            carried[index] = (entry.q_tail, entry.k_tail, entry.state)
+        self.generator.set_state(generator)
+        self.carried, self.signature = carried, config.layer_signature()
 
 
 class StatePassingCallback(TrainerCallback):
@@ -201,9 +252,17 @@ class StatePassingCallback(TrainerCallback):
         rank = max(args.process_index, 0)
         self.passing = StatePassing(self.passing.probability, seed=self.seed + rank)
         self._start = int(self.start_fraction * state.max_steps)
-        saved = Path(args.output_dir) / f"checkpoint-{state.global_step}" / CHECKPOINT_NAME.format(rank=rank)
-        if state.global_step and saved.exists():
-            self.passing.load(saved, model)
+        if state.global_step:  # a resumed run
+            folder = resumed_checkpoint(args, state)
+            saved = folder / CHECKPOINT_NAME.format(rank=rank)
+            if saved.exists():
+                self.passing.load(saved, model)
+            elif state.global_step > self._start:  # (a checkpoint saved while states were passed has one)
+                warnings.warn(
+                    f"resuming from {folder}, which holds no {saved.name}: the states carried up to step "
+                    f"{state.global_step} are lost, training rows start from the learned memories again",
+                    RuntimeWarning, stacklevel=2,
+                )
         self._model = model
         self.on_step_begin(args, state, control)
 
@@ -223,4 +282,22 @@ class StatePassingCallback(TrainerCallback):
             self._attached = None
 
 
-__all__ = ["StatePassing", "StatePassingCallback", "trellis_model"]
+def resumed_checkpoint(args: Any, state: Any) -> Path:
+    """The checkpoint folder the running Trainer resumed from (``state.global_step`` > 0).
+
+    The Trainer tells its callbacks the state it restored, not where it read it: the folder is
+    the ``resume_from_checkpoint`` argument its training loop holds (resolved, ``True`` made a
+    path), read from the calling frames, which finds it wherever it is and whatever it is named.
+    Where no Trainer frame holds one (callbacks called by a loop of one's own), it is the
+    Trainer's own name for the step's checkpoint in ``args.output_dir``."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if isinstance(frame.f_locals.get("self"), Trainer):
+            folder = frame.f_locals.get("resume_from_checkpoint")
+            if isinstance(folder, (str, os.PathLike)):
+                return Path(folder)
+        frame = frame.f_back
+    return Path(args.output_dir) / f"checkpoint-{state.global_step}"
+
+
+__all__ = ["StatePassing", "StatePassingCallback", "resumed_checkpoint", "trellis_model"]
