@@ -186,6 +186,22 @@ BAD_ARGUMENTS = [
     (["train", "finetune", "--model", "{tmp}/empty"], "--model"),
     (["train", "finetune", "--lora", "--lora_rank", "0"], "--lora_rank"),
     (["train", "distill"], "argument recipe"),
+    # Issue 50: checked before anything is built or written.
+    (["train", "pretrain", "--max_steps", "-3"], "--max_steps"),
+    (["train", "pretrain", "--max_steps", "0"], "--max_steps"),
+    (["train", "finetune", "--max_steps", "-3"], "--max_steps"),
+    (["train", "pretrain", "--state_passing", "2"], "--state_passing"),
+    (["train", "finetune", "--state_passing", "-0.5"], "--state_passing"),
+    (["train", "pretrain", "--state_passing_from", "1"], "--state_passing_from"),
+    (["train", "pretrain", "--state_passing_from", "nan"], "--state_passing_from"),
+    (["train", "pretrain", "--state_passing", "0", "--state_passing_from", "0.5"], "--state_passing_from"),
+    (["train", "pretrain", "--output_dir", "{tmp}/notes.txt"], "--output_dir"),
+    (["train", "finetune", "--output_dir", "{tmp}/notes.txt"], "--output_dir"),
+    (["train", "pretrain", "--data_files", "{tmp}/empty"], "--data_files"),
+    (["train", "pretrain", "--resume_from_checkpoint", "{tmp}/missing"], "--resume_from_checkpoint"),
+    (["train", "finetune", "--resume_from_checkpoint", "{tmp}/notes.txt"], "--resume_from_checkpoint"),
+    (["train", "finetune", "--data_files", "{tmp}/notes.txt"], "--data_files"),
+    (["train", "finetune", "--data_files", "{tmp}/texts.jsonl"], "--data_files"),
     (["eval", "{tmp}/missing"], "argument model"),
     (["eval", "{ckpt}", "--batch-size", "0"], "--batch-size"),
     (["eval", "{ckpt}", "--batch-size", "auto:x"], "--batch-size"),
@@ -217,6 +233,7 @@ def test_bad_arguments_exit_2_with_one_line_and_write_nothing(capsys, monkeypatc
     (tmp_path / "empty").mkdir()
     (tmp_path / "notes.txt").write_text("not a checkpoint")
     (tmp_path / "model.gguf").write_bytes(b"GGUF")
+    (tmp_path / "texts.jsonl").write_text('{"text": "JSON, but no chat"}\n')
     monkeypatch.chdir(tmp_path)  # a command's default outputs (outputs/..., DST-distill) would land here
     monkeypatch.setattr(sys, "stdin", io.StringIO(""))
     before = files_under(tmp_path)

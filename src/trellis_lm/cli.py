@@ -196,6 +196,12 @@ def _check_training_arguments(recipe_args: Any, training_args: Any) -> None:
     missing = [name for name in recipe_args.data_files if GLOB_CHARACTERS.isdisjoint(name) and not Path(name).exists()]
     if missing:
         raise CommandLineError(f"argument --data_files: {missing[0]} does not exist")
+    from .training import check_recipe_arguments
+
+    try:
+        check_recipe_arguments(recipe_args, training_args)
+    except ValueError as error:  # each message starts with the option's name
+        raise CommandLineError(f"argument {first_line(error)}") from None
 
 
 def _check_model(name: str, argument: str, **config_kwargs: Any) -> None:

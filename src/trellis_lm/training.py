@@ -93,8 +93,8 @@ class ModelArguments:
                           "previous batch (trellis_lm.state_passing: reads far past the training length); 0 "
                           "disables"},
     )
-    state_passing_from: float = field(
-        default=DEFAULT_START_FRACTION,
+    state_passing_from: Optional[float] = field(
+        default=None,
         metadata={"help": "with --state_passing, begin at this fraction of max_steps (default 0.7: over the last "
                           "three tenths of the steps, which kept perplexity flat to 64x the training length for 2.5 "
                           "percent more at the training length in docs/results_lm_extrapolation.md)"},
@@ -318,11 +318,62 @@ def _output_dir(training_args: TrainingArguments) -> Path:
 # ----------------------------------------------------------------------------- recipes
 
 
-def _add_state_passing(trainer: Trainer, args: ModelArguments, training_args: TrainingArguments) -> None:
-    if not 0 <= args.state_passing <= 1:
+def check_recipe_arguments(args: ModelArguments, training_args: TrainingArguments) -> None:
+    """Refuse, before anything is built or written, what a recipe would otherwise meet only after
+    building a model and creating its output folder: a ``ValueError`` naming the option as the
+    command line spells it. (Checkpoints and Hub ids are checked where they load: the CLI checks
+    ``--model`` first.)"""
+    def is_number(value: Any) -> bool:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+    if not is_number(args.state_passing) or not 0 <= args.state_passing <= 1:
         raise ValueError(f"--state_passing must be a probability in [0, 1] (0: off), got {args.state_passing}")
+    start = args.state_passing_from
+    if start is not None and (not is_number(start) or not 0 <= start < 1):
+        raise ValueError(f"--state_passing_from: expected a fraction of max_steps in [0, 1), got {start}")
+    if start is not None and not args.state_passing:
+        raise ValueError(f"--state_passing_from: state passing is off (--state_passing 0), so a start at {start} "
+                         "would be ignored: drop one of them")
+    streaming = isinstance(args, PretrainArguments)
+    steps = training_args.max_steps
+    if steps == 0 or steps < -1 or (streaming and steps < 1):
+        allowed = "an integer >= 1 (the data is streamed)" if streaming else "an integer >= 1, or -1 (--num_train_epochs)"
+        raise ValueError(f"--max_steps: expected {allowed}, got {steps}")
+    output = training_args.output_dir
+    if output is None or (Path(output).exists() and not Path(output).is_dir()):
+        raise ValueError(f"--output_dir: expected a folder to write into, got {output!r}"
+                         + (" (a file)" if output is not None else ""))
+    resume = training_args.resume_from_checkpoint
+    if resume is not None and resume != "last" and not Path(resume).is_dir():
+        raise ValueError(f"--resume_from_checkpoint: {resume} is not a checkpoint folder (or 'last', the newest in "
+                         "--output_dir)")
+    for name in args.data_files:
+        path = Path(name)
+        if path.is_dir():
+            raise ValueError(f"--data_files: {name} is a folder: expected files (or a glob pattern such as {name}/*.txt)")
+        if isinstance(args, FinetuneArguments) and path.is_file():
+            _check_chat_file(path)
+
+
+def _check_chat_file(path: Path) -> None:
+    """Every line of a fine-tuning file is blank or a JSON object with a list of ``messages``."""
+    with path.open(encoding="utf-8") as lines:
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                chat = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"--data_files: {path} line {number} is not JSON ({error.msg}): expected one "
+                                 '{"messages": [...]} object per line') from None
+            if not isinstance(chat, dict) or not isinstance(chat.get("messages"), list):
+                raise ValueError(f"--data_files: {path} line {number} is not a {{\"messages\": [...]}} object")
+
+
+def _add_state_passing(trainer: Trainer, args: ModelArguments, training_args: TrainingArguments) -> None:
     if args.state_passing:
-        trainer.add_callback(StatePassingCallback(args.state_passing, args.state_passing_from, seed=training_args.seed))
+        start = DEFAULT_START_FRACTION if args.state_passing_from is None else args.state_passing_from
+        trainer.add_callback(StatePassingCallback(args.state_passing, start, seed=training_args.seed))
 
 
 def pretrain(args: PretrainArguments, training_args: TrainingArguments) -> Trainer:
@@ -332,6 +383,7 @@ def pretrain(args: PretrainArguments, training_args: TrainingArguments) -> Train
     weights, config, code, tokenizer, generation config, model card); checkpoints every
     ``save_steps`` go to ``checkpoint-N`` folders there.
     """
+    check_recipe_arguments(args, training_args)
     output_dir = _output_dir(training_args)
     checkpoint = _resumed_checkpoint(training_args)
     data_files = args.data_files or [write_sample_corpus(output_dir / "sample_corpus.txt")]
@@ -365,6 +417,7 @@ def finetune(args: FinetuneArguments, training_args: TrainingArguments) -> Train
     """
     from datasets import load_dataset
 
+    check_recipe_arguments(args, training_args)
     output_dir = _output_dir(training_args)
     checkpoint = _resumed_checkpoint(training_args)
     data_files = args.data_files or [write_sample_chats(output_dir / "sample_chats.jsonl")]
@@ -439,6 +492,7 @@ __all__ = [
     "PretrainArguments",
     "SMALL_MODEL",
     "chat_reply",
+    "check_recipe_arguments",
     "document_pieces",
     "ensure_chat_template",
     "finetune",
