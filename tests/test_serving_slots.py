@@ -99,3 +99,22 @@ def test_slot_layout_follows_the_mixers_declaration():
     assert shapes["window_k"] == (config.num_heads, config.kvm_window_chunks * config.kvm_chunk_size, config.head_dim)
     with pytest.raises(ValueError, match="pages must be"):
         kvm.views(torch.zeros(2, kvm.nbytes - 1, dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("starts, computed", [
+    ([0, 3, 2, 6], [0, 0, 0]),  # decreasing: the second sequence would be skipped, its tokens read by the third
+    ([0, 3, 3, 6], [0, 0, 0]),  # duplicate: a sequence of no tokens
+    ([0, 3, 6, 9], [0, 0, 0]),  # past the tokens
+    ([0, 3, 5, 6], [0, -2, 0]),  # a negative computed count would start the sequence afresh
+])
+def test_run_on_slots_refuses_starts_and_counts_it_would_misread(starts, computed):
+    # Issue 50: these were accepted without a word.
+    model = tiny_model(schedule="trellis", dtype=torch.float64)
+    mixer = model.model.layers[0].self_attn
+    layout = SlotLayout(type(mixer), model.config, torch.float64)
+    tensors = layout.allocate(4)
+    before = [t.clone() for t in tensors]
+    x = torch.randn(6, model.config.hidden_size, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"starts must rise strictly from >= 0 to <= 6 tokens .* computed must be >= 0"):
+        run_on_slots(mixer, layout, tensors, x, torch.tensor(starts), torch.tensor(computed), torch.tensor([0, 1, 2]))
+    assert all(torch.equal(a, b) for a, b in zip(tensors, before))

@@ -154,6 +154,13 @@ def run_on_slots(
     out = torch.zeros_like(x)
     starts, computed, slots = (t.to(torch.long) for t in (starts, computed, slots))
     lengths = starts[1:] - starts[:-1]
+    # One read-back for every check: a sequence of no or negative length would be skipped (its
+    # tokens read by another), a negative count would start it from another state.
+    if bool((lengths < 1).any() | (computed < 0).any() | (starts[0] < 0) | (starts[-1] > x.shape[0])):
+        raise ValueError(
+            f"starts must rise strictly from >= 0 to <= {x.shape[0]} tokens (each sequence at least one token) and "
+            f"computed must be >= 0; got starts {starts.tolist()}, computed {computed.tolist()}"
+        )
     single = lengths == 1
     for rows in (single.nonzero()[:, 0], (~single & (lengths > 0)).nonzero()[:, 0]):
         if rows.numel():
