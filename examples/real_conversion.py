@@ -113,6 +113,36 @@ class Preset:
     train_chars: int = 2_000_000  # characters of training text tokenized
     heldout_fraction: float = 0.05
 
+    def __post_init__(self) -> None:
+        """Every field of its type and sign (``--set`` gives values as JSON): a ``ValueError``
+        naming the first that is not."""
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            expected = FIELD_RULES.get(field.name) or FIELD_RULES[field.type]
+            if not expected[0](value):
+                raise ValueError(f"{field.name} must be {expected[1]}, got {value!r}")
+
+
+def _integer(value: Any, least: int = 1) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
+def _positive(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < float("inf")
+
+
+# What each field takes, by its name or else by its type (as the dataclass records it): (check, in words).
+FIELD_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "int": (_integer, "an integer >= 1"),
+    "float": (_positive, "a finite number > 0"),
+    "bool": (lambda v: isinstance(v, bool), "true or false"),
+    "Optional[int]": (lambda v: v is None or _integer(v), "null or an integer >= 1"),
+    "tuple[int, ...]": (lambda v: isinstance(v, tuple) and len(v) > 0 and all(map(_integer, v)),
+                        "a non-empty list of integers >= 1"),
+    "samples": (lambda v: _integer(v, 0), "an integer >= 0"),
+    "heldout_fraction": (lambda v: _positive(v) and v < 1, "a number in (0, 1)"),
+}
+
 
 PRESETS = {
     # A dry run of every step: seconds on a tiny teacher, a few minutes on SmolLM2.
@@ -440,6 +470,10 @@ def preset_overrides(items: Sequence[str]) -> dict[str, Any]:
         except json.JSONDecodeError:
             raise SystemExit(f"--set {item!r}: the value must be JSON (e.g. 2048, 1e-3, [1024, 8192])") from None
         overrides[name] = tuple(value) if isinstance(value, list) else value
+        try:
+            dataclasses.replace(PRESETS["quick"], **{name: overrides[name]})  # (the field's own checks)
+        except ValueError as error:
+            raise SystemExit(f"--set {item!r}: {error}") from None
     return overrides
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import random
+import re
 import sys
 from pathlib import Path
 
@@ -110,6 +111,18 @@ def test_preset_fields_are_set_from_the_command_line():
         example.preset_overrides(["no_such_field=1"])
     with pytest.raises(SystemExit, match="must be JSON"):
         example.preset_overrides(["position_length=long"])
+    # Values of the wrong type or sign are refused by name (issue 50), not met deep in a run.
+    assert example.preset_overrides(["threads=null", "samples=0", "bf16=true"]) == {
+        "threads": None, "samples": 0, "bf16": True}
+    for item, expected in [
+        ("stage1_steps=-5", "an integer >= 1"), ("stage1_steps=2.5", "an integer >= 1"),
+        ("block_size=\"32\"", "an integer >= 1"), ("stage2_steps=true", "an integer >= 1"),
+        ("stage1_lr=-1e-3", "a finite number > 0"), ("bf16=1", "true or false"), ("threads=0", "null or an integer"),
+        ("decode_contexts=[]", "a non-empty list"), ("decode_contexts=[1024, -1]", "a non-empty list"),
+        ("heldout_fraction=1.5", "a number in (0, 1)"), ("samples=-1", "an integer >= 0"),
+    ]:
+        with pytest.raises(SystemExit, match=rf"--set '{re.escape(item)}': {item.split('=')[0]} must be {re.escape(expected)}"):
+            example.preset_overrides([item])
 
 
 @pytest.mark.slow
