@@ -9,11 +9,14 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
+import re
 
 import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
     GenerationConfig,
@@ -31,7 +34,7 @@ from transformers import (
 )
 from transformers.models.llama.modeling_llama import repeat_kv
 
-from tiny_models import VOCAB, random_tokens
+from tiny_models import VOCAB, random_tokens, tiny_model
 from trellis_lm import TrellisForCausalLM
 from trellis_lm.conversion import (
     NEW_MIXER_PARAMETERS,
@@ -43,7 +46,7 @@ from trellis_lm.conversion import (
     logit_kl,
 )
 from trellis_lm.conversion.cli import add_convert_arguments, run_convert
-from trellis_lm.conversion.distill import TokenBlocks, blocks_read
+from trellis_lm.conversion.distill import TokenBlocks, block_perplexity, blocks_read, pad_batch
 from trellis_lm.conversion.llama import repeat_kv_heads
 from trellis_lm.conversion.teacher import TeacherActivations, pad_activations, teacher_attention
 
@@ -519,3 +522,132 @@ def test_a_cached_stage_one_computes_only_the_blocks_its_steps_read(llm_like_tea
     read = blocks_read(TokenBlocks(list(data)), quick_args(tmp_path / "x", max_steps=2))
     assert [int(i) for i in read.indices] == list(range(0, 64, 4))
     assert len(blocks_read(TokenBlocks(list(data)), quick_args(tmp_path / "x", max_steps=9))) == 64
+
+
+# ----------------------------------------------------------------------------- issue 50: held-out padding, checks
+
+
+def test_held_out_measures_leave_padding_out(llm_like_teacher, tmp_path):
+    # Item 6: right-padded held-out blocks (the data's last block is short) are measured on their
+    # real tokens, as rows read alone; padding is neither read nor counted as a target.
+    teacher, folder = llm_like_teacher
+    rows = [random_tokens(1, n, seed=n)[0] for n in (16, 7, 12)]
+    batch = pad_batch([{"input_ids": row} for row in rows])
+    junk = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, 5)  # any token at padding
+    model = tiny_model(seed=2, vocab_size=VOCAB).eval()
+    losses = [model(input_ids=row[None], labels=row[None]).loss.item() * (len(row) - 1) for row in rows]
+    expected = math.exp(sum(losses) / sum(len(row) - 1 for row in rows))
+    for ids in (batch["input_ids"], junk):
+        assert block_perplexity(model, ids, 2, batch["attention_mask"]) == pytest.approx(expected, rel=1e-5)
+
+    student = convert_llama_to_trellis(folder, tmp_path / "s", **SMALL_MEMORY)
+    distill_layerwise(student, teacher, random_tokens(16, 16, seed=1), quick_args(tmp_path / "one", max_steps=2,
+                      learning_rate=1e-2), heldout=junk, heldout_mask=batch["attention_mask"], eval_every=1)
+    curve = json.loads((tmp_path / "one" / "layer_errors.json").read_text())
+    alone = torch.stack([layerwise_errors(student, teacher, row[None]) for row in rows])
+    padded = layerwise_errors(student, teacher, junk, batch["attention_mask"])
+    torch.testing.assert_close(torch.tensor(list(curve[-1]["layers"].values())), padded, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(padded, layerwise_errors(student, teacher, junk))  # (padding would count)
+    assert alone.shape == (3, 2)
+
+    tuned = distill_logits(student, teacher, random_tokens(8, 16, seed=3), quick_args(tmp_path / "two", max_steps=1),
+                           lora_rank=None, heldout=junk, heldout_mask=batch["attention_mask"], eval_every=1)
+    curve = json.loads((tmp_path / "two" / "perplexity.json").read_text())
+    assert curve[-1]["perplexity"] == pytest.approx(block_perplexity(tuned.eval(), batch["input_ids"], 4,
+                                                                     batch["attention_mask"]), rel=1e-4)
+
+
+def test_cli_held_out_blocks_are_measured_on_their_real_tokens(llm_like_teacher, tmp_path):
+    _, folder = llm_like_teacher
+    texts = tmp_path / "texts.jsonl"  # 20 texts of 40 words and an EOS: 820 tokens, a last block of 4
+    texts.write_text("\n".join(json.dumps({"text": " ".join(f"w{3 + (i * j) % 90}" for j in range(40))})
+                               for i in range(20)))
+    work = tmp_path / "work"
+    assert run_cli(folder, tmp_path / "out", "--num-slots", 8, "--chunk-size", 8, "--distill", "--data", texts,
+                   "--block-size", 16, "--batch-size", 4, "--stage1-steps", 2, "--stage2-steps", 1, "--cpu",
+                   "--heldout-blocks", 2, "--eval-every", 1, "--work-dir", work) == 0
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "out")
+    blocks = TokenBlocks.from_texts([json.loads(line)["text"] for line in texts.read_text().splitlines()], tokenizer, 16)
+    assert len(blocks.rows[-1]) < 16  # the held-out blocks need padding
+    heldout = pad_batch([{"input_ids": row} for row in blocks.rows[-2:]])
+    stage1 = TrellisForCausalLM.from_pretrained(work / "layerwise" / "final")
+    teacher = AutoModelForCausalLM.from_pretrained(folder)
+    curve = json.loads((work / "layerwise" / "layer_errors.json").read_text())
+    torch.testing.assert_close(torch.tensor(list(curve[-1]["layers"].values())),
+                               layerwise_errors(stage1, teacher, heldout["input_ids"], heldout["attention_mask"]),
+                               rtol=1e-4, atol=1e-6)
+
+
+def test_stage_arguments_that_would_be_ignored_or_cannot_work_are_refused(llm_like_teacher, tmp_path):
+    teacher, folder = llm_like_teacher
+    student = convert_llama_to_trellis(folder, tmp_path / "s", **SMALL_MEMORY)
+    data, args = random_tokens(8, 16, seed=1), quick_args(tmp_path / "run", max_steps=1)
+    heldout = random_tokens(2, 16, seed=2)
+    for kwargs, match in [
+        (dict(heldout=heldout, patience=0), r"patience must be None or an integer >= 1"),
+        (dict(heldout=heldout, patience=-2), r"patience must be None or an integer >= 1"),
+        (dict(patience=3), r"patience stops stage 1 on held-out measurements: pass heldout"),
+        (dict(eval_every=0), r"eval_every must be an integer >= 1"),
+        (dict(teacher_cache=True, cache_memory_bytes=-1), r"cache_memory_bytes must be an integer >= 0"),
+        (dict(heldout_mask=torch.ones(2, 16)), r"heldout_mask marks the real tokens of held-out blocks: pass heldout"),
+        (dict(heldout=heldout, heldout_mask=torch.ones(2, 15)), r"heldout_mask must be \[N, T\] like heldout"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            distill_layerwise(student, teacher, data, args, **kwargs)
+    for kwargs, match in [
+        (dict(state_passing=0, state_passing_from=0.5), r"state_passing_from=0.5 is given, but state_passing is 0"),
+        (dict(state_passing=1.5), r"state_passing must be a probability in \[0, 1\]"),
+        (dict(eval_every=0), r"eval_every must be an integer >= 1"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            distill_logits(student, teacher, data, args, **kwargs)
+    with pytest.raises(ValueError, match=r"memory_bytes must be an integer >= 0"):
+        TeacherActivations(teacher, TokenBlocks(list(data)), [0, 1], tmp_path / "acts", memory_bytes=-1)
+    assert not (tmp_path / "acts").exists() and not list((tmp_path / "run").glob("*"))
+
+
+def test_teacher_activation_files_that_are_not_the_block_s_are_computed_again(llm_like_teacher, tmp_path):
+    # A truncated, empty or swapped block file is never trained on: each block's file records its
+    # run and its tokens, and one that safetensors cannot read whole or that is another's is redone.
+    teacher, _ = llm_like_teacher
+    blocks = TokenBlocks([random_tokens(1, n, seed=n)[0] for n in (16, 9, 16, 5)])
+    acts = tmp_path / "acts"
+    assert TeacherActivations(teacher, blocks, [0, 1], acts, memory_bytes=0, batch_size=1).computed == 4
+    files = [acts / f"block-{i}.safetensors" for i in range(4)]
+    files[0].write_bytes(files[0].read_bytes()[:-64])  # truncated
+    files[1].write_bytes(b"")  # empty
+    swapped = files[2].read_bytes()
+    files[2].write_bytes(files[3].read_bytes())
+    files[3].write_bytes(swapped)
+    again = TeacherActivations(teacher, blocks, [0, 1], acts, memory_bytes=0, batch_size=1)
+    assert again.computed == 4
+    for index in range(4):
+        inputs, targets = teacher_attention(teacher, blocks[index]["input_ids"][None], None, [0, 1])
+        torch.testing.assert_close(again[index]["teacher_targets"], torch.cat(targets), rtol=1e-5, atol=1e-6)
+    assert TeacherActivations(teacher, blocks, [0, 1], acts, memory_bytes=0, batch_size=1).computed == 0
+    files[1].write_bytes(b"")  # changed under a running stage: named
+    with pytest.raises(ValueError, match=r"block-1.safetensors: the teacher activations of block 1 cannot be read"):
+        again[1]
+
+
+def test_convert_refuses_distillation_options_it_cannot_honour_before_converting(llm_like_teacher, tmp_path, capsys):
+    _, folder = llm_like_teacher
+    texts = tmp_path / "texts.txt"
+    texts.write_text(" ".join(f"w{3 + i % 90}" for i in range(400)))
+    (tmp_path / "a-file").write_text("not a folder")
+    small = ("--num-slots", 8, "--chunk-size", 8)
+    distill = ("--distill", "--data", texts, "--block-size", 16, "--stage1-steps", 1, "--stage2-steps", 1, "--cpu")
+    layers = AutoConfig.from_pretrained(folder).num_hidden_layers
+    before = sorted(p.name for p in tmp_path.iterdir())
+    for argv, match in [
+        ((*small, "--heldout-blocks", 2), "argument --heldout-blocks: held-out blocks measure stage 1"),
+        ((*small, *distill, "--work-dir", tmp_path / "a-file"), "argument --work-dir: .*a-file is a file"),
+        ((*small, *distill, "--keep-attention", f"auto:{layers + 1}"),
+         rf"argument --keep-attention: auto:{layers + 1} keeps more layers than the teacher's {layers}"),
+        ((*small, *distill, "--state-passing", 0, "--state-passing-from", 0.5),
+         "argument --state-passing-from: state passing is off"),
+    ]:
+        assert run_cli(folder, tmp_path / "out", *argv) == 2
+        err = capsys.readouterr().err
+        assert re.search(match, err) and len(err.strip().splitlines()) == 1, err
+        assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing converted, nothing written

@@ -413,3 +413,17 @@ def test_cli_keeps_the_dearest_layers(tmp_path, capsys):
     assert run_cli(tmp_path / "teacher", tmp_path / "y", *distill[:-2], "--choice-blocks", 500, "--keep-attention",
                    "auto:1") == 2
     assert "leaving none to train on" in capsys.readouterr().err
+
+
+def test_layer_choice_refuses_costs_it_cannot_rank_and_layers_it_cannot_price(tmp_path):
+    # Issue 50, item 7: a NaN sorts anywhere, so the kept layers would be arbitrary.
+    for bad in (float("nan"), float("inf"), None):
+        with pytest.raises(ValueError, match=r"the cost of layer 2 is .*, not a finite number"):
+            choose_attention_layers({0: 0.1, 1: 0.5, 2: bad, 3: 0.2}, 2)
+    teacher = make_teacher("llama", tmp_path / "teacher", layers=4, seed=3)
+    student = convert_llama_to_trellis(tmp_path / "teacher", tmp_path / "trellis", keep_attention=[1], **SMALL_MEMORY)
+    ids = random_tokens(1, 8, seed=5)
+    for layers in ([99], [1], [0, -1]):
+        with pytest.raises(ValueError, match=rf"layers: layer {layers[-1]} is not a converted layer of the student, "
+                                             r"whose converted layers are \[0, 2, 3\]"):
+            conversion_costs(student, teacher, ids, layers=layers)

@@ -104,8 +104,9 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
                          help="stage 2: a student row starts from a row of the previous batch's final memory "
                               "states with probability P (reads far past the block size; default %(default)s, "
                               "0 is off)")
-    distill.add_argument("--state-passing-from", type=fraction, default=DEFAULT_START_FRACTION, metavar="F",
-                         help="stage 2: begin state passing at this fraction of the steps (default %(default)s)")
+    distill.add_argument("--state-passing-from", type=fraction, default=None, metavar="F",
+                         help=f"stage 2: begin state passing at this fraction of the steps (default "
+                              f"{DEFAULT_START_FRACTION}; refused with --state-passing 0)")
     distill.add_argument("--choice-blocks", type=positive, default=8, metavar="N",
                          help="with --keep-attention auto:K: the last N blocks of the data, held out of training, "
                               "price each layer (default 8)")
@@ -125,6 +126,12 @@ def run_convert(args: argparse.Namespace) -> int:
             raise ValueError("argument --keep-attention: auto:K chooses the layers after stage 1 and needs --distill")
         if args.stage1_patience is not None and not args.heldout_blocks:
             raise ValueError("argument --stage1-patience: stopping needs held-out blocks to measure (--heldout-blocks N)")
+        if args.heldout_blocks and not args.distill:
+            raise ValueError("argument --heldout-blocks: held-out blocks measure stage 1, which runs with --distill")
+        if args.state_passing_from is not None and not args.state_passing:
+            raise ValueError(f"argument --state-passing-from: state passing is off (--state-passing 0), so a start at "
+                             f"{args.state_passing_from} would be ignored: drop one of them")
+        _check_auto_kept(args)
         with _staged(target, args.dst) as staging:
             student = convert_llama_to_trellis(
                 args.src, staging, keep_attention=None if _auto_kept(args) is not None else parse_layer_list(
@@ -159,6 +166,8 @@ def _checked_destination(args: argparse.Namespace) -> Path:
         raise ValueError(f"argument dst: {args.dst} is a folder that is not empty: pass --overwrite to replace it")
     if args.distill:
         work = _work_dir(args)
+        if work.exists() and not work.is_dir():
+            raise ValueError(f"argument --work-dir: {work} is a file: expected a folder for the stages' checkpoints")
         for other, name in ((src, f"the source {args.src}"), (target, f"dst {args.dst}")):
             relation = path_overlap(work, other)
             if relation:
@@ -204,6 +213,18 @@ def _work_dir(args: argparse.Namespace) -> Path:
     return Path(args.work_dir or f"{str(args.dst).rstrip('/')}-distill")
 
 
+def _check_auto_kept(args: argparse.Namespace) -> None:
+    """``--keep-attention auto:K`` keeps at most every layer of the teacher: checked against its
+    config before stage 1 runs (which would otherwise run, and write, before the choice fails)."""
+    kept = _auto_kept(args)
+    if kept is None:
+        return
+    layers = locate_source(args.src).load_config().num_hidden_layers
+    if kept > layers:
+        raise ValueError(f"argument --keep-attention: auto:{kept} keeps more layers than the teacher's "
+                         f"{layers} (expected auto:K with K <= {layers})")
+
+
 def _auto_kept(args: argparse.Namespace) -> Optional[int]:
     """K of ``--keep-attention auto:K``, else ``None``."""
     text = args.keep_attention
@@ -233,7 +254,7 @@ def _distill(student: TrellisForCausalLM, texts: list[str], args: argparse.Names
         if len(data) <= args.heldout_blocks:
             raise ValueError(f"argument --heldout-blocks: the data holds {len(data)} training blocks; holding "
                              f"{args.heldout_blocks} out leaves none to train on")
-        heldout = pad_batch([{"input_ids": row} for row in data.rows[-args.heldout_blocks:]])["input_ids"]
+        heldout = pad_batch([{"input_ids": row} for row in data.rows[-args.heldout_blocks:]])  # the last may be short
         data = TokenBlocks(data.rows[: -args.heldout_blocks])
     teacher = locate_source(args.src).load_model(dtype=torch.bfloat16 if args.bf16 else torch.float32)
     saved_dtype = student.dtype
@@ -248,8 +269,9 @@ def _distill(student: TrellisForCausalLM, texts: list[str], args: argparse.Names
             tokenizer=tokenizer, train_carried=args.stage1_train_carried,
             resume_from_checkpoint=_checkpoint(work / "layerwise", args),
             teacher_cache=None if args.stage1_cache_gib is None else work / "teacher_activations",
-            cache_memory_bytes=int((args.stage1_cache_gib or 0) * 2**30), heldout=heldout, eval_every=args.eval_every,
-            patience=args.stage1_patience,
+            cache_memory_bytes=int((args.stage1_cache_gib or 0) * 2**30), eval_every=args.eval_every,
+            heldout=None if heldout is None else heldout["input_ids"], patience=args.stage1_patience,
+            heldout_mask=None if heldout is None else heldout["attention_mask"],
         )
         student.save_pretrained(layerwise_final)
         tokenizer.save_pretrained(layerwise_final)

@@ -117,6 +117,25 @@ def checked_every(eval_every: Any) -> int:
     return eval_every
 
 
+def checked_heldout(heldout: Optional[torch.Tensor], heldout_mask: Optional[torch.Tensor],
+                    eval_every: Any) -> Optional[torch.Tensor]:
+    """``heldout_mask``, after checking the held-out arguments together: ``eval_every`` (always:
+    an argument is never ignored unchecked), ids ``[N, T]`` and a mask of their shape (1 at real
+    tokens, every row starting with one), or no mask; a mask without blocks is refused."""
+    checked_every(eval_every)
+    if heldout is None:
+        if heldout_mask is not None:
+            raise ValueError("heldout_mask marks the real tokens of held-out blocks: pass heldout too")
+        return None
+    if not isinstance(heldout, torch.Tensor) or heldout.dim() != 2 or heldout.shape[1] < 2:
+        raise ValueError(f"heldout must be a [N, T >= 2] tensor of token ids, got {getattr(heldout, 'shape', heldout)!r}")
+    if heldout_mask is not None and (not isinstance(heldout_mask, torch.Tensor) or heldout_mask.shape != heldout.shape
+                                     or not bool(heldout_mask[:, 0].bool().all())):
+        raise ValueError(f"heldout_mask must be [N, T] like heldout ({tuple(heldout.shape)}), 1 at real tokens and "
+                         "0 at right padding, every row starting with a real token")
+    return heldout_mask
+
+
 class HeldOutLayerErrors(TrainerCallback):
     """Stage 1's measure on held-out blocks, and its stopping rule: every ``every`` steps the
     layer errors of the held-out blocks are measured and recorded (``layer_errors.json`` in the
@@ -131,12 +150,17 @@ class HeldOutLayerErrors(TrainerCallback):
         patience: measurements without a gain of ``min_gain`` (relative, on the mean error)
             before the run stops; ``None`` never stops it.
         min_gain: the relative gain that counts as an improvement.
+        attention_mask: ``[N, T]`` 1 at the blocks' real tokens (right padding 0: left out of
+            the errors), or ``None`` (every token real).
     """
 
     def __init__(self, mixers: nn.Module, teacher: PreTrainedModel, input_ids: torch.Tensor, every: int = 50,
-                 patience: Optional[int] = None, min_gain: float = 0.01) -> None:
-        self.mixers, self.teacher, self.input_ids = mixers, teacher, input_ids
-        self.every, self.patience, self.min_gain = every, patience, min_gain
+                 patience: Optional[int] = None, min_gain: float = 0.01,
+                 attention_mask: Optional[torch.Tensor] = None) -> None:
+        if patience is not None and (isinstance(patience, bool) or not isinstance(patience, int) or patience < 1):
+            raise ValueError(f"patience must be None or an integer >= 1 (measurements without a gain), got {patience!r}")
+        self.mixers, self.teacher, self.input_ids, self.attention_mask = mixers, teacher, input_ids, attention_mask
+        self.every, self.patience, self.min_gain = checked_every(every), patience, min_gain
         self.curve: list[dict[str, Any]] = []
         self.best, self.stale = float("inf"), 0
 
@@ -144,7 +168,8 @@ class HeldOutLayerErrors(TrainerCallback):
     def measure(self) -> list[float]:
         device = next(self.mixers.parameters()).device
         ids = self.input_ids.to(device)
-        errors = self.mixers(*teacher_attention(self.teacher, ids, None, self.mixers.layer_indices), None)
+        mask = None if self.attention_mask is None else self.attention_mask.to(device)
+        errors = self.mixers(*teacher_attention(self.teacher, ids, mask, self.mixers.layer_indices), mask)
         return errors.tolist()
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -173,17 +198,22 @@ class HeldOutLayerErrors(TrainerCallback):
 
 
 @torch.no_grad()
-def block_perplexity(model: nn.Module, input_ids: torch.Tensor, batch_size: int = 4) -> float:
-    """exp of the mean next-token loss over the blocks ``input_ids [N, T]`` (every row full
-    length), ``batch_size`` rows at a time on the model's device, the model as it is (set
-    evaluation mode first)."""
+def block_perplexity(model: nn.Module, input_ids: torch.Tensor, batch_size: int = 4,
+                     attention_mask: Optional[torch.Tensor] = None) -> float:
+    """exp of the mean next-token loss over the real tokens of the blocks ``input_ids [N, T]``
+    (``attention_mask [N, T]``: 0 at right padding, which is neither read nor predicted; ``None``:
+    every token real), ``batch_size`` rows at a time on the model's device, the model as it is
+    (set evaluation mode first)."""
     device = next(model.parameters()).device
+    mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
     total, count = 0.0, 0
-    for rows in input_ids.split(batch_size):
-        rows = rows.to(device)
-        tokens = rows.numel() - rows.shape[0]
-        total += model(input_ids=rows, labels=rows, use_cache=False).loss.item() * tokens
-        count += tokens
+    for rows, real in zip(input_ids.split(batch_size), mask.split(batch_size)):
+        rows, real = rows.to(device), real.to(device)
+        labels = rows.masked_fill(real == 0, -100)
+        targets = int((labels[:, 1:] != -100).sum())  # what the shifted loss averages over
+        if targets:
+            total += model(input_ids=rows, attention_mask=real, labels=labels, use_cache=False).loss.item() * targets
+            count += targets
     return math.exp(total / count)
 
 
@@ -192,10 +222,12 @@ class HeldOutPerplexity(TrainerCallback):
     perplexity of the model in training on held-out blocks ``input_ids [N, T]`` (never trained
     on), ``batch_size`` rows at a time, in evaluation mode (state passing leaves evaluation
     forwards alone); recorded in ``perplexity.json`` in the run's folder as ``[{"step",
-    "perplexity"}]``."""
+    "perplexity"}]``. ``attention_mask [N, T]`` marks the real tokens of right-padded blocks."""
 
-    def __init__(self, input_ids: torch.Tensor, every: int = 50, batch_size: int = 4) -> None:
-        self.input_ids, self.every, self.batch_size = input_ids, every, batch_size
+    def __init__(self, input_ids: torch.Tensor, every: int = 50, batch_size: int = 4,
+                 attention_mask: Optional[torch.Tensor] = None) -> None:
+        self.input_ids, self.every, self.batch_size = input_ids, checked_every(every), batch_size
+        self.attention_mask = attention_mask
         self.curve: list[dict[str, Any]] = []
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Optional[nn.Module] = None, **kwargs: Any) -> None:
@@ -208,7 +240,8 @@ class HeldOutPerplexity(TrainerCallback):
     def _record(self, step: int, args: Any, model: nn.Module) -> None:
         was_training = model.training
         model.eval()
-        self.curve.append({"step": step, "perplexity": block_perplexity(model, self.input_ids, self.batch_size)})
+        perplexity = block_perplexity(model, self.input_ids, self.batch_size, self.attention_mask)
+        self.curve.append({"step": step, "perplexity": perplexity})
         model.train(was_training)
         Path(args.output_dir).mkdir(parents=True, exist_ok=True)
         (Path(args.output_dir) / "perplexity.json").write_text(json.dumps(self.curve, indent=1))
@@ -257,6 +290,7 @@ def distill_layerwise(
     heldout: Optional[torch.Tensor] = None,
     eval_every: int = 50,
     patience: Optional[int] = None,
+    heldout_mask: Optional[torch.Tensor] = None,
 ) -> TrellisForCausalLM:
     """Stage 1: fit each converted mixer to its teacher attention layer; returns ``student``,
     updated in place.
@@ -270,7 +304,8 @@ def distill_layerwise(
     With ``heldout`` (``[N, T]`` ids of blocks never trained on), the layer errors on them are
     measured every ``eval_every`` steps into ``layer_errors.json`` in ``args.output_dir`` (the
     curve), and with ``patience`` the run stops once they stop improving
-    (:class:`HeldOutLayerErrors`).
+    (:class:`HeldOutLayerErrors`); ``heldout_mask`` (``[N, T]``, 0 at right padding) leaves
+    padding out of them.
 
     Only the new parameters of the converted layers train (``train_carried=True`` adds their
     carried ``q/k/v/o_proj``); layers kept as softmax attention, embeddings, MLPs and norms are
@@ -294,6 +329,11 @@ def distill_layerwise(
     layers = converted_layers(student)
     if not layers:
         raise ValueError("every layer of the student is kept as softmax attention: stage 1 has nothing to train")
+    heldout_mask = checked_heldout(heldout, heldout_mask, eval_every)
+    if patience is not None and heldout is None:
+        raise ValueError("patience stops stage 1 on held-out measurements: pass heldout too")
+    if isinstance(cache_memory_bytes, bool) or not isinstance(cache_memory_bytes, int) or cache_memory_bytes < 0:
+        raise ValueError(f"cache_memory_bytes must be an integer >= 0, got {cache_memory_bytes!r}")
     device = student.device
     carried = ("q_proj", "k_proj", "v_proj", "o_proj") if train_carried else ()
     student.requires_grad_(False)
@@ -316,7 +356,8 @@ def distill_layerwise(
     trainer = LayerwiseTrainer(model=mixers, args=args, train_dataset=dataset, data_collator=collate,
                                processing_class=tokenizer, teacher=teacher)
     if heldout is not None:
-        trainer.add_callback(HeldOutLayerErrors(mixers, trainer.teacher, heldout, checked_every(eval_every), patience))
+        trainer.add_callback(HeldOutLayerErrors(mixers, trainer.teacher, heldout, eval_every, patience,
+                                                attention_mask=heldout_mask))
     trainer.train(resume_from_checkpoint=resume_from_checkpoint)
     return student.requires_grad_(True).to(device)
 
@@ -394,22 +435,25 @@ def distill_logits(
     lora_targets: Sequence[str] = DEFAULT_LORA_TARGETS,
     resume_from_checkpoint: Union[str, bool, None] = None,
     state_passing: float = DEFAULT_PROBABILITY,
-    state_passing_from: float = DEFAULT_START_FRACTION,
+    state_passing_from: Optional[float] = None,
     heldout: Optional[torch.Tensor] = None,
     eval_every: int = 50,
+    heldout_mask: Optional[torch.Tensor] = None,
 ) -> TrellisForCausalLM:
     """Stage 2: fine-tune end to end against the teacher's logits; returns the trained student.
 
     With ``heldout`` (``[N, T]`` ids of blocks never trained on), the student's perplexity on
     them is measured every ``eval_every`` steps into ``perplexity.json`` in ``args.output_dir``
-    (:class:`HeldOutPerplexity`: the stage's learning curve).
+    (:class:`HeldOutPerplexity`: the stage's learning curve); ``heldout_mask`` (``[N, T]``, 0 at
+    right padding) leaves padding out of it, as tokens read and as targets.
 
     ``state_passing`` > 0 starts each student row from the final memory states of a row of the
     previous batch with that probability (:mod:`trellis_lm.state_passing`), so the student learns
     to read its blocks after long reads (the teacher sees the block alone, as it would at its
-    own context length), from the fraction ``state_passing_from`` of the steps on (default: 0.9
-    over the last 30% of the steps, the recipes' default, see :mod:`trellis_lm.state_passing`);
-    0 starts every row from the learned memories.
+    own context length), from the fraction ``state_passing_from`` of the steps on (default
+    ``None``: 0.9 over the last 30% of the steps, the recipes' default, see
+    :mod:`trellis_lm.state_passing`); 0 starts every row from the learned memories, and a start
+    given with it is refused (it would be ignored).
 
     With ``lora_rank`` (default 16), LoRA adapters of that rank (scale ``lora_alpha``, default
     ``2 * rank``) on ``lora_targets`` train and are merged into the returned model; with
@@ -417,6 +461,13 @@ def distill_logits(
     suits LoRA). Checkpoints hold the adapters, or the whole model. The teacher is moved to
     ``args.device``. Other arguments as in :func:`distill_layerwise`.
     """
+    heldout_mask = checked_heldout(heldout, heldout_mask, eval_every)
+    if isinstance(state_passing, bool) or not isinstance(state_passing, (int, float)) or not 0 <= state_passing <= 1:
+        raise ValueError(f"state_passing must be a probability in [0, 1] (0: off), got {state_passing!r}")
+    if state_passing_from is not None and not state_passing:
+        raise ValueError(f"state_passing_from={state_passing_from!r} is given, but state_passing is 0 (off): it would "
+                         "be ignored")
+    start = DEFAULT_START_FRACTION if state_passing_from is None else state_passing_from
     if lora_rank is None:
         model: nn.Module = student.requires_grad_(True)
     else:
@@ -431,9 +482,9 @@ def distill_logits(
         processing_class=tokenizer, teacher=teacher, temperature=temperature,
     )
     if state_passing:
-        trainer.add_callback(StatePassingCallback(state_passing, state_passing_from, seed=args.seed))
+        trainer.add_callback(StatePassingCallback(state_passing, start, seed=args.seed))
     if heldout is not None:
-        trainer.add_callback(HeldOutPerplexity(heldout, checked_every(eval_every)))
+        trainer.add_callback(HeldOutPerplexity(heldout, eval_every, attention_mask=heldout_mask))
     trainer.train(resume_from_checkpoint=resume_from_checkpoint)
     return (student if lora_rank is None else model.merge_and_unload()).requires_grad_(True)
 

@@ -15,6 +15,7 @@ layers kept, the other layers' stage-1 mixers carried over.
 
 from __future__ import annotations
 
+import math
 import re
 from contextlib import contextmanager
 from pathlib import Path
@@ -76,7 +77,12 @@ def conversion_costs(
     ``i`` of ``layers`` (default: every converted layer of ``student``). Student and teacher on
     one device.
     """
-    layers = converted_layers(student) if layers is None else list(layers)
+    converted = converted_layers(student)
+    layers = converted if layers is None else list(layers)
+    strangers = [layer for layer in layers if layer not in converted]
+    if strangers:
+        raise ValueError(f"layers: layer {strangers[0]!r} is not a converted layer of the student, whose converted "
+                         f"layers are {converted} (a kept attention layer or one beyond the model costs nothing to price)")
     batch, length = input_ids.shape
     valid = ValidTokens.from_attention_mask(attention_mask, batch, length)
     inputs = dict(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
@@ -89,9 +95,14 @@ def conversion_costs(
 
 
 def choose_attention_layers(costs: dict[int, float], k: int) -> list[int]:
-    """The ``k`` layers of ``costs`` whose conversion costs most, in layer order."""
+    """The ``k`` layers of ``costs`` whose conversion costs most, in layer order. A cost that is
+    not a finite number (a NaN from non-finite activations sorts anywhere) is refused by layer."""
     if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= len(costs):
         raise ValueError(f"k must be an integer in [0, {len(costs)}] (the layers priced), got {k!r}")
+    for layer, cost in costs.items():
+        if isinstance(cost, bool) or not isinstance(cost, (int, float)) or not math.isfinite(cost):
+            raise ValueError(f"the cost of layer {layer} is {cost!r}, not a finite number: the layers cannot be ranked "
+                             "(non-finite activations in the student or the teacher?)")
     return sorted(sorted(costs, key=lambda layer: -costs[layer])[:k])
 
 

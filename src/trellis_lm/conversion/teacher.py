@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence, Union
 
 import torch
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.utils.data import Dataset
@@ -101,11 +102,15 @@ class TeacherActivations(Dataset):
 
     def __init__(self, teacher: PreTrainedModel, blocks: Dataset, layers: Sequence[int],
                  folder: Union[str, Path, None] = None, memory_bytes: int = 2**30, batch_size: int = 8) -> None:
+        for name, value, least in (("memory_bytes", memory_bytes, 0), ("batch_size", batch_size, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
         self.blocks, self.layers = blocks, list(layers)
+        self.width = teacher.config.hidden_size
         self.folder = None if folder is None else Path(folder)
         self.memory: dict[int, dict[str, torch.Tensor]] = {}
         self.computed = 0  # blocks the teacher ran on (not found on disk)
-        key = fingerprint(teacher, self.layers, blocks)
+        key = self.key = fingerprint(teacher, self.layers, blocks)
         if self.folder is not None:
             self.folder.mkdir(parents=True, exist_ok=True)
             manifest = self.folder / "manifest.json"
@@ -116,7 +121,7 @@ class TeacherActivations(Dataset):
         held = 0
         for start in range(0, len(blocks), batch_size):
             indices = range(start, min(start + batch_size, len(blocks)))
-            if self.folder is not None and all(self._path(i).is_file() for i in indices):
+            if self.folder is not None and all(self._stored(i) for i in indices):
                 continue
             batch = pad_batch([blocks[i] for i in indices])
             device = next(teacher.parameters()).device
@@ -130,11 +135,34 @@ class TeacherActivations(Dataset):
                 if self.folder is None or held + size <= memory_bytes:
                     self.memory[index], held = pair, held + size
                 else:
-                    save_file(pair, str(self._path(index)))
+                    save_file(pair, str(self._path(index)), metadata=self._stamp(index))
                 self.computed += 1
 
     def _path(self, index: int) -> Path:
         return self.folder / f"block-{index}.safetensors"
+
+    def _stamp(self, index: int) -> dict[str, str]:
+        """What a block's file must record to be reused: the run's fingerprint, the block's index
+        and a digest of its tokens (a file of another block, or of another run, is not this one)."""
+        ids = torch.as_tensor(self.blocks[index]["input_ids"]).numpy().tobytes()
+        return {"fingerprint": self.key, "block": str(index), "tokens": hashlib.sha256(ids).hexdigest()[:16]}
+
+    def _stored(self, index: int) -> bool:
+        """Whether block ``index``'s file holds its activations whole: a file safetensors reads
+        (a truncated or empty one is not), stamped for this block of this run, of the shapes its
+        tokens give. Any other is computed again."""
+        path = self._path(index)
+        if not path.is_file():
+            return False
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                stamp = f.metadata() or {}
+                shapes = {name: list(f.get_slice(name).get_shape()) for name in f.keys()}
+        except (SafetensorError, OSError):
+            return False
+        length = len(self.blocks[index]["input_ids"])
+        expected = [len(self.layers), length, self.width]
+        return stamp == self._stamp(index) and shapes == {INPUTS: expected, TARGETS: expected}
 
     def __len__(self) -> int:
         return len(self.blocks)
@@ -142,7 +170,12 @@ class TeacherActivations(Dataset):
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         pair = self.memory.get(index)
         if pair is None:
-            pair = load_file(str(self._path(index)))
+            path = self._path(index)
+            try:
+                pair = load_file(str(path))
+            except (SafetensorError, OSError) as error:  # changed since the run began
+                raise ValueError(f"{path}: the teacher activations of block {index} cannot be read ({error}); delete "
+                                 "the file and run again to compute them") from None
         ids = torch.as_tensor(self.blocks[index]["input_ids"])
         return {"input_ids": ids, "attention_mask": torch.ones_like(ids), **pair}
 
