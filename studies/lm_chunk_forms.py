@@ -69,25 +69,43 @@ def _trellis(name: str, chunk: int, form: str, **kwargs: Any) -> Model:
     return Model(StudyModel(name, overrides={"chunk_size": chunk, "write_gradient": form}), **kwargs)
 
 
+# In the order they run: the comparison the defaults are chosen from first.
 MODELS = (
-    Model(StudyModel("llama", kind="llama"), 3e-3, state_passing=False),
     _trellis("exact-C64", 64, "exact"),
-    _trellis("exact-C32", 32, "exact", sweep_as="exact-C64"),
-    _trellis("exact-C16", 16, "exact", sweep_as="exact-C64"),
     _trellis("anchored-C64", 64, "anchored", learning_rate=3e-3),
-    _trellis("anchored-C32", 32, "anchored", learning_rate=3e-3),
-    _trellis("anchored-C16", 16, "anchored", learning_rate=3e-3),
+    Model(StudyModel("llama", kind="llama"), 3e-3, state_passing=False),
+    _trellis("exact-C16", 16, "exact", sweep_as="exact-C64"),
+    _trellis("exact-C32", 32, "exact", sweep_as="exact-C64"),
     _trellis("C1", 1, "anchored", learning_rate=3e-3),
+    _trellis("anchored-C16", 16, "anchored", learning_rate=3e-3),
+    _trellis("anchored-C32", 32, "anchored", learning_rate=3e-3),
     Model(StudyModel("delta-rule", overrides={"compress_fn": "identity", "chunk_size": 32}), 3e-3),
     Model(StudyModel("lattice", overrides={"mixer_types": ("lattice",), "lattice_variant": "dec", "chunk_size": 32}),
           1.2e-2),
 )
+# The page's row order.
+ROWS = ("llama", "exact-C16", "exact-C32", "exact-C64", "anchored-C16", "anchored-C32", "anchored-C64", "C1",
+        "delta-rule", "lattice")
+# Where a model has not run here, the page shows the earlier studies' runs of the same model, recipe,
+# seeds and rate (hence the same initial weights and windows), marked: lm_extrapolation's state-passing
+# runs (no test perplexity recorded) and lm_study's (test perplexity; C = 1 there without state passing).
+EARLIER = {
+    "anchored-C16": ("lm_extrapolation.json", "trellis-C16-sp-from70"),
+    "anchored-C32": ("lm_extrapolation.json", "trellis-sp-from70"),
+    "anchored-C64": ("lm_extrapolation.json", "trellis-C64-sp-from70"),
+    "delta-rule": ("lm_extrapolation.json", "delta-rule-sp-from70"),
+    "lattice": ("lm_extrapolation.json", "lattice-sp-from70"),
+    "llama": ("lm_study.json", "llama"),
+    "C1": ("lm_study.json", "trellis-C1"),
+}
 
 PRESETS: dict[str, dict[str, Any]] = {
     # The study's cpu preset (lm_study.py), with its rates for the sweep.
     "cpu": dict(size=STUDY_SIZE, vocab=4096, recipe=Recipe(train_length=128, batch_size=16, tokens=1_500_000),
                 lrs=(1e-3, 3e-3, 6e-3), widen=2, seeds=(0, 1), multiples=(1, 4, 8, 16, 64), eval_windows=256,
-                long_files=8, check_windows=4, threads=2),
+                # One thread: the study shared its machine with other work, where two threads
+                # per process oversubscribed the cores (speed: bench_chunk_training.py).
+                long_files=8, check_windows=4, threads=1),
     "quick": dict(size=dataclasses.replace(STUDY_SIZE, hidden_size=32, num_heads=2, head_dim=16, intermediate_size=64,
                                            num_slots=8, chunk_size=8),
                   vocab=512, recipe=Recipe(train_length=32, batch_size=4, tokens=4 * 32 * 8), lrs=(1e-3, 3e-3),
@@ -127,7 +145,8 @@ def run_all(preset: dict[str, Any], out: Path, names: Optional[list[str]]) -> No
     short = dataclasses.replace(recipe, tokens=recipe.tokens // 4)
     longest = recipe.train_length * max(preset["multiples"])
     # The Llama's parameter count, before any seeding (building it draws random numbers).
-    target = num_parameters(build_study_model(MODELS[0].spec, size, vocab, longest + 64))
+    llama = next(m for m in MODELS if m.spec.kind == "llama")
+    target = num_parameters(build_study_model(llama.spec, size, vocab, longest + 64))
     check = random_windows(encoded.tokens["test"], preset["check_windows"], recipe.train_length,
                            torch.Generator().manual_seed(0))[:, :-1].long()
 
@@ -187,10 +206,24 @@ def run_all(preset: dict[str, Any], out: Path, names: Optional[list[str]]) -> No
             run(model_spec, "full", rate, seed, recipe)
 
 
+def with_earlier_runs(records: list[dict[str, Any]], folder: Path) -> list[dict[str, Any]]:
+    """``records`` plus, for each model of :data:`EARLIER` without a full run here, the earlier
+    study's full runs of it, renamed and marked ``"earlier"`` (the source file)."""
+    have = {r["model"] for r in records if r["phase"] == "full"}
+    added = []
+    for name, (file, earlier) in EARLIER.items():
+        if name in have or not (folder / file).exists():
+            continue
+        for run in load_records(folder / file):
+            if run["model"] == earlier and run.get("phase", "full") == "full" and "ppl_by_position" in run:
+                added.append({**run, "model": name, "phase": "full", "earlier": file})
+    return records + added
+
+
 def section(records: list[dict[str, Any]], figure: Path, figure_link: str) -> list[str]:
     """The page's section: the comparison table, the far/near table, the loop check, and the figure."""
     full = [r for r in records if r["phase"] == "full"]
-    models = [m.name for m in MODELS if any(r["model"] == m.name for r in full)]
+    models = [m for m in ROWS if any(r["model"] == m for r in full)]
     if not models:
         return ["## Chunked Trellis against its exact recurrence", "", "No run has finished yet."]
     by_model = {m: [r for r in full if r["model"] == m] for m in models}
@@ -203,7 +236,9 @@ def section(records: list[dict[str, Any]], figure: Path, figure_link: str) -> li
              "`exact-C*` compute Trellis's per-token recurrence (`write_gradient=\"exact\"`) at each chunk size; "
              "`anchored-C*` take every write's gradient at its chunk's start (every checkpoint saved before the "
              "field); `C1` is the recurrence through the anchored form's per-token chunk loop. "
-             "Each cell: mean over seeds [min, max].", "",
+             "Each cell: mean over seeds [min, max]. Rows marked * are the earlier studies' runs of the same "
+             "model, recipe, seeds and rate (`lm_extrapolation.json`: no test perplexity recorded; "
+             "`lm_study.json`: C = 1 there passed no states).", "",
              "| model | lr | seeds | validation ppl | test ppl | val / Llama's | "
              f"ppl [{first}) | ppl [{last}) | [{last}) / [{first}) | training tokens/s (shared machine) |",
              "|---|---|---|---|---|---|---|---|---|---|"]
@@ -212,8 +247,9 @@ def section(records: list[dict[str, Any]], figure: Path, figure_link: str) -> li
         ratio = (spread([statistics.fmean(r["val_ppl"] for r in runs) / statistics.fmean(r["val_ppl"] for r in llama)])
                  if llama else "")
         far = [r["ppl_by_position"][last] / r["ppl_by_position"][first] for r in runs]
-        lines.append(f"| {m} | {runs[0]['learning_rate']:g} | {len(runs)} | {spread([r['val_ppl'] for r in runs])} | "
-                     f"{spread([r['test_ppl'] for r in runs])} | {ratio} | "
+        tests = [r["test_ppl"] for r in runs if r.get("test_ppl")]
+        lines.append(f"| {m}{' *' if runs[0].get('earlier') else ''} | {runs[0]['learning_rate']:g} | {len(runs)} | "
+                     f"{spread([r['val_ppl'] for r in runs])} | {spread(tests) if tests else '-'} | {ratio} | "
                      f"{spread([r['ppl_by_position'][first] for r in runs], 1)} | "
                      f"{spread([r['ppl_by_position'][last] for r in runs], 1)} | {spread(far)} | "
                      f"{statistics.median(r['tokens_per_s'] for r in runs):,.0f} |")
@@ -267,7 +303,8 @@ def _figure(by_model: dict[str, list[dict[str, Any]]], buckets: list[str], path:
 def render(out: Path, page: Path) -> None:
     """Write the section between the page's markers (appended when the page has none)."""
     figure = page.parent / "figures" / "lm_chunk_forms.png"
-    lines = section(load_records(out / "lm_chunk_forms.json"), figure, "figures/lm_chunk_forms.png")
+    lines = section(with_earlier_runs(load_records(out / "lm_chunk_forms.json"), out), figure,
+                    "figures/lm_chunk_forms.png")
     block = "\n".join([BEGIN, *lines, END])
     text = page.read_text() if page.exists() else ""
     if BEGIN in text and END in text:
