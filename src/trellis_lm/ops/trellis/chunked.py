@@ -122,8 +122,8 @@ def chunked_forward(q, k, v, alpha, log_beta, gamma, state, chunk_size, compress
     key and value passes share the loop: their memories are stacked along the batch axis, so
     each chunk costs one set of operations for both. Both phases run inside
     :class:`.chunked_autograd.ChunkFunction`, whose hand-written backward replaces autograd of the
-    loop; only the state-independent set-up here (layout, decays, the ``identity`` solve, the
-    ``"exact"`` writes' in-chunk matrix ``Lm``) is differentiated by autograd.
+    loop; only the state-independent set-up here (layout, decays, the ``identity`` solve) is
+    differentiated by autograd.
 
     ``"exact"`` writes with ``layernorm``/``l2norm`` take each residual at the memory just before
     the write: inside the chain loop, a chunk's ``U`` is then a forward substitution over its
@@ -145,7 +145,7 @@ def chunked_forward(q, k, v, alpha, log_beta, gamma, state, chunk_size, compress
     identity = compress_fn == "identity"
     exact = write_gradient == "exact"
     substituted = exact and not identity  # identity's exact residuals come from its solve
-    cum, before, after, gap = log_decays(LB, with_gap=identity or substituted)
+    cum, before, after, gap = log_decays(LB, with_gap=identity)
     mu = cum.exp()[..., None]  # [chunks, NH, L, 1]
     mu_last = cum[..., -1:].exp()[..., None]  # [chunks, NH, 1, 1]
     w = (G * after.exp())[..., None]  # [chunks, NH, L, 1]
@@ -165,8 +165,8 @@ def chunked_forward(q, k, v, alpha, log_beta, gamma, state, chunk_size, compress
         if identity:  # residuals at the current state: U = W S^T - Z, whatever the anchors
             w_x, z_x = identity_residual_basis(X, A[:, None], G[:, None], before[:, None], gap[:, None])
             chain_tensors += [w_x.flatten(1, 2), z_x.flatten(1, 2)]
-        elif substituted:
-            chain_tensors += [residual_lower(X, G[:, None], gap[:, None]).flatten(1, 2), before.exp()[..., None]]
+        elif substituted:  # its Lm is made inside the Function from the read-outs' decays
+            chain_tensors.append(before.exp()[..., None])
         chain_tensors += [X.flatten(1, 2), s0.flatten(0, 2), a0.flatten(0, 2)]
 
     inputs = (Q, K, V, mu, G, LB, A, mu_last, w, *chain_tensors)

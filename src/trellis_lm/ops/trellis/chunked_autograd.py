@@ -43,7 +43,8 @@ class ChunkSpec:
     Attributes:
         compress_fn, mix_fn: names from :mod:`.compress_mix`.
         substituted: ``"exact"`` writes with ``layernorm``/``l2norm``: each chunk's ``U`` by
-            forward substitution from its start state, the chain tensors ``lower`` and ``eb``.
+            forward substitution from its start state (the chain tensor ``eb``; ``Lm`` is made
+            here from the decays and the keys' Gram matrix, see :func:`_residual_lower`).
         passes: ``P`` of each chain (``(2,)`` for one stacked chain, ``(1, 1)`` for two).
         last_chunk: per row, the chunk whose start state is its final anchor.
         heads: H (``NH = rows * heads``).
@@ -160,7 +161,7 @@ def _substitute(name: str, z: torch.Tensor, lower: torch.Tensor, alpha: torch.Te
 
     Args:
         z: ``[P, NH, L, M]``, ``e^{c_{r-1}} S x_r`` on entry and ``z_r`` on return.
-        lower: ``[P, NH, L, L]`` ``Lm`` of :func:`.chunked.residual_lower`.
+        lower: ``[P, NH, L, L]`` ``Lm`` of :func:`_residual_lower`.
         alpha: ``[NH, L, M]`` targets (shared by the passes).
         u: ``[P, NH, L, M]`` receives ``U``.
     """
@@ -269,9 +270,10 @@ def _split(spec: ChunkSpec, chain_tensors):
         ch = {}
         if identity:
             ch.update(W=chain_tensors[i], Z=chain_tensors[i + 1])
+            i += 2
         elif spec.substituted:
-            ch.update(lower=chain_tensors[i], eb=chain_tensors[i + 1])
-        i += 2 if identity or spec.substituted else 0
+            ch.update(eb=chain_tensors[i])
+            i += 1
         ch.update(X=chain_tensors[i], s0=chain_tensors[i + 1], a0=chain_tensors[i + 2], P=passes)
         i += 3
         out.append(ch)
@@ -289,7 +291,6 @@ class ChunkFunction(torch.autograd.Function):
         w: ``[n, NH, L, 1]`` the write weights ``gamma_i exp(c_L - c_i)`` of ``S'``.
         chains: per chain, for ``identity`` first ``W [n, P NH, L, D]`` and ``Z [n, P NH, L, M]``
             of :func:`.chunked.identity_residual_basis`, for ``substituted`` first
-            ``lower [n, P NH, L, L]`` of :func:`.chunked.residual_lower` and
             ``eb [n, NH, L, 1]`` = ``exp(c_{r-1})``; then the keys/values
             ``X [n, P NH, L, D]``, the start state ``s0`` and the anchor ``a0`` ``[P NH, M, D]``.
     Returns:
@@ -312,6 +313,8 @@ class ChunkFunction(torch.autograd.Function):
         outs, states = [], [None] * len(chains)
         for ch in chains:
             ch["anchor"] = ch["a0"].clone()
+            if spec.substituted:
+                ch["lower"] = _residual_lower(ch["X"], decay, ch["P"])[1]
         for lo in range(0, n, group):
             hi = min(n, lo + group)
             for i, ch in enumerate(chains):
@@ -425,14 +428,9 @@ def _chunk_backward(ctx, grad_o: torch.Tensor, *grad_finals: torch.Tensor) -> tu
     grad_q = grad_mu_q.mul_(mu)
     _flat(grad_q).baddbmm_(_flat(grad_qk), _flat(K), alpha=-1)
     grad_k = torch.matmul(_t(grad_qk), Q).neg_()
-    grad_decay.mul_(gexp)
-    grad_g = grad_decay.sum(-2).neg_()
-    grad_gap = grad_decay.mul_(G[..., None, :]).neg_()
-    # gap[r, i] = c_r - c_i where it is finite (elsewhere D and its gradient are 0), so
-    # dc = row sums - column sums, and lb_j enters every c_r with r >= j.
-    grad_lb = (grad_gap.sum(-1) - grad_gap.sum(-2)).flip(-1).cumsum(-1).flip(-1)
-    # Free the read-outs' temporaries before the chains' buffers are allocated.
-    del st_k, st_v, u_k, u_v, decay, grad_ph, grad_y, grad_qk, grad_gap
+    # Free the read-outs' temporaries before the chains' buffers are allocated (D stays for
+    # the exact writes' Lm, and grad_decay for their share of it).
+    del st_k, st_v, u_k, u_v, grad_ph, grad_y, grad_qk
 
     # ---- the state chains, one reverse loop over chunks each ----------------------------
     if len(chains) == 1:
@@ -460,6 +458,8 @@ def _chunk_backward(ctx, grad_o: torch.Tensor, *grad_finals: torch.Tensor) -> tu
         if not identity:
             d_z, d_alpha = d_u_all, U.new_empty(U.shape[1:])
             terms = _residual_vjp2_terms(spec.compress_fn, ch["zh"], ch["r"], ch["e"])
+        if spec.substituted:
+            gram, lower = _residual_lower(ch["X"], decay, passes)
         for c in range(n - 1, -1, -1):
             d_next = d_after[c]
             d_u = _gather(u_parts[i], c, d_u_all[c] if identity else None)
@@ -474,7 +474,7 @@ def _chunk_backward(ctx, grad_o: torch.Tensor, *grad_finals: torch.Tensor) -> tu
                 continue
             if spec.substituted:
                 _unsubstitute(spec.compress_fn, ch["zh"][c], ch["r"][c], *(x[c] for x in terms), U[c],
-                              ch["lower"][c], d_u, d_z[c], d_alpha)
+                              lower[c], d_u, d_z[c], d_alpha)
             else:
                 _residual_vjp2(spec.compress_fn, ch["zh"][c], ch["r"][c], *(x[c] for x in terms), U[c], d_u, d_z[c],
                                d_alpha)
@@ -503,9 +503,15 @@ def _chunk_backward(ctx, grad_o: torch.Tensor, *grad_finals: torch.Tensor) -> tu
             # z_r = eb_r x_r S^T - sum_{i<r} Lm[r, i] u_i, with S each chunk's start state.
             d_zs = torch.matmul(d_z, S[:-1]).view(pass_view + (-1,))  # [n, P, NH, L, D]
             d_eb = _dot(d_zs, ch["X"].view(d_zs.shape)).sum(1)
-            d_x = d_zs.mul_(ch["eb"][:, None]).addcmul_(w[:, None], u_ds.view(d_zs.shape), value=-1)
+            d_x = d_zs.mul_(ch["eb"][:, None]).addcmul_(w[:, None], u_ds.view(d_zs.shape), value=-1).view(ch["X"].shape)
+            # Lm[r, i] = D[r-1, i] (x_r . x_i) and dLm[r, i] = -dz_r . u_i (i < r): to D (grad_decay
+            # holds minus its gradient) and to the Gram matrix of X.
             d_lower = torch.matmul(d_z, _t(U)).neg_().tril_(-1)
-            grads_chains += [d_lower, d_eb, d_x.view(ch["X"].shape), d_s0, d_a0]
+            per_pass = d_lower.view((n, passes, nh) + d_lower.shape[-2:])
+            grad_decay[..., :-1, :] -= (per_pass[..., 1:, :] * gram.view(per_pass.shape)[..., 1:, :]).sum(1)
+            per_pass[..., 1:, :].mul_(decay[:, None, :, :-1, :])
+            d_x.add_(torch.matmul(d_lower + _t(d_lower), ch["X"]))
+            grads_chains += [d_eb, d_x, d_s0, d_a0]
         else:
             d_x = torch.empty_like(ch["X"])
             if n > 1:
@@ -514,14 +520,32 @@ def _chunk_backward(ctx, grad_o: torch.Tensor, *grad_finals: torch.Tensor) -> tu
             d_x.view(pass_view + (-1,)).addcmul_(w[:, None], u_ds.view(pass_view + (-1,)), value=-1)
             d_a0.baddbmm_(_t(d_z[0]), ch["X"][0])
             grads_chains += [d_x, d_s0, d_a0]
+    # D = exp(gap) * G.
+    grad_decay.mul_(gexp)
+    grad_g = grad_decay.sum(-2).neg_()
+    grad_gap = grad_decay.mul_(G[..., None, :]).neg_()
+    # gap[r, i] = c_r - c_i where it is finite (elsewhere D and its gradient are 0), so
+    # dc = row sums - column sums, and lb_j enters every c_r with r >= j.
+    grad_lb = (grad_gap.sum(-1) - grad_gap.sum(-2)).flip(-1).cumsum(-1).flip(-1)
     return (None, grad_q, grad_k, grad_v, grad_mu, grad_g, grad_lb, grad_a, grad_mu_last, grad_w, *grads_chains)
+
+
+def _residual_lower(X: torch.Tensor, decay: torch.Tensor, passes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(Gram, Lm)`` of a chain, ``[n, P NH, L, L]`` each: ``Gram = X X^T`` and the exact writes'
+    ``Lm[r, i] = D[r-1, i] (x_r . x_i)`` (design page, section 2b; zero on and above the
+    diagonal), from the read-outs' ``D = decay [n, NH, L, L]`` (``D[r, i] = gamma_i e^{c_r - c_i}``)."""
+    gram = X @ _t(X)
+    lower = torch.zeros_like(gram)
+    shape = (gram.shape[0], passes, -1) + gram.shape[-2:]
+    torch.mul(gram.view(shape)[..., 1:, :], decay[:, None, :, :-1, :], out=lower.view(shape)[..., 1:, :])
+    return gram, lower
 
 
 def _chain_saved(spec: ChunkSpec) -> tuple:
     """The names of a chain's tensors the backward keeps (the last two: states and ``U``)."""
     if spec.compress_fn == "identity":
         return "W", "X", "a0", "S", "U"
-    return ("lower", "eb") * spec.substituted + ("X", "zh", "r", "e", "a0", "S", "U")
+    return ("eb",) * spec.substituted + ("X", "zh", "r", "e", "a0", "S", "U")
 
 
 def _carve(like: torch.Tensor, shapes) -> list:
