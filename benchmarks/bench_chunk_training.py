@@ -1,15 +1,15 @@
-"""Training speed of Trellis against its chunk size C (CPU), for the chunk-size table of
-``docs/results_lm_extrapolation.md``.
+"""Training speed of Trellis against its chunk size C and its write rule (CPU), for the chunk
+tables of ``docs/results_lm.md`` and ``docs/results_lm_extrapolation.md``.
 
-    PYTHONPATH=src .venv/bin/python benchmarks/bench_chunk_training.py            # ~3 min on 2 cores
-    PYTHONPATH=src .venv/bin/python benchmarks/bench_chunk_training.py --quick
+    PYTHONPATH=src:. .venv/bin/python benchmarks/bench_chunk_training.py            # ~5 min on 2 cores
+    PYTHONPATH=src:. .venv/bin/python benchmarks/bench_chunk_training.py --quick
 
 The language-modelling study's model (``STUDY_SIZE``: 4 layers of width 128, 4 heads of 32, 32
-slots, vocabulary 4096) at each C, one training step each (forward, backward, AdamW) on a batch
-of 16 rows of 128 random tokens with state passing on (p = 0.9, the recipes' default once it
-begins), **in turns**: ``--rounds`` rounds of ``--steps`` steps per model, the first of each turn
-not counted. Figures are medians; compare the ratios (to C = 32, the study's), measured in the
-same run.
+slots, vocabulary 4096) at each C and ``write_gradient`` (``"anchored"`` and ``"exact"``), one
+training step each (forward, backward, AdamW) on a batch of 16 rows of 128 random tokens with
+state passing on (p = 0.9, the recipes' default once it begins), **in turns**: ``--rounds``
+rounds of ``--steps`` steps per model, the first of each turn not counted. Figures are medians;
+compare the ratios (to the anchored C = 32, the study's first C), measured in the same run.
 """
 
 from __future__ import annotations
@@ -30,28 +30,33 @@ from trellis_lm.state_passing import StatePassing
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="two chunk sizes, few steps: checks the script runs")
-    parser.add_argument("--chunks", default="8,16,32,64")
+    parser.add_argument("--chunks", default="1,16,32,64")
+    parser.add_argument("--forms", default="anchored,exact", help="write_gradient values to time at each C")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     chunks = [8, 32] if args.quick else [int(c) for c in args.chunks.split(",")]
+    forms = args.forms.split(",")
+    # C = 1 is the same function either way: timed once, anchored (the per-token chunk loop).
+    models = [(c, f) for c in chunks for f in forms if c > 1 or f == forms[0]]
     rounds, steps = (1, 2) if args.quick else (args.rounds, args.steps)
     batch, length, vocab = 16, 128, 4096
     size = dataclasses.replace(STUDY_SIZE, num_hidden_layers=2) if args.quick else STUDY_SIZE
     runs = {}
-    for chunk in chunks:
+    for chunk, form in models:
         torch.manual_seed(0)
-        model = build_study_model(StudyModel(f"trellis-C{chunk}", overrides={"chunk_size": chunk}), size, vocab, length)
+        spec = StudyModel(f"trellis-C{chunk}-{form}", overrides={"chunk_size": chunk, "write_gradient": form})
+        model = build_study_model(spec, size, vocab, length)
         model.train()
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         passing = StatePassing(0.9, seed=0)
-        runs[chunk] = (model, optimizer, passing)
+        runs[chunk, form] = (model, optimizer, passing)
     ids = torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(0))
 
-    def step(chunk: int) -> float:
-        model, optimizer, passing = runs[chunk]
+    def step(key: tuple) -> float:
+        model, optimizer, passing = runs[key]
         start = time.perf_counter()
         with passing.attached(model):
             loss = model(input_ids=ids, labels=ids).loss
@@ -60,20 +65,21 @@ def main() -> None:
         optimizer.zero_grad(set_to_none=True)
         return time.perf_counter() - start
 
-    for chunk in chunks:
-        step(chunk)  # warm-up: allocation, the first carried states
-    times = {chunk: [] for chunk in chunks}
+    for key in models:
+        step(key)  # warm-up: allocation, the first carried states
+    times = {key: [] for key in models}
     for _ in range(rounds):
-        for chunk in chunks:
-            times[chunk] += [step(chunk) for _ in range(steps)][1:]
+        for key in models:
+            times[key] += [step(key) for _ in range(steps)][1:]
     print(f"# {date.today()} | {platform.processor() or platform.machine()} | {torch.get_num_threads()} threads | "
           f"torch {torch.__version__} | {dataclasses.asdict(size)} with chunk_size each C, batch {batch} x {length} "
           "tokens, state passing on")
-    reference = statistics.median(times[32 if 32 in chunks else chunks[0]])
-    print("\n| C | ms per step | training tokens/s | speed / C = 32's |\n|---|---|---|---|")
-    for chunk in chunks:
-        ms = statistics.median(times[chunk]) * 1e3
-        print(f"| {chunk} | {ms:.0f} | {batch * length / ms * 1e3:.0f} | {reference * 1e3 / ms:.2f} |")
+    base = (32, forms[0]) if (32, forms[0]) in times else models[0]
+    reference = statistics.median(times[base])
+    print(f"\n| C | write_gradient | ms per step | training tokens/s | speed / C = {base[0]} {base[1]}'s |\n|---|---|---|---|---|")
+    for chunk, form in models:
+        ms = statistics.median(times[chunk, form]) * 1e3
+        print(f"| {chunk} | {form} | {ms:.0f} | {batch * length / ms * 1e3:.0f} | {reference * 1e3 / ms:.2f} |")
 
 
 if __name__ == "__main__":

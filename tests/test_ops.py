@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from op_inputs import make_inputs, make_state
-from trellis_lm.ops import BACKENDS, COMPRESS_FNS, MIX_FNS, TrellisState, trellis_attention
+from trellis_lm.ops import BACKENDS, COMPRESS_FNS, MIX_FNS, WRITE_GRADIENTS, TrellisState, trellis_attention
 from trellis_lm.ops.registry import OpCall
 from trellis_lm.ops.trellis.compress_mix import EPS, compress, compress_residual_vjp, mix
 
@@ -54,7 +54,7 @@ def _f(name, y):
     return centred / torch.sqrt((centred * centred).mean() + 1e-6)
 
 
-def naive(q, k, v, alpha, log_beta, gamma, m_k, m_v, C, cf, mf):
+def naive(q, k, v, alpha, log_beta, gamma, m_k, m_v, C, cf, mf, write_gradient="anchored"):
     B, T, H, _ = q.shape
     out = torch.zeros_like(v)
     for b, h in itertools.product(range(B), range(H)):
@@ -62,7 +62,7 @@ def naive(q, k, v, alpha, log_beta, gamma, m_k, m_v, C, cf, mf):
         for p in range(T):
             if p % C == 0:
                 AK, AV = MK.clone(), MV.clone()
-            if cf == "identity":  # residuals at the current state, whatever C (section 1)
+            if cf == "identity" or write_gradient == "exact":  # residuals at the current state (section 1)
                 AK, AV = MK, MV
             beta, g, a = log_beta[b, p, h].exp(), gamma[b, p, h], alpha[b, p, h]
             zk = AK @ k[b, p, h]
@@ -76,13 +76,15 @@ def naive(q, k, v, alpha, log_beta, gamma, m_k, m_v, C, cf, mf):
     return out
 
 
+@pytest.mark.parametrize("wg", WRITE_GRADIENTS)
 @pytest.mark.parametrize("cf,mf", [("layernorm", "ln_silu"), ("l2norm", "softmax"), ("identity", "l2_silu")])
 @pytest.mark.parametrize("C", [1, 3])
-def test_reference_matches_the_design_page_statement(cf, mf, C):
+def test_reference_matches_the_design_page_statement(cf, mf, C, wg):
     x = make_inputs(1, 7, 2, 3, 4, 5)
     m_k, m_v = torch.randn(1, 2, 5, 3, dtype=torch.float64), torch.randn(1, 2, 5, 4, dtype=torch.float64)
-    o, _ = trellis_attention(*x, initial_state=(m_k, m_v), chunk_size=C, compress_fn=cf, mix_fn=mf, backend="reference")
-    torch.testing.assert_close(o, naive(*x, m_k, m_v, C, cf, mf), **TOL)
+    o, _ = trellis_attention(*x, initial_state=(m_k, m_v), chunk_size=C, compress_fn=cf, mix_fn=mf, write_gradient=wg,
+                             backend="reference")
+    torch.testing.assert_close(o, naive(*x, m_k, m_v, C, cf, mf, wg), **TOL)
 
 
 @pytest.mark.parametrize("name", COMPRESS_FNS)
@@ -116,13 +118,14 @@ def run(backend, x, **kw):
 
 
 @pytest.mark.parametrize("backend", FAST_BACKENDS)
+@pytest.mark.parametrize("wg", WRITE_GRADIENTS)
 @pytest.mark.parametrize("mf", MIX_FNS)
 @pytest.mark.parametrize("cf", COMPRESS_FNS)
 @pytest.mark.parametrize("C", [1, 3, 16, 64])
-def test_fast_backend_matches_reference(backend, C, cf, mf):
+def test_fast_backend_matches_reference(backend, C, cf, mf, wg):
     x = make_inputs(2, 37, 2, 5, 7, 6)
     state = (torch.randn(2, 2, 6, 5, dtype=torch.float64), torch.randn(2, 2, 6, 7, dtype=torch.float64))
-    kw = dict(initial_state=state, chunk_size=C, compress_fn=cf, mix_fn=mf)
+    kw = dict(initial_state=state, chunk_size=C, compress_fn=cf, mix_fn=mf, write_gradient=wg)
     o_ref, s_ref = run("reference", x, **kw)
     o, s = run(backend, x, **kw)
     assert o_ref.abs().max() > 0.1  # the comparison is not between two near-zero tensors
@@ -138,11 +141,12 @@ def test_fast_backend_matches_reference(backend, C, cf, mf):
     (2, 10, 2, 9, 3, 2, 10),    # T equal to the chunk
     (1, 33, 2, 6, 6, 3, 32),
 ])
-def test_odd_sizes(backend, B, T, H, Dk, Dv, M, C):
+@pytest.mark.parametrize("wg", WRITE_GRADIENTS)
+def test_odd_sizes(backend, B, T, H, Dk, Dv, M, C, wg):
     x = make_inputs(B, T, H, Dk, Dv, M)
     state = make_state(B, H, Dk, Dv, M, chunk_size=C)
-    o_ref, s_ref = run("reference", x, initial_state=state, chunk_size=C)
-    o, s = run(backend, x, initial_state=state, chunk_size=C)
+    o_ref, s_ref = run("reference", x, initial_state=state, chunk_size=C, write_gradient=wg)
+    o, s = run(backend, x, initial_state=state, chunk_size=C, write_gradient=wg)
     torch.testing.assert_close(o, o_ref, **TOL)
     assert_states_close(s, s_ref)
 
@@ -167,34 +171,37 @@ def test_chunk_size_changes_the_function():
 
 
 @pytest.mark.parametrize("backend", ["reference"] + FAST_BACKENDS)
+@pytest.mark.parametrize("wg", WRITE_GRADIENTS)
 @pytest.mark.parametrize("C", [1, 4, 5])
-def test_resume_at_every_split(backend, C):
+def test_resume_at_every_split(backend, C, wg):
     T = 13
     x = make_inputs(2, T, 2, 3, 5, 4)
     state = make_state(2, 2, 3, 5, 4, chunk_size=C)
-    o_all, s_all = run("reference", x, initial_state=state, chunk_size=C)
+    o_all, s_all = run("reference", x, initial_state=state, chunk_size=C, write_gradient=wg)
     for split in range(1, T):
-        o1, s1 = run(backend, [t[:, :split] for t in x], initial_state=state, chunk_size=C)
-        o2, s2 = run(backend, [t[:, split:] for t in x], initial_state=s1, chunk_size=C)
+        o1, s1 = run(backend, [t[:, :split] for t in x], initial_state=state, chunk_size=C, write_gradient=wg)
+        o2, s2 = run(backend, [t[:, split:] for t in x], initial_state=s1, chunk_size=C, write_gradient=wg)
         torch.testing.assert_close(torch.cat([o1, o2], dim=1), o_all, **TOL)
         assert_states_close(s2, s_all)
 
 
 @pytest.mark.parametrize("backend", ["reference"] + FAST_BACKENDS)
+@pytest.mark.parametrize("wg", WRITE_GRADIENTS)
 @pytest.mark.parametrize("C", [1, 3, 8])
-def test_varlen_equals_each_sequence_alone(backend, C):
+def test_varlen_equals_each_sequence_alone(backend, C, wg):
     lengths = [5, 0, 9, 1, 3]
     N = len(lengths)
     x = make_inputs(1, sum(lengths), 2, 4, 3, 5)
     state = make_state(N, 2, 4, 3, 5, chunk_size=C)
     cu = torch.tensor([0] + lengths).cumsum(0)
-    o, s = run(backend, x, initial_state=state, chunk_size=C, cu_seqlens=cu)
+    o, s = run(backend, x, initial_state=state, chunk_size=C, cu_seqlens=cu, write_gradient=wg)
     for n, (start, end) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
         row_state = state.map(lambda t: t[n : n + 1])
         if end == start:  # an empty sequence hands its state back untouched
             assert_states_close(s.map(lambda t: t[n : n + 1]), row_state)
             continue
-        o_n, s_n = run("reference", [t[:, start:end] for t in x], initial_state=row_state, chunk_size=C)
+        o_n, s_n = run("reference", [t[:, start:end] for t in x], initial_state=row_state, chunk_size=C,
+                       write_gradient=wg)
         torch.testing.assert_close(o[:, start:end], o_n, **TOL)
         assert_states_close(s.map(lambda t: t[n : n + 1]), s_n)
 
@@ -203,34 +210,38 @@ def test_varlen_equals_each_sequence_alone(backend, C):
 # Gradients: autograd of the reference (float64) is the ground truth.
 
 
-def _grads(backend, x, state, C, cf, mf, cu_seqlens=None):
-    o, s = run(backend, x, initial_state=state, chunk_size=C, compress_fn=cf, mix_fn=mf, cu_seqlens=cu_seqlens)
+def _grads(backend, x, state, C, cf, mf, cu_seqlens=None, wg="anchored"):
+    o, s = run(backend, x, initial_state=state, chunk_size=C, compress_fn=cf, mix_fn=mf, cu_seqlens=cu_seqlens,
+               write_gradient=wg)
     gen = torch.Generator().manual_seed(0)
     # A random projection of every output and of the final state, anchors included.
     outs = [o] + [t for name, t in s.tensors().items() if name != "offset"]
     loss = sum((t * torch.randn(t.shape, generator=gen, dtype=t.dtype)).sum() for t in outs)
     leaves = list(x) + [t for name, t in state.tensors().items() if name != "offset"]
-    return torch.autograd.grad(loss, leaves)
+    # "exact" writes never read the initial anchors: their gradient is zero.
+    return torch.autograd.grad(loss, leaves, allow_unused=True, materialize_grads=True)
 
 
 @pytest.mark.parametrize("backend", FAST_BACKENDS)
+@pytest.mark.parametrize("wg", WRITE_GRADIENTS)
 @pytest.mark.parametrize("C,cf,mf", [
     (1, "layernorm", "ln_silu"), (4, "layernorm", "ln_silu"), (5, "l2norm", "softmax"),
-    (3, "identity", "l2_silu"), (16, "layernorm", "softmax"),
+    (3, "identity", "l2_silu"), (16, "layernorm", "softmax"), (7, "l2norm", "l2_silu"),
 ])
-def test_gradients_match_reference(backend, C, cf, mf):
+def test_gradients_match_reference(backend, C, cf, mf, wg):
     x = make_inputs(2, 11, 2, 3, 4, 5, requires_grad=True)
     state = make_state(2, 2, 3, 4, 5, chunk_size=C, requires_grad=True)
-    expected = _grads("reference", x, state, C, cf, mf)
-    got = _grads(backend, x, state, C, cf, mf)
+    expected = _grads("reference", x, state, C, cf, mf, wg=wg)
+    got = _grads(backend, x, state, C, cf, mf, wg=wg)
     names = ["q", "k", "v", "alpha", "log_beta", "gamma", "m_k", "m_v", "anchor_k", "anchor_v"]
     for name, g, e in zip(names, got, expected):
         assert e.abs().max() > 0 or name.startswith("anchor"), name
         torch.testing.assert_close(g, e, rtol=1e-8, atol=1e-9, msg=lambda m: f"d/d{name}: {m}")
 
 
+@pytest.mark.parametrize("wg", WRITE_GRADIENTS)
 @pytest.mark.parametrize("cf,mf", list(itertools.product(COMPRESS_FNS, MIX_FNS)))
-def test_single_token_step_matches_reference(cf, mf):
+def test_single_token_step_matches_reference(cf, mf, wg):
     """The decode step (``torch``/``auto`` with T == 1) against the loop, values and gradients;
     rows at a chunk start (offset 0: anchors replaced) and mid-chunk (anchors kept)."""
     from trellis_lm.ops.trellis.step import step_forward
@@ -240,15 +251,18 @@ def test_single_token_step_matches_reference(cf, mf):
     x = make_inputs(3, 1, 2, 3, 5, 7, requires_grad=True)
     state = make_state(3, 2, 3, 5, 7, chunk_size=4, requires_grad=True)
     state.offset.copy_(torch.tensor([0, 2, 3]))
-    o, final = run("torch", x, initial_state=state, chunk_size=4, compress_fn=cf, mix_fn=mf)
-    o_ref, final_ref = run("reference", x, initial_state=state, chunk_size=4, compress_fn=cf, mix_fn=mf)
+    kw = dict(chunk_size=4, compress_fn=cf, mix_fn=mf, write_gradient=wg)
+    o, final = run("torch", x, initial_state=state, **kw)
+    o_ref, final_ref = run("reference", x, initial_state=state, **kw)
     torch.testing.assert_close(o, o_ref, **TOL)
     assert_states_close(final, final_ref)
     assert final.offset.tolist() == [1, 3, 0]
-    expected = _grads("reference", x, state, 4, cf, mf)
-    for g, e in zip(_grads("torch", x, state, 4, cf, mf), expected):
+    expected = _grads("reference", x, state, 4, cf, mf, wg=wg)
+    for g, e in zip(_grads("torch", x, state, 4, cf, mf, wg=wg), expected):
         torch.testing.assert_close(g, e, rtol=1e-8, atol=1e-9)
-    assert expected[-2].abs().max() > 0  # the mid-chunk rows' anchors get gradients
+    # The mid-chunk rows' anchors get gradients (read, or handed back as the final anchors) when
+    # anchored; exact writes never read them and hand back their memories as the anchors.
+    assert (expected[-2].abs().max() > 0) == (wg == "anchored")
 
 
 @pytest.mark.parametrize("backend", FAST_BACKENDS)
@@ -265,13 +279,14 @@ def test_gradients_flow_through_anchors(backend):
 
 
 @pytest.mark.parametrize("backend", FAST_BACKENDS)
-def test_varlen_gradients_match_reference(backend):
+@pytest.mark.parametrize("wg", WRITE_GRADIENTS)
+def test_varlen_gradients_match_reference(backend, wg):
     lengths = [4, 0, 7]
     x = make_inputs(1, sum(lengths), 2, 3, 3, 4, requires_grad=True)
     state = make_state(3, 2, 3, 3, 4, chunk_size=3, requires_grad=True)
     cu = torch.tensor([0] + lengths).cumsum(0)
-    got = _grads(backend, x, state, 3, "layernorm", "ln_silu", cu)
-    expected = _grads("reference", x, state, 3, "layernorm", "ln_silu", cu)
+    got = _grads(backend, x, state, 3, "layernorm", "ln_silu", cu, wg)
+    expected = _grads("reference", x, state, 3, "layernorm", "ln_silu", cu, wg)
     for g, e in zip(got, expected):
         torch.testing.assert_close(g, e, rtol=1e-8, atol=1e-9)
 
@@ -512,9 +527,10 @@ def test_identity_100k_token_streams_stay_bounded(repeated):
 # A full forget, log_beta = -inf (documented as allowed): finite, and exact, everywhere.
 
 
+@pytest.mark.parametrize("wg", WRITE_GRADIENTS)
 @pytest.mark.parametrize("cf", COMPRESS_FNS)
 @pytest.mark.parametrize("where", [5, 4, 0])  # inside a chunk, at a chunk start, the first token
-def test_full_forget_is_finite_and_exact(cf, where):
+def test_full_forget_is_finite_and_exact(cf, where, wg):
     C = 4
     x = list(make_inputs(2, 11, 2, 3, 4, 5, seed=where))
     lb = x[4].clone()
@@ -524,16 +540,16 @@ def test_full_forget_is_finite_and_exact(cf, where):
     x = [t.requires_grad_() for t in x]
     memories = (torch.randn(2, 2, 5, d, dtype=torch.float64, requires_grad=True) for d in (3, 4))
     state = TrellisState.at_chunk_start(*memories)
-    kw = dict(compress_fn=cf, mix_fn="ln_silu")
+    kw = dict(compress_fn=cf, mix_fn="ln_silu", write_gradient=wg)
     o_ref, s_ref = run("reference", x, initial_state=state, chunk_size=C, **kw)
-    g_ref = _grads("reference", x, state, C, cf, "ln_silu")
+    g_ref = _grads("reference", x, state, C, cf, "ln_silu", wg=wg)
     assert o_ref.isfinite().all() and all(g.isfinite().all() for g in g_ref)
     for backend in FAST_BACKENDS + ["decode"]:
         if backend == "decode":
             o, s = _decode(x, state, C, **kw)
         else:
             o, s = run(backend, x, initial_state=state, chunk_size=C, **kw)
-            for g, e in zip(_grads(backend, x, state, C, cf, "ln_silu"), g_ref):
+            for g, e in zip(_grads(backend, x, state, C, cf, "ln_silu", wg=wg), g_ref):
                 assert g.isfinite().all()
                 torch.testing.assert_close(g, e, rtol=1e-8, atol=1e-9)
         torch.testing.assert_close(o, o_ref, **TOL, msg=lambda m: f"{backend}: {m}")
@@ -552,26 +568,91 @@ def _allocated_bytes(fn) -> int:
 
 
 @pytest.mark.parametrize("backend", FAST_BACKENDS)
-@pytest.mark.parametrize("cf", ["layernorm", "identity"])
-def test_cost_follows_the_tokens_not_the_chunk_size(backend, cf):
+@pytest.mark.parametrize("cf,wg", [("layernorm", "anchored"), ("identity", "anchored"), ("layernorm", "exact")])
+def test_cost_follows_the_tokens_not_the_chunk_size(backend, cf, wg):
     """A 5-token call at C = 4096 allocated 4.4 GB (blocks of C x C); now it allocates what
     C = 8 does and gives the same numbers. C = 10**9 runs and equals the reference, rows
     resuming at the start and 3 tokens before the end of a chunk."""
     x = make_inputs(2, 5, 2, 3, 4, 6, seed=1)
     pair = (torch.randn(2, 2, 6, 3, dtype=torch.float64), torch.randn(2, 2, 6, 4, dtype=torch.float64))
-    o_8, s_8 = run(backend, x, initial_state=pair, chunk_size=8, compress_fn=cf)
-    o_big, s_big = run(backend, x, initial_state=pair, chunk_size=4096, compress_fn=cf)
+    o_8, s_8 = run(backend, x, initial_state=pair, chunk_size=8, compress_fn=cf, write_gradient=wg)
+    o_big, s_big = run(backend, x, initial_state=pair, chunk_size=4096, compress_fn=cf, write_gradient=wg)
     torch.testing.assert_close(o_big, o_8, **TOL)
     assert_states_close(s_big.map(lambda t: t % 8 if t.dtype == torch.long else t), s_8)
-    small = _allocated_bytes(lambda: run(backend, x, initial_state=pair, chunk_size=8, compress_fn=cf))
-    big = _allocated_bytes(lambda: run(backend, x, initial_state=pair, chunk_size=4096, compress_fn=cf))
+    small = _allocated_bytes(lambda: run(backend, x, initial_state=pair, chunk_size=8, compress_fn=cf, write_gradient=wg))
+    big = _allocated_bytes(lambda: run(backend, x, initial_state=pair, chunk_size=4096, compress_fn=cf, write_gradient=wg))
     assert big < 2 * small + 100_000, (small, big)
 
     C = 10**9
     state = make_state(2, 2, 3, 4, 6, chunk_size=C)
     state.offset.copy_(torch.tensor([0, C - 3]))
-    o, s = run(backend, x, initial_state=state, chunk_size=C, compress_fn=cf)
-    o_ref, s_ref = run("reference", x, initial_state=state, chunk_size=C, compress_fn=cf)
+    o, s = run(backend, x, initial_state=state, chunk_size=C, compress_fn=cf, write_gradient=wg)
+    o_ref, s_ref = run("reference", x, initial_state=state, chunk_size=C, compress_fn=cf, write_gradient=wg)
     torch.testing.assert_close(o, o_ref, **TOL)
     assert_states_close(s, s_ref)
     assert s.offset.tolist() == [5, 2]
+
+
+# ---------------------------------------------------------------------------------------------
+# "exact" writes: every residual at the memory just before its write (design page, sections 1-2),
+# so C only chooses how the one function, the per-token recurrence of C = 1, is computed.
+
+
+@pytest.mark.parametrize("cf,mf", [("layernorm", "ln_silu"), ("l2norm", "softmax"), ("layernorm", "l2_silu")])
+@pytest.mark.parametrize("C", [1, 3, 16, 64])
+def test_exact_is_one_function_at_every_chunk_size(C, cf, mf):
+    """Every backend at C (rows resuming mid-chunk, T not a multiple of C) equals the anchored
+    loop at C = 1 and the independent statement above, in float64; the anchors it hands back
+    are its memories."""
+    x = make_inputs(2, 70, 2, 5, 7, 6, seed=C)
+    state = make_state(2, 2, 5, 7, 6, chunk_size=C)
+    o_1, s_1 = run("reference", x, initial_state=_at_chunk_start(state), chunk_size=1, compress_fn=cf, mix_fn=mf)
+    torch.testing.assert_close(o_1, naive(*x, state.m_k, state.m_v, C, cf, mf, "exact"), **TOL)
+    assert o_1.abs().max() > 0.1
+    kw = dict(compress_fn=cf, mix_fn=mf, write_gradient="exact")
+    for backend in ["reference"] + FAST_BACKENDS + ["decode"]:
+        if backend == "decode":
+            o, s = _decode(x, state, C, **kw)
+        else:
+            o, s = run(backend, x, initial_state=state, chunk_size=C, **kw)
+        torch.testing.assert_close(o, o_1, **TOL, msg=lambda m: f"{backend}: {m}")
+        torch.testing.assert_close(s.m_k, s_1.m_k, **TOL)
+        torch.testing.assert_close(s.m_v, s_1.m_v, **TOL)
+        assert torch.equal(s.anchor_k, s.m_k) and torch.equal(s.anchor_v, s.m_v)
+        assert s.offset.tolist() == ((state.offset + 70) % C).tolist()
+
+
+@pytest.mark.parametrize("backend", FAST_BACKENDS)
+@pytest.mark.parametrize("C,cf", [(4, "layernorm"), (16, "l2norm"), (64, "layernorm")])
+def test_exact_gradients_equal_the_recurrence(backend, C, cf):
+    """The gradients of the outputs and memories at C equal the loop's at C = 1 (anchors and
+    offsets do not enter the function)."""
+    x = make_inputs(2, 37, 2, 3, 4, 5, requires_grad=True, seed=C)
+    state = make_state(2, 2, 3, 4, 5, chunk_size=C, requires_grad=True)
+
+    def grads(backend, chunk_size, state, wg):
+        o, s = run(backend, x, initial_state=state, chunk_size=chunk_size, compress_fn=cf, write_gradient=wg)
+        gen = torch.Generator().manual_seed(1)
+        loss = sum((t * torch.randn(t.shape, generator=gen, dtype=t.dtype)).sum() for t in (o, s.m_k, s.m_v))
+        return torch.autograd.grad(loss, list(x) + [state.m_k, state.m_v])
+
+    expected = grads("reference", 1, _at_chunk_start(state), "anchored")
+    for g, e in zip(grads(backend, C, state, "exact"), expected):
+        assert e.abs().max() > 0
+        torch.testing.assert_close(g, e, rtol=1e-8, atol=1e-9)
+
+
+def test_exact_and_anchored_differ_beyond_one_token_chunks():
+    """Guards the comparisons above: a backend that ignored write_gradient would be caught."""
+    x = make_inputs(1, 12, 1, 4, 4, 3)
+    state = (torch.randn(1, 1, 3, 4, dtype=torch.float64),) * 2
+    for backend in ["reference"] + FAST_BACKENDS:
+        o_exact, _ = run(backend, x, initial_state=state, chunk_size=4, write_gradient="exact")
+        o_anchored, _ = run(backend, x, initial_state=state, chunk_size=4, write_gradient="anchored")
+        assert (o_exact - o_anchored).abs().max() > 1e-3, backend
+
+
+def test_bad_write_gradient_is_refused_by_name():
+    x = make_inputs(1, 3, 1, 2, 2, 2)
+    with pytest.raises(ValueError, match="write_gradient must be one of"):
+        trellis_attention(*x, write_gradient="stale")

@@ -418,7 +418,8 @@ def test_custom_op_checks_and_compiles():
     torch.library.opcheck(_fwd_op, tensors + [state.offset, None, 4, "layernorm", "ln_silu"])
 
     def loss(*ts):
-        o, s = triton_forward(*ts[:6], TrellisState(*ts[6:], state.offset), 4, "layernorm", "ln_silu", None)
+        o, s = triton_forward(*ts[:6], TrellisState(*ts[6:], state.offset), 4, "layernorm", "ln_silu", "anchored",
+                              None)
         return o.square().sum() + s.m_k.sum() + s.anchor_v.square().sum()
 
     compiled = torch.compile(loss, backend="aot_eager", fullgraph=True)
@@ -477,7 +478,7 @@ def test_triton_step_is_the_registry_s_single_token_step(cf, mf, monkeypatch):
 
     monkeypatch.setattr(triton_step_module, "triton_forward", custom_op_path)
     o, s = trellis_step(*x, state=state, backend="triton", **kw)
-    o_ref, s_ref = step_forward(*x, state, chunk, cf, mf, None)
+    o_ref, s_ref = step_forward(*x, state, chunk, cf, mf, "anchored", None)
     assert_close_f32(o, o_ref, "o")
     assert_states_close(s, s_ref)
     for name, t in before.tensors().items():
@@ -737,3 +738,56 @@ def test_identity_is_the_same_function_at_every_chunk_size():
     o, s = run("torch", x, initial_state=state, chunk_size=4, **kw)
     assert_close_f32(o, o_1, "o")
     assert_states_close(s, run("reference", x, initial_state=state, chunk_size=4, **kw)[1])
+
+
+# ---------------------------------------------------------------------------------------------
+# "exact" writes: the recurrence of C = 1 at any C, through the per-token kernels.
+
+
+@needs_triton
+@pytest.mark.parametrize("C,cf,mf,T", [(4, "layernorm", "ln_silu", 11), (16, "l2norm", "softmax", 21),
+                                        (64, "layernorm", "l2_silu", 7)])
+def test_exact_writes_match_the_torch_path(C, cf, mf, T):
+    """Outputs, final state (anchors = memories, the offset in C's count) and every gradient
+    against the torch backend's chunk form, rows resuming mid-chunk; H, D, M not powers of two."""
+    x, state = _inputs(2, T, 3, 5, 7, 6, C, seed=C, grad=True)
+    kw = dict(chunk_size=C, compress_fn=cf, mix_fn=mf, write_gradient="exact")
+    o, s = run("triton", x, initial_state=state, **kw)
+    o_ref, s_ref = run("torch", x, initial_state=state, **kw)
+    assert_close_f32(o, o_ref, "o")
+    assert_states_close(s, s_ref)
+    assert torch.equal(s.anchor_k, s.m_k)
+
+    def grads(backend):
+        o, s = run(backend, x, initial_state=state, **kw)
+        gen = torch.Generator().manual_seed(0)
+        loss = sum((t * torch.randn(t.shape, generator=gen).to(t.device)).sum() for t in (o, s.m_k, s.m_v))
+        return torch.autograd.grad(loss, list(x) + [state.m_k, state.m_v])
+
+    for name, g, e in zip(NAMES, grads("triton"), grads("torch")):
+        assert_close_f32(g, e, f"d/d{name}")
+
+
+@needs_triton
+def test_exact_triton_steps_and_varlen():
+    """Single-token steps in a row, and packed sequences with an empty one, with exact writes."""
+    from trellis_lm.ops import trellis_step
+
+    C = 3
+    x, state = _inputs(2, 5, 2, 5, 7, 6, C, seed=23)
+    kw = dict(chunk_size=C, write_gradient="exact")
+    o_ref, s_ref = run("reference", x, initial_state=state, **kw)
+    live, outs = state.map(lambda t: t.detach().clone()), []
+    with torch.no_grad():
+        for p in range(5):
+            o, live = trellis_step(*[t[:, p : p + 1] for t in x], state=live, backend="triton", **kw)
+            outs.append(o)
+    assert_close_f32(torch.cat(outs, dim=1), o_ref, "o")
+    assert_states_close(live, s_ref)
+    lengths = [4, 0, 6]
+    x, state = _inputs(1, sum(lengths), 2, 3, 4, 5, C, seed=24, rows=len(lengths))
+    cu = torch.tensor([0] + lengths, device=DEVICE).cumsum(0)
+    o, s = run("triton", x, initial_state=state, cu_seqlens=cu, **kw)
+    o_ref, s_ref = run("reference", x, initial_state=state, cu_seqlens=cu, **kw)
+    assert_close_f32(o, o_ref, "o")
+    assert_states_close(s, s_ref)

@@ -613,10 +613,12 @@ class TrellisCache(Cache):
             )
         if self.signature is None:
             return
+        # A field the file's model predates is read as what that model computed with.
+        recorded = {**getattr(config, "legacy_values", dict)(), **self.signature}
         for name, value in config.layer_signature().items():
-            if self.signature.get(name) != value:
+            if recorded.get(name) != value:
                 raise ValueError(
-                    f"the cache was made by a model with {name}={self.signature.get(name)!r}, "
+                    f"the cache was made by a model with {name}={recorded.get(name)!r}, "
                     f"this model has {name}={value!r}"
                 )
 

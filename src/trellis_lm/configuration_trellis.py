@@ -80,6 +80,12 @@ class TrellisConfig(PreTrainedConfig):
     last 30% of the steps in ``with StatePassing(0.9).attached(model):``.
         compress_fn: Trellis's compression function phi, one of ``trellis_lm.ops.COMPRESS_FNS``.
         mix_fn: Trellis's mixing function f, one of ``trellis_lm.ops.MIX_FNS``.
+        write_gradient: where each Trellis write takes its inner gradient (design page
+            ``trellis.md``, sections 1-2): ``"exact"`` (default), at the memory just before it,
+            the per-token recurrence at any ``chunk_size`` (C then only chooses how it is
+            computed); ``"anchored"``, at the memory as it was at the write's chunk start, stale
+            inside a chunk, so C is part of the function. A ``config.json`` without this field
+            (every checkpoint saved before it existed) is read as ``"anchored"``.
         lattice_variant: Lattice's write rule, one of ``trellis_lm.ops.LATTICE_VARIANTS``
             (``"dec"``, ``"enc"``, ``"sim"``).
         conv_size: width of the causal depthwise convolution on q and k of the memory mixers;
@@ -166,6 +172,7 @@ class TrellisConfig(PreTrainedConfig):
     chunk_size: int = 16
     compress_fn: str = "layernorm"
     mix_fn: str = "ln_silu"
+    write_gradient: str = "exact"
     lattice_variant: str = "dec"
     conv_size: int = 4
     use_forget_gate: bool = True
@@ -193,6 +200,23 @@ class TrellisConfig(PreTrainedConfig):
     use_cache: bool = True
     op_backend: str = "auto"
     compile_decode: bool = False
+
+    @classmethod
+    def legacy_values(cls) -> dict[str, Any]:
+        """Fields added after checkpoints were saved without them, each with the value those
+        checkpoints computed with (a mixer's ``ConfigField.legacy``): what a saved config or
+        cache signature that lacks the field means."""
+        return {field.name: field.legacy for field in field_checks() if field.legacy is not None}
+
+    @classmethod
+    def from_dict(cls, config_dict: dict[str, Any], **kwargs: Any) -> "TrellisConfig":
+        """A saved config (``config.json``, what ``from_pretrained`` reads). A field it lacks
+        because it was saved before the field existed takes the value that checkpoint computed
+        with (:meth:`legacy_values`, e.g. ``write_gradient="anchored"``), not the default of new
+        models; fields given as keyword arguments win."""
+        missing = {name: value for name, value in cls.legacy_values().items()
+                   if name not in config_dict and name not in kwargs}
+        return super().from_dict({**config_dict, **missing}, **kwargs)
 
     def __post_init__(self, **kwargs: Any) -> None:
         given = kwargs.pop("layer_types", None)

@@ -28,11 +28,16 @@ class ConfigField:
             fields, e.g. a size bounded by another).
         expected: the accepted values in words, for the ``ValueError``: a string, or a function
             of the config when the bound names another field's value.
+        legacy: for a field added after checkpoints were saved without it, the value those
+            checkpoints (and their cache files) computed with; ``None`` otherwise. A saved
+            config or cache signature that lacks the field is read with it, never with the
+            field's default for new models.
     """
 
     name: str
     valid: Callable[[Any, Any], bool]
     expected: Union[str, Callable[[Any], str]]
+    legacy: Any = None
 
     def describe(self, config: Any) -> str:
         return self.expected(config) if callable(self.expected) else self.expected
@@ -51,8 +56,8 @@ def integer(name: str, low: int, high: int, note: str = "") -> ConfigField:
     return ConfigField(name, lambda v, _: is_int(v) and low <= v <= high, f"an integer in [{low}, {high}]{note}")
 
 
-def choice(name: str, options: Sequence[str]) -> ConfigField:
-    return ConfigField(name, lambda v, _: v in options, f"one of {tuple(options)}")
+def choice(name: str, options: Sequence[str], legacy: Any = None) -> ConfigField:
+    return ConfigField(name, lambda v, _: v in options, f"one of {tuple(options)}", legacy)
 
 
 def positive(name: str) -> ConfigField:

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..cache_trellis import MemoryLayerCache, TensorSpec
-from ..ops import COMPRESS_FNS, MIX_FNS, TrellisState, trellis_attention, trellis_step
+from ..ops import COMPRESS_FNS, MIX_FNS, WRITE_GRADIENTS, TrellisState, trellis_attention, trellis_step
 from ..ops.trellis import BACKENDS
 from .base import MemoryMixer, Projections, chunked_memory_layout
 from .fields import CHUNK_SIZE, CONV_SIZE, NUM_SLOTS, ConfigField, choice, flag, positive
@@ -61,6 +61,8 @@ class TrellisAttention(MemoryMixer):
     config_fields = (
         NUM_SLOTS, CHUNK_SIZE, choice("compress_fn", COMPRESS_FNS), choice("mix_fn", MIX_FNS), CONV_SIZE,
         flag("use_forget_gate"), positive("gate_logit_normalizer"),
+        # Every checkpoint saved before the field existed computes the anchored function.
+        choice("write_gradient", WRITE_GRADIENTS, legacy="anchored"),
     )
     # A LayerNorm over one slot is 0 with a zero gradient: mix_fn "ln_silu" then reads 0 for every
     # input and compress_fn "layernorm" writes nothing, a memory that cannot be addressed.
@@ -135,7 +137,9 @@ class TrellisAttention(MemoryMixer):
 
     def op_settings(self) -> dict[str, Any]:
         config = self.config
-        return dict(chunk_size=config.chunk_size, compress_fn=config.compress_fn, mix_fn=config.mix_fn)
+        return dict(chunk_size=config.chunk_size, compress_fn=config.compress_fn, mix_fn=config.mix_fn,
+                    write_gradient=config.write_gradient)
+
     def init_weights(self, init: Any) -> None:
         super().init_weights(init)
         # Entries of order 1, so `MK0 k` spreads over the slots for a unit-norm k; a tiny

@@ -13,9 +13,9 @@ Helpers the ops share live beside them: :mod:`.checks` (argument checks), :mod:`
 from .kvm import KVMState, kvm_attention, kvm_step
 from .lattice import LATTICE_VARIANTS, LatticeState, lattice_attention, lattice_step
 from .state import OpState
-from .trellis import BACKENDS, COMPRESS_FNS, MIX_FNS, TrellisState, trellis_attention, trellis_step
+from .trellis import BACKENDS, COMPRESS_FNS, MIX_FNS, WRITE_GRADIENTS, TrellisState, trellis_attention, trellis_step
 
 __all__ = [
-    "BACKENDS", "COMPRESS_FNS", "KVMState", "LATTICE_VARIANTS", "LatticeState", "MIX_FNS", "OpState", "TrellisState",
+    "BACKENDS", "COMPRESS_FNS", "KVMState", "LATTICE_VARIANTS", "LatticeState", "MIX_FNS", "OpState", "TrellisState", "WRITE_GRADIENTS",
     "kvm_attention", "kvm_step", "lattice_attention", "lattice_step", "trellis_attention", "trellis_step",
 ]

@@ -10,7 +10,7 @@ and :mod:`.state` (the carried state).
 """
 
 from .dispatch import BACKENDS, trellis_attention, trellis_step
-from .compress_mix import COMPRESS_FNS, MIX_FNS
+from .compress_mix import COMPRESS_FNS, MIX_FNS, WRITE_GRADIENTS
 from .state import TrellisState
 
-__all__ = ["BACKENDS", "COMPRESS_FNS", "MIX_FNS", "TrellisState", "trellis_attention", "trellis_step"]
+__all__ = ["BACKENDS", "COMPRESS_FNS", "MIX_FNS", "WRITE_GRADIENTS", "TrellisState", "trellis_attention", "trellis_step"]

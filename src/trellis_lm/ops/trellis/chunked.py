@@ -45,16 +45,30 @@ def log_decays(log_beta: torch.Tensor, with_gap: bool = True):
     return c, before, after, (in_chunk_log_gaps(log_beta) if with_gap else None)
 
 
+def residual_lower(x: torch.Tensor, gamma: torch.Tensor, gap: torch.Tensor) -> torch.Tensor:
+    """``Lm [..., L, L]``: ``Lm[r, i] = gamma_i e^{c_{r-1} - c_i} (x_r . x_i)`` for ``i < r``, else 0.
+
+    The memory before token r of a chunk that starts from ``S`` is
+    ``e^{c_{r-1}} S - sum_{i<r} gamma_i e^{c_{r-1} - c_i} u_i x_i^T``, so its read-out at ``x_r`` is
+    ``e^{c_{r-1}} S x_r - sum_{i<r} Lm[r, i] u_i`` (design page, section 2): what residuals at the
+    current memory (``identity``, ``"exact"`` writes) need besides the chunk's start state.
+
+    Args:
+        x: ``[..., L, D]`` keys (or values); gamma ``[..., L]``; gap ``[..., L, L]`` from :func:`log_decays`.
+    """
+    # gap[r - 1, i] = c_{r-1} - c_i for i < r (row 0 has no earlier token).
+    prev = torch.cat([torch.full_like(gap[..., :1, :], float("-inf")), gap[..., :-1, :]], dim=-2)
+    return prev.exp() * gamma[..., None, :] * (x @ x.transpose(-1, -2))
+
+
 def identity_residual_basis(x: torch.Tensor, alpha: torch.Tensor, gamma: torch.Tensor, before: torch.Tensor,
                             gap: torch.Tensor):
     """``identity`` residuals at the current state, in the form ``U = W S^T - Z`` (section 2).
 
-    With residuals taken before each token's write, ``u_r = M_{r-1} x_r - alpha_r`` and
-    ``M_{r-1} = e^{c_{r-1}} S - sum_{i<r} gamma_i e^{c_{r-1} - c_i} u_i x_i^T``, so
-    ``(I + Lm) U = diag(e^{before}) X S^T - A`` with the strictly lower
-    ``Lm[r, i] = gamma_i e^{c_{r-1} - c_i} (x_r . x_i)``. One unit-lower-triangular solve,
-    batched over every leading dim (rows, heads, chunks), gives ``W`` and ``Z`` for all chunks
-    before their start states are known.
+    With ``u_r = M_{r-1} x_r - alpha_r`` the rows satisfy ``(I + Lm) U = diag(e^{before}) X S^T - A``
+    (``Lm`` of :func:`residual_lower`). One unit-lower-triangular solve, batched over every
+    leading dim (rows, heads, chunks), gives ``W`` and ``Z`` for all chunks before their start
+    states are known.
 
     Args:
         x: ``[..., L, D]`` keys (or values); alpha ``[..., L, M]``; gamma, before ``[..., L]``;
@@ -63,12 +77,9 @@ def identity_residual_basis(x: torch.Tensor, alpha: torch.Tensor, gamma: torch.T
         ``(W [..., L, D], Z [..., L, M])``.
     """
     dim = x.shape[-1]
-    # gap[r - 1, i] = c_{r-1} - c_i for i < r (row 0 has no earlier token).
-    prev = torch.cat([torch.full_like(gap[..., :1, :], float("-inf")), gap[..., :-1, :]], dim=-2)
-    lower = prev.exp() * gamma[..., None, :] * (x @ x.transpose(-1, -2))
     scaled = before.exp()[..., None] * x
     rhs = torch.cat([scaled, alpha.expand(scaled.shape[:-1] + alpha.shape[-1:])], dim=-1)
-    solved = torch.linalg.solve_triangular(lower, rhs, upper=False, unitriangular=True)
+    solved = torch.linalg.solve_triangular(residual_lower(x, gamma, gap), rhs, upper=False, unitriangular=True)
     return solved[..., :dim], solved[..., dim:]
 
 
@@ -100,7 +111,8 @@ def _from_chunk_major(o: torch.Tensor, flat_index: torch.Tensor, rows: int, head
 GROUP_ELEMENTS = 1 << 22
 
 
-def chunked_forward(q, k, v, alpha, log_beta, gamma, state, chunk_size, compress_fn, mix_fn, cu_seqlens):
+def chunked_forward(q, k, v, alpha, log_beta, gamma, state, chunk_size, compress_fn, mix_fn, write_gradient,
+                    cu_seqlens):
     """Backend ``"torch"``; arguments as validated by :func:`trellis_lm.ops.trellis_attention`.
 
     Two phases. The sequential loop over chunks runs only the state chain: each chunk's ``U``
@@ -112,6 +124,10 @@ def chunked_forward(q, k, v, alpha, log_beta, gamma, state, chunk_size, compress
     :class:`.chunked_autograd.ChunkFunction`, whose hand-written backward replaces autograd of the
     loop; only the state-independent set-up here (layout, decays, the ``identity`` solve) is
     differentiated by autograd.
+
+    ``"exact"`` writes with ``layernorm``/``l2norm`` take each residual at the memory just before
+    the write: inside the chain loop, a chunk's ``U`` is then a forward substitution over its
+    tokens on M-vectors (design page, section 2), not one batched residual at the anchor.
     """
     batch, length, heads, _ = q.shape
     dk, dv = q.shape[-1], v.shape[-1]
@@ -127,6 +143,8 @@ def chunked_forward(q, k, v, alpha, log_beta, gamma, state, chunk_size, compress
 
     # State-independent per-chunk quantities, for all chunks at once (decays in log space).
     identity = compress_fn == "identity"
+    exact = write_gradient == "exact"
+    substituted = exact and not identity  # identity's exact residuals come from its solve
     cum, before, after, gap = log_decays(LB, with_gap=identity)
     mu = cum.exp()[..., None]  # [chunks, NH, L, 1]
     mu_last = cum[..., -1:].exp()[..., None]  # [chunks, NH, 1, 1]
@@ -147,13 +165,15 @@ def chunked_forward(q, k, v, alpha, log_beta, gamma, state, chunk_size, compress
         if identity:  # residuals at the current state: U = W S^T - Z, whatever the anchors
             w_x, z_x = identity_residual_basis(X, A[:, None], G[:, None], before[:, None], gap[:, None])
             chain_tensors += [w_x.flatten(1, 2), z_x.flatten(1, 2)]
+        elif substituted:  # its Lm is made inside the Function from the read-outs' decays
+            chain_tensors.append(before.exp()[..., None])
         chain_tensors += [X.flatten(1, 2), s0.flatten(0, 2), a0.flatten(0, 2)]
 
     inputs = (Q, K, V, mu, G, LB, A, mu_last, w, *chain_tensors)
     keep = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
     state_elements = sum(s0.numel() for _, s0, _ in chains)
     spec = ChunkSpec(
-        compress_fn=compress_fn, mix_fn=mix_fn, passes=tuple(X.shape[1] for X, _, _ in chains),
+        compress_fn=compress_fn, mix_fn=mix_fn, substituted=substituted, passes=tuple(X.shape[1] for X, _, _ in chains),
         last_chunk=tuple(((state.offset + lengths - 1).clamp(min=0) // chunk).tolist()), heads=heads,
         keep=keep, group=max(1, GROUP_ELEMENTS // max(1, state_elements)),
     )
@@ -165,6 +185,8 @@ def chunked_forward(q, k, v, alpha, log_beta, gamma, state, chunk_size, compress
         s_k, f_k, s_v, f_v = finals
     s_k, s_v = s_k.view(state.m_k.shape), s_v.view(state.m_v.shape)
     f_k, f_v = f_k.view(state.m_k.shape), f_v.view(state.m_v.shape)
+    if exact:  # nothing reads the anchors: they follow the memories (design page, section 3)
+        f_k, f_v = s_k, s_v
     # A sequence with no tokens hands its initial state back untouched, anchors included.
     empty = (lengths == 0)[:, None, None, None]
     final = TrellisState(

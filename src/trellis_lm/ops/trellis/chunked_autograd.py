@@ -11,7 +11,9 @@ read-outs, many large temporaries; this Function instead
 * carries the state gradient back through the chunks in one reverse loop: through
   ``S' = mu_L S - (w * U)^T X`` and through ``U``'s dependence on the anchor (the second-order
   terms of ``vjp_phi``, section 4), in closed form for ``layernorm`` and ``l2norm``; for
-  ``identity`` ``U = W S^T - Z`` is linear in the state;
+  ``identity`` ``U = W S^T - Z`` is linear in the state; for ``"exact"`` writes
+  (``substituted``) ``U`` is a forward substitution over each chunk's tokens, and its VJP the
+  reverse substitution (:func:`_substitute`, :func:`_unsubstitute`);
 * and finally forms the input gradients batched over chunks.
 
 The mixing function's VJP is closed-form for ``ln_silu`` (torch's fused layer-norm and SiLU
@@ -40,6 +42,9 @@ class ChunkSpec:
 
     Attributes:
         compress_fn, mix_fn: names from :mod:`.compress_mix`.
+        substituted: ``"exact"`` writes with ``layernorm``/``l2norm``: each chunk's ``U`` by
+            forward substitution from its start state (the chain tensor ``eb``; ``Lm`` is made
+            here from the decays and the keys' Gram matrix, see :func:`_residual_lower`).
         passes: ``P`` of each chain (``(2,)`` for one stacked chain, ``(1, 1)`` for two).
         last_chunk: per row, the chunk whose start state is its final anchor.
         heads: H (``NH = rows * heads``).
@@ -50,6 +55,7 @@ class ChunkSpec:
 
     compress_fn: str
     mix_fn: str
+    substituted: bool
     passes: tuple
     last_chunk: tuple
     heads: int
@@ -129,6 +135,104 @@ def _residual_vjp2(name: str, z_hat, r, a, b, u, grad_u, out_z, out_alpha) -> No
     torch.mul(z_hat, g_zh, out=out_alpha).sub_(cen_g).mul_(r)
 
 
+def _alpha_vjp(name: str, z_hat, r, grad_u, out_alpha) -> None:
+    """The ``alpha`` part of :func:`_residual_vjp2` alone: ``r (z_hat red(g z_hat) - cen(g))``."""
+    centre = name == "layernorm"
+    g_zh = _dot(grad_u, z_hat).mul_(1 / z_hat.shape[-1] if centre else 1.0)
+    cen_g = grad_u - grad_u.mean(-1, keepdim=True) if centre else grad_u
+    torch.mul(z_hat, g_zh, out=out_alpha).sub_(cen_g).mul_(r)
+
+
+# Tokens per block of the substitution loops: each block's terms from earlier blocks come from one
+# batched product, and only its own tokens are substituted one at a time (L * B / 2 element updates
+# per row instead of L^2 / 2; measured fastest on the CPU among 8, 16 and 32 at L = 64).
+SUBSTITUTION_BLOCK = 16
+
+
+def _substitute(name: str, z: torch.Tensor, lower: torch.Tensor, alpha: torch.Tensor, u: torch.Tensor) -> None:
+    """One chunk's ``U`` for ``"exact"`` writes, by forward substitution over its tokens.
+
+    The memory before token r reads ``z_r = e^{c_{r-1}} S x_r - sum_{i<r} Lm[r, i] u_i`` at
+    ``x_r``, and ``u_r = vjp_phi(z_r, phi(z_r) - alpha_r)`` (design page, section 2): a loop over
+    the L tokens on M-vectors. The tokens go in blocks of :data:`SUBSTITUTION_BLOCK`: a block's
+    read-outs first take the terms of all earlier blocks in one batched product; inside the
+    block, token-major copies keep every step's operands contiguous, and each ``u_r``'s term is
+    pushed into the block's later read-outs at once.
+
+    Args:
+        z: ``[P, NH, L, M]``, ``e^{c_{r-1}} S x_r`` on entry and ``z_r`` on return.
+        lower: ``[P, NH, L, L]`` ``Lm`` of :func:`_residual_lower`.
+        alpha: ``[NH, L, M]`` targets (shared by the passes).
+        u: ``[P, NH, L, M]`` receives ``U``.
+    """
+    passes, nh, width, slots = z.shape
+    z_rows, lower_rows, u_rows = z.view(-1, width, slots), lower.view(-1, width, width), u.view(-1, width, slots)
+    for lo in range(0, width, SUBSTITUTION_BLOCK):
+        hi = min(width, lo + SUBSTITUTION_BLOCK)
+        block = z_rows[:, lo:hi]
+        if lo:
+            block = torch.baddbmm(block, lower_rows[:, lo:hi, :lo], u_rows[:, :lo], alpha=-1)
+        reads = block.view(passes, nh, hi - lo, slots).permute(2, 0, 1, 3).contiguous()  # [b, P, NH, M]
+        push = lower[..., lo:hi, lo:hi].permute(3, 2, 0, 1).contiguous()  # push[i, r] = Lm[..., r, i]
+        targets = alpha[:, lo:hi].transpose(0, 1).contiguous()  # [b, NH, M]
+        out = torch.empty_like(reads)
+        for r in range(hi - lo):
+            out[r] = compress_residual_vjp(name, reads[r], targets[r])
+            if r + 1 < hi - lo:
+                reads[r + 1:].addcmul_(push[r, r + 1:, ..., None], out[r], value=-1)
+        z[..., lo:hi, :] = reads.permute(1, 2, 0, 3)
+        u[..., lo:hi, :] = out.permute(1, 2, 0, 3)
+
+
+def _unsubstitute(name: str, z_hat, r, a, b, u, lower, grad_u, out_z, out_alpha) -> None:
+    """The VJP of :func:`_substitute` for one chunk, a reverse substitution over its tokens.
+
+    ``z_j`` depends on ``u_r`` (r < j) through ``-Lm[j, r] u_r``, so the gradient reaching ``u_r``
+    is ``g_r = grad_u_r - sum_{j>r} Lm[j, r] dz_j``, and ``dz_r = J_r^T g_r`` with ``J_r`` the
+    Jacobian of ``u_r`` in ``z_r``. ``J_r^T g = a cen(g) - b red(g z_hat) - r z_hat red(g u)``
+    (:func:`_residual_vjp2_terms`) is a scaled ``g`` minus a rank-3 (``l2norm``: 2) correction,
+    so each token costs two small products: ``k = g [1 / M | s z_hat | s u]`` and
+    ``dz = a g - k [a 1; b; r z_hat]`` (``s`` = 1 / M for ``layernorm``, 1 for ``l2norm``).
+    Blocks as in :func:`_substitute`, last first: a block's ``g`` takes the terms of all later
+    blocks in one batched product.
+
+    Args (all ``[P NH, L, *]``; ``r`` and ``a`` ``[..., 1]``): the residual parts ``z_hat``,
+    ``r``, ``a``, ``b``, the forward's ``u`` and ``lower`` (``Lm``); ``grad_u`` (the gradient at
+    ``U`` from the reads and the next state; overwritten with ``g``). Writes ``dz`` to
+    ``out_z`` and the gradient at the targets to ``out_alpha``.
+    """
+    width, slots = u.shape[-2:]
+    centre = name == "layernorm"
+    scale = 1 / slots if centre else 1.0
+    # Token-major, the k vectors of a token on a middle axis: each built by one strided copy.
+    columns, rows = [z_hat, u], [b, r * z_hat]
+    if centre:
+        columns.insert(0, torch.ones_like(u))
+        rows.insert(0, a.expand(u.shape))
+    project = torch.stack([x.transpose(0, 1) for x in columns], 2)  # [L, P NH, k, M]
+    if scale != 1.0:
+        project.mul_(scale)
+    rebuild = torch.stack([x.transpose(0, 1) for x in rows], 2)  # [L, P NH, k, M]
+    scales = a.transpose(0, 1).contiguous()  # [L, P NH, 1]
+    for lo in reversed(range(0, width, SUBSTITUTION_BLOCK)):
+        hi = min(width, lo + SUBSTITUTION_BLOCK)
+        block = grad_u[:, lo:hi]
+        if hi < width:
+            block = torch.baddbmm(block, _t(lower[:, hi:, lo:hi]), out_z[:, hi:], alpha=-1)
+        grads = block.transpose(0, 1).contiguous()  # [b, P NH, M]
+        pull = lower[:, lo:hi, lo:hi].permute(1, 2, 0).contiguous()  # pull[j, i] = Lm[:, j, i]
+        dz = torch.empty_like(grads)
+        for t in range(hi - lo - 1, -1, -1):
+            g = grads[t][:, None]  # [P NH, 1, M]
+            coefficients = torch.bmm(g, _t(project[lo + t]))  # [P NH, 1, k]
+            torch.baddbmm(g * scales[lo + t][:, None], coefficients, rebuild[lo + t], alpha=-1, out=dz[t][:, None])
+            if t:
+                grads[:t].addcmul_(pull[t, :t, :, None], dz[t], value=-1)
+        out_z[:, lo:hi] = dz.transpose(0, 1)
+        grad_u[:, lo:hi] = grads.transpose(0, 1)
+    _alpha_vjp(name, z_hat, r, grad_u, out_alpha)
+
+
 def _dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``(a * b).sum(-1, keepdim=True)`` as a batched matrix product (no product temporary)."""
     return torch.matmul(a.unsqueeze(-2), b.unsqueeze(-1)).squeeze(-1)
@@ -163,8 +267,13 @@ def _split(spec: ChunkSpec, chain_tensors):
     """The flat per-chain tensors -> one dict per chain."""
     identity, out, i = spec.compress_fn == "identity", [], 0
     for passes in spec.passes:
-        ch = dict(W=chain_tensors[i], Z=chain_tensors[i + 1]) if identity else {}
-        i += 2 if identity else 0
+        ch = {}
+        if identity:
+            ch.update(W=chain_tensors[i], Z=chain_tensors[i + 1])
+            i += 2
+        elif spec.substituted:
+            ch.update(eb=chain_tensors[i])
+            i += 1
         ch.update(X=chain_tensors[i], s0=chain_tensors[i + 1], a0=chain_tensors[i + 2], P=passes)
         i += 3
         out.append(ch)
@@ -181,7 +290,8 @@ class ChunkFunction(torch.autograd.Function):
         A: ``[n, NH, L, M]`` targets; mu_last: ``[n, NH, 1, 1]`` = ``exp(c_L)``.
         w: ``[n, NH, L, 1]`` the write weights ``gamma_i exp(c_L - c_i)`` of ``S'``.
         chains: per chain, for ``identity`` first ``W [n, P NH, L, D]`` and ``Z [n, P NH, L, M]``
-            of :func:`.chunked.identity_residual_basis`; then the keys/values
+            of :func:`.chunked.identity_residual_basis`, for ``substituted`` first
+            ``eb [n, NH, L, 1]`` = ``exp(c_{r-1})``; then the keys/values
             ``X [n, P NH, L, D]``, the start state ``s0`` and the anchor ``a0`` ``[P NH, M, D]``.
     Returns:
         ``O [n, NH, L, Dv]``, then per chain its final state and final anchor ``[P NH, M, D]``.
@@ -203,6 +313,8 @@ class ChunkFunction(torch.autograd.Function):
         outs, states = [], [None] * len(chains)
         for ch in chains:
             ch["anchor"] = ch["a0"].clone()
+            if spec.substituted:
+                ch["lower"] = _residual_lower(ch["X"], decay, ch["P"])[1]
         for lo in range(0, n, group):
             hi = min(n, lo + group)
             for i, ch in enumerate(chains):
@@ -222,6 +334,13 @@ class ChunkFunction(torch.autograd.Function):
                     s, u = buf[c - lo], us[c - lo]
                     if identity:
                         torch.baddbmm(ch["Z"][c], ch["W"][c], _t(s), beta=-1, out=u)
+                    elif spec.substituted:
+                        z = torch.matmul(ch["X"][c], _t(s)).view(ch["P"], nh, width, slots).mul_(ch["eb"][c])
+                        _substitute(spec.compress_fn, z, ch["lower"][c].view(ch["P"], nh, width, width), A[c],
+                                    u.view(z.shape))
+                        if keep_parts:  # the residuals' parts, for all tokens at once (u is kept)
+                            parts = tuple(ch[k][c].view(z.shape[:-1] + ch[k].shape[-1:]) for k in ("zh", "r", "e"))
+                            _residual(spec.compress_fn, z, A[c], parts)
                     else:
                         z = (ch["X"][c] @ _t(ch["a0"] if c == 0 else s)).view(ch["P"], nh, width, slots)
                         parts = None
@@ -255,7 +374,7 @@ class ChunkFunction(torch.autograd.Function):
             # raises its peak memory (and fresh pages cost time here).
             tensors = [Q, K, V, mu, G, gexp, qk, A, mu_last, w, h, p, *mix_saved]
             for ch, st in zip(chains, states):
-                tensors += [ch[k] for k in _chain_saved(identity)[:-2]] + [st, ch["U"]]
+                tensors += [ch[k] for k in _chain_saved(spec)[:-2]] + [st, ch["U"]]
             ctx.save_for_backward(*tensors)
         return (outs[0] if len(outs) == 1 else torch.cat(outs), *finals)
 
@@ -280,7 +399,7 @@ def _chunk_backward(ctx, grad_o: torch.Tensor, *grad_finals: torch.Tensor) -> tu
     Q, K, V, mu, G, gexp, qk, A, mu_last, w, h, p = saved[:12]
     mix_saved, rest = saved[12:12 + ctx.n_mix], saved[12 + ctx.n_mix:]
     identity = spec.compress_fn == "identity"
-    names = _chain_saved(identity)
+    names = _chain_saved(spec)
     chains = [dict(zip(names, rest[i * len(names):(i + 1) * len(names)]), P=passes)
               for i, passes in enumerate(spec.passes)]
     n, nh = Q.shape[:2]
@@ -309,14 +428,9 @@ def _chunk_backward(ctx, grad_o: torch.Tensor, *grad_finals: torch.Tensor) -> tu
     grad_q = grad_mu_q.mul_(mu)
     _flat(grad_q).baddbmm_(_flat(grad_qk), _flat(K), alpha=-1)
     grad_k = torch.matmul(_t(grad_qk), Q).neg_()
-    grad_decay.mul_(gexp)
-    grad_g = grad_decay.sum(-2).neg_()
-    grad_gap = grad_decay.mul_(G[..., None, :]).neg_()
-    # gap[r, i] = c_r - c_i where it is finite (elsewhere D and its gradient are 0), so
-    # dc = row sums - column sums, and lb_j enters every c_r with r >= j.
-    grad_lb = (grad_gap.sum(-1) - grad_gap.sum(-2)).flip(-1).cumsum(-1).flip(-1)
-    # Free the read-outs' temporaries before the chains' buffers are allocated.
-    del st_k, st_v, u_k, u_v, decay, grad_ph, grad_y, grad_qk, grad_gap
+    # Free the read-outs' temporaries before the chains' buffers are allocated (D stays for
+    # the exact writes' Lm, and grad_decay for their share of it).
+    del st_k, st_v, u_k, u_v, grad_ph, grad_y, grad_qk
 
     # ---- the state chains, one reverse loop over chunks each ----------------------------
     if len(chains) == 1:
@@ -344,6 +458,8 @@ def _chunk_backward(ctx, grad_o: torch.Tensor, *grad_finals: torch.Tensor) -> tu
         if not identity:
             d_z, d_alpha = d_u_all, U.new_empty(U.shape[1:])
             terms = _residual_vjp2_terms(spec.compress_fn, ch["zh"], ch["r"], ch["e"])
+        if spec.substituted:
+            gram, lower = _residual_lower(ch["X"], decay, passes)
         for c in range(n - 1, -1, -1):
             d_next = d_after[c]
             d_u = _gather(u_parts[i], c, d_u_all[c] if identity else None)
@@ -356,15 +472,22 @@ def _chunk_backward(ctx, grad_o: torch.Tensor, *grad_finals: torch.Tensor) -> tu
             if identity:
                 d_cur.baddbmm_(_t(d_u), ch["W"][c])
                 continue
-            _residual_vjp2(spec.compress_fn, ch["zh"][c], ch["r"][c], *(x[c] for x in terms), U[c], d_u, d_z[c],
-                           d_alpha)
+            if spec.substituted:
+                _unsubstitute(spec.compress_fn, ch["zh"][c], ch["r"][c], *(x[c] for x in terms), U[c],
+                              lower[c], d_u, d_z[c], d_alpha)
+            else:
+                _residual_vjp2(spec.compress_fn, ch["zh"][c], ch["r"][c], *(x[c] for x in terms), U[c], d_u, d_z[c],
+                               d_alpha)
             if passes == 2:  # a stacked chain: keys and values share the target
                 torch.add(d_alpha[:nh], d_alpha[nh:], out=grad_a[c])
             elif i == 0:
                 grad_a[c] = d_alpha
             else:
                 grad_a[c] += d_alpha
-            if c > 0:
+            if spec.substituted:  # z = e^{c_{r-1}} X S^T (+ earlier tokens' terms) from the start state
+                d_cur.baddbmm_(_t((d_z[c].view(view[:2] + d_z.shape[-2:]) * ch["eb"][c]).view(d_z[c].shape)),
+                               ch["X"][c])
+            elif c > 0:
                 d_cur.baddbmm_(_t(d_z[c]), ch["X"][c])
         d_s0 = d_cur
         # Batched over chunks: the gradients of mu_L, w and X through S' = mu_L S - U^T (w X),
@@ -376,6 +499,19 @@ def _chunk_backward(ctx, grad_o: torch.Tensor, *grad_finals: torch.Tensor) -> tu
         if identity:
             d_x = u_ds.view(pass_view + (-1,)).mul_(w[:, None]).neg_().view(u_ds.shape)
             grads_chains += [torch.matmul(d_u_all, S[:-1]), d_u_all.neg_(), d_x, d_s0, d_a0]
+        elif spec.substituted:
+            # z_r = eb_r x_r S^T - sum_{i<r} Lm[r, i] u_i, with S each chunk's start state.
+            d_zs = torch.matmul(d_z, S[:-1]).view(pass_view + (-1,))  # [n, P, NH, L, D]
+            d_eb = _dot(d_zs, ch["X"].view(d_zs.shape)).sum(1)
+            d_x = d_zs.mul_(ch["eb"][:, None]).addcmul_(w[:, None], u_ds.view(d_zs.shape), value=-1).view(ch["X"].shape)
+            # Lm[r, i] = D[r-1, i] (x_r . x_i) and dLm[r, i] = -dz_r . u_i (i < r): to D (grad_decay
+            # holds minus its gradient) and to the Gram matrix of X.
+            d_lower = torch.matmul(d_z, _t(U)).neg_().tril_(-1)
+            per_pass = d_lower.view((n, passes, nh) + d_lower.shape[-2:])
+            grad_decay[..., :-1, :] -= (per_pass[..., 1:, :] * gram.view(per_pass.shape)[..., 1:, :]).sum(1)
+            per_pass[..., 1:, :].mul_(decay[:, None, :, :-1, :])
+            d_x.add_(torch.matmul(d_lower + _t(d_lower), ch["X"]))
+            grads_chains += [d_eb, d_x, d_s0, d_a0]
         else:
             d_x = torch.empty_like(ch["X"])
             if n > 1:
@@ -384,12 +520,32 @@ def _chunk_backward(ctx, grad_o: torch.Tensor, *grad_finals: torch.Tensor) -> tu
             d_x.view(pass_view + (-1,)).addcmul_(w[:, None], u_ds.view(pass_view + (-1,)), value=-1)
             d_a0.baddbmm_(_t(d_z[0]), ch["X"][0])
             grads_chains += [d_x, d_s0, d_a0]
+    # D = exp(gap) * G.
+    grad_decay.mul_(gexp)
+    grad_g = grad_decay.sum(-2).neg_()
+    grad_gap = grad_decay.mul_(G[..., None, :]).neg_()
+    # gap[r, i] = c_r - c_i where it is finite (elsewhere D and its gradient are 0), so
+    # dc = row sums - column sums, and lb_j enters every c_r with r >= j.
+    grad_lb = (grad_gap.sum(-1) - grad_gap.sum(-2)).flip(-1).cumsum(-1).flip(-1)
     return (None, grad_q, grad_k, grad_v, grad_mu, grad_g, grad_lb, grad_a, grad_mu_last, grad_w, *grads_chains)
 
 
-def _chain_saved(identity: bool) -> tuple:
+def _residual_lower(X: torch.Tensor, decay: torch.Tensor, passes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(Gram, Lm)`` of a chain, ``[n, P NH, L, L]`` each: ``Gram = X X^T`` and the exact writes'
+    ``Lm[r, i] = D[r-1, i] (x_r . x_i)`` (design page, section 2b; zero on and above the
+    diagonal), from the read-outs' ``D = decay [n, NH, L, L]`` (``D[r, i] = gamma_i e^{c_r - c_i}``)."""
+    gram = X @ _t(X)
+    lower = torch.zeros_like(gram)
+    shape = (gram.shape[0], passes, -1) + gram.shape[-2:]
+    torch.mul(gram.view(shape)[..., 1:, :], decay[:, None, :, :-1, :], out=lower.view(shape)[..., 1:, :])
+    return gram, lower
+
+
+def _chain_saved(spec: ChunkSpec) -> tuple:
     """The names of a chain's tensors the backward keeps (the last two: states and ``U``)."""
-    return (("W", "X") if identity else ("X", "zh", "r", "e")) + ("a0", "S", "U")
+    if spec.compress_fn == "identity":
+        return "W", "X", "a0", "S", "U"
+    return ("eb",) * spec.substituted + ("X", "zh", "r", "e", "a0", "S", "U")
 
 
 def _carve(like: torch.Tensor, shapes) -> list:

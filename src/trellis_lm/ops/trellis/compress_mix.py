@@ -15,6 +15,9 @@ EPS = 1e-6
 
 COMPRESS_FNS = ("identity", "l2norm", "layernorm")
 MIX_FNS = ("ln_silu", "l2_silu", "softmax")
+# Where each write takes its inner gradient (design page, section 1): at the memory just before
+# it ("exact": the per-token recurrence, whatever C) or at its chunk's start ("anchored").
+WRITE_GRADIENTS = ("exact", "anchored")
 
 
 def _layernorm(z: torch.Tensor) -> torch.Tensor:
@@ -37,6 +40,12 @@ def layer_norm_vjp(grad: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, rstd
     torch's fused backward kernel."""
     return torch.ops.aten.native_layer_norm_backward(grad, x, x.shape[-1:], mean, rstd, None, None,
                                                      [True, False, False])[0]
+
+
+def reads_current_memory(compress_fn: str, write_gradient: str) -> bool:
+    """Whether every write takes its residual at the memory just before it: ``"exact"`` writes,
+    and ``identity`` whatever ``write_gradient`` says (design page, section 1)."""
+    return write_gradient == "exact" or compress_fn == "identity"
 
 
 def compress_residual_vjp(name: str, z: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
@@ -98,8 +107,10 @@ def mix(name: str, y: torch.Tensor) -> torch.Tensor:
     raise ValueError(f"mix_fn must be one of {MIX_FNS}, got {name!r}")
 
 
-def check_names(compress_fn: str, mix_fn: str) -> None:
+def check_names(compress_fn: str, mix_fn: str, write_gradient: str = "anchored") -> None:
     """Raise a ``ValueError`` naming the argument when a function name is unknown."""
+    if write_gradient not in WRITE_GRADIENTS:
+        raise ValueError(f"write_gradient must be one of {WRITE_GRADIENTS}, got {write_gradient!r}")
     if compress_fn not in COMPRESS_FNS:
         raise ValueError(f"compress_fn must be one of {COMPRESS_FNS}, got {compress_fn!r}")
     if mix_fn not in MIX_FNS:

@@ -123,6 +123,7 @@ def trellis_attention(
     chunk_size: int = 64,
     compress_fn: str = "layernorm",
     mix_fn: str = "ln_silu",
+    write_gradient: str = "anchored",
     output_final_state: bool = False,
     cu_seqlens: Optional[torch.Tensor] = None,
     backend: str = "auto",
@@ -143,9 +144,17 @@ def trellis_attention(
         initial_state: ``None`` (zero memories), a pair ``(m_k [N,H,M,Dk], m_v [N,H,M,Dv])`` at a
             chunk boundary, or a :class:`TrellisState` returned by an earlier call.
             ``N = B``, or the number of sequences in ``cu_seqlens``.
-        chunk_size: C >= 1; the model is defined by it (1 is the exact recurrence).
+        chunk_size: C >= 1. With ``write_gradient="exact"`` it only chooses how the function is
+            computed (tokens per chunk of the parallel form); with ``"anchored"`` it is part of the
+            function (1 is the exact recurrence).
         compress_fn: ``"identity"``, ``"l2norm"`` or ``"layernorm"``.
         mix_fn: ``"ln_silu"``, ``"l2_silu"`` or ``"softmax"``.
+        write_gradient: where each write takes its inner gradient (design page, section 1):
+            ``"exact"``, at the memory just before it (the per-token recurrence at any C; the
+            returned state's anchors then equal its memories: nothing reads them), or
+            ``"anchored"``, at the memory as it was at its chunk's start (stale inside a chunk;
+            every checkpoint saved before ``TrellisConfig.write_gradient`` existed). ``identity``
+            computes the same function either way (its residual is taken at the current memory).
         output_final_state: also return the state after the last token.
         cu_seqlens: ``[N + 1]`` int, with B = 1: N sequences packed along T, each starting
             from its own initial state (zero length allowed: its state passes through).
@@ -185,28 +194,29 @@ def trellis_attention(
             "gamma": (gamma, 0.0, sys.float_info.max, "finite and >= 0"),
         })
     check_chunk_size(chunk_size)
-    check_names(compress_fn, mix_fn)
+    check_names(compress_fn, mix_fn, write_gradient)
 
     rows = batch
     if cu_seqlens is not None:
         cu_seqlens = check_cu_seqlens(cu_seqlens, batch, length)
         rows = cu_seqlens.numel() - 1
     dtype = compute_dtype(q)
-    call = OpCall(q.device, dtype, length, cu_seqlens is not None, {"compress_fn": compress_fn, "chunk_size": chunk_size})
+    call = OpCall(q.device, dtype, length, cu_seqlens is not None,
+                  {"compress_fn": compress_fn, "chunk_size": chunk_size, "write_gradient": write_gradient})
     forward = BACKENDS.function(backend, call)
     state = _initial_state(initial_state, rows, heads, slots, dk, dv, chunk_size, dtype, q.device, check_values)
     if rows == 0:  # an empty batch: nothing to compute, and the (empty) state passes through
         return q.new_zeros(v.shape), (state if output_final_state else None)
     inputs = [as_dtype(t, dtype, q.device) for t in (q, k, v, alpha, log_beta, gamma)]
     with in_compute_dtype(q.device):
-        o, final = forward(*inputs, state, chunk_size, compress_fn, mix_fn, cu_seqlens)
+        o, final = forward(*inputs, state, chunk_size, compress_fn, mix_fn, write_gradient, cu_seqlens)
     return as_dtype(o, q.dtype, q.device), (final if output_final_state else None)
 
 
 def trellis_step(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, alpha: torch.Tensor, log_beta: torch.Tensor,
     gamma: torch.Tensor, *, state: TrellisState, chunk_size: int = 64, compress_fn: str = "layernorm",
-    mix_fn: str = "ln_silu", backend: str = "auto",
+    mix_fn: str = "ln_silu", write_gradient: str = "anchored", backend: str = "auto",
 ) -> tuple[torch.Tensor, TrellisState]:
     """:func:`trellis_attention` for one token per row after an earlier call, unchecked: what a
     decode step needs and nothing more.
@@ -219,5 +229,6 @@ def trellis_step(
     much as the step on a CPU). Returns ``o [N, 1, H, Dv]`` and the state after the token: the
     numbers of ``trellis_attention(..., initial_state=state, output_final_state=True)``.
     """
-    step = BACKENDS.single_token(backend, q.device, q.dtype, compress_fn=compress_fn, chunk_size=chunk_size)
-    return step(q, k, v, alpha, log_beta, gamma, state, chunk_size, compress_fn, mix_fn, None)
+    step = BACKENDS.single_token(backend, q.device, q.dtype, compress_fn=compress_fn, chunk_size=chunk_size,
+                                 write_gradient=write_gradient)
+    return step(q, k, v, alpha, log_beta, gamma, state, chunk_size, compress_fn, mix_fn, write_gradient, None)

@@ -405,13 +405,14 @@ class _MirrorFunction(torch.autograd.Function):
         return grads + (None,) * 5
 
 
-def mirror_op(q, k, v, alpha, log_beta, gamma, state, chunk_size, compress_fn, mix_fn, cu_seqlens):
+def mirror_op(q, k, v, alpha, log_beta, gamma, state, chunk_size, compress_fn, mix_fn, write_gradient, cu_seqlens):
     """The mirror as a backend (same arguments and results as ``chunked_forward``), with the manual backward.
 
-    ``identity`` runs ``chunked_forward``, as the Triton backend does (its kernels do not do
-    identity's triangular solve)."""
-    if compress_fn == "identity":
-        return chunked_forward(q, k, v, alpha, log_beta, gamma, state, chunk_size, compress_fn, mix_fn, cu_seqlens)
+    ``identity`` and ``"exact"`` writes run ``chunked_forward`` (the kernels do neither
+    identity's triangular solve nor the exact form's substitution)."""
+    if compress_fn == "identity" or write_gradient == "exact":
+        return chunked_forward(q, k, v, alpha, log_beta, gamma, state, chunk_size, compress_fn, mix_fn, write_gradient,
+                               cu_seqlens)
     o, m_k, m_v, a_k, a_v, off = _MirrorFunction.apply(
         q, k, v, alpha, log_beta, gamma, state.m_k, state.m_v, state.anchor_k, state.anchor_v, state.offset,
         chunk_size, compress_fn, mix_fn, cu_seqlens)

@@ -12,20 +12,21 @@ from __future__ import annotations
 
 import torch
 
-from .compress_mix import compress_residual_vjp, mix
+from .compress_mix import compress_residual_vjp, mix, reads_current_memory
 from .state import TrellisState
 
 
-def step_forward(q, k, v, alpha, log_beta, gamma, state, chunk_size, compress_fn, mix_fn, cu_seqlens):
+def step_forward(q, k, v, alpha, log_beta, gamma, state, chunk_size, compress_fn, mix_fn, write_gradient, cu_seqlens):
     """One token per row (``T == 1``, no ``cu_seqlens``); arguments as validated by
     :func:`trellis_lm.ops.trellis_attention`: q, k ``[N, 1, H, Dk]``, v ``[N, 1, H, Dv]``,
     alpha ``[N, 1, H, M]``, log_beta and gamma ``[N, 1, H]``. Returns ``o [N, 1, H, Dv]`` and the state."""
     m_k, m_v, a_k, a_v, offset = state.m_k, state.m_v, state.anchor_k, state.anchor_v, state.offset
+    exact = write_gradient == "exact"
     starts_chunk = offset == 0
     # Eagerly on CPUs, replacing the anchors only at chunk starts saves two memory-sized copies per
     # step (reading the flag is no device sync there); on GPUs (where a sync would also stop a CUDA
     # graph's capture), and compiled, the select runs every step instead of branching on data.
-    if q.device.type != "cpu" or torch.compiler.is_compiling() or bool(starts_chunk.any()):
+    if not exact and (q.device.type != "cpu" or torch.compiler.is_compiling() or bool(starts_chunk.any())):
         a_k = torch.where(starts_chunk[:, None, None, None], m_k, a_k)
         a_v = torch.where(starts_chunk[:, None, None, None], m_v, a_v)
     rows, _, heads, dk = q.shape
@@ -33,8 +34,9 @@ def step_forward(q, k, v, alpha, log_beta, gamma, state, chunk_size, compress_fn
     # With one token per row, [N, 1, H, D] is [N, H, D] in the same memory: views, not selects,
     # give the column and row vectors ([N, H, D, 1], [N, H, 1, D]) each product wants.
     beta = log_beta.view(rows, heads, 1, 1).exp()
-    # identity takes its residual at the current memory, before this token's write (section 1).
-    r_k, r_v = (m_k, m_v) if compress_fn == "identity" else (a_k, a_v)
+    # Exact writes and identity take their residual at the current memory, before this token's
+    # write (section 1).
+    r_k, r_v = (m_k, m_v) if reads_current_memory(compress_fn, write_gradient) else (a_k, a_v)
     reads = torch.stack([r_k @ k.view(rows, heads, dk, 1), r_v @ v.view(rows, heads, dv, 1)])  # [2, N, H, M, 1]
     u = compress_residual_vjp(compress_fn, reads.view(2, rows, heads, slots), alpha.view(rows, heads, slots))
     u = (u * gamma.view(rows, heads, 1)).view(2, rows, heads, slots, 1)
@@ -42,4 +44,6 @@ def step_forward(q, k, v, alpha, log_beta, gamma, state, chunk_size, compress_fn
     m_v = torch.addcmul(beta * m_v, u[1], v.view(rows, heads, 1, dv), value=-1)
     h = mix(mix_fn, (m_k @ q.view(rows, heads, dk, 1)).view(rows, heads, 1, slots))
     o = (h @ m_v).view(rows, 1, heads, dv)  # [N, H, 1, Dv] and [N, 1, H, Dv] share their layout
+    if exact:  # nothing reads the anchors: they follow the memories (section 3)
+        a_k, a_v = m_k, m_v
     return o, TrellisState(m_k, m_v, a_k, a_v, (offset + 1) % chunk_size)

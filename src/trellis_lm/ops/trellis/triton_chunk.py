@@ -1179,16 +1179,27 @@ def _check_device(q: torch.Tensor) -> None:
         )
 
 
-def triton_forward(q, k, v, alpha, log_beta, gamma, state: TrellisState, chunk_size, compress_fn, mix_fn, cu_seqlens):
+def triton_forward(q, k, v, alpha, log_beta, gamma, state: TrellisState, chunk_size, compress_fn, mix_fn,
+                   write_gradient, cu_seqlens):
     """Backend ``"triton"``; arguments as validated by :func:`trellis_lm.ops.trellis_attention`,
-    whose registry sends it only what the kernels compute (float32 or lower, not identity)."""
+    whose registry sends it only what the kernels compute (float32 or lower, not identity).
+
+    ``"exact"`` writes are the recurrence of ``chunk_size=1``, whatever C: they run the per-token
+    kernels (forward and backward), and the state they hand back keeps the call's C in its
+    offset, with anchors equal to its memories (design page, section 3)."""
     _check_device(q)
     f32 = lambda t: t.to(torch.float32).contiguous()  # noqa: E731
     offset = state.offset.to(torch.long).contiguous()
+    exact = write_gradient == "exact"
+    lengths = torch.full_like(offset, q.shape[1]) if cu_seqlens is None else cu_seqlens[1:] - cu_seqlens[:-1]
+    lengths = lengths.to(offset.device)
+    anchors = (state.m_k, state.m_v) if exact else (state.anchor_k, state.anchor_v)
     o, m_k, m_v, a_k, a_v, _, _ = _fwd_op(
         *(f32(t) for t in (q, k, v, alpha, log_beta, gamma)),
-        *(f32(t) for t in (state.m_k, state.m_v, state.anchor_k, state.anchor_v)),
-        offset, cu_seqlens, chunk_size, compress_fn, mix_fn,
+        *(f32(t) for t in (state.m_k, state.m_v, *anchors)),
+        torch.zeros_like(offset) if exact else offset, cu_seqlens, 1 if exact else chunk_size, compress_fn, mix_fn,
     )
-    lengths = torch.full_like(offset, q.shape[1]) if cu_seqlens is None else cu_seqlens[1:] - cu_seqlens[:-1]
-    return o, TrellisState(m_k, m_v, a_k, a_v, (offset + lengths.to(offset.device)) % chunk_size)
+    if exact:  # anchors follow the memories, but a sequence with no tokens hands its state back untouched
+        empty = (lengths == 0)[:, None, None, None]
+        a_k, a_v = torch.where(empty, state.anchor_k, m_k), torch.where(empty, state.anchor_v, m_v)
+    return o, TrellisState(m_k, m_v, a_k, a_v, (offset + lengths) % chunk_size)

@@ -24,17 +24,20 @@ from .triton_chunk import _check_device, _codes, recurrent_launch, triton_forwar
 def triton_step(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, alpha: torch.Tensor, log_beta: torch.Tensor,
     gamma: torch.Tensor, state: TrellisState, chunk_size: int, compress_fn: str, mix_fn: str,
-    cu_seqlens: Optional[torch.Tensor],
+    write_gradient: str, cu_seqlens: Optional[torch.Tensor],
 ) -> tuple[torch.Tensor, TrellisState]:
     """The single-token step of backend ``"triton"``; arguments as validated by
     :func:`trellis_lm.ops.trellis_attention` (whose registry sends it only what the kernels
     compute): q, k ``[N, 1, H, Dk]``, v ``[N, 1, H, Dv]``, alpha ``[N, 1, H, M]``, log_beta and
-    gamma ``[N, 1, H]``. Returns ``o [N, 1, H, Dv]`` (float32) and a new state; ``state`` is only read."""
-    memories = (state.m_k, state.m_v, state.anchor_k, state.anchor_v)
+    gamma ``[N, 1, H]``. Returns ``o [N, 1, H, Dv]`` (float32) and a new state; ``state`` is only read.
+    ``"exact"`` writes run as ``chunk_size=1`` (each token its own anchor)."""
+    exact = write_gradient == "exact"
+    anchors = (state.m_k, state.m_v) if exact else (state.anchor_k, state.anchor_v)
+    memories = (state.m_k, state.m_v, *anchors)
     inputs = (q, k, v, alpha, log_beta, gamma)
     records = torch.is_grad_enabled() and any(t.requires_grad for t in inputs + memories)
     if records or cu_seqlens is not None or torch.compiler.is_compiling():
-        return triton_forward(*inputs, state, chunk_size, compress_fn, mix_fn, cu_seqlens)
+        return triton_forward(*inputs, state, chunk_size, compress_fn, mix_fn, write_gradient, cu_seqlens)
     _check_device(q)
     # The kernel indexes every tensor as a dense row-major block of float32.
     inputs = [t.to(torch.float32).contiguous() for t in inputs]
@@ -42,5 +45,8 @@ def triton_step(
     offset = state.offset.to(torch.long).contiguous()
     outs = [torch.empty_like(t) for t in memories]
     o = torch.empty_like(inputs[2])
-    recurrent_launch(*inputs, *memories, offset, None, o, outs, chunk_size, *_codes(compress_fn, mix_fn))
+    recurrent_launch(*inputs, *memories, torch.zeros_like(offset) if exact else offset, None, o, outs,
+                     1 if exact else chunk_size, *_codes(compress_fn, mix_fn))
+    if exact:
+        outs[2:] = outs[:2]
     return o, TrellisState(*outs, (offset + q.shape[1]) % chunk_size)
