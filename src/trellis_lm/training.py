@@ -421,10 +421,22 @@ def parse_recipe_arguments(
     recipe_args_class: type, defaults: dict[str, Any], argv: Optional[list[str]] = None, prog: Optional[str] = None
 ) -> tuple[Any, TrainingArguments]:
     """Parse ``argv`` into ``(recipe_args_class(...), TrainingArguments(...))`` with ``HfArgumentParser``;
-    ``defaults`` replace TrainingArguments' own."""
+    ``defaults`` replace TrainingArguments' own. Options take underscores or hyphens.
+
+    ``--help`` lists the recipe's own options first, under a one-line usage: spelling out the
+    usage of every TrainingArguments option would put a hundred lines above them.
+    """
+    from dataclasses import fields
+
     from transformers import HfArgumentParser
 
-    parser = HfArgumentParser((recipe_args_class, TrainingArguments), prog=prog)
+    own = ", ".join(f"--{f.name}" for f in fields(recipe_args_class))
+    parser = HfArgumentParser(
+        (recipe_args_class, TrainingArguments), prog=prog, usage="%(prog)s [RECIPE OPTIONS] [TRAININGARGUMENTS OPTIONS]",
+        description=f"The recipe's own options come first below ({own}), then those of "
+                    "transformers' TrainingArguments (--output_dir, --max_steps, --per_device_train_batch_size, "
+                    "--learning_rate, --bf16, ...). Options take underscores or hyphens (--max_steps, --max-steps).",
+    )
     parser.set_defaults(**defaults)
     return parser.parse_args_into_dataclasses(args=argv)
 
