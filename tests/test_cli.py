@@ -129,6 +129,9 @@ def test_train_pretrain_and_finetune(capsys, tmp_path):
                  "--config_overrides", TINY_OVERRIDES, *QUIET_TRAINING]) == 0
     assert f"trained 1 steps; model saved to {out}" in capsys.readouterr().out
     assert type(AutoModelForCausalLM.from_pretrained(out)) is TrellisForCausalLM
+    card = (out / "README.md").read_text()  # the card says what the run was
+    assert "Local files: corpus.txt. Trained by `trellis_lm.training.pretrain`: 1 steps; batch 4 x 1" in card
+    assert "the last logged training loss was" in card and "Not recorded" not in card
 
     chats = tmp_path / "chats.jsonl"
     chats.write_text("".join(json.dumps(chat) + "\n" for chat in sample_chats(8)))
@@ -140,6 +143,9 @@ def test_train_pretrain_and_finetune(capsys, tmp_path):
     assert f"LoRA adapter saved to {tuned}" in said and f"which loads on its own, to {tuned / 'merged'}" in said
     assert (tuned / "adapter_model.safetensors").is_file()
     assert type(AutoModelForCausalLM.from_pretrained(tuned / "merged")) is TrellisForCausalLM
+    card = (tuned / "merged" / "README.md").read_text()
+    assert f"Local files: chats.jsonl; starting from the checkpoint {out}; loss on the assistant turns only" in card
+    assert "Trained by `trellis_lm.training.finetune with LoRA`: 1 steps" in card
 
 
 def test_eval(capsys, checkpoint, tmp_path, monkeypatch):
