@@ -152,8 +152,8 @@ print(tokenizer.batch_decode(output, skip_special_tokens=True))
 With the `trellis-lm` package installed, `import trellis_lm` registers the classes, so
 `trust_remote_code` is not needed and the fastest kernels of the installed version are used. It is
 not on the package index: install it from a clone of its repository (`pip install .` there, or the
-wheel that `python -m build` writes to `dist/`, or `pip install "trellis-lm @ git+<the repository's
-URL>"`). Batches may be padded on either side; `generate()` uses a fixed-size `TrellisCache`
+wheel that `python -m build` writes to `dist/`) or with `pip install "git+<the repository's clone
+URL>"`. Batches may be padded on either side; `generate()` uses a fixed-size `TrellisCache`
 (greedy, sampling, beam search). Evaluate with
 `lm_eval --model hf --model_args pretrained={name},trust_remote_code=True`.
 
