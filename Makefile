@@ -87,7 +87,8 @@ bench: $(VENV_STAMP)
 
 clean:
 	rm -rf build dist .pytest_cache src/*.egg-info
-	find . -path ./$(VENV) -prune -o -path ./$(LOWEST_VENV) -prune -o -name __pycache__ -type d -exec rm -rf {} +
+	find . -path ./$(VENV) -prune -o -path ./$(LOWEST_VENV) -prune -o -path ./$(VLLM_VENV) -prune -o -path ./.venv-bare -prune \
+		-o -name __pycache__ -type d -exec rm -rf {} +
 
 distclean: clean
-	rm -rf $(VENV) $(LOWEST_VENV) .venv-bare
+	rm -rf $(VENV) $(LOWEST_VENV) $(VLLM_VENV) .venv-bare

@@ -300,15 +300,19 @@ def kept_record(path: Path, compute: Callable[[], dict[str, Any]]) -> dict[str, 
     return record
 
 
-def plot(results: dict[str, Any], path: Path) -> None:
-    """Three panels: each converted layer's error per stage (every student), the perplexities,
-    and stage 2's learning curves (held-out perplexity along its steps)."""
+def draw(results: dict[str, Any]) -> Any:
+    """The results' matplotlib figure: each converted layer's error per stage (every student), the
+    perplexities, and stage 2's learning curves (:func:`draw_curves`; records made before the curves
+    were kept get the first two panels)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, (errors_axes, ppl_axes, curve_axes) = plt.subplots(1, 3, figsize=(18, 4.5))
+    curves = any("stage2_curve" in record for record in results["students"].values())
+    widths = [1.2, 1, 1] if curves else [1.2, 1]
+    figure, (errors_axes, ppl_axes, *curve_axes) = plt.subplots(
+        1, len(widths), figsize=(5.6 * sum(widths), 5.5), gridspec_kw={"width_ratios": widths})
     styles = {"trellis": "-", "hybrid": "--", "hybrid_auto": ":"}
     colors = {"converted": "tab:gray", "stage1": "tab:blue", "stage2": "tab:orange"}
     for name, record in results["students"].items():
@@ -320,17 +324,31 @@ def plot(results: dict[str, Any], path: Path) -> None:
         errors_axes.axvline(index, color="tab:green", alpha=0.2, linewidth=3)  # kept by the hybrid: no error
     errors_axes.set(xlabel="layer (green: kept as attention in the hybrid)", ylabel="relative error (held-out)",
                     title="Stage 1's measure per converted layer")
-    errors_axes.legend(fontsize=7)
-    labels, values = ["teacher"], [results["teacher"]["perplexity"]]
+    errors_axes.legend(fontsize=7, ncol=len(results["students"]), loc="upper center", bbox_to_anchor=(0.5, -0.14))
+    # Horizontal bars: one label per line, however many students (vertical bars' labels overlapped).
+    labels, values, bar_colors = ["teacher"], [results["teacher"]["perplexity"]], ["tab:green"]
     for name, record in results["students"].items():
         for stage in ("converted", "stage1", "stage2"):
-            labels.append(f"{name}\n{stage}")
+            labels.append(f"{name}, {stage}")
             values.append(record[stage]["perplexity"])
-    bars = ppl_axes.bar(range(len(values)), values,
-                        color=["tab:green"] + ["tab:gray", "tab:blue", "tab:orange"] * len(results["students"]))
-    ppl_axes.bar_label(bars, fmt="%.0f", fontsize=7)
-    ppl_axes.set_xticks(range(len(values)), labels, fontsize=7)
-    ppl_axes.set(yscale="log", ylabel="held-out perplexity (log scale)", title="Perplexity")
+            bar_colors.append(colors[stage])
+    bars = ppl_axes.barh(range(len(values)), values, color=bar_colors)
+    ppl_axes.bar_label(bars, fmt="%.0f", fontsize=7, padding=2)
+    ppl_axes.set_yticks(range(len(values)), labels, fontsize=8)
+    ppl_axes.invert_yaxis()
+    ppl_axes.set(xscale="log", xlabel="held-out perplexity (log scale)", title="Perplexity")
+    ppl_axes.set_xlim(right=max(values) * 8)  # room for the largest bar's label
+    if curves:
+        draw_curves(curve_axes[0], results, styles)
+    figure.suptitle(f"{results['source_name']}, preset {results['preset_name']}", fontsize=10)
+    figure.tight_layout()
+    return figure
+
+
+def draw_curves(curve_axes: Any, results: dict[str, Any], styles: dict[str, str]) -> None:
+    """Stage 2's held-out perplexity along its steps, each student's in its line style."""
+    from matplotlib.ticker import LogFormatter
+
     for name, record in results["students"].items():
         curve = record["stage2_curve"]
         curve_axes.plot([p["step"] for p in curve], [p["perplexity"] for p in curve], styles[name], marker=".",
@@ -338,16 +356,25 @@ def plot(results: dict[str, Any], path: Path) -> None:
     curve_axes.axhline(results["teacher"]["perplexity"], color="tab:green", label="teacher")
     curve_axes.set(yscale="log", xlabel="stage-2 step", ylabel="held-out perplexity (log scale)",
                    title="Stage 2's learning curves")
+    # Label the minor ticks too: a short range of a log axis has one major tick or none.
+    curve_axes.yaxis.set_minor_formatter(LogFormatter(labelOnlyBase=False, minor_thresholds=(2, 0.5)))
+    curve_axes.tick_params(axis="y", which="minor", labelsize=7)
     curve_axes.legend(fontsize=7)
-    figure.suptitle(f"{results['source_name']}, preset {results['preset_name']}", fontsize=10)
-    figure.tight_layout()
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    """Write :func:`draw`'s figure to ``path`` (PNG)."""
+    import matplotlib.pyplot as plt
+
+    figure = draw(results)
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=110)
     plt.close(figure)
 
 
 def run(src: Optional[Path] = None, preset_name: str = "cpu", out: Path = Path("outputs/real-conversion"),
-        results_dir: Path = Path("docs"), name: Optional[str] = None, texts: Optional[Sequence[str]] = None,
+        results_dir: Path = Path("outputs/real-conversion"), name: Optional[str] = None,
+        texts: Optional[Sequence[str]] = None,
         train_texts: Optional[Sequence[str]] = None, **preset_overrides: Any) -> dict[str, Any]:
     """The whole experiment (module docstring); returns the results written to JSON.
 
@@ -477,13 +504,14 @@ def preset_overrides(items: Sequence[str]) -> dict[str, Any]:
     return overrides
 
 
-def main(argv: Optional[Sequence[str]] = None) -> None:
+def parse_arguments(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
     parser.add_argument("--src", type=Path, default=None, help="checkpoint folder or GGUF file (default: SmolLM2)")
     parser.add_argument("--out", type=Path, default=Path("outputs/real-conversion"), help="models and checkpoints")
-    parser.add_argument("--results-dir", type=Path, default=Path("docs"),
-                        help="receives conversion_data/NAME.json and figures/NAME.png (default docs)")
+    parser.add_argument("--results-dir", type=Path, default=Path("outputs/real-conversion"),
+                        help="receives conversion_data/NAME.json and figures/NAME.png (default %(default)s; the "
+                             "measured runs of docs/conversion.md were written with --results-dir docs)")
     parser.add_argument("--name", default=None, help="file name of the results (default smollm2_PRESET)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: the preset's)")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
@@ -492,7 +520,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--train-data", nargs="+", default=None, metavar="PATH",
                         help="train on these .txt/.jsonl files or folders instead of the docstrings (held-out "
                              "text stays the docstrings' held-out part)")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    args = parse_arguments(argv)
     overrides = preset_overrides(args.set)
     if args.threads is not None:
         overrides["threads"] = args.threads

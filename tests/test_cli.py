@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+from dataclasses import fields
 import os
 import subprocess
 import sys
@@ -16,8 +17,9 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from tiny_models import tiny_model
 from trellis_lm import TrellisForCausalLM, train_tokenizer
-from trellis_lm.cli import main
-from trellis_lm.training import sample_chats
+from trellis_lm.arguments import Parser
+from trellis_lm.cli import SEPARATOR, main
+from trellis_lm.training import PretrainArguments, sample_chats
 
 TINY_OVERRIDES = "hidden_size=32,num_hidden_layers=1,num_heads=2,head_dim=8,num_slots=4,chunk_size=4,intermediate_size=48"
 QUIET_TRAINING = ["--report_to", "none", "--disable_tqdm", "true", "--use_cpu", "--logging_steps", "1"]
@@ -86,8 +88,36 @@ def test_generate(capsys, checkpoint):
     batch = tokenizer(["hello", "the memory"], padding=True, return_tensors="pt")
     expected = model.generate(**batch, max_new_tokens=4, do_sample=False)
     new = tokenizer.batch_decode(expected[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
-    assert lines == ["hello" + new[0], "the memory" + new[1]]
+    assert lines == ["hello" + new[0], SEPARATOR, "the memory" + new[1]]
     assert main(["generate", str(checkpoint), "hello", "--chat", "--do-sample", "--seed", "0", "--max-new-tokens", "3"]) == 0
+    capsys.readouterr()
+    # The same options spelled with underscores, as the train recipes spell theirs.
+    assert main(["generate", str(checkpoint), "hello", "the memory", "--max_new_tokens", "4", "--num_beams=1"]) == 0
+    assert capsys.readouterr().out.splitlines() == lines
+
+
+def test_options_take_hyphens_or_underscores():
+    parser = Parser(prog="p")
+    parser.add_argument("--max-new-tokens", type=int)
+    parser.add_argument("--top_k", type=int)
+    parser.add_argument("--top-p", type=float)
+    parser.add_argument("--num-beams", type=int)
+    parser.add_argument("--num-fewshot", type=int)
+    parser.add_argument("words", nargs="*")
+    args = parser.parse_args(["--max_new_tokens", "3", "--top-k=5", "--top_p", "0.5", "--", "--max_new_tokens"])
+    assert (args.max_new_tokens, args.top_k, args.top_p, args.words) == (3, 5, 0.5, ["--max_new_tokens"])
+    assert parser.parse_args(["--max_new", "4"]).max_new_tokens == 4  # abbreviated, as argparse allows
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--num_", "1"])  # --num-beams or --num-fewshot: left to argparse, which refuses it
+
+
+def test_recipe_help_lists_its_own_options_first(capsys):
+    text = help_text(capsys, "train", "pretrain")
+    usage, options = text.split("\noptions:\n")
+    assert len(usage.splitlines()) < 15, usage  # not the usage of every TrainingArguments option
+    first_trainer_option = options.index("--output_dir")
+    for field in fields(PretrainArguments):
+        assert options.index(f"--{field.name}") < first_trainer_option, field.name
 
 
 def test_train_pretrain_and_finetune(capsys, tmp_path):
@@ -99,6 +129,9 @@ def test_train_pretrain_and_finetune(capsys, tmp_path):
                  "--config_overrides", TINY_OVERRIDES, *QUIET_TRAINING]) == 0
     assert f"trained 1 steps; model saved to {out}" in capsys.readouterr().out
     assert type(AutoModelForCausalLM.from_pretrained(out)) is TrellisForCausalLM
+    card = (out / "README.md").read_text()  # the card says what the run was
+    assert "Local files: corpus.txt. Trained by `trellis_lm.training.pretrain`: 1 steps; batch 4 x 1" in card
+    assert "the last logged training loss was" in card and "Not recorded" not in card
 
     chats = tmp_path / "chats.jsonl"
     chats.write_text("".join(json.dumps(chat) + "\n" for chat in sample_chats(8)))
@@ -106,8 +139,13 @@ def test_train_pretrain_and_finetune(capsys, tmp_path):
     assert main(["train", "finetune", "--model", str(out), "--data_files", str(chats), "--output_dir", str(tuned),
                  "--max_steps", "1", "--per_device_train_batch_size", "4", "--lora", "--lora_rank", "2",
                  *QUIET_TRAINING]) == 0
+    said = capsys.readouterr().out
+    assert f"LoRA adapter saved to {tuned}" in said and f"which loads on its own, to {tuned / 'merged'}" in said
     assert (tuned / "adapter_model.safetensors").is_file()
     assert type(AutoModelForCausalLM.from_pretrained(tuned / "merged")) is TrellisForCausalLM
+    card = (tuned / "merged" / "README.md").read_text()
+    assert f"Local files: chats.jsonl; starting from the checkpoint {out}; loss on the assistant turns only" in card
+    assert "Trained by `trellis_lm.training.finetune with LoRA`: 1 steps" in card
 
 
 def test_eval(capsys, checkpoint, tmp_path, monkeypatch):
@@ -167,7 +205,10 @@ BAD_ARGUMENTS = [
     (["generate", "missing/folder/here", "hi"], "argument model"),
     (["generate", "{tmp}/empty", "hi"], "argument model"),
     (["generate", "{tmp}/notes.txt", "hi"], "argument model"),
+    (["generate", "", "hi"], "argument model"),
+    (["generate", "outputs/nope", "hi"], "argument model"),  # outputs/ is a folder: a typo, not a Hub id
     (["generate", "{ckpt}"], "argument prompts"),  # standard input is empty
+    (["generate", "{ckpt}", "hi", "--max_new_tokens", "0"], "--max-new-tokens"),
     (["generate", "{ckpt}", "hi", "--max-new-tokens", "-1"], "--max-new-tokens"),
     (["generate", "{ckpt}", "hi", "--max-new-tokens", "0"], "--max-new-tokens"),
     (["generate", "{ckpt}", "hi", "--num-beams", "0"], "--num-beams"),
@@ -185,6 +226,8 @@ BAD_ARGUMENTS = [
     (["train", "finetune", "--model", "{tmp}/missing"], "--model"),
     (["train", "finetune", "--model", "{tmp}/empty"], "--model"),
     (["train", "finetune", "--lora", "--lora_rank", "0"], "--lora_rank"),
+    (["train", "finetune", "--model", "outputs/nope"], "--model"),
+    (["train", "pretrain", "--per-device-train-batch-size", "0"], "--per_device_train_batch_size"),
     (["train", "distill"], "argument recipe"),
     # Issue 50: checked before anything is built or written.
     (["train", "pretrain", "--max_steps", "-3"], "--max_steps"),
@@ -205,6 +248,8 @@ BAD_ARGUMENTS = [
     (["eval", "{tmp}/missing"], "argument model"),
     (["eval", "{ckpt}", "--batch-size", "0"], "--batch-size"),
     (["eval", "{ckpt}", "--batch-size", "auto:x"], "--batch-size"),
+    (["eval", "{ckpt}", "--batch_size", "0"], "--batch-size"),
+    (["eval", "outputs/nope"], "argument model"),
     (["eval", "{ckpt}", "--limit", "0"], "--limit"),
     (["eval", "{ckpt}", "--num-fewshot", "-1"], "--num-fewshot"),
     (["eval", "{ckpt}", "--max-length", "0"], "--max-length"),
@@ -215,6 +260,7 @@ BAD_ARGUMENTS = [
     (["bench", "--threads", "0"], "--threads"),
     (["bench", "--threads", "two"], "--threads"),
     (["bench", "--bogus"], "--bogus"),
+    (["bench", "--bogus_option"], "--bogus_option"),
     (["convert", "{tmp}/missing", "{tmp}/out"], "argument src"),
     (["convert", "{tmp}/empty", "{tmp}/out"], "argument src"),
     (["convert", "{llama}", "{tmp}/notes.txt"], "argument dst"),
@@ -222,6 +268,7 @@ BAD_ARGUMENTS = [
     (["convert", "{llama}", "{tmp}/notes.txt/out"], "argument dst"),
     (["convert", "{tmp}/model.gguf", "{tmp}", "--overwrite"], "argument dst"),  # would delete the GGUF file
     (["convert", "{llama}", "{tmp}/out", "--num-slots", "0"], "--num-slots"),
+    (["convert", "{llama}", "{tmp}/out", "--num_slots", "0"], "--num-slots"),
     (["convert", "{llama}", "{tmp}/out", "--distill", "--data", "{tmp}/missing.txt"], "--data"),
     (["convert", "{llama}", "{tmp}/out", "--distill", "--lora-rank", "-1"], "--lora-rank"),
 ]
@@ -231,6 +278,7 @@ BAD_ARGUMENTS = [
 def test_bad_arguments_exit_2_with_one_line_and_write_nothing(capsys, monkeypatch, tmp_path, checkpoint, llama,
                                                               argv, argument):
     (tmp_path / "empty").mkdir()
+    (tmp_path / "outputs").mkdir()
     (tmp_path / "notes.txt").write_text("not a checkpoint")
     (tmp_path / "model.gguf").write_bytes(b"GGUF")
     (tmp_path / "texts.jsonl").write_text('{"text": "JSON, but no chat"}\n')
@@ -261,6 +309,25 @@ def test_a_hub_id_that_does_not_load_exits_2_with_one_line(capsys, monkeypatch, 
     assert_one_line_naming(err, argument)
     assert "not a valid model identifier" in err and "private repository" not in err
     assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("argv", [["generate", "outputs/nope", "hi"], ["generate", "", "hi"], ["eval", "outputs/nope"],
+                                  ["train", "finetune", "--model", "outputs/nope"]])
+def test_a_missing_local_path_is_refused_without_asking_the_hub(capsys, monkeypatch, tmp_path, argv):
+    """A typo in a local path (its first folder exists here) or an empty name: refused at once,
+    not after transformers has retried the Hub for a minute."""
+
+    def hub(*args, **kwargs):
+        raise AssertionError("the Hub was asked")
+
+    for auto_class in (transformers.AutoConfig, transformers.AutoModelForCausalLM, transformers.AutoTokenizer):
+        monkeypatch.setattr(auto_class, "from_pretrained", hub)
+    (tmp_path / "outputs").mkdir()
+    monkeypatch.chdir(tmp_path)
+    assert exit_status(argv) == 2
+    err = capsys.readouterr().err
+    assert_one_line_naming(err, "model")
+    assert "outputs/nope does not exist" in err or "an empty name" in err, err
 
 
 # ----------------------------------------------------------------------------- convert: never into its source

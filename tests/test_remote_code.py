@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -13,10 +14,10 @@ import torch
 from transformers.dynamic_module_utils import get_imports, get_relative_imports
 
 from tiny_models import SCHEDULES, left_pad, random_tokens, tiny_model
-from trellis_lm import TrellisForCausalLM, train_tokenizer
+from trellis_lm import TrellisConfig, TrellisForCausalLM, train_tokenizer
 from trellis_lm.mixers import MIXERS
-from trellis_lm.model_card_trellis import MARKER
-from trellis_lm.remote_code import AUTO_MAP, export_code, flat_name, flat_sources, flatten_imports
+from trellis_lm.model_card_trellis import MARKER, TrainingRun, config_fields, render_model_card
+from trellis_lm.remote_code import AUTO_MAP, export_code, flat_name, flat_sources, flatten_imports, without_imports
 
 
 @pytest.mark.parametrize(
@@ -63,23 +64,102 @@ def test_flatten_refuses_what_a_flat_folder_cannot_hold(line, package):
         flatten_imports(line, package)
 
 
-def test_exported_code_is_self_contained(tmp_path):
-    written = export_code(tmp_path)
-    names = {p.name for p in written}
-    assert {"configuration_trellis.py", "modeling_trellis.py", "cache_trellis.py", "trellis_ops.py",
-            "trellis_ops_trellis_dispatch.py", "trellis_ops_state.py", "trellis_mixers_attention.py",
-            "trellis_ops_trellis_triton_chunk.py"} <= names
-    # Only what a model runs: not the CLI, training, evaluation or conversion code.
-    assert not any(part in name for name in names for part in ("cli", "training", "eval", "conversion", "mirror"))
-    assert names == set(flat_sources())
+def assert_self_contained(folder, written) -> None:
     for path in written:
         # Read the way transformers' loader reads them: every relative import is a sibling file...
         for module in get_relative_imports(path):
-            assert (tmp_path / f"{module}.py").is_file(), f"{path.name} imports missing .{module}"
+            assert (folder / f"{module}.py").is_file(), f"{path.name} imports missing .{module}"
         # ...and no absolute import needs this package.
         assert not any(name.startswith("trellis_lm") for name in get_imports(path)), path.name
     for auto_class, reference in AUTO_MAP.items():
-        assert (tmp_path / f"{reference.split('.')[0]}.py").is_file(), auto_class
+        assert (folder / f"{reference.split('.')[0]}.py").is_file(), auto_class
+
+
+def test_exported_code_is_self_contained(tmp_path):
+    written = export_code(tmp_path)
+    names = {p.name for p in written}
+    assert {"configuration_trellis.py", "modeling_trellis.py", "cache_trellis.py", "trellis_ops_trellis_dispatch.py",
+            "trellis_ops_state.py", "trellis_mixers_attention.py", "trellis_ops_trellis_triton_chunk.py",
+            "trellis_ops_trellis_triton_step.py"} <= names
+    # Only what a model runs: not the CLI, training, evaluation or conversion code, nor the
+    # package of every op (each mixer imports its own op).
+    assert not any(part in name for name in names for part in ("cli", "training", "eval", "conversion", "mirror"))
+    assert "trellis_ops.py" not in names
+    assert names == set(flat_sources())
+    assert_self_contained(tmp_path, written)
+
+
+# The package's layer kinds and the flat files of their code (mixers/<kind>.py, ops/<kind>/).
+PACKAGE_KINDS = ("trellis", "lattice", "kvm", "attention")
+
+
+def kind_files(names: set[str], kind: str) -> set[str]:
+    return {name for name in names if name.startswith((f"trellis_mixers_{kind}.", f"trellis_ops_{kind}"))}
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_a_checkpoint_carries_the_code_of_its_own_layer_kinds_only(tmp_path, schedule):
+    model = tiny_model(schedule=schedule)
+    model.save_pretrained(tmp_path)
+    names = {p.name for p in tmp_path.glob("*.py")}
+    kinds = set(model.config.layer_kinds)
+    for kind in PACKAGE_KINDS:
+        assert bool(kind_files(names, kind)) == (kind in kinds), (kind, sorted(names))
+    # A GPU user of a Trellis checkpoint runs its Triton kernels.
+    assert {"trellis_ops_trellis_triton_chunk.py", "trellis_ops_trellis_triton_step.py"} <= names or "trellis" not in kinds
+    assert_self_contained(tmp_path, list(tmp_path.glob("*.py")))
+    # The mixers' package keeps the import lines of the model's kinds, and nothing of the others.
+    registry = (tmp_path / "trellis_mixers.py").read_text()
+    for kind in PACKAGE_KINDS:
+        assert (f"from .trellis_mixers_{kind} import" in registry) == (kind in kinds)
+    all_trellis = len(flat_sources(["trellis"]))
+    assert all_trellis < len(flat_sources()) - 10  # not the 46 files every checkpoint carried before
+
+
+def test_only_package_inits_may_import_every_kind():
+    assert without_imports("from .kvm import KVMAttention\nfrom .base import Mixer\n", "mixers",
+                           lambda module: module == "mixers.kvm") == "from .base import Mixer\n"
+    with pytest.raises(ValueError, match="on one line"):
+        without_imports("from .kvm import (\n    KVMAttention,\n)\n", "mixers", lambda module: module == "mixers.kvm")
+
+
+def test_every_config_field_is_model_level_or_a_layer_kinds():
+    """What the card's field list rests on: a field is used by every model or by its kind's layers."""
+    kind_fields = {field.name for mixer in MIXERS.values() for field in mixer.config_fields}
+    model_level = set(TrellisConfig.model_level_fields)
+    assert set(config_fields(TrellisConfig())) == model_level | kind_fields
+    assert not model_level & kind_fields
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_the_card_lists_the_fields_its_layers_use(tmp_path, schedule):
+    model = tiny_model(schedule=schedule)
+    model.save_pretrained(tmp_path)
+    card = (tmp_path / "README.md").read_text()
+    listed = set(re.findall(r"^\| `(\w+)` \| `", card, flags=re.MULTILINE))
+    config = model.config
+    assert listed == set(config.model_level_fields) | (set(config.layer_signature()) & set(config_fields(config)))
+    kinds = set(config.layer_kinds)
+    assert any(name.startswith("kvm_") for name in listed) == ("kvm" in kinds)
+    assert ("lattice_variant" in listed) == ("lattice" in kinds)
+    assert ("compress_fn" in listed) == ("trellis" in kinds)
+    assert ("num_key_value_heads" in listed) == ("attention" in kinds)
+
+
+def test_the_card_has_the_sections_a_hub_card_needs():
+    config = tiny_model().config
+    bare = render_model_card(config, "someone/model", 12345)
+    run = TrainingRun(recipe="trellis_lm.training.pretrain", data="Local files: corpus.txt", steps=60,
+                      settings={"learning rate": "0.003 (cosine)"}, final_loss=2.5)
+    trained = render_model_card(config, "someone/model", 12345, training=run)
+    for card in (bare, trained):
+        headings = re.findall(r"^## (.+)$", card, flags=re.MULTILINE)
+        assert {"Usage", "Intended use", "Limitations", "License", "Training data", "Evaluation", "Configuration",
+                "Generation defaults"} <= set(headings), headings
+        assert "pip install trellis-lm" not in card and "python -m build" in card
+    assert "Not recorded" in bare and "Not recorded" not in trained
+    assert "Local files: corpus.txt. Trained by `trellis_lm.training.pretrain`: 60 steps; learning rate 0.003 (cosine)" in trained
+    assert "last logged training loss was 2.500 (perplexity 12.2" in trained
 
 
 REMOTE_SCRIPT = """
@@ -135,7 +215,9 @@ def test_checkpoint_loads_as_remote_code_without_the_package(tmp_path, schedule)
     card = (checkpoint / "README.md").read_text()
     assert card.startswith("---\nlibrary_name: transformers") and MARKER in card
     assert 'from_pretrained("checkpoint", trust_remote_code=True)' in card
-    assert "| `num_slots` | `6` |" in card and "| `chunk_size` | `4` |" in card and '"max_new_tokens": 7' in card
+    slots = any(kind in ("trellis", "lattice") for kind in model.config.layer_kinds)  # the kinds with slots
+    assert ("| `num_slots` | `6` |" in card) == slots and ("| `chunk_size` | `4` |" in card) == slots
+    assert '"max_new_tokens": 7' in card
     ids, mask = left_pad([random_tokens(1, 7)[0], random_tokens(1, 4, seed=1)[0]])
     torch.save({"input_ids": ids, "attention_mask": mask}, checkpoint / "inputs.pt")
 
@@ -159,7 +241,9 @@ def test_checkpoint_loads_as_remote_code_without_the_package(tmp_path, schedule)
 
     # What the remote-code process saved is a complete checkpoint again.
     assert json.loads((resaved / "config.json").read_text())["auto_map"] == AUTO_MAP
-    assert {p.name for p in resaved.glob("*.py")} >= {"modeling_trellis.py", "trellis_ops_trellis_dispatch.py", "model_card_trellis.py"}
+    assert {p.name for p in resaved.glob("*.py")} == {p.name for p in checkpoint.glob("*.py")} - {"tokenization_trellis.py"}
+    assert {"modeling_trellis.py", "model_card_trellis.py", f"trellis_mixers_{model.config.layer_kinds[0]}.py"} <= {
+        p.name for p in resaved.glob("*.py")}
     assert (resaved / "README.md").read_text().replace("resaved", "checkpoint") == card
     reloaded = TrellisForCausalLM.from_pretrained(resaved)
     torch.testing.assert_close(reloaded(ids).logits, model(ids).logits, rtol=0, atol=0)
@@ -221,7 +305,7 @@ def uploads(monkeypatch) -> FakeHub:
     return sent
 
 
-CODE = {"modeling_trellis.py", "configuration_trellis.py", "model_card_trellis.py", "trellis_ops.py",
+CODE = {"modeling_trellis.py", "configuration_trellis.py", "model_card_trellis.py", "trellis_ops_trellis_triton_chunk.py",
         "trellis_ops_trellis_dispatch.py", "trellis_mixers_trellis.py"}
 
 

@@ -1,6 +1,7 @@
 """Command-line argument types and error reporting shared by the package's commands
 (``trellis-lm`` and its ``convert`` and ``bench`` parts): each argparse ``type`` names what it
-expected, and a bad argument is one line on standard error."""
+expected, a bad argument is one line on standard error, and options take hyphens or
+underscores (:class:`Parser`)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,9 @@ import contextlib
 import math
 import re
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Optional, TypeVar, Union
+from typing import Any, Optional, TypeVar, Union
 
 T = TypeVar("T")
 
@@ -20,6 +21,48 @@ BAD_ARGUMENTS = 2  # exit status; argparse's own for a command line it cannot pa
 # and cannot be one is a local path with a typo, which can be refused without asking the Hub.
 _HUB_ID = re.compile(r"[\w-][\w.-]*(/[\w-][\w.-]*)?")
 GLOB_CHARACTERS = frozenset("*?[")
+
+
+class Parser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose long options take hyphens and underscores alike.
+
+    The package's own commands spell options with hyphens (``--max-new-tokens``) and the
+    Trainer recipes with underscores (``--max_steps``, HfArgumentParser's spelling, which also
+    takes hyphens): a user should not have to remember which. An option that the parser does
+    not know as written, but does know with ``-`` and ``_`` swapped (abbreviated or not), is
+    read as the known one; everything else, and everything after ``--``, is left to argparse.
+    Sub-command parsers made by ``add_subparsers().add_parser`` are of this class too.
+    """
+
+    def parse_known_args(self, args: Optional[Sequence[str]] = None, namespace: Any = None) -> tuple[Any, list[str]]:
+        given = sys.argv[1:] if args is None else list(args)
+        return super().parse_known_args(self._as_declared(given), namespace)
+
+    def _as_declared(self, args: list[str]) -> list[str]:
+        # argparse's table of option strings, the same for argument groups.
+        declared = [option for option in self._option_string_actions if option.startswith("--")]
+        spelled = []
+        for index, arg in enumerate(args):
+            if arg == "--":
+                return spelled + args[index:]
+            spelled.append(_declared_spelling(arg, declared))
+        return spelled
+
+
+def _declared_spelling(arg: str, declared: list[str]) -> str:
+    """``arg`` (``--name`` or ``--name=value``) spelled as the one option of ``declared`` it
+    names with ``-`` and ``_`` swapped; ``arg`` itself when argparse can take it as written."""
+    name, equals, value = arg.partition("=")
+    if not name.startswith("--") or len(name) < 3 or any(option.startswith(name) for option in declared):
+        return arg
+    wanted = _hyphenated(name)
+    same = [option for option in declared if _hyphenated(option) == wanted]
+    matches = same or [option for option in declared if _hyphenated(option).startswith(wanted)]
+    return matches[0] + equals + value if len(matches) == 1 else arg
+
+
+def _hyphenated(option: str) -> str:
+    return "--" + option[2:].replace("_", "-")
 
 
 class CommandLineError(Exception):
@@ -88,7 +131,14 @@ def fraction(text: str) -> float:
 
 def checkpoint_problem(text: str) -> Optional[str]:
     """Why ``text`` cannot be a checkpoint folder or Hub id, as far as the disk tells (``None``:
-    it may be one; a Hub id is only checked when it is loaded)."""
+    it may be one; a Hub id is only checked when it is loaded).
+
+    A missing path that looks local is refused here, before transformers spends a minute
+    retrying the Hub for it: one that cannot be a Hub id (``./x``, ``/x``, ``a/b/c``), or
+    ``name/x`` where ``name`` is a folder here (``outputs/my-modle``, a typo).
+    """
+    if not text.strip():
+        return "an empty name: expected a checkpoint folder or Hub id"
     path = Path(text)
     if path.is_dir():
         return None if (path / "config.json").is_file() else f"{text} has no config.json: expected a checkpoint folder"
@@ -96,6 +146,9 @@ def checkpoint_problem(text: str) -> Optional[str]:
         return f"{text} is a file: expected a checkpoint folder or Hub id"
     if not _HUB_ID.fullmatch(text):
         return f"{text} does not exist: expected a checkpoint folder or Hub id"
+    if len(path.parts) > 1 and Path(path.parts[0]).is_dir():
+        return (f"{text} does not exist ({path.parts[0]} is a folder here, so it is not read as a Hub id): "
+                "expected a checkpoint folder or Hub id")
     return None
 
 

@@ -29,7 +29,7 @@ from safetensors.torch import save_file
 from transformers.cache_utils import Cache
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
-from .ops import OpState
+from .ops.state import OpState
 
 # The name transformers gives the generation cache, as an argument of `forward` and
 # `prepare_inputs_for_generation`, a key of `generate()`'s model kwargs and a field of model

@@ -7,8 +7,9 @@
     trellis-lm bench --quick
     trellis-lm convert SRC DST
 
-Each command's ``--help`` explains it. ``python -m trellis_lm`` runs the same. Heavy imports
-(transformers' Trainer, lm-eval, the conversion code) happen inside the commands.
+Each command's ``--help`` explains it; every option takes hyphens or underscores
+(``--max-new-tokens`` or ``--max_new_tokens``). ``python -m trellis_lm`` runs the same. Heavy
+imports (transformers' Trainer, lm-eval, the conversion code) happen inside the commands.
 
 Exit status: 0 on success; 2 for a bad argument or input, reported as one line on standard error
 that names the argument (``trellis-lm generate: error: argument --num-beams: expected an integer
@@ -30,14 +31,16 @@ from typing import Any, Optional, TypeVar
 
 from . import __version__
 from .arguments import (
-    GLOB_CHARACTERS, CommandLineError, blame, checkpoint, checkpoint_problem, eval_batch_size, existing_folder,
-    first_line, float_above, int_at_least, output_file, report_error,
+    GLOB_CHARACTERS, CommandLineError, Parser, blame, checkpoint, checkpoint_problem, eval_batch_size,
+    existing_folder, first_line, float_above, int_at_least, output_file, report_error,
 )
 
 Handler = Callable[[argparse.Namespace], int]
 T = TypeVar("T")
 
 DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
+# `generate` prints it on a line of its own between the texts of several prompts.
+SEPARATOR = "-" * 40
 # Recipe and TrainingArguments fields that HfArgumentParser types but does not bound, and that
 # fail only once a model is built and data is read (batch size 0, ...).
 _TRAINING_MINIMUMS = {
@@ -66,8 +69,9 @@ def _add_generate(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "generate", help="continue prompts with a saved model",
         description="Load a checkpoint (folder or Hub id) with its tokenizer and print a continuation of each "
-                    "prompt; prompts are read from standard input, one per line, when none is given. The "
-                    "prompts run as one left-padded batch through generate() and the fixed-size cache.",
+                    "prompt, with a line of dashes between them; prompts are read from standard input, one "
+                    "per line, when none is given. The prompts run as one left-padded batch through generate() "
+                    "and the fixed-size cache.",
     )
     parser.add_argument("model", type=checkpoint, help="checkpoint folder or Hub id")
     parser.add_argument("prompts", nargs="*", help="prompts (default: one per line of standard input)")
@@ -116,7 +120,9 @@ def _generate(args: argparse.Namespace) -> int:
         **sampling,
     )
     continuations = tokenizer.batch_decode(output[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
-    for prompt, continuation in zip(prompts, continuations):
+    for index, (prompt, continuation) in enumerate(zip(prompts, continuations)):
+        if index:
+            print(SEPARATOR)  # a continuation may itself hold blank lines
         print(continuation if args.chat else prompt + continuation)
     return 0
 
@@ -162,8 +168,18 @@ def _train(args: argparse.Namespace) -> int:
     _check_training_arguments(recipe_args, training_args)
     trainer = recipe(recipe_args, training_args)
     if trainer.is_world_process_zero():
-        print(f"trained {trainer.state.global_step} steps; model saved to {training_args.output_dir}")
+        print(f"trained {trainer.state.global_step} steps; {_saved_where(recipe_args, training_args.output_dir)}")
     return 0
+
+
+def _saved_where(recipe_args: Any, output_dir: str) -> str:
+    """Where the run left what it trained, and which folder loads as a model."""
+    if not getattr(recipe_args, "lora", False):
+        return f"model saved to {output_dir}"
+    adapter = f"LoRA adapter saved to {output_dir} (PeftModel.from_pretrained(base_model, '{output_dir}'))"
+    if not recipe_args.merge_lora:
+        return adapter
+    return f"{adapter}; the model with it merged, which loads on its own, to {Path(output_dir) / 'merged'}"
 
 
 def _quietly_parsed(parse: Callable[[], T]) -> T:
@@ -333,7 +349,7 @@ def _unavailable(reason: str) -> Handler:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``trellis-lm`` argument parser, one sub-command per tool."""
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="trellis-lm", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--version", action="version", version=f"trellis-lm {__version__}")

@@ -31,7 +31,7 @@ from torch import nn
 from .cache_trellis import CacheCall
 from .mixers.stacking import plain_forward_hooks
 from .mixers.tokens import ValidTokens
-from .ops import OpState
+from .ops.state import OpState
 
 # What runs a run of blocks instead of run_blocks: (blocks, hidden, carried) -> (hidden, carried after).
 RunOfBlocks = Callable[[tuple[nn.Module, ...], torch.Tensor, list[tuple[Any, Any, Any]]],

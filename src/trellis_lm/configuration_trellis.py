@@ -158,6 +158,13 @@ class TrellisConfig(PreTrainedConfig):
     """
 
     model_type: ClassVar[str] = "trellis"
+    # The fields every model uses whatever its layers; every other field is a layer kind's (its
+    # mixer's `config_fields`). The model card lists these and those of the model's own kinds.
+    model_level_fields: ClassVar[tuple[str, ...]] = (
+        "vocab_size", "hidden_size", "num_hidden_layers", "mixer_types", "num_heads", "head_dim", "intermediate_size",
+        "rms_norm_eps", "initializer_range", "tie_word_embeddings", "pad_token_id", "bos_token_id", "eos_token_id",
+        "use_cache", "op_backend", "compile_decode",
+    )
     keys_to_ignore_at_inference: ClassVar[list[str]] = ["cache", "past_key_values"]  # the name before and after transformers 5.24
     # Tools written for attention models read `num_attention_heads`.
     attribute_map: ClassVar[dict[str, str]] = {"num_attention_heads": "num_heads"}
@@ -322,7 +329,7 @@ class TrellisConfig(PreTrainedConfig):
             return super().save_pretrained(save_directory, push_to_hub=push_to_hub, **kwargs)
         self.auto_map = dict(AUTO_MAP)
         super().save_pretrained(save_directory, **kwargs)
-        export_code(save_directory)
+        export_code(save_directory, self.layer_kinds)
         if push_to_hub:
             # The parent would upload before the code is written; `push_to_hub` saves afresh
             # (through this method) into a temporary folder and uploads all of it.

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from .compiled_decode import run_blocks
-from .ops import OpState
+from .ops.state import OpState
 
 # Eager calls before a capture: the first compiles the Triton kernels and sets up cuBLAS (neither
 # may happen inside a capture); the next runs as the capture will.

@@ -9,7 +9,11 @@ import lines are rewritten to match. Everything else is copied verbatim.
 
 Only what a model runs is exported: the modules the configuration and the model import,
 followed through their relative imports (including imports made inside functions, which
-transformers' loader also requires to be present), and nothing else.
+transformers' loader also requires to be present), and of the layer kinds' code only the kinds
+the model has. A kind's code is its mixer ``mixers/<kind>.py`` and its op ``ops/<kind>/`` (the
+Trellis op with its Triton kernels, which a GPU user of the checkpoint runs); the package
+``__init__`` files that import every kind lose the lines of the others in the copy, and any other
+module that imports a left-out kind's code is an error (the copy would not load).
 
 When the classes themselves were loaded as remote code, their files are already flat and
 transformers copies them on save by itself; :func:`code_is_packaged` tells the two apart.
@@ -19,7 +23,9 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Callable, Optional
 
 # Where the import closure starts; this file is in it because the configuration imports it.
 CHECKPOINT_MODULES = ("configuration_trellis", "modeling_trellis")
@@ -90,10 +96,37 @@ def _module_file(module: str) -> tuple[Path, str]:
     return path.with_suffix(".py"), module.rpartition(".")[0]
 
 
-def flat_sources() -> dict[str, str]:
-    """File name in a checkpoint -> source text, for every module the checkpoint code needs."""
+def kind_code(kinds: Iterable[str]) -> Callable[[str], bool]:
+    """Whether a module (dotted path inside the package) holds the code of one of ``kinds``:
+    ``mixers.<kind>``, ``ops.<kind>`` or a module under ``ops/<kind>/``."""
+    kinds = tuple(kinds)
+    return lambda module: any(module in (f"mixers.{kind}", f"ops.{kind}") or module.startswith(f"ops.{kind}.")
+                              for kind in kinds)
+
+
+def without_imports(source: str, package: str, left_out: Callable[[str], bool]) -> str:
+    """``source`` without its relative import lines of the modules ``left_out`` names (each on
+    one line: a kind's import in a package ``__init__``)."""
+    lines = []
+    for line in source.splitlines(keepends=True):
+        match = _RELATIVE_IMPORT.match(line)
+        if match and left_out(resolve(package, match["dots"], match["module"])):
+            if "(" in line and ")" not in line:
+                raise ValueError(f"cannot leave out `{line.strip()}` in {package or 'the root'}: write it on one line")
+            continue
+        lines.append(line)
+    return "".join(lines)
+
+
+def flat_sources(kinds: Optional[Iterable[str]] = None) -> dict[str, str]:
+    """File name in a checkpoint -> source text, for every module the checkpoint code of a model
+    with layers of ``kinds`` needs (``None``: every kind)."""
     if not code_is_packaged():
         raise RuntimeError("the flat checkpoint code can only be built from the trellis_lm package")
+    from .mixers import MIXERS
+
+    carried = set(MIXERS) if kinds is None else set(kinds)
+    left_out = kind_code(kind for kind in MIXERS if kind not in carried)
     sources: dict[str, str] = {}
     pending = list(CHECKPOINT_MODULES)
     while pending:
@@ -103,17 +136,25 @@ def flat_sources() -> dict[str, str]:
             continue
         path, package = _module_file(module)
         source = path.read_text(encoding="utf-8")
+        if path.name == "__init__.py":
+            source = without_imports(source, package, left_out)
+        imports = relative_imports(source, package)
+        stray = [target for target in imports if left_out(target)]
+        if stray:
+            raise RuntimeError(f"{module} imports {stray[0]}, the code of a layer kind this checkpoint has no layer of; "
+                               "only the package __init__ files may import every kind")
         sources[name] = flatten_imports(source, package)
-        pending.extend(relative_imports(source, package))
+        pending.extend(imports)
     return dict(sorted(sources.items()))
 
 
-def export_code(save_directory: str | os.PathLike) -> list[Path]:
-    """Write :func:`flat_sources` into ``save_directory``; returns the paths written."""
+def export_code(save_directory: str | os.PathLike, kinds: Optional[Iterable[str]] = None) -> list[Path]:
+    """Write :func:`flat_sources` of ``kinds`` (the model's layer kinds; ``None``: every kind)
+    into ``save_directory``; returns the paths written."""
     folder = Path(save_directory)
     folder.mkdir(parents=True, exist_ok=True)
     written = []
-    for name, text in flat_sources().items():
+    for name, text in flat_sources(kinds).items():
         (folder / name).write_text(text, encoding="utf-8")
         written.append(folder / name)
     return written

@@ -43,6 +43,7 @@ from transformers import (
 from transformers.trainer_utils import get_last_checkpoint
 
 from .configuration_trellis import TrellisConfig
+from .model_card_trellis import TrainingRun, write_model_card
 from .modeling_trellis import TrellisForCausalLM
 from .state_passing import DEFAULT_PROBABILITY, DEFAULT_START_FRACTION, StatePassingCallback
 from .tokenization_trellis import train_tokenizer
@@ -318,6 +319,31 @@ def _output_dir(training_args: TrainingArguments) -> Path:
 # ----------------------------------------------------------------------------- recipes
 
 
+def described_data(args: ModelArguments, sample: str) -> str:
+    """The training data in words for the model card: the files given, or ``sample``, and the
+    checkpoint the run started from."""
+    data = f"Local files: {', '.join(Path(f).name for f in args.data_files)}" if args.data_files else sample
+    return data if args.model is None else f"{data}; starting from the checkpoint {args.model}"
+
+
+def training_run(trainer: Trainer, recipe: str, data: str, args: ModelArguments) -> TrainingRun:
+    """What the card says of a finished run: its data, steps, main settings and last logged loss."""
+    training_args = trainer.args
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    averages = [entry["train_loss"] for entry in trainer.state.log_history if "train_loss" in entry]
+    scheduler = getattr(training_args.lr_scheduler_type, "value", training_args.lr_scheduler_type)
+    passing = f"p = {args.state_passing:g} from {args.state_passing_from:g} of the steps" if args.state_passing else "off"
+    settings = {
+        "batch": f"{training_args.per_device_train_batch_size} x {training_args.gradient_accumulation_steps} "
+                 f"accumulated x {training_args.world_size} processes",
+        "examples of at most": f"{args.max_length} tokens",
+        "learning rate": f"{training_args.learning_rate:g} ({scheduler})",
+        "state passing": passing,
+    }
+    return TrainingRun(recipe=recipe, data=data, steps=trainer.state.global_step, settings=settings,
+                       final_loss=(losses or averages or [None])[-1])
+
+
 def check_recipe_arguments(args: ModelArguments, training_args: TrainingArguments) -> None:
     """Refuse, before anything is built or written, what a recipe would otherwise meet only after
     building a model and creating its output folder: a ``ValueError`` naming the option as the
@@ -405,6 +431,10 @@ def pretrain(args: PretrainArguments, training_args: TrainingArguments) -> Train
     _add_state_passing(trainer, args, training_args)
     trainer.train(resume_from_checkpoint=checkpoint)
     trainer.save_model()
+    if trainer.is_world_process_zero():
+        sample = "Docstrings of this Python's standard library (trellis_lm.training.write_sample_corpus)"
+        run = training_run(trainer, "trellis_lm.training.pretrain", described_data(args, sample), args)
+        write_model_card(output_dir, trainer.model, training=run)
     return trainer
 
 
@@ -451,10 +481,18 @@ def finetune(args: FinetuneArguments, training_args: TrainingArguments) -> Train
     _add_state_passing(trainer, args, training_args)
     trainer.train(resume_from_checkpoint=checkpoint)
     trainer.save_model()
-    if args.lora and args.merge_lora and trainer.is_world_process_zero():
+    if not trainer.is_world_process_zero():
+        return trainer
+    sample = "Synthetic chats on sums of two numbers (trellis_lm.training.sample_chats)"
+    run = training_run(trainer, "trellis_lm.training.finetune" + (" with LoRA" if args.lora else ""),
+                       described_data(args, sample) + "; loss on the assistant turns only", args)
+    if not args.lora:
+        write_model_card(output_dir, trainer.model, training=run)
+    elif args.merge_lora:
         merged = trainer.model.merge_and_unload()
         merged.save_pretrained(output_dir / "merged")
         tokenizer.save_pretrained(output_dir / "merged")
+        write_model_card(output_dir / "merged", merged, training=run)
     return trainer
 
 
@@ -474,10 +512,22 @@ def parse_recipe_arguments(
     recipe_args_class: type, defaults: dict[str, Any], argv: Optional[list[str]] = None, prog: Optional[str] = None
 ) -> tuple[Any, TrainingArguments]:
     """Parse ``argv`` into ``(recipe_args_class(...), TrainingArguments(...))`` with ``HfArgumentParser``;
-    ``defaults`` replace TrainingArguments' own."""
+    ``defaults`` replace TrainingArguments' own. Options take underscores or hyphens.
+
+    ``--help`` lists the recipe's own options first, under a one-line usage: spelling out the
+    usage of every TrainingArguments option would put a hundred lines above them.
+    """
+    from dataclasses import fields
+
     from transformers import HfArgumentParser
 
-    parser = HfArgumentParser((recipe_args_class, TrainingArguments), prog=prog)
+    own = ", ".join(f"--{f.name}" for f in fields(recipe_args_class))
+    parser = HfArgumentParser(
+        (recipe_args_class, TrainingArguments), prog=prog, usage="%(prog)s [RECIPE OPTIONS] [TRAININGARGUMENTS OPTIONS]",
+        description=f"The recipe's own options come first below ({own}), then those of "
+                    "transformers' TrainingArguments (--output_dir, --max_steps, --per_device_train_batch_size, "
+                    "--learning_rate, --bf16, ...). Options take underscores or hyphens (--max_steps, --max-steps).",
+    )
     parser.set_defaults(**defaults)
     return parser.parse_args_into_dataclasses(args=argv)
 

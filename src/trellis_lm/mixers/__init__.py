@@ -11,14 +11,16 @@ from typing import Any
 
 from .base import MIXERS, MemoryMixer, Mixer
 
-# In this order: the order of MIXERS (registered as each class is defined), which messages list.
+# One line per kind, in this order: the order of MIXERS (registered as each class is defined),
+# which messages list. A checkpoint's flat copy of this file keeps the lines of its own kinds
+# only (see remote_code), so nothing else here may name a kind's module or class.
 from .trellis import TrellisAttention, forget_gate_bias  # noqa: E402  (isort: skip)
 from .lattice import LatticeAttention  # noqa: E402  (isort: skip)
 from .attention import AttentionMixer  # noqa: E402  (isort: skip)
 from .kvm import KVMAttention  # noqa: E402  (isort: skip)
 
-# The kind of every layer of a config without `mixer_types`.
-DEFAULT_KIND = TrellisAttention.kind
+# The kind of every layer of a config without `mixer_types` (TrellisAttention.kind).
+DEFAULT_KIND = "trellis"
 
 
 def build_mixer(config: Any, layer_idx: int) -> Mixer:

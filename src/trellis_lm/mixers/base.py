@@ -23,7 +23,7 @@ from transformers import initialization
 from ..cache_trellis import (
     ROWS, CacheCall, LayerCache, MemoryLayerCache, TensorSpec, TrellisCache, register_layer_cache, same_definition,
 )
-from ..ops import OpState
+from ..ops.state import OpState
 from ..ops.registry import BackendRegistry
 from .fields import MODEL_FIELDS, ConfigField
 from .parts import TrellisRMSNorm, TrellisShortConv, at_least_float32, causal_conv, l2_normalize

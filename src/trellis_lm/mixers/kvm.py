@@ -9,8 +9,7 @@ import torch
 from torch import nn
 
 from ..cache_trellis import COLUMNS, ROWS, Dim, MemoryLayerCache, TensorSpec
-from ..ops import KVMState, kvm_attention, kvm_step
-from ..ops.kvm import BACKENDS, BUDGETS
+from ..ops.kvm import BACKENDS, BUDGETS, KVMState, kvm_attention, kvm_step
 from ..ops.kvm.dispatch import check_counters, kvm_config
 from .base import MemoryMixer, Projections
 from .fields import ROPE_THETA, ConfigField, choice, integer, is_int, positive

@@ -9,8 +9,7 @@ import torch
 from torch import nn
 
 from ..cache_trellis import MemoryLayerCache, TensorSpec
-from ..ops import LATTICE_VARIANTS, LatticeState, lattice_attention, lattice_step
-from ..ops.lattice import BACKENDS
+from ..ops.lattice import BACKENDS, LATTICE_VARIANTS, LatticeState, lattice_attention, lattice_step
 from .base import MemoryMixer, Projections, chunked_memory_layout
 from .fields import CHUNK_SIZE, CONV_SIZE, NUM_SLOTS, choice
 from .parts import at_least_float32, l2_normalize

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..cache_trellis import MemoryLayerCache, TensorSpec
-from ..ops import COMPRESS_FNS, MIX_FNS, WRITE_GRADIENTS, TrellisState, trellis_attention, trellis_step
-from ..ops.trellis import BACKENDS
+from ..ops.trellis import (BACKENDS, COMPRESS_FNS, MIX_FNS, WRITE_GRADIENTS, TrellisState, trellis_attention,
+                           trellis_step)
 from .base import MemoryMixer, Projections, chunked_memory_layout
 from .fields import CHUNK_SIZE, CONV_SIZE, NUM_SLOTS, ConfigField, choice, flag, positive
 from .parts import at_least_float32, l2_normalize
