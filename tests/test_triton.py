@@ -176,6 +176,28 @@ def test_triton_on_cpu_tensors_needs_the_interpreter(monkeypatch):
 
 
 @needs_triton
+def test_a_loop_over_a_count_read_from_memory():
+    """Every kernel here loops over a count it loads (chunks, tokens). Triton 3.6's interpreter
+    failed to take one as a loop bound with numpy >= 2.4 until triton_chunk's import fixed it
+    (:mod:`trellis_lm.ops.trellis.triton_interpreter`); compiled, the kernel is plain Triton."""
+    import triton
+    import triton.language as tl
+
+    import trellis_lm.ops.trellis.triton_chunk  # noqa: F401  (fixes the interpreter where it needs it)
+
+    @triton.jit
+    def count_to(n_ptr, out_ptr):
+        total = 0.0
+        for _ in range(0, tl.load(n_ptr)):
+            total += 1.0
+        tl.store(out_ptr, total)
+
+    n, out = torch.tensor([5], dtype=torch.int32, device=DEVICE), torch.zeros(1, device=DEVICE)
+    count_to[(1,)](n, out)
+    assert out.item() == 5.0
+
+
+@needs_triton
 def test_the_custom_op_refuses_identity():
     """``trellis_lm::triton_chunk_fwd`` is callable without the dispatcher (torch.ops): its
     chunk kernels compute anchor residuals, so it refuses identity itself."""

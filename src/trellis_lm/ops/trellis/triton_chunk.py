@@ -75,7 +75,11 @@ except ImportError as error:
 
 from .compress_mix import COMPRESS_FNS, EPS, MIX_FNS
 from .state import TrellisState
+from .triton_interpreter import take_one_element_as_index
 from ..varlen import chunk_slots, make_plan
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    take_one_element_as_index()
 
 DOT_PRECISIONS = ("tf32x3", "tf32", "ieee", "bf16")
 DOT_PRECISION = os.environ.get("TRELLIS_TRITON_DOT_PRECISION", "tf32x3")
