@@ -18,6 +18,9 @@ the previous turn left), so a machine whose speed drifts slows every run alike. 
 medians; compare the ratios (to the Llama of the same context and batch, measured in the same
 run), not absolute times from a noisy machine.
 
+``--json`` also records each model's cache bytes for one row after each context
+(``benchmarks/plot_decode.py`` draws the figures of README.md and BENCHMARKS.md from such a file).
+
 Operations per token: ``torch.profiler`` counts of every ``aten::`` call (nested ones included)
 and of the top-level ones (those no other ``aten::`` call issued) over 5 steps at the first
 context, batch 1, with each model's most frequent top-level operations.
@@ -129,6 +132,14 @@ def prefill(model, context: int, vocab: int, piece: int = 1024):
     return cache, out.logits[:, -1:].argmax(-1)
 
 
+def cache_bytes(cache) -> int:
+    """Bytes a cache holds for its rows: ``TrellisCache.nbytes()``, or the keys and values of
+    every layer of a transformers ``DynamicCache``."""
+    if hasattr(cache, "nbytes"):
+        return cache.nbytes()
+    return sum(tensor.nbytes for layer in cache.layers for tensor in (layer.keys, layer.values))
+
+
 def count_ops(stepper: Stepper, steps: int = 5) -> dict:
     """aten operations per token (all, top-level) and the most frequent top-level ones."""
     for _ in range(2):
@@ -173,11 +184,12 @@ def main() -> None:
         for model in models.values():
             if isinstance(model, TrellisForCausalLM):
                 spans.enter_context(stacked_projections(model))
-    steppers = {}
+    steppers, nbytes = {}, {}
     for name, model in models.items():
         for context in contexts:
             start = time.perf_counter()
             prefilled = prefill(model, context, size["vocab"])
+            nbytes[f"{name}|{context}"] = cache_bytes(prefilled[0])
             for batch in batches:
                 steppers[name, context, batch] = Stepper(model, prefilled, batch)
             print(f"prefilled {name} at {context} tokens in {time.perf_counter() - start:.1f} s", flush=True)
@@ -209,7 +221,8 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"size": size, "threads": torch.get_num_threads(), "rounds": rounds,
-                       "ms": {f"{n}|{c}|{b}": v for (n, c, b), v in ms.items()}, "ops": ops}, f, indent=1)
+                       "ms": {f"{n}|{c}|{b}": v for (n, c, b), v in ms.items()}, "cache_bytes": nbytes, "ops": ops},
+                      f, indent=1)
 
 
 if __name__ == "__main__":

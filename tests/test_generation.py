@@ -232,21 +232,25 @@ def test_a_hook_added_after_compiling_is_called_every_step(compiled_runs, second
         eager.config.compile_decode = False
         calls = {"compiled": [], "eager": []}
 
+        unhooked = eager.generate(ids, max_new_tokens=6, do_sample=False)
+
+        # Features moved and scaled (a norm undoes a scale alone): every hook changes the tokens.
         def hook_on(m, name):
             module = m.model.layers[0].get_submodule(path)
             if kind == "pre":
-                return module.register_forward_pre_hook(lambda mod, args: (calls[name].append(1), (args[0] * 1.5,))[1])
-            return module.register_forward_hook(lambda mod, args, out: (calls[name].append(1), out * 1.5)[1])
+                return module.register_forward_pre_hook(
+                    lambda mod, args: (calls[name].append(1), (args[0].roll(1, -1) * 2,))[1])
+            return module.register_forward_hook(lambda mod, args, out: (calls[name].append(1), out.roll(1, -1) * 2)[1])
 
         handles = [hook_on(target, "compiled"), hook_on(eager, "eager")]
         del compiled_runs[:]
         want = eager.generate(ids, max_new_tokens=6, do_sample=False)
+        assert not torch.equal(want, unhooked), path
         assert torch.equal(target.generate(ids, max_new_tokens=6, do_sample=False), want), path
         assert len(calls["compiled"]) == len(calls["eager"]) == 6, path  # the prefill and every step
         assert compiled_runs == [1] * 5, path  # layer 1 still compiles, layer 0 runs eagerly
         for handle in handles:
             handle.remove()
-    assert not torch.equal(want, model.generate(ids, max_new_tokens=6, do_sample=False))  # (the hooks change tokens)
 
 
 @needs_compiler

@@ -59,25 +59,17 @@ class TrellisConfig(PreTrainedConfig):
         num_heads: heads H of every mixer (query heads of attention layers).
         head_dim: per-head width d of queries, keys and values (H * d need not equal D).
         num_slots: memory slots M per head (Trellis and Lattice).
-        chunk_size: C of the memory ops; the model is defined by it (1 is the exact recurrence).
-            Trellis takes the gradient of every write in a chunk at the chunk's start, so a
-            larger C is further from the online-gradient recurrence; with
-            ``compress_fn="identity"`` the chunk form is exact at any C. Default 16, chosen from
-            the language-modelling study (``docs/results_lm.md``, "Chunk size"; 2 seeds, with
-            the recipes' state passing): validation perplexity 61.4 / 62.5 / 63.2 / 67.7 at C = 8 /
-            16 / 32 / 64, CPU training speed 0.90 / 1.00 / 1.00 / 0.95 of C = 32's; C = 1 is level
-            with a same-size Llama but trains at a quarter of the speed. On a GPU the Triton
-            kernels take any power of two; a larger C there means fewer sequential chunk steps
-            and fuller matrix tiles, so C = 32 or 64 may train faster per token (not yet measured).
+        chunk_size: C of the memory ops. With ``write_gradient="exact"`` (the default) C only
+            chooses how Trellis's per-token recurrence is computed, so it follows speed: 16 is
+            the fastest exact C on a CPU (``BENCHMARKS.md``, issue 51: 2.9x the per-token loop,
+            1.17x the anchored C = 16 step; C = 32 / 64 are 7% / 20% slower, the substitution
+            growing with C). With ``write_gradient="anchored"`` C is part of the function: every
+            write in a chunk takes its gradient at the chunk start, validation perplexity 61.4 /
+            62.5 / 63.2 / 67.7 at C = 8 / 16 / 32 / 64 in ``docs/results_lm.md``. Lattice's
+            chunk form and the gated delta rule (``compress_fn="identity"``) are exact at any C.
+            On a GPU the Triton kernels run exact writes with the per-token kernel at any C (no
+            exact chunk-parallel kernel yet); anchored, they take any power of two.
 
-    Reading far past the training length: a model trained only on windows that start from the
-    learned memories meets unknown states beyond about 16x its training length, and its
-    perplexity climbs (3.6x its first bucket's at 64x in ``docs/results_lm_extrapolation.md``).
-    The training recipes (``pretrain``, ``finetune``, the conversion's stage 2) therefore pass
-    states by default (:mod:`trellis_lm.state_passing`: over the last 30% of the steps a training
-    row starts, with probability 0.9, from a row of the previous batch's final states; flat to 64x
-    there, at +2.5% perplexity at the training length). In a training loop of your own, wrap the
-    last 30% of the steps in ``with StatePassing(0.9).attached(model):``.
         compress_fn: Trellis's compression function phi, one of ``trellis_lm.ops.COMPRESS_FNS``.
         mix_fn: Trellis's mixing function f, one of ``trellis_lm.ops.MIX_FNS``.
         write_gradient: where each Trellis write takes its inner gradient (design page
@@ -155,6 +147,15 @@ class TrellisConfig(PreTrainedConfig):
             ``trellis_lm.decode_graphs.decode_graphs(model)`` (weights unchanged inside it); a
             capture that fails warns and leaves the call's steps eager. Prefill and training are
             not affected.
+
+    Reading far past the training length: a model trained only on windows that start from the
+    learned memories meets unknown states beyond about 16x its training length, and its
+    perplexity climbs (3.6x its first bucket's at 64x in ``docs/results_lm_extrapolation.md``).
+    The training recipes (``pretrain``, ``finetune``, the conversion's stage 2) therefore pass
+    states by default (:mod:`trellis_lm.state_passing`: over the last 30% of the steps a training
+    row starts, with probability 0.9, from a row of the previous batch's final states; flat to 64x
+    there, at +2.5% perplexity at the training length). In a training loop of your own, wrap the
+    last 30% of the steps in ``with StatePassing(0.9).attached(model):``.
     """
 
     model_type: ClassVar[str] = "trellis"

@@ -332,7 +332,7 @@ def training_run(trainer: Trainer, recipe: str, data: str, args: ModelArguments)
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     averages = [entry["train_loss"] for entry in trainer.state.log_history if "train_loss" in entry]
     scheduler = getattr(training_args.lr_scheduler_type, "value", training_args.lr_scheduler_type)
-    passing = f"p = {args.state_passing:g} from {args.state_passing_from:g} of the steps" if args.state_passing else "off"
+    passing = f"p = {args.state_passing:g} from {_passing_start(args):g} of the steps" if args.state_passing else "off"
     settings = {
         "batch": f"{training_args.per_device_train_batch_size} x {training_args.gradient_accumulation_steps} "
                  f"accumulated x {training_args.world_size} processes",
@@ -396,10 +396,13 @@ def _check_chat_file(path: Path) -> None:
                 raise ValueError(f"--data_files: {path} line {number} is not a {{\"messages\": [...]}} object")
 
 
+def _passing_start(args: ModelArguments) -> float:
+    return DEFAULT_START_FRACTION if args.state_passing_from is None else args.state_passing_from
+
+
 def _add_state_passing(trainer: Trainer, args: ModelArguments, training_args: TrainingArguments) -> None:
     if args.state_passing:
-        start = DEFAULT_START_FRACTION if args.state_passing_from is None else args.state_passing_from
-        trainer.add_callback(StatePassingCallback(args.state_passing, start, seed=training_args.seed))
+        trainer.add_callback(StatePassingCallback(args.state_passing, _passing_start(args), seed=training_args.seed))
 
 
 def pretrain(args: PretrainArguments, training_args: TrainingArguments) -> Trainer:

@@ -45,5 +45,7 @@ def step_forward(q, k, v, alpha, log_beta, gamma, state, chunk_size, compress_fn
     h = mix(mix_fn, (m_k @ q.view(rows, heads, dk, 1)).view(rows, heads, 1, slots))
     o = (h @ m_v).view(rows, 1, heads, dv)  # [N, H, 1, Dv] and [N, 1, H, Dv] share their layout
     if exact:  # nothing reads the anchors: they follow the memories (section 3)
-        a_k, a_v = m_k, m_v
+        # Compiled, as copies: aliased outputs would be the next compiled step's aliased inputs,
+        # which dynamo guards on and compiles apart from the prefill's separate ones.
+        a_k, a_v = (m_k.clone(), m_v.clone()) if torch.compiler.is_compiling() else (m_k, m_v)
     return o, TrellisState(m_k, m_v, a_k, a_v, (offset + 1) % chunk_size)

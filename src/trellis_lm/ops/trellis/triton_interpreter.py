@@ -38,7 +38,10 @@ def take_one_element_as_index() -> None:
     """Make the interpreter's ``tensor.__index__`` take the element of a one-element array (and
     refuse any other, as before), where it fails on one. Idempotent; does nothing on a triton
     whose interpreter has no such hook or already converts."""
-    from triton.runtime import interpreter
+    try:  # transformers' import check of a checkpoint's code skips a try block: triton stays optional there
+        from triton.runtime import interpreter
+    except ImportError:
+        return
 
     patch_tensor = getattr(interpreter, "_patch_lang_tensor", None)
     scope_type = getattr(interpreter, "_LangPatchScope", None)
