@@ -42,7 +42,7 @@ from studies.lm import (
     STUDY_SIZE, Recipe, StudyModel, build_study_model, encode_corpus, num_parameters, random_windows, stdlib_corpus,
     train_lm,
 )
-from studies.records import append_record, best_rate, load_records, spread, study_arguments, widened_rate
+from studies.records import append_record, best_rate, load_records, spread, study_arguments, sweep
 from trellis_lm.eval.perplexity import perplexity, perplexity_by_position
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -177,18 +177,8 @@ def run_all(preset: dict[str, Any], out: Path, names: Optional[list[str]]) -> No
               f"{ {k: record.get(k) for k in ('val_ppl', 'test_ppl', 'tokens_per_s', 'loop_difference')} }")
 
     def swept_rate(model_spec: Model) -> Optional[float]:
-        rates = list(preset["lrs"])
-        for rate in rates:
-            run(model_spec, "sweep", rate, preset["seeds"][0], short)
-        best = best_rate(load_records(path), model_spec.name, short.tokens)
-        for _ in range(preset["widen"]):
-            rate = widened_rate(rates, best)
-            if rate is None:
-                break
-            rates.append(rate)
-            run(model_spec, "sweep", rate, preset["seeds"][0], short)
-            best = best_rate(load_records(path), model_spec.name, short.tokens)
-        return best
+        return sweep(lambda rate: run(model_spec, "sweep", rate, preset["seeds"][0], short), path, model_spec.name,
+                     preset["lrs"], preset["widen"], short.tokens)
 
     rates: dict[str, Optional[float]] = {}
     for model_spec in MODELS:

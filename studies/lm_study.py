@@ -38,7 +38,7 @@ from tqdm.auto import tqdm
 
 from studies.lm import STUDY_SIZE, Recipe, build_study_model, encode_corpus, num_parameters, stdlib_corpus, study_models, train_lm
 from studies.records import (
-    append_record, best_rate, chosen_runs, load_records, spread, study_arguments, sweep_runs, widened_rate,
+    append_record, chosen_runs, load_records, spread, study_arguments, sweep, sweep_runs,
 )
 from trellis_lm.eval.decode_cost import decode_cost
 from trellis_lm.eval.passkey import passkey_accuracy
@@ -153,17 +153,8 @@ def run_study(args: argparse.Namespace, preset: dict[str, Any], out: Path) -> No
         return record
 
     for spec in specs:
-        rates = list(preset["lrs"])
-        for lr in rates:
-            run(spec, "sweep", lr, preset["seeds"][0], short)
-        best = best_rate(load_records(records_path), spec.name, short.tokens)
-        for _ in range(preset["widen"]):
-            rate = widened_rate(rates, best)
-            if rate is None:
-                break
-            rates.append(rate)
-            run(spec, "sweep", rate, preset["seeds"][0], short)
-            best = best_rate(load_records(records_path), spec.name, short.tokens)
+        best = sweep(lambda lr, spec=spec: run(spec, "sweep", lr, preset["seeds"][0], short), records_path, spec.name,
+                     preset["lrs"], preset["widen"], short.tokens)
         if best is None:
             print(f"{spec.name}: every rate of the sweep diverged; no full runs")
             continue

@@ -8,7 +8,7 @@ import json
 import os
 import statistics
 from pathlib import Path
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 
 def study_arguments(doc: str, presets: Sequence[str], records: str, page: Path, what: str) -> argparse.Namespace:
@@ -100,3 +100,23 @@ def median_range(values: Sequence[Optional[float]], digits: int, missing: str = 
     # The lower median, so that "never" is the median only when most runs never got there.
     median = ordered[(len(ordered) - 1) // 2]
     return show(median) + (f" [{show(ordered[0])}, {show(ordered[-1])}]" if len(ordered) > 1 else "")
+
+
+def sweep(run_rate: Callable[[float], Any], path: Path, model: str, rates: Sequence[float], widen: int,
+          tokens: int) -> Optional[float]:
+    """Run a model's learning-rate sweep: ``run_rate(rate)`` at each of ``rates`` (a run already
+    in the records is skipped by the caller's ``run_rate``), then up to ``widen`` more rates past
+    an edge where the best one sits there. The best rate of the model's sweep runs of ``tokens``
+    in the records at ``path`` (``None``: every rate diverged)."""
+    rates = list(rates)
+    for rate in rates:
+        run_rate(rate)
+    best = best_rate(load_records(path), model, tokens)
+    for _ in range(widen):
+        rate = widened_rate(rates, best)
+        if rate is None:
+            break
+        rates.append(rate)
+        run_rate(rate)
+        best = best_rate(load_records(path), model, tokens)
+    return best

@@ -426,6 +426,20 @@ def _at_chunk_start(state: TrellisState) -> TrellisState:
     return TrellisState(state.m_k, state.m_v, state.anchor_k, state.anchor_v, torch.zeros_like(state.offset))
 
 
+def _each_backend_against_the_loop(x, state, C, o_1, s_1, **kw):
+    """Every backend (and the decode step) at C: outputs and memories checked against the loop's
+    ``o_1, s_1`` at C = 1; yields ``(backend, final state)`` for the caller's own checks."""
+    for backend in ["reference"] + FAST_BACKENDS + ["decode"]:
+        if backend == "decode":
+            o, s = _decode(x, state, C, **kw)
+        else:
+            o, s = run(backend, x, initial_state=state, chunk_size=C, **kw)
+        torch.testing.assert_close(o, o_1, **TOL, msg=lambda m: f"{backend}: {m}")
+        torch.testing.assert_close(s.m_k, s_1.m_k, **TOL)
+        torch.testing.assert_close(s.m_v, s_1.m_v, **TOL)
+        yield backend, s
+
+
 @pytest.mark.parametrize("C,mf", [(1, "ln_silu"), (3, "l2_silu"), (16, "softmax"), (64, "ln_silu")])
 def test_identity_is_one_function_at_every_chunk_size(C, mf):
     """Every backend at C (rows resuming mid-chunk) equals the per-token loop at C = 1 and the
@@ -436,14 +450,7 @@ def test_identity_is_one_function_at_every_chunk_size(C, mf):
     o_1, s_1 = run("reference", x, initial_state=_at_chunk_start(state), chunk_size=1, **kw)
     torch.testing.assert_close(o_1, naive(*x, state.m_k, state.m_v, 1, "identity", mf), **TOL)
     assert o_1.abs().max() > 0.1
-    for backend in ["reference"] + FAST_BACKENDS + ["decode"]:
-        if backend == "decode":
-            o, s = _decode(x, state, C, **kw)
-        else:
-            o, s = run(backend, x, initial_state=state, chunk_size=C, **kw)
-        torch.testing.assert_close(o, o_1, **TOL, msg=lambda m: f"{backend}: {m}")
-        torch.testing.assert_close(s.m_k, s_1.m_k, **TOL)
-        torch.testing.assert_close(s.m_v, s_1.m_v, **TOL)
+    for backend, s in _each_backend_against_the_loop(x, state, C, o_1, s_1, **kw):
         if backend != "reference":
             assert_states_close(s, run("reference", x, initial_state=state, chunk_size=C, **kw)[1])
 
@@ -610,14 +617,7 @@ def test_exact_is_one_function_at_every_chunk_size(C, cf, mf):
     torch.testing.assert_close(o_1, naive(*x, state.m_k, state.m_v, C, cf, mf, "exact"), **TOL)
     assert o_1.abs().max() > 0.1
     kw = dict(compress_fn=cf, mix_fn=mf, write_gradient="exact")
-    for backend in ["reference"] + FAST_BACKENDS + ["decode"]:
-        if backend == "decode":
-            o, s = _decode(x, state, C, **kw)
-        else:
-            o, s = run(backend, x, initial_state=state, chunk_size=C, **kw)
-        torch.testing.assert_close(o, o_1, **TOL, msg=lambda m: f"{backend}: {m}")
-        torch.testing.assert_close(s.m_k, s_1.m_k, **TOL)
-        torch.testing.assert_close(s.m_v, s_1.m_v, **TOL)
+    for _, s in _each_backend_against_the_loop(x, state, C, o_1, s_1, **kw):
         assert torch.equal(s.anchor_k, s.m_k) and torch.equal(s.anchor_v, s.m_v)
         assert s.offset.tolist() == ((state.offset + 70) % C).tolist()
 
