@@ -6,10 +6,23 @@ import copy
 
 import pytest
 import torch
+import transformers
+from packaging.version import Version
 
 from tiny_models import SCHEDULES, random_tokens, tiny_model
 from transformers_names import cache_of
 from trellis_lm import TrellisCache
+
+# transformers 5.10 (the low end of the supported range) can accept prompt-lookup drafts past
+# max_new_tokens (measured: 2 tokens past 24 on the KVM hybrid, every one of them greedy's); 5.24
+# stops at the limit. Where it may run over, the tokens within the limit must still be greedy's.
+RUNS_OVER_THE_LIMIT = Version(transformers.__version__) < Version("5.24")
+
+
+def assert_greedy_tokens(out: torch.Tensor, greedy: torch.Tensor, how: object) -> None:
+    if RUNS_OVER_THE_LIMIT:
+        out = out[:, : greedy.shape[1]]
+    assert torch.equal(out, greedy), how
 
 
 def next_logits_after(model, ids: torch.Tensor, cache: TrellisCache) -> torch.Tensor:
@@ -85,10 +98,9 @@ def test_assisted_and_prompt_lookup_decoding_give_the_greedy_tokens(schedule, dt
     # A prompt that repeats itself, so prompt lookup finds drafts (some accepted, some not).
     ids = torch.cat([random_tokens(1, 6, seed=7)] * 3 + [random_tokens(1, 3, seed=8)], dim=1)
     greedy = model.generate(ids, max_new_tokens=24, do_sample=False)
-    assert torch.equal(model.generate(ids, max_new_tokens=24, do_sample=False, prompt_lookup_num_tokens=4), greedy)
-    assert torch.equal(model.generate(ids, max_new_tokens=24, do_sample=False, assistant_model=draft), greedy)
-    # The model as its own draft: every draft is accepted, the rollback takes back none.
-    assert torch.equal(model.generate(ids, max_new_tokens=24, do_sample=False, assistant_model=model), greedy)
+    for speculative in (dict(prompt_lookup_num_tokens=4), dict(assistant_model=draft), dict(assistant_model=model)):
+        # (The model as its own draft: every draft is accepted, the rollback takes back none.)
+        assert_greedy_tokens(model.generate(ids, max_new_tokens=24, do_sample=False, **speculative), greedy, speculative)
 
 
 def test_sampling_with_an_assistant_runs():
@@ -136,7 +148,9 @@ def test_speculative_decoding_continuing_a_cache_gives_the_greedy_tokens(schedul
     model = tiny_model(seed=5, schedule=schedule, dtype=torch.float64)
     draft = tiny_model(seed=6, schedule="trellis", dtype=torch.float64)
     ids = torch.cat([random_tokens(1, 6, seed=7)] * 2, dim=1)  # repeats itself: prompt lookup finds drafts
-    first = model.generate(ids, max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
+    # No end-of-sequence token among the first ones: transformers 5.10's assisted decoding stops
+    # at once on an input that ends with one (greedy does not), a difference that is not the cache's.
+    first = model.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False, return_dict_in_generate=True)
     sequences, returned = first.sequences, cache_of(first)  # the cache has seen all but the last token
     plain = model.generate(sequences, max_new_tokens=10, do_sample=False)
     greedy = model.generate(sequences, cache=copy.deepcopy(returned), max_new_tokens=10, do_sample=False)
@@ -144,7 +158,7 @@ def test_speculative_decoding_continuing_a_cache_gives_the_greedy_tokens(schedul
     for speculative in (dict(prompt_lookup_num_tokens=3), dict(assistant_model=draft), dict(assistant_model=model)):
         continued = model.generate(sequences, cache=copy.deepcopy(returned), max_new_tokens=10, do_sample=False,
                                    **speculative)
-        assert torch.equal(continued, greedy), speculative
+        assert_greedy_tokens(continued, greedy, speculative)
 
     # The README's pattern: a document read once, a copy of its state per continuation.
     document, question = ids, random_tokens(1, 3, seed=9)
@@ -155,7 +169,7 @@ def test_speculative_decoding_continuing_a_cache_gives_the_greedy_tokens(schedul
     for speculative in ({}, dict(prompt_lookup_num_tokens=3), dict(assistant_model=draft)):
         continued = model.generate(asked, cache=copy.deepcopy(read_once), max_new_tokens=10, do_sample=False,
                                    **speculative)
-        assert torch.equal(continued, greedy), speculative
+        assert_greedy_tokens(continued, greedy, speculative)
     # A cache that has seen the whole input leaves no token to check the first draft against.
     for speculative in ({}, dict(prompt_lookup_num_tokens=3), dict(assistant_model=draft)):
         cache = copy.deepcopy(read_once)

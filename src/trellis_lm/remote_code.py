@@ -10,10 +10,11 @@ import lines are rewritten to match. Everything else is copied verbatim.
 Only what a model runs is exported: the modules the configuration and the model import,
 followed through their relative imports (including imports made inside functions, which
 transformers' loader also requires to be present), and of the layer kinds' code only the kinds
-the model has. A kind's code is its mixer ``mixers/<kind>.py`` and its op ``ops/<kind>/`` (the
-Trellis op with its Triton kernels, which a GPU user of the checkpoint runs); the package
-``__init__`` files that import every kind lose the lines of the others in the copy, and any other
-module that imports a left-out kind's code is an error (the copy would not load).
+the model has, and the default kind's (Trellis: a config made without arguments has its layers).
+A kind's code is its mixer ``mixers/<kind>.py`` and its op ``ops/<kind>/`` (the Trellis op with
+its Triton kernels, which a GPU user of the checkpoint runs); the package ``__init__`` files that
+import every kind lose the lines of the others in the copy, and any other module that imports a
+left-out kind's code is an error (the copy would not load).
 
 When the classes themselves were loaded as remote code, their files are already flat and
 transformers copies them on save by itself; :func:`code_is_packaged` tells the two apart.
@@ -123,9 +124,11 @@ def flat_sources(kinds: Optional[Iterable[str]] = None) -> dict[str, str]:
     with layers of ``kinds`` needs (``None``: every kind)."""
     if not code_is_packaged():
         raise RuntimeError("the flat checkpoint code can only be built from the trellis_lm package")
-    from .mixers import MIXERS
+    from .mixers import DEFAULT_KIND, MIXERS
 
-    carried = set(MIXERS) if kinds is None else set(kinds)
+    # The default kind always: a config made with no arguments has only layers of it, and
+    # transformers before 5.11 makes one (to_diff_dict) whenever a config is printed or saved.
+    carried = set(MIXERS) if kinds is None else {*kinds, DEFAULT_KIND}
     left_out = kind_code(kind for kind in MIXERS if kind not in carried)
     sources: dict[str, str] = {}
     pending = list(CHECKPOINT_MODULES)
