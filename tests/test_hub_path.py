@@ -92,11 +92,12 @@ def test_hub_checkpoint_loads_by_repo_id_with_torch_and_transformers_only(tmp_pa
         env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600,
     )
     assert run.returncode == 0, run.stderr[-4000:]
-    # The code really came through the Hub path: copied into the modules cache under the repo id,
-    # the Trellis kernels with a Trellis model's.
+    # The code really came through the Hub path: copied into the modules cache under the repo id.
     copied = {path.name for path in (tmp_path / "hf-home" / "modules" / "transformers_modules").rglob("*.py")}
     assert {"modeling_trellis.py", f"trellis_mixers_{model.config.layer_kinds[0]}.py"} <= copied
-    assert ("trellis_ops_trellis_triton_chunk.py" in copied) == ("trellis" in model.config.layer_kinds)
+    # Trellis's Triton kernels travel with every checkpoint (Trellis is the default kind, whose
+    # code every checkpoint carries), and load without triton.
+    assert "trellis_ops_trellis_triton_chunk.py" in copied
 
     remote = torch.load(out_path)
     local = TrellisForCausalLM.from_pretrained(snapshot)
