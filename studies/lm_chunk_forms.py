@@ -230,7 +230,8 @@ def section(records: list[dict[str, Any]], figure: Path, figure_link: str) -> li
              "model, recipe, seeds and rate (`lm_extrapolation.json`: no test perplexity recorded; "
              "`lm_study.json`: C = 1 there passed no states).", "",
              "| model | lr | seeds | validation ppl | test ppl | val / Llama's | "
-             f"ppl [{first}) | ppl [{last}) | [{last}) / [{first}) | training tokens/s (shared machine) |",
+             f"ppl [{first}) | ppl [{last}) | [{last}) / [{first}) | "
+             "training tokens/s as run (shared machine: not comparable across rows; BENCHMARKS.md times them in turns) |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for m in models:
         runs = by_model[m]
