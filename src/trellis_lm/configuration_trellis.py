@@ -60,10 +60,11 @@ class TrellisConfig(PreTrainedConfig):
         head_dim: per-head width d of queries, keys and values (H * d need not equal D).
         num_slots: memory slots M per head (Trellis and Lattice).
         chunk_size: C of the memory ops. With ``write_gradient="exact"`` (the default) C only
-            chooses how Trellis's per-token recurrence is computed, so it follows speed: 16 is
-            the fastest exact C on a CPU (``BENCHMARKS.md``, issue 51: 2.9x the per-token loop,
-            1.17x the anchored C = 16 step; C = 32 / 64 are 7% / 20% slower, the substitution
-            growing with C). With ``write_gradient="anchored"`` C is part of the function: every
+            chooses how Trellis's per-token recurrence is computed, so it follows speed: on a
+            CPU (``BENCHMARKS.md``, issue 51) the exact step is 2.3-3.1x faster than the per-token
+            loop at C = 16-64 and 1.2-1.5x the anchored step of the same C; C = 16 and 32 are the
+            fastest (within 13%, which one depends on the threads), so the default stays 16.
+            With ``write_gradient="anchored"`` C is part of the function: every
             write in a chunk takes its gradient at the chunk start, validation perplexity 61.4 /
             62.5 / 63.2 / 67.7 at C = 8 / 16 / 32 / 64 in ``docs/results_lm.md``. Lattice's
             chunk form and the gated delta rule (``compress_fn="identity"``) are exact at any C.
