@@ -25,30 +25,43 @@ def flat_forward(model, ids, starts, computed, slots, layers):
     return model.lm_head(model.model.norm(hidden))
 
 
-def serve(model, prompts, slot_of, step_tokens, slots=8):
+def serve(model, prompts, slot_of, step_tokens, slots=8, pending=0):
     """Logits of every prompt token, computed as a server would: each step gives a sequence
-    ``step_tokens(i)`` tokens (1: a decode-like step), sequences ordered decodes first."""
+    ``step_tokens(i, step)`` tokens, sequences ordered decodes (one token) first.
+
+    ``step_tokens`` returns a number of tokens, or ``(kept, rejected)``: the sequence's next
+    ``kept`` tokens, then ``rejected`` random ones (a draft the server rejects: it counts only
+    the kept ones as taken in, and only their logits are returned).
+    """
     dtype = model.model.embed_tokens.weight.dtype
     layers = []
     for layer in model.model.layers:
-        layout = SlotLayout(type(layer.self_attn), model.config, dtype)
+        layout = SlotLayout(type(layer.self_attn), model.config, dtype, pending)
         tensors = layout.allocate(slots)
         for t in tensors:  # what an earlier sequence left behind
             t.copy_(torch.randn(t.shape, dtype=torch.float64).to(t.dtype) if t.is_floating_point() else 5)
         layers.append((layout, tensors))
     done = [0] * len(prompts)
     logits = [[] for _ in prompts]
+    noise = torch.Generator().manual_seed(7)
     with torch.no_grad():
-        while any(d < len(p) for d, p in zip(done, prompts)):
+        for step in range(10**6):
             rows = [i for i, p in enumerate(prompts) if done[i] < len(p)]
-            pieces = {i: prompts[i][done[i]: done[i] + step_tokens(i)] for i in rows}
+            if not rows:
+                break
+            plan = {i: step_tokens(i, step) for i in rows}
+            plan = {i: (n, 0) if isinstance(n, int) else n for i, n in plan.items()}
+            pieces = {i: torch.cat([prompts[i][done[i]: done[i] + kept],
+                                    torch.randint(3, model.config.vocab_size, (rejected,), generator=noise)])
+                      for i, (kept, rejected) in plan.items()}
             rows.sort(key=lambda i: len(pieces[i]) != 1)
             starts = torch.tensor([0] + [len(pieces[i]) for i in rows]).cumsum(0)
             out = flat_forward(model, torch.cat([pieces[i] for i in rows]), starts,
                                torch.tensor([done[i] for i in rows]), torch.tensor([slot_of[i] for i in rows]), layers)
             for j, i in enumerate(rows):
-                logits[i].append(out[starts[j]: starts[j + 1]])
-                done[i] += len(pieces[i])
+                kept = min(plan[i][0], len(prompts[i]) - done[i])
+                logits[i].append(out[starts[j]: starts[j] + kept])
+                done[i] += kept
     return [torch.cat(parts) for parts in logits]
 
 
@@ -59,7 +72,7 @@ def test_slots_give_each_sequence_its_own_logits(schedule, overrides):
     model = tiny_model(schedule=schedule, dtype=torch.float64, **overrides)
     prompts = [random_tokens(1, n, seed=n)[0] for n in (1, 7, 13, 5, 22)]
     # Odd sequences take one token per step, even ones 6 (chunks of 4, KVM's of 3: mid-chunk).
-    got = serve(model, prompts, slot_of=[5, 2, 7, 0, 3], step_tokens=lambda i: 1 if i % 2 else 6)
+    got = serve(model, prompts, slot_of=[5, 2, 7, 0, 3], step_tokens=lambda i, step: 1 if i % 2 else 6)
     for prompt, logits in zip(prompts, got):
         torch.testing.assert_close(logits, model(prompt[None]).logits[0], rtol=1e-12, atol=1e-12)
 
@@ -69,8 +82,48 @@ def test_a_finished_sequences_slot_serves_the_next_one_from_its_start():
     whatever the last sequence left in it."""
     model = tiny_model(schedule="trellis", dtype=torch.float64)
     first, second = random_tokens(1, 9, seed=1)[0], random_tokens(1, 6, seed=2)[0]
-    got = serve(model, [first, second], slot_of=[4, 4], step_tokens=lambda i: 9 if i == 0 else 2)
+    got = serve(model, [first, second], slot_of=[4, 4], step_tokens=lambda i, step: 9 if i == 0 else 2)
     torch.testing.assert_close(got[1], model(second[None]).logits[0], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("schedule", ["trellis", "lattice", "kvm"])
+def test_rejected_drafts_never_enter_a_slots_state(schedule):
+    """Speculative decoding: rows of a kept token and drafts of which the server keeps some,
+    none or all (mid-chunk of the ops, chunks of 4, KVM's of 3), mixed with prompt chunks and
+    single tokens; a sequence restarted from 0 in another slot (preempted and recomputed).
+    Every kept token's logits equal the model's on the sequence alone."""
+    model = tiny_model(schedule=schedule, dtype=torch.float64)
+    prompts = [random_tokens(1, n, seed=n)[0] for n in (23, 9, 17, 30)]
+    pending = 4  # a kept token and up to three drafts
+    drafts = [(1, 3), (2, 2), (4, 0), (1, 0), (3, 1), (2, 0), (1, 1)]  # (kept, rejected) in turn
+
+    def plan(i, step):
+        if i == 0 and step < 2:
+            return 7  # a prompt chunk longer than a held row
+        return drafts[(i + step) % len(drafts)]
+
+    got = serve(model, prompts, slot_of=[6, 1, 3, 0], step_tokens=plan, pending=pending)
+    for prompt, logits in zip(prompts, got):
+        torch.testing.assert_close(logits, model(prompt[None]).logits[0], rtol=1e-12, atol=1e-12)
+    # A preempted sequence starts again from 0 in a slot holding another's state and drafts.
+    again = serve(model, prompts[1:2], slot_of=[6], step_tokens=lambda i, step: drafts[step % len(drafts)],
+                  pending=pending)
+    torch.testing.assert_close(again[0], model(prompts[1][None]).logits[0], rtol=1e-12, atol=1e-12)
+
+
+def test_a_slot_asked_for_more_than_it_holds_is_an_error():
+    model = tiny_model(schedule="trellis")
+    layout = SlotLayout(type(model.model.layers[0].self_attn), model.config, torch.float32, pending=3)
+    tensors = layout.allocate(2)
+    x = torch.randn(5, model.config.hidden_size)
+    mixer = model.model.layers[0].self_attn
+    with torch.no_grad():
+        run_on_slots(mixer, layout, tensors, x[:3], torch.tensor([0, 3]), torch.tensor([0]), torch.tensor([1]))
+        with pytest.raises(RuntimeError, match="holds the state after 0 tokens and 3 pending ones, but the server "
+                                               "continues it after 4 tokens"):
+            run_on_slots(mixer, layout, tensors, x[3:], torch.tensor([0, 2]), torch.tensor([4]), torch.tensor([1]))
+    with pytest.raises(ValueError, match="pending must be 0"):
+        SlotLayout(type(mixer), model.config, torch.float32, pending=1)
 
 
 def test_slot_layout_follows_the_mixers_declaration():

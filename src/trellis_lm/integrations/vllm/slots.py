@@ -11,6 +11,13 @@ an earlier sequence left there).
 (``cache_layout``); :func:`run_on_slots` runs the layer's mixer on such a batch, continuing
 each sequence from its slot and writing the state after its tokens back. It is the same
 function (``MemoryMixer.mix``) that ``model.generate`` runs, so the two give the same numbers.
+
+Speculative decoding: a server verifies a sequence's draft tokens in one step and keeps, in
+the next, only those it accepted (``computed`` then counts them). A slot laid out with room
+for ``pending`` tokens keeps, for a row of at most that many tokens (a draft and the token
+before it), the state from *before* them and the mixer's inputs for them; the next step
+replays the ones the server kept from there (the mixer's own function again, as the
+``generate`` cache's rollback does), so a rejected draft never enters the state.
 """
 
 from __future__ import annotations
@@ -47,23 +54,36 @@ class SlotLayout:
     one run of bytes (a server allocates pages of bytes), each tensor at an offset aligned to
     ``ALIGN`` bytes: :meth:`views` reads a page as the typed tensors.
 
+    With ``pending > 0`` (speculative decoding) a slot also counts the ``tokens`` its state has
+    taken in and holds up to ``pending`` tokens' mixer inputs ``pending_x [pending, D]`` (model
+    dtype) not yet in the state, ``pending_count`` of them (see the module doc).
+
     Args:
         mixer_class: a :class:`~trellis_lm.mixers.MemoryMixer` subclass.
         config: the model's :class:`~trellis_lm.TrellisConfig`.
         dtype: the model's dtype.
+        pending: the most tokens a row may hold back (1 + the server's draft tokens; 0: no
+            speculative decoding).
     """
 
     ALIGN = 16
 
-    def __init__(self, mixer_class: type[MemoryMixer], config: Any, dtype: torch.dtype) -> None:
+    def __init__(self, mixer_class: type[MemoryMixer], config: Any, dtype: torch.dtype, pending: int = 0) -> None:
         if not issubclass(mixer_class, MemoryMixer):
             raise TypeError(f"a slot layout is for memory mixers, got {mixer_class.__name__}")
+        if pending < 0 or pending == 1:
+            raise ValueError(f"pending must be 0 (no drafts) or at least 2 (a token and a draft), got {pending}")
         state_dtype = torch.float64 if dtype == torch.float64 else torch.float32
         state_names = set(mixer_class.state_layout(config))
-        self.fields = tuple(
+        entry = tuple(
             SlotField(name, self._shape(name, spec), self._dtype(spec, state_dtype if name in state_names else dtype))
             for name, spec in mixer_class.cache_layout(config).items()
         )
+        self.entry_names = tuple(f.name for f in entry)
+        held = (SlotField("tokens", (), torch.int64), SlotField("pending_count", (), torch.int64),
+                SlotField("pending_x", (pending, config.hidden_size), dtype)) if pending else ()
+        self.fields = (*entry, *held)
+        self.pending = pending
         self.offsets, end = [], 0
         for f in self.fields:
             self.offsets.append(end)
@@ -103,20 +123,27 @@ class SlotLayout:
         """The field tensors of ``slots`` zeroed slots (what a server allocates, for tests)."""
         return self.views(torch.zeros(slots, self.nbytes, dtype=torch.uint8, device=device))
 
-    def read(self, tensors: Sequence[torch.Tensor], slots: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The fields of ``slots [R]`` from the field tensors, by name (copies)."""
-        return {f.name: t.index_select(0, slots) for f, t in zip(self.fields, tensors)}
+    def read(self, tensors: Sequence[torch.Tensor], slots: torch.Tensor, names: Sequence[str]) -> dict[str, torch.Tensor]:
+        """The fields ``names`` of ``slots [R]`` from the field tensors, by name (copies)."""
+        return {f.name: t.index_select(0, slots) for f, t in zip(self.fields, tensors) if f.name in names}
 
     def write(self, tensors: Sequence[torch.Tensor], slots: torch.Tensor, values: dict[str, torch.Tensor]) -> None:
         """Store ``values`` (by name, ``[R, ...]`` no larger than a slot's fields, the rest zero)
-        in ``slots [R]``."""
+        in ``slots [R]``; fields not in ``values`` are left as they are."""
         for f, t in zip(self.fields, tensors):
-            value = values[f.name].to(f.dtype)
-            if tuple(value.shape[1:]) != f.shape:
-                full = torch.zeros((value.shape[0], *f.shape), dtype=f.dtype, device=value.device)
-                full[tuple(slice(0, n) for n in value.shape)] = value
-                value = full
-            t.index_copy_(0, slots, value)
+            if f.name in values:
+                t.index_copy_(0, slots, self.fit(f, values[f.name]))
+
+    @staticmethod
+    def fit(field: SlotField, value: torch.Tensor) -> torch.Tensor:
+        """``value [R, ...]`` in the field's dtype and shape: zeros past a buffer that has not
+        grown to the slot's bound (KVM's window and state rows)."""
+        value = value.to(field.dtype)
+        if tuple(value.shape[1:]) == field.shape:
+            return value
+        full = torch.zeros((value.shape[0], *field.shape), dtype=field.dtype, device=value.device)
+        full[tuple(slice(0, n) for n in value.shape)] = value
+        return full
 
 
 def _bytes(field: SlotField) -> int:
@@ -135,9 +162,12 @@ def run_on_slots(
     """The mixer on a server's flat batch, continuing each sequence from its slot.
 
     Sequences with one token (decodes) run as one batch of single tokens (the op's decode
-    step); the others (prefills, whole prompts or chunks of them) as one right-padded batch,
-    whose real tokens the op takes in one varlen call. A sequence with ``computed == 0``
-    starts from the learned initial state whatever its slot holds.
+    step); the others (prefills, whole prompts or chunks of them, and drafts) as one
+    right-padded batch, whose real tokens the op takes in one varlen call. A sequence with
+    ``computed == 0`` starts from the learned initial state whatever its slot holds. With room
+    for pending tokens (``layout.pending``) a sequence first replays those of its slot's
+    pending tokens the server kept, and a row of 2 to ``layout.pending`` tokens is held back
+    (see the module doc).
 
     Args:
         mixer: the layer's memory mixer.
@@ -173,15 +203,10 @@ def _run_rows(mixer: MemoryMixer, layout: SlotLayout, tensors: Sequence[torch.Te
               slots: torch.Tensor) -> None:
     """Run ``R`` sequences (``starts``, ``lengths``, ``computed``, ``slots``: ``[R]``) as one
     right-padded batch ``[R, max length, D]``; write outputs into ``out`` and states back."""
-    longest = int(lengths.max())
-    offsets = torch.arange(longest, device=x.device)
-    real = offsets < lengths[:, None]  # [R, L]
-    index = (starts[:, None] + offsets).clamp(max=x.shape[0] - 1)
-    rows = x[index]  # [R, L, D]; the padding positions hold other tokens, which `valid` skips
-    padded = not bool(real.all())
-    valid = ValidTokens.from_mask(real) if padded else None
-
-    held = layout.read(tensors, slots)
+    rows, valid, index, real = _padded(x, starts, lengths)
+    held = layout.read(tensors, slots, [f.name for f in layout.fields])
+    if layout.pending:
+        _replay_kept(mixer, layout, held, computed)
     fresh = computed == 0
     state = layout.mixer_class.state_class(**{name: held[name] for name in layout.state_names})
     tails = [held.get(name) for name in TAILS]  # None for a kind without short convs (none in its layout)
@@ -191,11 +216,72 @@ def _run_rows(mixer: MemoryMixer, layout: SlotLayout, tensors: Sequence[torch.Te
 
     y, q_tail, k_tail, new_state = mixer.mix(rows, valid, *tails, state, keep_state=True)
     q_tail, k_tail, new_state = mixer.carried_after(*tails, state, q_tail, k_tail, new_state, len(slots))
-    if padded:
+    if valid is not None:
         out[index[real]] = y[real]
     else:  # every row full (decodes, equal chunks): no mask to gather by
         out[index] = y
-    after = dict(new_state.tensors())
+    after = _entry(new_state, q_tail, k_tail)
+    if not layout.pending:
+        layout.write(tensors, slots, after)
+        return
+    # Rows that may be drafts keep the state from before them, and their inputs.
+    hold = (lengths > 1) & (lengths <= layout.pending)
+    after.update(tokens=computed + lengths, pending_count=torch.zeros_like(lengths))
+    layout.write(tensors, slots[~hold], {name: t[~hold] for name, t in after.items()})
+    if bool(hold.any()):
+        before = _entry(state, *tails)
+        inputs = rows[:, : layout.pending].masked_fill(~real[:, : layout.pending, None], 0)
+        before.update(tokens=computed, pending_count=lengths, pending_x=inputs)
+        layout.write(tensors, slots[hold], {name: t[hold] for name, t in before.items()})
+
+
+def _padded(x: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor
+            ) -> tuple[torch.Tensor, Optional[ValidTokens], torch.Tensor, torch.Tensor]:
+    """The rows ``[R, L, D]`` of ``x`` from ``starts`` (``L``: the longest of ``lengths``), their
+    ``ValidTokens`` (``None`` when every row is full), and the ``index [R, L]`` into ``x`` and
+    ``real [R, L]`` mask of their tokens."""
+    offsets = torch.arange(int(lengths.max()), device=x.device)
+    real = offsets < lengths[:, None]
+    index = (starts[:, None] + offsets).clamp(max=x.shape[0] - 1)
+    rows = x[index]  # the padding positions hold other tokens, which `valid` skips
+    return rows, (None if bool(real.all()) else ValidTokens.from_mask(real)), index, real
+
+
+def _entry(state: Any, q_tail: Optional[torch.Tensor], k_tail: Optional[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A cache entry's tensors by field name (no tails for a kind without short convs)."""
+    entry = dict(state.tensors())
     if q_tail is not None:
-        after.update(q_tail=q_tail, k_tail=k_tail)
-    layout.write(tensors, slots, {f.name: after[f.name] for f in layout.fields})
+        entry.update(q_tail=q_tail, k_tail=k_tail)
+    return entry
+
+
+def _replay_kept(mixer: MemoryMixer, layout: SlotLayout, held: dict[str, torch.Tensor], computed: torch.Tensor) -> None:
+    """Bring ``held`` (the rows' slots, read) to ``computed`` tokens: replay, from each row's
+    state, the pending tokens the server kept (``computed - tokens`` of them), in place."""
+    continuing = computed > 0
+    kept = torch.where(continuing, computed - held["tokens"], 0)
+    wrong = continuing & ((kept < 0) | (kept > held["pending_count"]))
+    if bool(wrong.any()):
+        row = int(wrong.nonzero()[0, 0])
+        raise RuntimeError(
+            f"a sequence's state slot holds the state after {int(held['tokens'][row])} tokens and "
+            f"{int(held['pending_count'][row])} pending ones, but the server continues it after {int(computed[row])} "
+            "tokens: the slot was not written by this sequence's last step"
+        )
+    rows = kept.nonzero()[:, 0]
+    if not rows.numel():
+        return
+    count = kept[rows]
+    real = torch.arange(int(count.max()), device=count.device) < count[:, None]
+    inputs = held["pending_x"][rows, : real.shape[1]]
+    valid = None if bool(real.all()) else ValidTokens.from_mask(real)
+    state = layout.mixer_class.state_class(**{name: held[name][rows] for name in layout.state_names})
+    tails = [held[name][rows] if name in held else None for name in TAILS]
+    _, q_tail, k_tail, new_state = mixer.mix(inputs, valid, *tails, state, keep_state=True, with_output=False)
+    q_tail, k_tail, new_state = mixer.carried_after(*tails, state, q_tail, k_tail, new_state, len(rows))
+    replayed = _entry(new_state, q_tail, k_tail)
+    for name, value in replayed.items():
+        field = layout.fields[layout.entry_names.index(name)]
+        held[name][rows] = layout.fit(field, value)
+    held["tokens"][rows] = computed[rows]
+    held["pending_count"][rows] = 0
