@@ -45,30 +45,16 @@ def log_decays(log_beta: torch.Tensor, with_gap: bool = True):
     return c, before, after, (in_chunk_log_gaps(log_beta) if with_gap else None)
 
 
-def residual_lower(x: torch.Tensor, gamma: torch.Tensor, gap: torch.Tensor) -> torch.Tensor:
-    """``Lm [..., L, L]``: ``Lm[r, i] = gamma_i e^{c_{r-1} - c_i} (x_r . x_i)`` for ``i < r``, else 0.
-
-    The memory before token r of a chunk that starts from ``S`` is
-    ``e^{c_{r-1}} S - sum_{i<r} gamma_i e^{c_{r-1} - c_i} u_i x_i^T``, so its read-out at ``x_r`` is
-    ``e^{c_{r-1}} S x_r - sum_{i<r} Lm[r, i] u_i`` (design page, section 2): what residuals at the
-    current memory (``identity``, ``"exact"`` writes) need besides the chunk's start state.
-
-    Args:
-        x: ``[..., L, D]`` keys (or values); gamma ``[..., L]``; gap ``[..., L, L]`` from :func:`log_decays`.
-    """
-    # gap[r - 1, i] = c_{r-1} - c_i for i < r (row 0 has no earlier token).
-    prev = torch.cat([torch.full_like(gap[..., :1, :], float("-inf")), gap[..., :-1, :]], dim=-2)
-    return prev.exp() * gamma[..., None, :] * (x @ x.transpose(-1, -2))
-
-
 def identity_residual_basis(x: torch.Tensor, alpha: torch.Tensor, gamma: torch.Tensor, before: torch.Tensor,
                             gap: torch.Tensor):
     """``identity`` residuals at the current state, in the form ``U = W S^T - Z`` (section 2).
 
-    With ``u_r = M_{r-1} x_r - alpha_r`` the rows satisfy ``(I + Lm) U = diag(e^{before}) X S^T - A``
-    (``Lm`` of :func:`residual_lower`). One unit-lower-triangular solve, batched over every
-    leading dim (rows, heads, chunks), gives ``W`` and ``Z`` for all chunks before their start
-    states are known.
+    With residuals taken before each token's write, ``u_r = M_{r-1} x_r - alpha_r`` and
+    ``M_{r-1} = e^{c_{r-1}} S - sum_{i<r} gamma_i e^{c_{r-1} - c_i} u_i x_i^T``, so
+    ``(I + Lm) U = diag(e^{before}) X S^T - A`` with the strictly lower
+    ``Lm[r, i] = gamma_i e^{c_{r-1} - c_i} (x_r . x_i)``. One unit-lower-triangular solve,
+    batched over every leading dim (rows, heads, chunks), gives ``W`` and ``Z`` for all chunks
+    before their start states are known.
 
     Args:
         x: ``[..., L, D]`` keys (or values); alpha ``[..., L, M]``; gamma, before ``[..., L]``;
@@ -77,9 +63,12 @@ def identity_residual_basis(x: torch.Tensor, alpha: torch.Tensor, gamma: torch.T
         ``(W [..., L, D], Z [..., L, M])``.
     """
     dim = x.shape[-1]
+    # gap[r - 1, i] = c_{r-1} - c_i for i < r (row 0 has no earlier token).
+    prev = torch.cat([torch.full_like(gap[..., :1, :], float("-inf")), gap[..., :-1, :]], dim=-2)
+    lower = prev.exp() * gamma[..., None, :] * (x @ x.transpose(-1, -2))
     scaled = before.exp()[..., None] * x
     rhs = torch.cat([scaled, alpha.expand(scaled.shape[:-1] + alpha.shape[-1:])], dim=-1)
-    solved = torch.linalg.solve_triangular(residual_lower(x, gamma, gap), rhs, upper=False, unitriangular=True)
+    solved = torch.linalg.solve_triangular(lower, rhs, upper=False, unitriangular=True)
     return solved[..., :dim], solved[..., dim:]
 
 
