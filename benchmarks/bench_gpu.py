@@ -15,7 +15,8 @@ What it measures (bfloat16 activations, float32 states, chunk 64):
     public ``trellis_attention``), against fla's ``chunk_gsa`` (M slots, per-slot log gates)
     and ``chunk_gated_delta_rule`` when fla is installed, and PyTorch SDPA flash attention
     (causal) at the same B, T, H, D; Lattice and KVM (PyTorch paths) at the first shape.
-  * chunk 1 (the exact recurrence) forward+backward against chunk 64 at the first shape, and the
+  * chunk 1 (the exact recurrence) forward+backward against chunk 64 at the first shape, the same
+    function as ``write_gradient="exact"`` on both backends (the torch chunk form at C = 16, 32, 64), and the
     forward's achieved TFLOP/s and memory bandwidth against a bf16 matmul and a device copy
     measured in the same run.
   * decode milliseconds per token, batch 1 and 64, of a 12-layer, 768-wide Trellis model against a
@@ -169,8 +170,8 @@ def time_trellis(B, T, H, D, M, ceilings=None, sequential=False, precision=None)
     xg, _ = trellis_inputs(B, T, H, D, M, grad=True)
     do = torch.randn(B, T, H, D, device=DEVICE, dtype=torch.bfloat16)
 
-    def fwd_bwd(chunk_size):
-        o, _ = trellis_attention(*xg, **dict(kw, chunk_size=chunk_size))
+    def fwd_bwd(chunk_size, **how):
+        o, _ = trellis_attention(*xg, **dict(kw, chunk_size=chunk_size, **how))
         o.backward(do)
 
     both = bench_ms(lambda: fwd_bwd(CHUNK))
@@ -185,6 +186,12 @@ def time_trellis(B, T, H, D, M, ceilings=None, sequential=False, precision=None)
     if sequential:
         exact = bench_ms(lambda: fwd_bwd(1))
         row += f"\n    chunk 1 (the exact recurrence) fwd+bwd {exact:8.2f} ms = {exact / both:.2f}x chunk {CHUNK}"
+        # The same function written as write_gradient="exact": the Triton backend runs it through
+        # the per-token kernels; the torch chunk form (issue 51) on the GPU is the candidate to beat.
+        for backend, chunk_size in (("triton", CHUNK), ("torch", 64), ("torch", 32), ("torch", 16)):
+            ms = bench_ms(lambda: fwd_bwd(chunk_size, write_gradient="exact", backend=backend))
+            row += (f"\n    exact writes, backend {backend}, chunk {chunk_size}: fwd+bwd {ms:8.2f} ms"
+                    f" = {ms / both:.2f}x anchored chunk {CHUNK}")
     return row
 
 

@@ -3,6 +3,10 @@
 import importlib.util
 import os
 
+# Deterministic cuBLAS needs its workspace size fixed before the first product (tests that
+# switch on deterministic kernels); it changes nothing on a CPU.
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
 import torch
 
 if not torch.cuda.is_available():

@@ -123,11 +123,22 @@ def test_bf16_trainer_steps_are_finite(tmp_path):
     assert moved > len(before) // 2
 
 
+@pytest.fixture
+def deterministic():
+    """PyTorch's deterministic kernels for the span of a test (conftest sets cuBLAS's workspace
+    for them): with the default ones, two eager prefills of one prompt differ (by ~4e-7 on an
+    H100, 2026-11-27: atomics), and so do the caches built on them."""
+    was = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    yield
+    torch.use_deterministic_algorithms(was[0], warn_only=was[1])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_generate_with_cuda_graphs_gives_the_eager_tokens(dtype, monkeypatch):
+def test_generate_with_cuda_graphs_gives_the_eager_tokens(dtype, monkeypatch, deterministic):
     """``compile_decode`` on CUDA: generate() replays each run of memory blocks (here Lattice, and
     Trellis on its Triton step, between eager KVM and attention blocks) from a CUDA graph, with
-    the eager steps' greedy tokens and final cache."""
+    the eager steps' greedy tokens and final cache, bit for bit."""
     import trellis_lm.decode_graphs as decode_graphs
 
     captured = []

@@ -398,7 +398,7 @@ def test_bf16_inputs_at_real_head_sizes_are_within_the_bf16_bound(precision, mon
     for name, t in s.tensors().items():
         if name != "offset":
             assert rel(t, s_ref.tensors()[name]) < 1e-2, name
-    grad_out = torch.randn(o_ref.shape, dtype=torch.float64)
+    grad_out = torch.randn(o_ref.shape, dtype=torch.float64, device=o_ref.device)
     got = torch.autograd.grad(o, xb, grad_out.to(torch.bfloat16))
     expected = torch.autograd.grad(o_ref, x64, grad_out)
     for name, g, e in zip(NAMES, got, expected):
