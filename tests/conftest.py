@@ -7,6 +7,13 @@ import os
 # switch on deterministic kernels); it changes nothing on a CPU.
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
+# Under pytest-xdist (`make test` runs `-n auto`) the workers share the cores: each takes its share
+# of threads, since torch's default (every core in each process) would oversubscribe them.
+# Subprocesses inherit it.
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ and "OMP_NUM_THREADS" not in os.environ:
+    share = (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
+    os.environ["OMP_NUM_THREADS"] = str(max(1, share))
+
 import torch
 
 if not torch.cuda.is_available():
