@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tiny_models import SCHEDULES, tiny_model
+from tiny_models import schedules_ci_sized, tiny_model
 from trellis_lm import train_tokenizer
 from trellis_lm.eval import TASKS_DIR
 
@@ -13,7 +13,7 @@ pytest.importorskip("lm_eval")
 LIMIT = 4  # documents per task; the generation prompts have 1- and 2-digit numbers, so batches are padded
 
 
-@pytest.fixture(scope="module", params=list(SCHEDULES))
+@pytest.fixture(scope="module", params=schedules_ci_sized())  # ~30 s each on 2 cores
 def checkpoint(tmp_path_factory, request):
     folder = tmp_path_factory.mktemp("eval-model")
     tiny_model(seed=2, vocab_size=300, schedule=request.param).save_pretrained(folder)

@@ -18,8 +18,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from filelock import FileLock
 from transformers import AutoTokenizer
 
+from bare_torch import install_running_torch
 from tiny_models import tiny_model
 from trellis_lm import TrellisForCausalLM, train_tokenizer
 
@@ -54,12 +56,17 @@ def _bare_python() -> Path:
     env_dir = ROOT / ".venv-bare" / "-".join(wanted).replace("==", "-")
     python = env_dir / "bin" / "python"
     stamp = env_dir / "installed"
-    if not stamp.is_file():
-        venv.create(env_dir, with_pip=True, clear=True)
-        # torch first and alone: resolved with transformers, pip could pick a CUDA build.
-        for requirement in wanted:
-            subprocess.run([str(python), "-m", "pip", "install", "-q", requirement], check=True, timeout=1200)
-        stamp.touch()
+    env_dir.parent.mkdir(exist_ok=True)
+    with FileLock(env_dir.parent / f"{env_dir.name}.lock"):  # pytest-xdist workers build it once
+        if not stamp.is_file():
+            venv.create(env_dir, with_pip=True, clear=True)
+            # torch first and alone: resolved with transformers, pip could pick another build.
+            install_running_torch(python)
+            subprocess.run([str(python), "-m", "pip", "install", "-q", wanted[1]], check=True, timeout=1200)
+            # PyPI's Linux torch (the CUDA build) pulls triton, which this test must not see: the
+            # machines it stands for (macOS, CPU builds) have none, and torch imports without it.
+            subprocess.run([str(python), "-m", "pip", "uninstall", "-q", "-y", "triton"], check=True, timeout=600)
+            stamp.touch()
     return python
 
 

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 
+from bare_torch import install_running_torch
 from tiny_models import tiny_model
 from trellis_lm import train_tokenizer
 
@@ -148,13 +149,13 @@ def test_each_install_form_gives_the_package_and_its_command(tmp_path, clone, wh
 
 @pytest.mark.slow
 def test_a_new_user_installs_the_wheel_and_generates(tmp_path, wheel):
-    """The README's commands in a bare venv: torch first (the version this environment has, which
-    pip finds on its configured index), then the wheel with every dependency; then the installed
+    """The README's commands in a bare venv: torch first (the build this environment has, see
+    :mod:`bare_torch`), then the wheel with every dependency; then the installed
     command generates from a checkpoint."""
     folder = tmp_path / "venv"
     venv.create(folder, with_pip=True)
     python = folder / "bin" / "python"
-    run([python, "-m", "pip", "install", "-q", f"torch=={version('torch')}"])
+    install_running_torch(python)
     run([python, "-m", "pip", "install", "-q", wheel])
     checkpoint = tmp_path / "model"
     tiny_model(vocab_size=300).save_pretrained(checkpoint)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 
 from trellis_lm import TrellisConfig, TrellisForCausalLM
@@ -22,6 +23,13 @@ SCHEDULES = {
     "kvm": ["kvm", "kvm"],
     "kvm-hybrid": ["kvm", "lattice", "attention", "trellis"],
 }
+
+
+def schedules_ci_sized(*kept: str) -> list[Any]:
+    """``SCHEDULES`` as pytest parameters for a test too costly to run on each in CI: ``kept``
+    (the hybrid of every kind, and more where named) in every run, the rest with ``-m slow``."""
+    kept = ("kvm-hybrid", *kept)
+    return [name if name in kept else pytest.param(name, marks=pytest.mark.slow) for name in SCHEDULES]
 
 
 def tiny_config(schedule: str = "trellis", **overrides: Any) -> TrellisConfig:
