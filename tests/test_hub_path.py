@@ -3,9 +3,8 @@ in a virtual environment holding torch and transformers only (no triton, no trel
 
 Loaded by repo id, transformers runs its import check on every code file it fetches (a local
 folder only gets the top file checked), so this is the test that sees a stray ``import triton``.
-The environment is built once per pair of versions, under ``.venv-bare`` at the repository root,
-with the torch and transformers versions of the running environment (so CI's lowest-version job
-checks its own).
+The environment links the running environment's torch and transformers (so CI's lowest-version
+job checks its own), once per test session.
 """
 
 from __future__ import annotations
@@ -13,19 +12,18 @@ from __future__ import annotations
 import os
 import subprocess
 import venv
-from importlib.metadata import version
+from importlib.metadata import Distribution, distribution
 from pathlib import Path
 
 import pytest
 import torch
-from filelock import FileLock
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 from transformers import AutoTokenizer
 
-from bare_torch import install_running_torch
 from tiny_models import tiny_model
 from trellis_lm import TrellisForCausalLM, train_tokenizer
 
-ROOT = Path(__file__).resolve().parents[1]
 REPO_ID = "trellis-test/every-mixer"
 REVISION = "0123456789abcdef0123456789abcdef01234567"
 PROMPTS = ["hello world", "hi"]
@@ -49,24 +47,42 @@ torch.save({"input_ids": prompt["input_ids"], "logits": logits, "generated": gen
 """
 
 
-def _bare_python() -> Path:
-    """``.venv-bare/bin/python`` with this environment's torch and transformers and their
-    dependencies only; built on first use (pip resolves transformers' own requirements)."""
-    wanted = [f"torch=={version('torch').split('+')[0]}", f"transformers=={version('transformers')}"]
-    env_dir = ROOT / ".venv-bare" / "-".join(wanted).replace("==", "-")
+# PyPI's Linux torch (the CUDA build) requires triton, which this test must not see: the machines
+# it stands for (macOS, CPU builds) have none, and torch imports without it.
+LEFT_OUT = {"triton"}
+
+
+def _closure(names: list[str]) -> list[Distribution]:
+    """The installed distributions ``names`` need: theirs and their requirements', recursively,
+    where this platform's markers ask for them (no extras), less ``LEFT_OUT``."""
+    found: dict[str, Distribution] = {}
+    wanted = list(names)
+    while wanted:
+        name = canonicalize_name(wanted.pop())
+        if name in found or name in LEFT_OUT:
+            continue
+        found[name] = distribution(name)
+        for line in found[name].requires or []:
+            requirement = Requirement(line)
+            if requirement.marker is None or requirement.marker.evaluate({"extra": ""}):
+                wanted.append(requirement.name)
+    return list(found.values())
+
+
+@pytest.fixture(scope="session")
+def bare_python(tmp_path_factory) -> Path:
+    """The ``python`` of a venv holding this environment's torch and transformers and what they
+    need, nothing else: the very builds (links to their installed files, so nothing is
+    downloaded or copied, and CI's lowest-version job checks its own versions)."""
+    env_dir = tmp_path_factory.mktemp("bare") / "venv"
+    venv.create(env_dir, with_pip=False)
     python = env_dir / "bin" / "python"
-    stamp = env_dir / "installed"
-    env_dir.parent.mkdir(exist_ok=True)
-    with FileLock(env_dir.parent / f"{env_dir.name}.lock"):  # pytest-xdist workers build it once
-        if not stamp.is_file():
-            venv.create(env_dir, with_pip=True, clear=True)
-            # torch first and alone: resolved with transformers, pip could pick another build.
-            install_running_torch(python)
-            subprocess.run([str(python), "-m", "pip", "install", "-q", wanted[1]], check=True, timeout=1200)
-            # PyPI's Linux torch (the CUDA build) pulls triton, which this test must not see: the
-            # machines it stands for (macOS, CPU builds) have none, and torch imports without it.
-            subprocess.run([str(python), "-m", "pip", "uninstall", "-q", "-y", "triton"], check=True, timeout=600)
-            stamp.touch()
+    site = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               check=True, capture_output=True, text=True).stdout.strip())
+    for dist in _closure(["torch", "transformers"]):
+        for top in {Path(file).parts[0] for file in dist.files or []} - {".."}:  # "..": scripts
+            if not (site / top).exists():
+                (site / top).symlink_to(dist.locate_file(top))
     return python
 
 
@@ -82,8 +98,8 @@ def _offline_hub_snapshot(hub_cache: Path) -> Path:
 # Every mixer kind in one model, and each memory kind alone: a checkpoint carries only its own
 # kinds' code (remote_code), so each must load from what it carries.
 @pytest.mark.parametrize("schedule", ["kvm-hybrid", "trellis", "lattice", "kvm"])
-def test_hub_checkpoint_loads_by_repo_id_with_torch_and_transformers_only(tmp_path, schedule):
-    python = _bare_python()
+def test_hub_checkpoint_loads_by_repo_id_with_torch_and_transformers_only(tmp_path, schedule, bare_python):
+    python = bare_python
     hub_cache = tmp_path / "hub"
     snapshot = _offline_hub_snapshot(hub_cache)
     model = tiny_model(seed=5, vocab_size=300, schedule=schedule)
