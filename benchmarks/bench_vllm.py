@@ -1,22 +1,37 @@
-"""vLLM serving on CPU: a same-size Llama against all-Trellis and the hybrid, by context.
+"""vLLM serving on CPU: a same-size Llama beside all-Trellis and the hybrid, three workloads.
 
-    .venv-vllm/bin/python benchmarks/bench_vllm.py --json benchmarks/results/vllm_cpu.json
-    .venv-vllm/bin/python benchmarks/bench_vllm.py --contexts 256 --requests 2 --decode-steps 4   # a minute
+    .venv-vllm/bin/python benchmarks/bench_vllm.py contexts --json benchmarks/results/vllm_cpu.json
+    .venv-vllm/bin/python benchmarks/bench_vllm.py contexts --contexts 256 --requests 2 --decode-steps 4  # a minute
+    .venv-vllm/bin/python benchmarks/bench_vllm.py shared-prefix --json benchmarks/results/vllm_prefix.json
+    .venv-vllm/bin/python benchmarks/bench_vllm.py copy --json benchmarks/results/vllm_speculative.json
 
 Runs in the vLLM venv (``make test-vllm`` makes it). Models (float32, random weights, one
 seed): 4 layers of width 256 (4 heads of 64; Trellis 64 slots, chunks of 64; SwiGLU of 682;
 vocabulary 4096): a ``LlamaForCausalLM``, all-Trellis, and the hybrid (three Trellis layers,
-then attention). Each (model, context) gets its own engine (``enforce_eager``, no prefix
-caching: the prompts are random and distinct), in a subprocess, and serves ``--requests``
-prompts of ``context`` tokens submitted together (after a short warm-up request): time to
-first token (median and last: every prefill done, chunked and interleaved with the decodes
-of the sequences already started), then output tokens per second over ``--decode-steps``
-engine steps in which every sequence decodes.
+then attention). Each (model, variant) gets its own engine (``enforce_eager``), in a
+subprocess; ``--rounds`` repeats the whole list in turn, so that every ratio to Llama is
+taken between runs made side by side (the machine is shared: compare ratios, not times).
 
-Memory: bytes one sequence holds at the context (the slots of the memory layers; K and V of
-every token in the attention layers), and how many such sequences fit the cache budget
-(``--kv-space`` GiB, vLLM's ``VLLM_CPU_KVCACHE_SPACE``, the same for every model; vLLM's own
-page rounding aside). Compare ratios measured in one run, not absolute times.
+Workloads:
+
+- ``contexts``: ``--requests`` random prompts of each context submitted together (after a
+  short warm-up request; no prefix caching): time to first token (median and last: every
+  prefill done, chunked and interleaved with the decodes of the sequences already started),
+  then output tokens per second over ``--decode-steps`` engine steps in which every sequence
+  decodes. Memory: bytes one sequence holds at the context (the slots of the memory layers;
+  K and V of every token in the attention layers), and how many such sequences fit the cache
+  budget (``--kv-space`` GiB, vLLM's ``VLLM_CPU_KVCACHE_SPACE``, the same for every model;
+  vLLM's own page rounding aside).
+- ``shared-prefix``: ``--requests`` prompts of one ``--prefix``-token prefix and a distinct
+  ``--suffix``, submitted together, 16 greedy tokens each, with and without prefix caching:
+  the share of prompt tokens vLLM took from its cache, times to first token, and whether
+  the tokens equal those without caching.
+- ``copy``: copy-heavy prompts (a random passage of ``--passage`` tokens said twice, then
+  its start again, so that greedy decoding of a model trained to copy would repeat it; the
+  random models here continue it with their own tokens, and n-gram drafts then match where
+  those repeat): ``--requests`` of them decoded greedily with and without n-gram
+  speculation (``--speculative-tokens``): draft acceptance, decode tokens per second, and
+  whether the tokens are the same.
 """
 
 from __future__ import annotations
@@ -25,16 +40,20 @@ import argparse
 import json
 import os
 import platform
+import random
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from datetime import date
 from pathlib import Path
+from typing import Any, Callable
 
 SIZES = dict(vocab_size=4096, hidden_size=256, num_hidden_layers=4, intermediate_size=682)
 MODELS = ("llama", "trellis", "hybrid")
+FIRST_TOKEN = 3  # ids below are special
 
 
 def save(kind: str, folder: Path) -> None:
@@ -54,37 +73,91 @@ def save(kind: str, folder: Path) -> None:
     model.save_pretrained(folder)
 
 
-def serve(folder: str, context: int, requests: int, decode_steps: int) -> dict:
-    """One engine: the run's timings (called in a subprocess, see ``main``)."""
-    import random
+def random_prompt(rng: random.Random, length: int) -> list[int]:
+    return [rng.randrange(FIRST_TOKEN, SIZES["vocab_size"]) for _ in range(length)]
 
-    from vllm import LLM, SamplingParams
 
-    # Room for the tokens a sequence decodes while the others are still in prefill.
-    room = 8192
-    llm = LLM(model=folder, skip_tokenizer_init=True, dtype="float32", max_model_len=context + room,
-              enforce_eager=True, enable_prefix_caching=False, seed=0, max_num_seqs=max(requests, 1))
+def engine(folder: str, max_model_len: int, requests: int, **options: Any) -> Any:
+    from vllm import LLM
+
+    return LLM(model=folder, skip_tokenizer_init=True, dtype="float32", max_model_len=max_model_len,
+               enforce_eager=True, seed=0, max_num_seqs=max(requests, 1), disable_log_stats=False, **options)
+
+
+def counter(llm: Any, name: str) -> float:
+    return sum(getattr(m, "value", 0) for m in llm.get_metrics() if m.name == name)
+
+
+# --- the workloads: each runs in one engine, in a subprocess (see `main`) ---
+
+def contexts_case(folder: str, context: int, requests: int, decode_steps: int) -> dict:
+    from vllm import SamplingParams
+
+    room = 8192  # for the tokens a sequence decodes while the others are still in prefill
+    llm = engine(folder, context + room, requests, enable_prefix_caching=False)
     rng = random.Random(context)
-    prompts = [[rng.randrange(3, SIZES["vocab_size"]) for _ in range(context)] for _ in range(requests)]
+    prompts = [random_prompt(rng, context) for _ in range(requests)]
     llm.generate([{"prompt_token_ids": p[:64]} for p in prompts[:2]], SamplingParams(max_tokens=4), use_tqdm=False)
-    engine = llm.llm_engine
+    core = llm.llm_engine
     params = SamplingParams(max_tokens=room, temperature=0.0, ignore_eos=True)
     for i, prompt in enumerate(prompts):
-        engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
+        core.add_request(str(i), {"prompt_token_ids": prompt}, params)
     first: dict[str, float] = {}
     start = time.perf_counter()
     while len(first) < requests:  # until every sequence has its first token
-        for out in engine.step():
+        for out in core.step():
             if out.outputs and out.outputs[0].token_ids and out.request_id not in first:
                 first[out.request_id] = time.perf_counter() - start
     tokens, begin = 0, time.perf_counter()
     for _ in range(decode_steps):  # every sequence decoding
-        tokens += sum(1 for out in engine.step() if out.outputs)
+        tokens += sum(1 for out in core.step() if out.outputs)
     decode = time.perf_counter() - begin
-    engine.abort_request([str(i) for i in range(requests)])
+    core.abort_request([str(i) for i in range(requests)])
     ttft = sorted(first.values())
     return {"ttft_median_s": ttft[len(ttft) // 2], "ttft_last_s": ttft[-1], "decode_tokens_per_s": tokens / decode}
 
+
+def run_together(llm: Any, prompts: list[list[int]], params: Any) -> tuple[list[Any], list[float], float]:
+    """Submit ``prompts`` at once and step the engine until all finish: the finished outputs (in
+    prompt order), each request's time to its first token, and the whole time."""
+    core = llm.llm_engine
+    for i, prompt in enumerate(prompts):
+        core.add_request(str(i), {"prompt_token_ids": prompt}, params)
+    first: dict[str, float] = {}
+    done: dict[str, Any] = {}
+    start = time.perf_counter()
+    while len(done) < len(prompts):
+        for out in core.step():
+            if out.outputs and out.outputs[0].token_ids and out.request_id not in first:
+                first[out.request_id] = time.perf_counter() - start
+            if out.finished:
+                done[out.request_id] = out
+    return [done[str(i)] for i in range(len(prompts))], [first[str(i)] for i in range(len(prompts))], \
+        time.perf_counter() - start
+
+
+def shared_prefix_case(folder: str, prefix: int, suffix: int, requests: int, caching: bool) -> dict:
+    from vllm import SamplingParams
+
+    rng = random.Random(prefix)
+    shared = random_prompt(rng, prefix)
+    prompts = [shared + random_prompt(rng, suffix) for _ in range(requests)]
+    llm = engine(folder, prefix + suffix + 64, requests, enable_prefix_caching=caching)
+    warm = random_prompt(random.Random(1), 64)  # distinct from every prompt: hits nothing
+    llm.generate([{"prompt_token_ids": warm}], SamplingParams(max_tokens=4), use_tqdm=False)
+    outputs, ttft, total = run_together(llm, prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+    cached = sum(o.num_cached_tokens or 0 for o in outputs)
+    ttft.sort()
+    return {"prompt_tokens": sum(map(len, prompts)), "cached_tokens": cached,
+            "hit_share": cached / sum(map(len, prompts)), "ttft_median_s": ttft[len(ttft) // 2],
+            "ttft_last_s": ttft[-1], "total_s": total,
+            "tokens": [list(o.outputs[0].token_ids) for o in outputs]}
+
+
+CASES: dict[str, Callable[..., dict]] = {"contexts": contexts_case, "shared-prefix": shared_prefix_case}
+
+
+# --- memory held per sequence (contexts workload) ---
 
 def state_bytes(kind: str, folder: Path, context: int) -> int:
     """Bytes one sequence holds after ``context`` tokens, as vLLM stores them (float32)."""
@@ -104,61 +177,128 @@ def state_bytes(kind: str, folder: Path, context: int) -> int:
                for k in config.layer_kinds)
 
 
+# --- the driver ---
+
+def run_case(workload: str, folder: Path, case: dict, env: dict) -> dict:
+    """One engine in a subprocess (a fresh process per engine: vLLM holds its engine process and
+    memory until the interpreter exits)."""
+    run = subprocess.run([sys.executable, __file__, workload, "--case", json.dumps({"folder": str(folder), **case})],
+                         env=env, capture_output=True, text=True)
+    log = run.stdout + run.stderr
+    result = re.search(r"^RESULT (.*)$", log, re.M)
+    if result is None:
+        raise RuntimeError(f"{workload} {case} on {folder.name} failed:\n{log[-4000:]}")
+    return json.loads(result.group(1))
+
+
+def variants(args: argparse.Namespace) -> list[dict]:
+    """The cases each model runs, in order."""
+    if args.workload == "contexts":
+        return [{"context": c, "requests": args.requests, "decode_steps": args.decode_steps} for c in args.contexts]
+    if args.workload == "shared-prefix":
+        return [{"prefix": args.prefix, "suffix": args.suffix, "requests": args.requests, "caching": caching}
+                for caching in (False, True)]
+    raise ValueError(f"unknown workload {args.workload!r}")
+
+
+def median_rows(runs: list[dict], keys: tuple[str, ...]) -> dict:
+    """One row from the rounds of a (model, case): the median of each timing in ``keys``."""
+    row = dict(runs[0])
+    for key in keys:
+        row[key] = statistics.median(r[key] for r in runs)
+    row["rounds"] = len(runs)
+    return row
+
+
+TIMINGS = {"contexts": ("ttft_median_s", "ttft_last_s", "decode_tokens_per_s"),
+           "shared-prefix": ("ttft_median_s", "ttft_last_s", "total_s")}
+
+
+def ratios(workload: str, rows: list[dict], rounds: list[list[dict]]) -> None:
+    """Each row's ratios to Llama's row of the same case, taken round by round (medians)."""
+    def same_case(a: dict, b: dict) -> bool:
+        return a["case"] == b["case"] and a["model"] != b["model"]
+
+    for row, row_rounds in zip(rows, rounds):
+        llama_index = next((i for i, r in enumerate(rows) if r["model"] == "llama" and same_case(row, r)), None)
+        if llama_index is None and row["model"] != "llama":
+            continue
+        llama_rounds = rounds[llama_index] if llama_index is not None else row_rounds
+        for key in TIMINGS[workload]:
+            row[f"{key}_vs_llama"] = statistics.median(a[key] / b[key] for a, b in zip(row_rounds, llama_rounds))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("workload", choices=sorted(CASES))
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 8192, 32768])
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--decode-steps", type=int, default=16)
+    parser.add_argument("--prefix", type=int, default=2048, help="shared-prefix: tokens every prompt shares")
+    parser.add_argument("--suffix", type=int, default=64, help="shared-prefix: distinct tokens after the prefix")
     parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
+    parser.add_argument("--rounds", type=int, default=1, help="repeat every (model, case) in turn")
     parser.add_argument("--kv-space", type=int, default=6, help="VLLM_CPU_KVCACHE_SPACE, GiB, every engine")
     parser.add_argument("--json", type=Path)
-    parser.add_argument("--serve", nargs=3, metavar=("FOLDER", "CONTEXT", "REQUESTS"), help=argparse.SUPPRESS)
+    parser.add_argument("--case", help=argparse.SUPPRESS)  # one engine's case (the subprocess's side)
     args = parser.parse_args()
-    if args.serve:
-        folder, context, requests = args.serve
-        print("RESULT " + json.dumps(serve(folder, int(context), int(requests), args.decode_steps)), flush=True)
+    if args.case:
+        case = json.loads(args.case)
+        print("RESULT " + json.dumps(CASES[args.workload](**case)), flush=True)
         return
 
-    rows = []
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(args.kv_space)}
+    cases = variants(args)
+    results: dict[tuple[str, int], list[dict]] = {}
     with tempfile.TemporaryDirectory() as work:
+        folders = {}
         for kind in args.models:
-            folder = Path(work) / kind
-            save(kind, folder)
-            for context in args.contexts:
-                run = subprocess.run([sys.executable, __file__, "--decode-steps", str(args.decode_steps), "--serve",
-                                      str(folder), str(context), str(args.requests)],
-                                     env=env, capture_output=True, text=True)
-                log = run.stdout + run.stderr
-                result = re.search(r"^RESULT (.*)$", log, re.M)
-                if result is None:
-                    raise RuntimeError(f"{kind} at {context} failed:\n{log[-4000:]}")
-                held = state_bytes(kind, folder, context)
-                row = {"model": kind, "context": context, **json.loads(result.group(1)), "bytes_per_sequence": held,
-                       "sequences_that_fit": args.kv_space * 2**30 // held}
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-    for row in rows:
-        llama = next(r for r in rows if r["model"] == "llama" and r["context"] == row["context"]) \
-            if "llama" in args.models else None
-        if llama:
-            row["decode_vs_llama"] = row["decode_tokens_per_s"] / llama["decode_tokens_per_s"]
-            row["ttft_vs_llama"] = row["ttft_last_s"] / llama["ttft_last_s"]
-            if row["sequences_that_fit"] and llama["sequences_that_fit"]:
-                row["fit_vs_llama"] = row["sequences_that_fit"] / llama["sequences_that_fit"]
-    print(f"\n{'model':8} {'context':>7} {'TTFT med s':>10} {'last s':>7} {'decode tok/s':>12} {'x Llama':>7} "
-          f"{'MiB/seq':>8} {'seqs fit':>9} {'x Llama':>8}")
-    for r in rows:
-        print(f"{r['model']:8} {r['context']:7d} {r['ttft_median_s']:10.1f} {r['ttft_last_s']:7.1f} "
-              f"{r['decode_tokens_per_s']:12.1f} "
-              f"{r.get('decode_vs_llama', float('nan')):7.2f} {r['bytes_per_sequence'] / 2**20:8.2f} "
-              f"{r['sequences_that_fit'] or float('nan'):9.1f} {r.get('fit_vs_llama', float('nan')):8.1f}")
+            folders[kind] = Path(work) / kind
+            save(kind, folders[kind])
+        for round_ in range(args.rounds):
+            for i, case in enumerate(cases):
+                for kind in args.models:
+                    result = run_case(args.workload, folders[kind], case, env)
+                    if args.workload == "contexts":
+                        held = state_bytes(kind, folders[kind], case["context"])
+                        result.update(bytes_per_sequence=held, sequences_that_fit=args.kv_space * 2**30 // held)
+                    results.setdefault((kind, i), []).append({"model": kind, "case": case, **result})
+                    print(json.dumps({k: v for k, v in results[(kind, i)][-1].items() if k != "tokens"}), flush=True)
+    keys = sorted(results, key=lambda k: (k[1], MODELS.index(k[0])))
+    rows = [median_rows(results[k], TIMINGS[args.workload]) for k in keys]
+    ratios(args.workload, rows, [results[k] for k in keys])
+    if args.workload == "shared-prefix":
+        for row in rows:  # the tokens with caching against the same model's without
+            if row["case"]["caching"]:
+                plain = next(r for r in rows if r["model"] == row["model"] and not r["case"]["caching"])
+                row["tokens_equal_without_caching"] = row["tokens"] == plain["tokens"]
+    print_table(args.workload, rows)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
+        kept = [{k: v for k, v in row.items() if k != "tokens"} for row in rows]
         args.json.write_text(json.dumps({"date": str(date.today()), "machine": platform.processor() or platform.machine(),
-                                         "cpus": os.cpu_count(), "args": {k: v for k, v in vars(args).items() if k != "json"
-                                                                          and k != "serve"},
-                                         "rows": rows}, indent=1, default=str))
+                                         "cpus": os.cpu_count(), "args": {k: v for k, v in vars(args).items()
+                                                                          if k not in ("json", "case")},
+                                         "rows": kept}, indent=1, default=str))
+
+
+def print_table(workload: str, rows: list[dict]) -> None:
+    nan = float("nan")
+    if workload == "contexts":
+        print(f"\n{'model':8} {'context':>7} {'TTFT med s':>10} {'last s':>7} {'x Llama':>7} {'decode tok/s':>12} "
+              f"{'x Llama':>7} {'MiB/seq':>8} {'seqs fit':>9}")
+        for r in rows:
+            print(f"{r['model']:8} {r['case']['context']:7d} {r['ttft_median_s']:10.2f} {r['ttft_last_s']:7.2f} "
+                  f"{r.get('ttft_last_s_vs_llama', nan):7.2f} {r['decode_tokens_per_s']:12.1f} "
+                  f"{r.get('decode_tokens_per_s_vs_llama', nan):7.2f} {r['bytes_per_sequence'] / 2**20:8.2f} "
+                  f"{r['sequences_that_fit']:9d}")
+    elif workload == "shared-prefix":
+        print(f"\n{'model':8} {'caching':>7} {'hit share':>9} {'TTFT med s':>10} {'last s':>7} {'x Llama':>7} "
+              f"{'total s':>8} {'same tokens':>11}")
+        for r in rows:
+            print(f"{r['model']:8} {str(r['case']['caching']):>7} {r['hit_share']:9.3f} {r['ttft_median_s']:10.2f} "
+                  f"{r['ttft_last_s']:7.2f} {r.get('ttft_last_s_vs_llama', nan):7.2f} {r['total_s']:8.2f} "
+                  f"{str(r.get('tokens_equal_without_caching', '')):>11}")
 
 
 if __name__ == "__main__":

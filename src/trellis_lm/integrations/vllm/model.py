@@ -13,7 +13,8 @@ gets a *serving* child that runs its mixer on vLLM's flat batch:
 
 The model runs eagerly (no ``torch.compile`` by vLLM, no CUDA graphs): the memory layers'
 work per step is the ops' own (Triton kernels on a GPU), and a step's Python stays outside
-any graph. One process, no tensor or pipeline parallelism (see ``docs/serving.md``).
+any graph. Tensor parallelism splits the heads across ranks (:mod:`.parallel`); pipeline
+parallelism is refused (see ``docs/serving.md``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from vllm.config import VllmConfig
+from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.mamba.abstract import MambaBase
@@ -37,13 +39,27 @@ from vllm.v1.kv_cache_interface import KVCacheSpec
 from ...mixers import MIXERS, MemoryMixer, Mixer
 from ...mixers.parts import TrellisRMSNorm
 from ...modeling_trellis import TrellisDecoderLayer
+from .parallel import rank_config, rank_share, reduce_outputs
 from .slots import SlotLayout, run_on_slots
 
 
-def slot_layouts(config: Any, dtype: torch.dtype) -> dict[str, SlotLayout]:
-    """The slot layout of every memory kind among ``config``'s layers, by kind."""
-    return {kind: SlotLayout(MIXERS[kind], config, dtype) for kind in dict.fromkeys(config.layer_kinds)
+def slot_layouts(config: Any, dtype: torch.dtype, pending: int = 0) -> dict[str, SlotLayout]:
+    """The slot layout of every memory kind among ``config``'s layers, by kind (``pending``: see
+    :class:`~.slots.SlotLayout`)."""
+    return {kind: SlotLayout(MIXERS[kind], config, dtype, pending) for kind in dict.fromkeys(config.layer_kinds)
             if issubclass(MIXERS[kind], MemoryMixer)}
+
+
+def served_config(vllm_config: VllmConfig) -> Any:
+    """The config of the model one rank serves (:func:`~.parallel.rank_config`)."""
+    return rank_config(vllm_config.model_config.hf_config, vllm_config.parallel_config.tensor_parallel_size)
+
+
+def engine_layouts(vllm_config: VllmConfig) -> dict[str, SlotLayout]:
+    """:func:`slot_layouts` for the engine: a rank's heads; with speculative decoding, room for
+    a row of the last accepted token and every draft token."""
+    drafts = vllm_config.num_speculative_tokens
+    return slot_layouts(served_config(vllm_config), vllm_config.model_config.dtype, 1 + drafts if drafts else 0)
 
 
 def _layer_metadata(prefix: str) -> Any:
@@ -102,8 +118,11 @@ class MemoryStateLayer(nn.Module, MambaBase):
         return MambaAttentionBackendEnum.LINEAR
 
     def get_kv_cache_spec(self, vllm_config: VllmConfig) -> KVCacheSpec:
+        # One slot per sequence also under speculative decoding (vLLM would give one per draft
+        # token): the slot holds the drafts' inputs, not a state per draft.
         spec = super().get_kv_cache_spec(vllm_config)
-        return dataclasses.replace(spec, page_size_padded=max(spec.page_size_padded or 0, self.page_bytes))
+        return dataclasses.replace(spec, page_size_padded=max(spec.page_size_padded or 0, self.page_bytes),
+                                   num_speculative_blocks=0)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """``x [N, D]`` (the block's normed input) -> ``[N, D]``."""
@@ -138,16 +157,20 @@ class PagedAttentionLayer(nn.Module):
 
 
 class TrellisStack(nn.Module):
-    """Embeddings, blocks (each with its serving child ``serving``) and the final norm."""
+    """Embeddings, blocks (each with its serving child ``serving``) and the final norm; the
+    blocks of ``config``, a rank's share of the model (:mod:`.parallel`)."""
 
     def __init__(self, config: Any, vllm_config: VllmConfig, prefix: str) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(TrellisDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = TrellisRMSNorm(config.hidden_size, config.rms_norm_eps)
-        layouts = slot_layouts(config, vllm_config.model_config.dtype)
+        layouts = engine_layouts(vllm_config)
         page_bytes = max((layout.nbytes for layout in layouts.values()), default=0)
+        split = vllm_config.parallel_config.tensor_parallel_size > 1
         for i, layer in enumerate(self.layers):
+            if split:
+                reduce_outputs(layer)
             name = f"{prefix}.layers.{i}.serving"
             mixer = layer.self_attn
             layer.serving = (MemoryStateLayer(mixer, vllm_config, name, layouts[mixer.kind], page_bytes)
@@ -172,7 +195,7 @@ class TrellisForCausalLM(nn.Module, HasInnerState, IsHybrid):
         super().__init__()
         config = vllm_config.model_config.hf_config
         self.config = config
-        self.model = TrellisStack(config, vllm_config, prefix="model")
+        self.model = TrellisStack(served_config(vllm_config), vllm_config, prefix="model")
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -187,16 +210,18 @@ class TrellisForCausalLM(nn.Module, HasInnerState, IsHybrid):
         return F.linear(hidden_states, head.weight)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy the checkpoint's tensors, by the names ``save_pretrained`` gave them; a name the
-        model lacks is an error (a tied head's copy aside)."""
+        """Copy the checkpoint's tensors, by the names ``save_pretrained`` gave them (this rank's
+        share of each, :func:`~.parallel.rank_share`); a name the model lacks is an error (a
+        tied head's copy aside)."""
         params = dict(self.named_parameters())
+        rank, ranks = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
         loaded = set()
         for name, tensor in weights:
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied: the embedding is the head
             if name not in params:
                 raise ValueError(f"the checkpoint holds {name!r}, which a {type(self).__name__} with this config lacks")
-            params[name].data.copy_(tensor)
+            params[name].data.copy_(rank_share(tensor, params[name].shape, rank, ranks, name))
             loaded.add(name)
         return loaded
 
@@ -204,7 +229,7 @@ class TrellisForCausalLM(nn.Module, HasInnerState, IsHybrid):
     # one layer (the largest kind's slot, in bytes: every memory layer's page is that size) ...
     @classmethod
     def get_mamba_state_shape_from_config(cls, vllm_config: VllmConfig) -> tuple[tuple[int, ...], ...]:
-        layouts = slot_layouts(vllm_config.model_config.hf_config, vllm_config.model_config.dtype)
+        layouts = engine_layouts(vllm_config)
         return ((max((layout.nbytes for layout in layouts.values()), default=0),),)
 
     @classmethod
