@@ -7,6 +7,7 @@ from vllm.model_executor.models.config import VerifyAndUpdateConfig
 from vllm.transformers_utils.model_arch_config_convertor import ModelArchConfigConvertorBase
 
 from .parallel import share_refused
+from .slots import memory_only
 
 
 class TrellisArchConvertor(ModelArchConfigConvertorBase):
@@ -70,7 +71,7 @@ def keep_states_where_the_scheduler_aligns(vllm_config: VllmConfig) -> None:
     """
     cache = vllm_config.cache_config
     kinds = vllm_config.model_config.hf_config.layer_kinds
-    if not cache.enable_prefix_caching or "attention" in kinds:
+    if not cache.enable_prefix_caching or not memory_only(kinds):
         return
     if not cache.user_specified_block_size:
         cache.block_size = cache.mamba_block_size or STATE_BLOCK_TOKENS

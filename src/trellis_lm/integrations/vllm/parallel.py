@@ -22,6 +22,8 @@ import torch
 from torch import nn
 from vllm.distributed import tensor_model_parallel_all_reduce
 
+from .slots import memory_only
+
 
 def rank_config(config: Any, ranks: int) -> Any:
     """The config of one rank's share of ``config``'s model (itself for one rank)."""
@@ -39,7 +41,7 @@ def rank_config(config: Any, ranks: int) -> Any:
 def share_refused(config: Any, ranks: int) -> str:
     """Why ``config``'s model cannot be split across ``ranks`` ranks ('' when it can)."""
     counts = {"num_heads": config.num_heads, "intermediate_size": config.intermediate_size}
-    if "attention" in config.layer_kinds:
+    if not memory_only(config.layer_kinds):  # attention layers split their key/value heads too
         counts["num_key_value_heads"] = config.key_value_heads
     uneven = [f"{name} = {count}" for name, count in counts.items() if count % ranks]
     if not uneven:

@@ -28,10 +28,16 @@ from typing import Any, Optional, Sequence
 import torch
 
 from ...cache_trellis import COLUMNS, ROWS, Dim, TensorSpec
+from ...mixers import MIXERS
 from ...mixers.base import MemoryMixer
 from ...mixers.tokens import ValidTokens
 
 TAILS = ("q_tail", "k_tail")
+
+
+def memory_only(layer_kinds: Sequence[str]) -> bool:
+    """Whether every layer of these kinds keeps a memory state (no attention layer: no KV blocks)."""
+    return all(issubclass(MIXERS[kind], MemoryMixer) for kind in layer_kinds)
 
 
 @dataclass(frozen=True)
