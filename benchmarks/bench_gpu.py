@@ -575,7 +575,13 @@ def compile_check(head_dims=(64, 128), slots=64, chunk=CHUNK) -> list[str]:
 
     from trellis_lm.ops.trellis import triton_chunk as tc
 
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    # The ptxas triton itself runs for sm_90: triton 3.9 emits PTX 9.4, which only its second bundled
+    # ptxas ("ptxas-blackwell") reads; triton 3.6 has one ptxas and no per-arch choice.
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+        ptxas = get_ptxas(90).path
+    except (ImportError, TypeError):
+        ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     int_ptrs = ("seq_start", "seq_len", "off_ptr", "base_ptr", "cseq", "cidx")
 
     def arg_type(name):
