@@ -48,7 +48,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from trellis_lm import TrellisConfig, TrellisForCausalLM
 
 try:  # what generate() runs its steps in (older checkouts have no such span)
-    from trellis_lm.mixers.stacking import stacked_projections
+    from trellis_lm.projection_stacks import stacked_projections
 except ImportError:
     stacked_projections = None
 from trellis_lm.cache_trellis import CACHE_ARG  # the running transformers' name for the cache argument

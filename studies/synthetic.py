@@ -32,7 +32,7 @@ from transformers import (
 from trellis_lm.configuration_trellis import TrellisConfig
 from trellis_lm.eval.mqar import IGNORE_INDEX, accuracy_by_query_position, answer_hits, first_query_accuracy, make_mqar
 from trellis_lm.eval.niah import make_niah_example, make_niah_training_data, niah_tokenizer, score_niah
-from trellis_lm.mixers.parts import TrellisShortConv
+from trellis_lm.mixers.norms_convs import TrellisShortConv
 from trellis_lm.modeling_trellis import TrellisForCausalLM
 from trellis_lm.state_passing import StatePassingCallback
 

@@ -1,4 +1,4 @@
-"""``compile_decode`` on a GPU: runs of memory blocks replayed from CUDA graphs (trellis_lm.decode_graphs).
+"""``compile_decode`` on a GPU: runs of memory blocks replayed from CUDA graphs (trellis_lm.compiled_decode).
 
 A CUDA graph needs a GPU (``tests/test_on_cuda.py`` runs the real one). Here the capture is
 replaced by one that records the step and replays it by running it again and writing its
@@ -17,7 +17,7 @@ import torch
 from test_generation import DECODE_PIECES, DECODE_RUNS, eager_and_compiling, logits_in_pieces
 from tiny_models import random_tokens, tiny_model
 from trellis_lm import TrellisCache
-from trellis_lm.decode_graphs import decode_graphs, entry_tensors
+from trellis_lm.compiled_decode import decode_graphs, entry_tensors
 
 
 class ReplayingCapture:
@@ -159,7 +159,7 @@ def test_no_graphs_with_autograd_or_for_a_model_off_the_gpu():
 
 
 def test_entry_tensors_round_trip():
-    from trellis_lm.decode_graphs import entries_from
+    from trellis_lm.compiled_decode import entries_from
 
     model = tiny_model(seed=1, schedule="hybrid", head_dim=6)
     cache = TrellisCache(model.config)

@@ -3,7 +3,7 @@
 * Each op's unchecked single-token step (``trellis_step``, ``lattice_step``, ``kvm_step``)
   against the op's per-token reference, in float64, from states mid-chunk and at chunk starts,
   rows at mixed phases, odd sizes, over KVM's folds.
-* Projections stacked once per ``generate`` call (``mixers.stacking``) against the modules
+* Projections stacked once per ``generate`` call (``projection_stacks``) against the modules
   called one by one: the same logits and tokens for every schedule, stacks made only inside the
   call and rebuilt by the next (a weight changed in between is seen), refused for modules an
   adapter wraps.
@@ -18,7 +18,7 @@ from op_inputs import make_inputs, make_kvm_inputs, make_state
 from tiny_models import SCHEDULES, random_tokens, tiny_model
 
 from trellis_lm.cache_trellis import CACHE_ARG
-from trellis_lm.mixers.stacking import LinearStack, stacked_projections
+from trellis_lm.projection_stacks import LinearStack, stacked_projections
 from trellis_lm.ops import (
     COMPRESS_FNS, LATTICE_VARIANTS, MIX_FNS, kvm_attention, kvm_step, lattice_attention, lattice_step,
     trellis_attention, trellis_step,

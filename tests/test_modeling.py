@@ -12,7 +12,7 @@ from tiny_models import SCHEDULES, VOCAB, left_pad, random_tokens, right_pad, ti
 from transformers_names import cache_of, enable_checkpointing, is_checkpointing
 from trellis_lm import TrellisForCausalLM, TrellisModel
 from trellis_lm.mixers import forget_gate_bias
-from trellis_lm.mixers.tokens import ValidTokens, document_starts
+from trellis_lm.mixers.valid_tokens import ValidTokens, document_starts
 
 TOL = dict(rtol=1e-4, atol=1e-4)
 
@@ -410,7 +410,7 @@ def test_lora_adapters_train_save_load_generate_and_merge(tmp_path, schedule):
 
 
 def test_short_conv_is_a_causal_depthwise_conv1d():
-    from trellis_lm.mixers.parts import TrellisShortConv
+    from trellis_lm.mixers.norms_convs import TrellisShortConv
 
     conv = TrellisShortConv(channels=6, width=4)
     torch.nn.init.normal_(conv.weight)
@@ -443,7 +443,7 @@ def test_fresh_short_convs_pass_the_current_token_to_q_and_the_previous_to_k(mix
 
 
 def test_delay_taps_refuse_a_lag_outside_the_conv():
-    from trellis_lm.mixers.parts import TrellisShortConv
+    from trellis_lm.mixers.norms_convs import TrellisShortConv
 
     conv = TrellisShortConv(channels=3, width=4)
     assert conv.delay_taps(3)[..., 0].eq(1).all() and conv.delay_taps(3).sum() == 3

@@ -139,7 +139,7 @@ def test_generate_with_cuda_graphs_gives_the_eager_tokens(dtype, monkeypatch, de
     """``compile_decode`` on CUDA: generate() replays each run of memory blocks (here Lattice, and
     Trellis on its Triton step, between eager KVM and attention blocks) from a CUDA graph, with
     the eager steps' greedy tokens and final cache, bit for bit."""
-    import trellis_lm.decode_graphs as decode_graphs
+    import trellis_lm.compiled_decode as decode_graphs
 
     captured = []
     real = decode_graphs.capture_cuda_graph

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from trellis_lm import TrellisConfig, TrellisForCausalLM
-from trellis_lm.mixers.parts import TrellisShortConv
+from trellis_lm.mixers.norms_convs import TrellisShortConv
 
 VOCAB = 97
 # Real tokens are drawn above the special ids, so a sequence never contains pad/bos/eos.

@@ -20,11 +20,10 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from .cache_trellis import CACHE_ARG
 from .arguments import int_at_least
+from .cache_trellis import CACHE_ARG
+from .compiled_decode import inference_span
 from .configuration_trellis import TrellisConfig
-from .decode_graphs import decode_graphs
-from .mixers.stacking import stacked_projections
 from .modeling_trellis import TrellisForCausalLM
 from .ops import trellis_attention
 
@@ -126,14 +125,11 @@ class DecodeStepper:
 
 
 def as_generate_runs(models) -> contextlib.ExitStack:
-    """A span in which ``models`` step as ``generate()`` steps them (their projections stacked
-    once, :func:`~trellis_lm.mixers.stacking.stacked_projections`, and with ``compile_decode``
-    on a GPU their CUDA graphs, :func:`~trellis_lm.decode_graphs.decode_graphs`; a no-op for
-    other models)."""
+    """A span in which ``models`` step as ``generate()`` steps them: each model within
+    :func:`~trellis_lm.compiled_decode.inference_span`, generate's own set-up."""
     span = contextlib.ExitStack()
     for model in models:
-        span.enter_context(stacked_projections(model))
-        span.enter_context(decode_graphs(model))
+        span.enter_context(inference_span(model))
     return span
 
 

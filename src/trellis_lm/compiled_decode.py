@@ -1,5 +1,6 @@
 """``config.compile_decode``: a decode step's runs of Trellis and Lattice blocks, each run one
-compiled function.
+compiled function (CPU) or one CUDA graph (GPU), and the span that ``generate()`` sets up for
+inference (:func:`inference_span`).
 
 On a CPU a one-token step costs mostly per-operation overhead, not arithmetic (BENCHMARKS.md,
 issue 40). ``torch.compile`` turns a memory block's hundreds of small operations into a few fused
@@ -14,28 +15,43 @@ The compiled function takes the blocks and their carried entries as arguments, s
 compilation per process serves every model whose runs share shapes, dtypes and settings; past
 torch.compile's recompile limit new ones decode eagerly (the same function) with a warning.
 
-On a GPU the same runs are each replayed from a CUDA graph instead (:mod:`.decode_graphs`), within
-the span that ``generate()`` holds.
+**On a GPU** a one-token step of a small model is bound by the host: every block launches dozens
+of small kernels, and each launch costs the host more than the kernel costs the GPU
+(BENCHMARKS.md, issue 39: 12.5 ms per token for a 12-layer model whose kernels need well under
+one). A memory block's decode step has fixed shapes (its state does not grow) and reads nothing
+back from the device, so each run of blocks that would compile on a CPU is captured once as a
+CUDA graph and replayed each step: one launch for the run (:func:`decode_graphs`).
+
+A graph reads and writes fixed addresses, and the cache's tensors are never written into (a
+failed call restores the entries it began with, two caches may take turns on one model). So a
+step copies the hidden state and the carried entries into the graph's inputs, replays it, and
+hands the cache copies of its outputs, each side one grouped copy (``torch._foreach_copy_``).
+
+Graphs live for one span in which the weights do not change, :func:`inference_span` (what
+``generate()`` and the benchmarks hold: the stacked projections of :mod:`.projection_stacks`,
+which the graphs read, and the graphs), captured on a span's first step of each shape and freed
+when it ends.
 """
 
 from __future__ import annotations
 
 import itertools
 import warnings
+from contextlib import contextmanager, nullcontext
 from functools import cache
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 from torch import nn
 
+from .cache_entries import MemoryEntry
 from .cache_trellis import CacheCall
-from .mixers.stacking import plain_forward_hooks
-from .mixers.tokens import ValidTokens
-from .ops.state import OpState
+from .mixers.valid_tokens import ValidTokens
+from .projection_stacks import plain_forward_hooks, stacked_projections
 
 # What runs a run of blocks instead of run_blocks: (blocks, hidden, carried) -> (hidden, carried after).
-RunOfBlocks = Callable[[tuple[nn.Module, ...], torch.Tensor, list[tuple[Any, Any, Any]]],
-                       tuple[torch.Tensor, list[tuple[Any, Any, Any]]]]
+RunOfBlocks = Callable[[tuple[nn.Module, ...], torch.Tensor, list[MemoryEntry]],
+                       tuple[torch.Tensor, list[MemoryEntry]]]
 
 
 def compiles_decode(model: nn.Module, hidden: torch.Tensor, valid: Optional[ValidTokens], call: Optional[CacheCall],
@@ -43,7 +59,7 @@ def compiles_decode(model: nn.Module, hidden: torch.Tensor, valid: Optional[Vali
     """Whether ``model`` (a :class:`~trellis_lm.TrellisModel`) runs this call's blocks through
     :func:`decode_blocks`: ``config.compile_decode``, one token per row of ``hidden [B, 1, D]``
     on a CPU, or on a GPU within a span of CUDA graphs (``model.decode_graphs``, see
-    :mod:`trellis_lm.decode_graphs`: ``generate()`` holds one; other GPU calls run eagerly),
+    :func:`decode_graphs`: ``generate()`` holds one; other GPU calls run eagerly),
     autograd off (a step that records gradients runs eagerly: the compiled step is traced for
     inference), no padding among the step's tokens (packing padded rows depends on the mask's values; a
     padded prompt's steps have none), a cache that records no calls for rollback (it keeps each
@@ -66,14 +82,14 @@ def compiles(block: nn.Module, call: CacheCall) -> bool:
     mixer = block.self_attn
     hooked = any(m._forward_hooks or m._forward_pre_hooks for m in block.modules())
     return (mixer.compilable and not hooked and not (block.training and block.gradient_checkpointing)
-            and mixer.carried(call)[2] is not None)
+            and mixer.carried(call).state is not None)
 
 
 def decode_blocks(blocks: Sequence[nn.Module], hidden: torch.Tensor, call: CacheCall,
                   graphs: Optional[RunOfBlocks] = None) -> torch.Tensor:
     """The decoder ``blocks`` on ``hidden [B, 1, D]``, continuing ``call``'s cache, each run of
     blocks that :func:`compiles` by one compiled call (:func:`compiled_or_eager`), or by one
-    replay of its CUDA graph where ``graphs`` (a :class:`~trellis_lm.decode_graphs.DecodeGraphs`)
+    replay of its CUDA graph where ``graphs`` (a :class:`DecodeGraphs`)
     are given, the others as usual. Returns the last block's output ``[B, 1, D]``."""
     for compiled, run in itertools.groupby(blocks, key=lambda block: compiles(block, call)):
         run = tuple(run)
@@ -83,20 +99,20 @@ def decode_blocks(blocks: Sequence[nn.Module], hidden: torch.Tensor, call: Cache
             continue
         carried = [_contiguous(block.self_attn.carried(call)) for block in run]
         hidden, after = (graphs or compiled_or_eager)(run, hidden, carried)
-        for block, before, entry in zip(run, carried, after):
-            block.self_attn.keep(call, before, entry, hidden.shape[0])
+        for block, entry in zip(run, after):
+            block.self_attn.keep(call, entry)
     return hidden
 
 
 def run_blocks(blocks: tuple[nn.Module, ...], hidden: torch.Tensor,
-               carried: list[tuple[Any, Any, Any]]) -> tuple[torch.Tensor, list[tuple[Any, Any, Any]]]:
+               carried: list[MemoryEntry]) -> tuple[torch.Tensor, list[MemoryEntry]]:
     """Memory ``blocks`` in order on ``hidden [B, T, D]`` (every token real), each mixer
-    continuing its ``carried`` ``(q_tail, k_tail, state)``. Returns the output ``[B, T, D]`` and
-    each mixer's ``(q_tail, k_tail, state)`` after it: what is compiled."""
+    continuing its ``carried`` entry. Returns the output ``[B, T, D]`` and each mixer's entry
+    after it: what is compiled."""
     after = []
     for block, entry in zip(blocks, carried):
-        def mix(x: torch.Tensor, mixer: nn.Module = block.self_attn, entry: tuple = entry) -> torch.Tensor:
-            out, *kept = mixer.mix(x, None, *entry, keep_state=True)
+        def mix(x: torch.Tensor, mixer: nn.Module = block.self_attn, entry: MemoryEntry = entry) -> torch.Tensor:
+            out, kept = mixer.advance(x, None, entry)
             after.append(_contiguous(kept))
             return out
 
@@ -104,17 +120,17 @@ def run_blocks(blocks: tuple[nn.Module, ...], hidden: torch.Tensor,
     return hidden, after
 
 
-def _contiguous(entry: Sequence[Any]) -> tuple[Any, ...]:
-    """``(q_tail, k_tail, state)`` with every tensor contiguous. A compiled function is
-    specialised to its inputs' strides; a prefill leaves its tails with other strides than a
-    step does (views of differently sized buffers), which would compile the step twice."""
-    def dense(t: Any) -> Any:
-        return t if not isinstance(t, torch.Tensor) or t.is_contiguous() else t.contiguous()
+def _contiguous(entry: MemoryEntry) -> MemoryEntry:
+    """``entry`` with every tensor contiguous. A compiled function is specialised to its inputs'
+    strides; a prefill leaves its tails with other strides than a step does (views of
+    differently sized buffers), which would compile the step twice."""
+    def dense(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        return t if t is None or t.is_contiguous() else t.contiguous()
 
-    def dense_state(state: OpState) -> OpState:
-        return state if all(t.is_contiguous() for t in state.tensors().values()) else state.map(dense)
-
-    return tuple(dense_state(t) if isinstance(t, OpState) else dense(t) for t in entry)
+    state = entry.state
+    if not all(t.is_contiguous() for t in state.tensors().values()):
+        state = state.map(dense)
+    return MemoryEntry(dense(entry.q_tail), dense(entry.k_tail), state)
 
 
 @cache
@@ -124,7 +140,7 @@ def compiled_blocks() -> Callable:
 
 
 def compiled_or_eager(blocks: tuple[nn.Module, ...], hidden: torch.Tensor,
-                      carried: list[tuple[Any, Any, Any]]) -> tuple[torch.Tensor, list[tuple[Any, Any, Any]]]:
+                      carried: list[MemoryEntry]) -> tuple[torch.Tensor, list[MemoryEntry]]:
     """:func:`run_blocks` compiled, or eagerly once torch.compile has compiled it for as many
     shapes, dtypes and settings as its recompile limit allows (``torch._dynamo.config.
     recompile_limit``; a process that decodes many different models can reach it): a warning,
@@ -143,3 +159,150 @@ def _warn_recompile_limit() -> None:
         "shape, dtype and setting met in this process); further new ones decode eagerly (same numbers, slower). "
         "Raise torch._dynamo.config.recompile_limit to compile more.", RuntimeWarning, stacklevel=3,
     )
+
+
+# Eager calls before a capture: the first compiles the Triton kernels and sets up cuBLAS (neither
+# may happen inside a capture); the next runs as the capture will.
+WARMUP_CALLS = 2
+
+Capture = Callable[[Callable[[], list[torch.Tensor]]], tuple[Any, list[torch.Tensor]]]
+
+
+def capture_cuda_graph(fn: Callable[[], list[torch.Tensor]]) -> tuple[torch.cuda.CUDAGraph, list[torch.Tensor]]:
+    """``fn`` (no arguments, returning tensors) captured as a CUDA graph after warm-up calls on a
+    side stream, as PyTorch's documentation prescribes. Returns the graph and the tensors of the
+    captured call, which every ``graph.replay()`` overwrites with the new results."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(WARMUP_CALLS):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = fn()
+    return graph, outputs
+
+
+def entry_tensors(entries: Sequence[MemoryEntry]) -> list[torch.Tensor]:
+    """Every tensor of mixers' carried entries, in order (tails where present, then the state's)."""
+    flat = []
+    for q_tail, k_tail, state in entries:
+        flat += [t for t in (q_tail, k_tail) if t is not None]
+        flat += list(state.tensors().values())
+    return flat
+
+
+def entries_from(like: Sequence[MemoryEntry], tensors: Iterator[torch.Tensor]) -> list[MemoryEntry]:
+    """Entries shaped as ``like`` holding the next tensors of ``tensors`` (see :func:`entry_tensors`)."""
+    return [MemoryEntry(None if q_tail is None else next(tensors), None if k_tail is None else next(tensors),
+                        state.map(lambda _: next(tensors))) for q_tail, k_tail, state in like]
+
+
+def signature(entries: Sequence[MemoryEntry], inputs: Sequence[torch.Tensor]) -> tuple:
+    """What a graph is specialised to: the shapes, dtypes and devices of its ``inputs`` (the
+    hidden state, then :func:`entry_tensors` of ``entries``), and which tails are absent."""
+    absent = tuple((q is None, k is None, type(s)) for q, k, s in entries)
+    return absent, tuple((tuple(t.shape), t.dtype, t.device) for t in inputs)
+
+
+class GraphedRun:
+    """A run of memory ``blocks`` (:func:`run_blocks`) captured for ``inputs``
+    like these: the hidden state ``[B, 1, D]``, then the tensors of ``carried`` (each mixer's
+    entry, :func:`entry_tensors`)."""
+
+    def __init__(self, blocks: tuple[nn.Module, ...], carried: Sequence[MemoryEntry], inputs: Sequence[torch.Tensor],
+                 capture: Capture) -> None:
+        self.inputs = [t.clone() for t in inputs]
+        static = iter(self.inputs)
+        static_hidden, static_carried = next(static), entries_from(carried, static)
+        self._after_like: list[MemoryEntry] = []
+
+        def step() -> list[torch.Tensor]:
+            out, after = run_blocks(blocks, static_hidden, static_carried)
+            self._after_like = after
+            return [out, *entry_tensors(after)]
+
+        self.graph, self.outputs = capture(step)
+
+    def __call__(self, inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[MemoryEntry]]:
+        """The run on ``inputs`` (the hidden state, then the carried entries' tensors, as at the
+        capture): the output ``[B, 1, D]`` and each mixer's entry after it, all new tensors
+        (nothing given is written into)."""
+        torch._foreach_copy_(self.inputs, list(inputs))
+        self.graph.replay()
+        fresh = [torch.empty_like(t) for t in self.outputs]
+        torch._foreach_copy_(fresh, self.outputs)
+        tensors = iter(fresh)
+        return next(tensors), entries_from(self._after_like, tensors)
+
+
+class DecodeGraphs:
+    """The graphs of one span (see :func:`decode_graphs`) of a model on ``device``, one per run of
+    blocks and signature. A capture that fails (an operation a CUDA graph cannot hold, memory)
+    leaves the span's steps eager, with a warning saying why: the same numbers, not a failed
+    ``generate()``."""
+
+    def __init__(self, capture: Capture, device: torch.device) -> None:
+        self.capture = capture
+        self.device = device
+        self.runs: dict[tuple, GraphedRun] = {}
+        self.failed = False
+
+    def __call__(self, blocks: tuple[nn.Module, ...], hidden: torch.Tensor,
+                 carried: Sequence[MemoryEntry]) -> tuple[torch.Tensor, list[MemoryEntry]]:
+        """:func:`run_blocks` of ``blocks`` by the graph captured for this run and
+        signature (captured now on the first such step), or eagerly after a failed capture."""
+        if self.failed:
+            return run_blocks(blocks, hidden, carried)
+        inputs = [hidden, *entry_tensors(carried)]
+        key = (tuple(id(block) for block in blocks), signature(carried, inputs))
+        # Captures and replays go to the current stream of the model's device, not of the current one.
+        with torch.cuda.device(self.device) if self.device.type == "cuda" else nullcontext():
+            run = self.runs.get(key)
+            if run is None:
+                try:
+                    run = self.runs[key] = GraphedRun(blocks, carried, inputs, self.capture)
+                except RuntimeError as error:
+                    self.failed = True
+                    self.runs.clear()
+                    warnings.warn(f"compile_decode: capturing a decode step as a CUDA graph failed ({error}); "
+                                  "this generate() call decodes eagerly (same numbers, slower)",
+                                  RuntimeWarning, stacklevel=2)
+                    return run_blocks(blocks, hidden, carried)
+            return run(inputs)
+
+
+@contextmanager
+def decode_graphs(model: nn.Module, capture: Optional[Capture] = None) -> Iterator[None]:
+    """Within the block, ``compile_decode`` steps of every :class:`~trellis_lm.TrellisModel` in
+    ``model`` whose weights are all on one CUDA device replay CUDA graphs of their runs of memory
+    blocks (a model split across devices decodes eagerly); the graphs are freed at its end. For a
+    span in which the weights do not change (one ``generate`` call): a graph reads the weights
+    and stacked projections where they were at its capture. ``capture`` replaces
+    :func:`capture_cuda_graph` (and then a model on one device of any kind takes part: tests run
+    the same bookkeeping on a CPU). Nested blocks keep the outer one's graphs."""
+    made = []
+    try:
+        for module in model.modules():
+            if "decode_graphs" not in vars(module) or module.decode_graphs is not None:
+                continue
+            devices = {p.device for p in module.parameters()}
+            if len(devices) == 1 and (capture is not None or next(iter(devices)).type == "cuda"):
+                module.decode_graphs = DecodeGraphs(capture or capture_cuda_graph, devices.pop())
+                made.append(module)
+        yield
+    finally:
+        for module in made:
+            module.decode_graphs = None
+
+
+@contextmanager
+def inference_span(model: nn.Module) -> Iterator[None]:
+    """What ``generate()`` sets up for its call, for any loop that steps ``model`` as it does (the
+    benchmarks): each layer's projections of one input stacked once
+    (:func:`~trellis_lm.projection_stacks.stacked_projections`) and, with ``compile_decode`` on a
+    GPU, the CUDA graphs of its decode steps (:func:`decode_graphs`). The weights must not change
+    within the block; a no-op for models that are not Trellis models."""
+    with stacked_projections(model), decode_graphs(model):
+        yield

@@ -12,8 +12,8 @@ from typing import Any, Callable, ClassVar
 
 from transformers import PreTrainedConfig
 
+from .cache_layout import set_config_class
 from .mixers import DEFAULT_KIND, MIXERS
-from .mixers.base import set_config_class
 from .mixers.fields import is_int, is_real
 from .remote_code import AUTO_MAP, code_is_packaged, export_code
 
@@ -142,10 +142,10 @@ class TrellisConfig(PreTrainedConfig):
             recording gradients run eagerly too. Past torch.compile's recompile limit new shapes decode eagerly, with
             a warning. On GPUs, within a ``generate()`` call (and without autograd), the same
             runs are each captured once as a CUDA graph and replayed every step
-            (:mod:`trellis_lm.decode_graphs`): one launch per run instead of dozens per block,
+            (:func:`trellis_lm.compiled_decode.decode_graphs`): one launch per run instead of dozens per block,
             since a small model's GPU decode step is bound by kernel launches; GPU calls outside
             ``generate()`` decode eagerly, unless a decode loop of one's own runs within
-            ``trellis_lm.decode_graphs.decode_graphs(model)`` (weights unchanged inside it); a
+            ``trellis_lm.compiled_decode.inference_span(model)`` (weights unchanged inside it); a
             capture that fails warns and leaves the call's steps eager. Prefill and training are
             not affected.
 

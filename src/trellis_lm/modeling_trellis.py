@@ -28,15 +28,14 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from transformers.utils import logging
 
 from .cache_trellis import CACHE_ARG, CACHE_NAMES, CacheCall, TrellisCache, one_cache
-from .compiled_decode import compiles_decode, decode_blocks
-from .decode_graphs import DecodeGraphs, decode_graphs
+from .compiled_decode import DecodeGraphs, compiles_decode, decode_blocks, inference_span
 from .configuration_trellis import TrellisConfig
 from .model_card_trellis import CARD_NAME, hub_card_text, is_generated, write_model_card
 from .mixers import build_mixer
 from .mixers.base import init_module
-from .mixers.parts import TrellisRMSNorm
-from .mixers.stacking import LinearStack, stacked, stacked_projections
-from .mixers.tokens import ValidTokens, document_starts, real_tokens
+from .mixers.norms_convs import TrellisRMSNorm
+from .mixers.valid_tokens import ValidTokens, document_starts, real_tokens
+from .projection_stacks import LinearStack, stacked
 
 logger = logging.get_logger(__name__)
 
@@ -490,10 +489,10 @@ class TrellisForCausalLM(TrellisPreTrainedModel, GenerationMixin):
         that completed.
 
         The weights are read when the call begins (each layer's projections of one input
-        stacked into one matrix, see :func:`~trellis_lm.mixers.stacking.stacked_projections`):
+        stacked into one matrix, see :func:`~trellis_lm.projection_stacks.stacked_projections`):
         a weight changed during the call, e.g. from a streamer, is not seen before it ends; nor
         by the CUDA graphs that ``config.compile_decode`` captures on a GPU for the call
-        (:mod:`trellis_lm.decode_graphs`)."""
+        (:func:`trellis_lm.compiled_decode.decode_graphs`)."""
         cache = one_cache(kwargs.pop("cache", None), kwargs.pop("past_key_values", None))
         if cache is not None:
             kwargs[CACHE_ARG] = cache
@@ -502,8 +501,8 @@ class TrellisForCausalLM(TrellisPreTrainedModel, GenerationMixin):
         processors = LogitsProcessorList(kwargs.pop("logits_processor", None) or [])
         kwargs["logits_processor"] = LogitsProcessorList([RefuseNonFiniteLogits(), *processors])
         # The weights do not change during the call: each layer's projections of one input are
-        # stacked once, so a decode step runs them as one matmul (mixers.stacking).
-        with stacked_projections(self), decode_graphs(self):
+        # stacked once, so a decode step runs them as one matmul (projection_stacks).
+        with inference_span(self):
             return super().generate(*args, **kwargs)
 
     @staticmethod

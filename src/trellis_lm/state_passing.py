@@ -38,7 +38,6 @@ carried state; pad rows instead (the pretraining recipe does when state passing 
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import warnings
@@ -48,11 +47,12 @@ from typing import Any, Iterator, Optional, Union
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 from torch import nn
 from transformers import Trainer, TrainerCallback
 
-from .cache_trellis import CACHE_NAMES, MemoryLayerCache, TrellisCache, check_entry_tensors
+from .cache_entries import MemoryEntry, MemoryLayerCache
+from .cache_files import STATE_FILE, check_entry_tensors, check_signature, checked_path, layer_keys, read_header, write_entries
+from .cache_trellis import CACHE_NAMES, TrellisCache
 from .modeling_trellis import TrellisModel
 
 CHECKPOINT_NAME = "state_passing-rank{rank}.safetensors"
@@ -72,10 +72,6 @@ def trellis_model(model: nn.Module) -> TrellisModel:
     return found
 
 
-def _detached(tensor: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    return None if tensor is None else tensor.detach()
-
-
 class StatePassing:
     """Carries each training row's final memory states to the next batch's rows.
 
@@ -90,10 +86,11 @@ class StatePassing:
             raise ValueError(f"state passing's probability must be a number in (0, 1], got {probability!r}")
         self.probability = float(probability)
         self.generator = torch.Generator().manual_seed(seed)
-        # Per layer index, the memory entries (tails, state) of the last training batch's rows,
-        # and the fields that define the function of the model that made them.
-        self.carried: dict[int, tuple[Optional[torch.Tensor], Optional[torch.Tensor], Any]] = {}
+        # Per layer index, the memory entries of the last training batch's rows, and the fields
+        # that define the function of the model that made them.
+        self.carried: dict[int, MemoryEntry] = {}
         self.signature: Optional[dict[str, Any]] = None
+        self.kinds: list[str] = []  # the layer kinds of the model that made them
         self._given: Optional[TrellisCache] = None  # the cache the running forward got from us
 
     @contextmanager
@@ -122,27 +119,24 @@ class StatePassing:
         if not self.carried:
             return cache
         take = torch.rand(rows, generator=self.generator) < self.probability
-        for index, (q_tail, k_tail, state) in self.carried.items():
-            mixer = model.layers[index].self_attn
-            held = state.rows
+        for index, carried in self.carried.items():
+            held = carried.state.rows
             keep = take & (torch.arange(rows) < held)
             if not bool(keep.any()):
                 continue
             rows_of = torch.arange(rows).clamp(max=held - 1)
-            picked = state.map(lambda t: t.index_select(0, rows_of.to(t.device)))
-            entry = cache.layers[index]
-            entry.state = mixer.mixed_state(picked, keep)
-            if q_tail is not None:
-                zero = keep.to(q_tail.device).view(-1, 1, 1)
-                entry.q_tail = torch.where(zero, q_tail.index_select(0, rows_of.to(q_tail.device)), 0)
-                entry.k_tail = torch.where(zero, k_tail.index_select(0, rows_of.to(k_tail.device)), 0)
+            picked = MemoryEntry(*(None if t is None else t.index_select(0, rows_of.to(t.device))
+                                   for t in carried[:2]),
+                                 carried.state.map(lambda t: t.index_select(0, rows_of.to(t.device))))
+            cache.layers[index].hold(model.layers[index].self_attn.fresh_rows(picked, ~keep))
         return cache
 
     def keep_final(self, cache: TrellisCache) -> None:
         """Keep the memory layers' entries of ``cache`` (detached) for the next batch."""
-        self.signature = cache.signature
+        self.signature, self.kinds = cache.signature, cache.kinds
         self.carried = {
-            index: (_detached(layer.q_tail), _detached(layer.k_tail), layer.state.map(torch.Tensor.detach))
+            index: MemoryEntry(*(None if t is None else t.detach() for t in layer.entry[:2]),
+                               layer.state.map(torch.Tensor.detach))
             for index, layer in enumerate(cache.layers)
             if isinstance(layer, MemoryLayerCache) and layer.state is not None
         }
@@ -167,12 +161,11 @@ class StatePassing:
     def save(self, path: Union[str, os.PathLike]) -> None:
         """Write the carried states, the draws' generator and the fields that define the model
         that made the states to one safetensors file."""
-        tensors = {"generator": self.generator.get_state()}
-        for index, (q_tail, k_tail, state) in self.carried.items():
-            named = {"q_tail": q_tail, "k_tail": k_tail, **state.tensors()}
-            tensors.update({f"layers.{index}.{name}": t.contiguous().cpu() for name, t in named.items() if t is not None})
-        metadata = {"probability": repr(self.probability), "signature": json.dumps(self.signature)}
-        save_file(tensors, os.fspath(path), metadata=metadata)
+        layers = {index: {"q_tail": entry.q_tail, "k_tail": entry.k_tail, **entry.state.tensors()}
+                  for index, entry in self.carried.items()}
+        write_entries(path, STATE_FILE, self.kinds, layers, self.signature,
+                      metadata={"probability": repr(self.probability)},
+                      tensors={"generator": self.generator.get_state()})
 
     def load(self, path: Union[str, os.PathLike], model: nn.Module) -> None:
         """Read what :meth:`save` wrote, for ``model``: the file must hold the generator, and
@@ -180,11 +173,9 @@ class StatePassing:
         (the fields the file records; files written before it recorded them are checked by
         shape), each of the shapes and dtypes the layer's mixer declares. Anything else is a
         ``ValueError`` naming the file and what differs; nothing is changed then."""
-        where = os.fspath(path)
-        if os.path.isdir(where):
-            raise ValueError(f"{where} is a folder: expected a state file written by StatePassing.save")
+        where = checked_path(path, STATE_FILE)
         with safe_open(where, framework="pt") as f:
-            metadata = f.metadata() or {}
+            header = read_header(f.metadata() or {}, where, STATE_FILE)
             tensors = {key: f.get_tensor(key) for key in f.keys()}
         generator = tensors.pop("generator", None)
         if generator is None or generator.dtype != torch.uint8 or generator.dim() != 1:
@@ -192,32 +183,24 @@ class StatePassing:
                              "file StatePassing.save wrote")
         base = trellis_model(model)
         config = base.config
-        recorded = json.loads(metadata.get("signature") or "null")
-        if recorded is not None:
-            for name, value in config.layer_signature().items():
-                if recorded.get(name) != value:
-                    raise ValueError(f"{where}: the states were carried by a model with {name}={recorded.get(name)!r}, "
-                                     f"this model has {name}={value!r}")
-        per_layer: dict[int, dict[str, torch.Tensor]] = {}
-        for key, tensor in tensors.items():
-            parts = key.split(".", 2)
-            if len(parts) != 3 or parts[0] != "layers" or not parts[1].isdigit():
-                raise ValueError(f"{where}: tensor {key!r} is not 'layers.<index>.<name>'")
-            per_layer.setdefault(int(parts[1]), {})[parts[2]] = tensor
+        check_signature(header.signature, config, f"{where}: the states were carried")
         device = next(base.parameters()).device
         carried = {}
-        for index, named in sorted(per_layer.items()):
+        for index, keys in sorted(layer_keys(tensors, where).items()):
             kind = config.layer_kinds[index] if index < len(config.layer_kinds) else None
             entry_class = base.layers[index].self_attn.cache_class if kind is not None else None
             if entry_class is None or not issubclass(entry_class, MemoryLayerCache):
                 raise ValueError(f"{where} holds a state for layer {index}, which is "
                                  f"{'not in the model' if kind is None else f'a {kind} layer, which carries none'} "
                                  f"(the model's layers: {config.layer_kinds})")
+            named = {name: tensors[key] for name, key in keys.items()}
             check_entry_tensors(f"{where}: layer {index} ({kind})", kind, named, config, index)
-            entry = entry_class.from_tensors({name: t.to(device) for name, t in named.items()})
-            carried[index] = (entry.q_tail, entry.k_tail, entry.state)
+            carried[index] = entry_class.from_tensors({name: t.to(device) for name, t in named.items()}).entry
+        if header.kinds is not None and header.kinds != config.layer_kinds:
+            raise ValueError(f"{where}: the states were carried by a model with the layers {header.kinds}, this model "
+                             f"has {config.layer_kinds} (config.mixer_types)")
         self.generator.set_state(generator)
-        self.carried, self.signature = carried, config.layer_signature()
+        self.carried, self.signature, self.kinds = carried, config.layer_signature(), list(config.layer_kinds)
 
 
 class StatePassingCallback(TrainerCallback):

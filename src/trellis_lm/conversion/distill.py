@@ -33,7 +33,7 @@ from torch import nn
 from torch.utils.data import Dataset, Subset
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, Trainer, TrainerCallback, TrainingArguments
 
-from ..mixers.tokens import ValidTokens
+from ..mixers.valid_tokens import ValidTokens
 from ..modeling_trellis import TrellisForCausalLM
 from ..state_passing import DEFAULT_PROBABILITY, DEFAULT_START_FRACTION, StatePassingCallback
 from .data import TokenBlocks, TrainData, as_dataset, pad_batch

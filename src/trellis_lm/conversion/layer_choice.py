@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from ..mixers.tokens import ValidTokens
+from ..mixers.valid_tokens import ValidTokens
 from ..modeling_trellis import TrellisForCausalLM
 from .distill import distillation_kl
 from .llama import convert_llama_to_trellis, converted_layers

@@ -22,11 +22,13 @@ from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, eager_attention_forward
 
-from ..cache_trellis import COLUMNS, ROWS, AttentionLayerCache, CacheCall, TensorSpec, TrellisCache
+from ..cache_entries import AttentionLayerCache
+from ..cache_layout import COLUMNS, ROWS, TensorSpec
+from ..cache_trellis import CacheCall, TrellisCache
 from .base import Mixer
 from .fields import ROPE_THETA, ConfigField, flag, is_int
-from .stacking import LinearStack, stacked
-from .tokens import ValidTokens, last_document, token_positions
+from ..projection_stacks import LinearStack, stacked
+from .valid_tokens import ValidTokens, last_document, token_positions
 
 
 def rotary_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -20,15 +20,15 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import initialization
 
-from ..cache_trellis import (
-    ROWS, CacheCall, LayerCache, MemoryLayerCache, TensorSpec, TrellisCache, register_layer_cache, same_definition,
-)
+from ..cache_entries import LayerCache, MemoryEntry, MemoryLayerCache, register_layer_cache, same_definition
+from ..cache_layout import ROWS, TensorSpec, model_config
+from ..cache_trellis import CacheCall, TrellisCache
 from ..ops.state import OpState
 from ..ops.registry import BackendRegistry
 from .fields import MODEL_FIELDS, ConfigField
-from .parts import TrellisRMSNorm, TrellisShortConv, at_least_float32, causal_conv, l2_normalize
-from .stacking import LinearStack, stacked
-from .tokens import ValidTokens
+from .norms_convs import TrellisRMSNorm, TrellisShortConv, at_least_float32, causal_conv, l2_normalize
+from ..projection_stacks import LinearStack, stacked
+from .valid_tokens import ValidTokens
 
 # Outside a span with stacks made once (generate's), fewer tokens than this per call run the
 # projections one by one: stacking their weights then costs more than the matmuls (at batch 1,
@@ -65,17 +65,6 @@ class Projections:
 
 # Model-level fields a standalone layer may be given besides its kind's (see Mixer.standalone_config).
 STANDALONE_SETTINGS = ("rms_norm_eps", "initializer_range", "op_backend", "compile_decode")
-
-# The configuration class a standalone layer is described by (TrellisConfig, which registers
-# itself with `set_config_class` as it is defined: it imports the mixers, not the reverse).
-_config_class: Optional[type] = None
-
-
-def set_config_class(config_class: type) -> None:
-    """Make ``config_class`` what :meth:`Mixer.standalone_config` builds."""
-    global _config_class
-    _config_class = config_class
-
 
 # Every mixer kind by name, in the order the classes were defined: a class that sets `kind`
 # registers itself here, and its cache entry with the cache, as it is defined (see
@@ -175,9 +164,7 @@ class Mixer(nn.Module):
         missing = [name for name in MODEL_FIELDS if name not in arguments]
         if missing:
             raise TypeError(f"{cls.__name__}() needs the keyword arguments {missing} (or a config)")
-        if _config_class is None:
-            raise RuntimeError("no configuration class is registered: import trellis_lm first")
-        return _config_class(num_hidden_layers=1, mixer_types=[cls.kind], **arguments)
+        return model_config(num_hidden_layers=1, mixer_types=[cls.kind], **arguments)
 
     def _init_if_standalone(self) -> None:
         """Initialise a layer made from explicit arguments as a model would (a model initialises
@@ -256,8 +243,8 @@ def init_module(module: nn.Module, std: float, init: Any) -> None:
 class MemoryMixer(Mixer):
     """Short convs on q and k, the op on real tokens, gated RMSNorm output (see module doc).
 
-    Subclasses set ``state_class`` and ``cache_class``, create ``q_proj``, ``k_proj`` and
-    ``o_proj``, call :meth:`_build_convs` (and :meth:`_build_output` for the gated read-out),
+    Subclasses set ``state_class`` and ``cache_class``, call :meth:`_build_qkv` (or create
+    ``q_proj``, ``k_proj`` and ``v_proj``), create ``o_proj``, call :meth:`_build_convs` (and :meth:`_build_output` for the gated read-out),
     and implement :meth:`op_inputs`, :meth:`fresh_state` and :meth:`op_settings`.
     """
 
@@ -340,6 +327,17 @@ class MemoryMixer(Mixer):
             tails = {name: TensorSpec((ROWS, config.conv_size - 1, width)) for name, width in zip(("q_tail", "k_tail"), channels)}
         return {**tails, **cls.state_layout(config)}
 
+    def _build_qkv(self) -> None:
+        """The bias-free projections of x to q and k (``num_heads`` times the config field
+        ``qk_width`` each; ``head_dim`` for a mixer without short convs) and to v (``num_heads *
+        head_dim``)."""
+        config = self.config
+        hidden, heads = config.hidden_size, config.num_heads
+        width = getattr(config, self.qk_width or "head_dim")
+        self.q_proj = nn.Linear(hidden, heads * width, bias=False)
+        self.k_proj = nn.Linear(hidden, heads * width, bias=False)
+        self.v_proj = nn.Linear(hidden, heads * config.head_dim, bias=False)
+
     def _build_convs(self) -> None:
         """Short convs of ``config.conv_size`` taps (0: none) on q and k."""
         width = self.config.conv_size
@@ -418,72 +416,78 @@ class MemoryMixer(Mixer):
                 cache: Union[TrellisCache, CacheCall, None] = None) -> torch.Tensor:
         call = self.checked_call(x, cache)
         if call is None:
-            return self.mix(x, valid, None, None, None, keep_state=False)[0]
+            return self.mix(x, valid, MemoryEntry(None, None, None), keep_state=False)[0]
         carried = self.carried(call)
         if call.cache.records_calls:
             packed = valid is not None and valid.has_documents
             call.cache.record_step(self.layer_idx, self.replay, x, None if valid is None else valid.mask, carried,
                                    replayable=not packed)
-        out, *after = self.mix(x, valid, *carried, keep_state=True)
-        self.keep(call, carried, after, x.shape[0])
+        out, after = self.advance(x, valid, carried)
+        self.keep(call, after)
         return out
 
-    def carried(self, call: CacheCall) -> tuple[Any, Any, Any]:
-        """``(q_tail, k_tail, state)`` of this layer's entry as ``call`` began: :meth:`mix`'s
-        arguments after ``x`` and ``valid``."""
-        before = call.before(self.layer_idx)
-        return before.q_tail, before.k_tail, before.state
+    def carried(self, call: CacheCall) -> MemoryEntry:
+        """This layer's entry as ``call`` began."""
+        return call.before(self.layer_idx).entry
 
-    def keep(self, call: CacheCall, carried: tuple[Any, Any, Any], after: Sequence[Any], rows: int) -> None:
-        """Write into this layer's live entry of ``call`` what it carries after a call on
-        ``rows`` rows that read ``carried`` and returned ``after`` (:meth:`mix`'s ``q_tail,
-        k_tail, state``)."""
-        entry = call.entry(self.layer_idx)
-        entry.q_tail, entry.k_tail, entry.state = self.carried_after(*carried, *after, rows)
+    def keep(self, call: CacheCall, entry: MemoryEntry) -> None:
+        """Make ``entry`` (what :meth:`advance` returned) this layer's live entry of ``call``."""
+        call.entry(self.layer_idx).hold(entry)
 
-    def carried_after(self, q_tail: Any, k_tail: Any, state: Any, new_q_tail: Any, new_k_tail: Any,
-                 new_state: Any, rows: int) -> tuple[Any, Any, Any]:
-        """What the entry carries after a call on ``rows`` rows: the new tails (when there is a
-        conv) and the new state (``None`` when no row had a real token: the old one stands, or
-        the initial one, copied, so that every layer that has seen a call holds a whole state)."""
-        if self.q_conv is not None:
-            q_tail, k_tail = new_q_tail, new_k_tail
-        if new_state is None:
-            new_state = state if state is not None else self.fresh_state(rows).map(torch.clone)
-        return q_tail, k_tail, new_state
+    def advance(self, x: torch.Tensor, valid: Optional[ValidTokens], entry: MemoryEntry,
+                with_output: bool = True) -> tuple[Optional[torch.Tensor], MemoryEntry]:
+        """The layer on ``x [B, T, D]`` continuing ``entry``: ``(y [B, T, D], the entry after
+        x)``, ``y`` ``None`` when not ``with_output`` (a replay wants the entry only: the
+        read-out's projections are skipped). What every caller that carries an entry runs: the
+        cache's forward, a crop's replay, the compiled decode step, the vLLM slots.
+
+        The entry after holds the new tails (when the layer has a conv) and the new state; where
+        no row had a real token, the old state stands, or the initial one, copied, so that every
+        layer that has seen a call holds a whole state."""
+        y, q_tail, k_tail, state = self.mix(x, valid, entry, keep_state=True, with_output=with_output)
+        if self.q_conv is None:
+            q_tail, k_tail = entry.q_tail, entry.k_tail
+        if state is None:
+            state = entry.state if entry.state is not None else self.fresh_state(x.shape[0]).map(torch.clone)
+        return y, MemoryEntry(q_tail, k_tail, state)
+
+    def fresh_rows(self, entry: MemoryEntry, fresh: torch.Tensor) -> MemoryEntry:
+        """``entry`` (state ``[N]`` rows given) with the rows where ``fresh [N]`` (bool) is True
+        reset to a sequence's start: the learned initial memories, empty (zero) conv tails. What
+        state passing's rows that start afresh and a server's new sequences in reused slots get."""
+        keep = ~fresh
+        q_tail, k_tail = (None if t is None else t.masked_fill(fresh.to(t.device).view(-1, 1, 1), 0)
+                          for t in (entry.q_tail, entry.k_tail))
+        return MemoryEntry(q_tail, k_tail, self.mixed_state(entry.state, keep))
 
     @torch.no_grad()
-    def replay(self, record: Any) -> tuple[Any, Any, Any]:
-        """The entry ``(q_tail, k_tail, state)`` after the tokens of ``record``
-        (:class:`~trellis_lm.cache_trellis.StepRecord`) from its entry before them: what
-        :meth:`TrellisCache.crop` puts back. The same function as the calls that first ran them."""
+    def replay(self, record: Any) -> MemoryEntry:
+        """The entry after the tokens of ``record`` (:class:`~trellis_lm.cache_entries.StepRecord`)
+        from its entry before them: what :meth:`TrellisCache.crop` puts back. The same function
+        as the calls that first ran them."""
         if record.x.shape[1] == 0:
             return record.before
         mask = record.mask
         valid = None if mask is None or bool(mask.all()) else ValidTokens.from_mask(mask)
-        _, q_tail, k_tail, state = self.mix(record.x, valid, *record.before, keep_state=True, with_output=False)
-        return self.carried_after(*record.before, q_tail, k_tail, state, record.x.shape[0])
+        return self.advance(record.x, valid, record.before, with_output=False)[1]
 
     def mix(
         self,
         x: torch.Tensor,
         valid: Optional[ValidTokens],
-        q_tail: Optional[torch.Tensor],
-        k_tail: Optional[torch.Tensor],
-        state: Optional[OpState],
+        entry: MemoryEntry,
         keep_state: bool,
         with_output: bool = True,
     ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor], Optional[OpState]]:
-        """The mixer as a function of what a cache carries: ``x [B, T, D]`` after the short-conv
-        tails (``[B, conv_size - 1, channels]``, ``None`` for zeros) and the op ``state``
-        (``None``: the learned initial memories). Returns ``(y [B, T, D], q_tail, k_tail, final
-        state)``, the state ``None`` when not ``keep_state`` or when no row had a real token, and
-        ``y`` ``None`` when not ``with_output`` (a replay wants the state only: the read-out's
-        projections are skipped)."""
+        """The mixer as a function of what a cache carries: ``x [B, T, D]`` after ``entry``'s
+        short-conv tails (``None`` for zeros) and op state (``None``: the learned initial
+        memories). Returns ``(y [B, T, D], q_tail, k_tail, final state)``, the state ``None``
+        when not ``keep_state`` or when no row had a real token, and ``y`` ``None`` when not
+        ``with_output``. :meth:`advance` makes the entry after from them."""
         proj = Projections(self, x, self._fused_projections(x))
-        q, k, q_tail, k_tail = self._queries_keys(proj, valid, q_tail, k_tail)
-        inputs = self.op_inputs(proj, q, k, valid, state)
-        o, state = self._attend(inputs, self._initial_state(state, valid, x.shape[0]), valid, keep_state)
+        q, k, q_tail, k_tail = self._queries_keys(proj, valid, entry.q_tail, entry.k_tail)
+        inputs = self.op_inputs(proj, q, k, valid, entry.state)
+        o, state = self._attend(inputs, self._initial_state(entry.state, valid, x.shape[0]), valid, keep_state)
         return (self.read_out(proj, o) if with_output else None), q_tail, k_tail, state
 
     def _queries_keys(
@@ -522,7 +526,7 @@ class MemoryMixer(Mixer):
 
     def _fused_projections(self, x: torch.Tensor) -> Optional[dict[str, torch.Tensor]]:
         """Every projection of ``fusable_projections`` by one matmul, or ``None`` (see
-        :func:`~.stacking.stacked`: inference only, with the stack :func:`~.stacking.stacked_projections`
+        :func:`~trellis_lm.projection_stacks.stacked`: inference only, with the stack :func:`~trellis_lm.projection_stacks.stacked_projections`
         made for a ``generate`` call, or one made afresh for calls of at least ``FUSE_MIN_TOKENS``
         tokens, which always reflects the current weights). With q_proj and k_proj leading the
         stack and without biases, ``"q_proj+k_proj"`` is both side by side (one slice)."""

@@ -8,12 +8,13 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from ..cache_trellis import COLUMNS, ROWS, Dim, MemoryLayerCache, TensorSpec
+from ..cache_entries import MemoryLayerCache
+from ..cache_layout import COLUMNS, ROWS, Dim, TensorSpec
 from ..ops.kvm import BACKENDS, BUDGETS, KVMState, kvm_attention, kvm_step
 from ..ops.kvm.dispatch import check_counters, kvm_config
 from .base import MemoryMixer, Projections
 from .fields import ROPE_THETA, ConfigField, choice, integer, is_int, positive
-from .tokens import ValidTokens, token_positions
+from .valid_tokens import ValidTokens, token_positions
 
 LN_EPS = 1e-5  # every LayerNorm of the design page
 
@@ -109,9 +110,7 @@ class KVMAttention(MemoryMixer):
         super().__init__(config, layer_idx, **arguments)
         config = self.config
         hidden, heads, dim = config.hidden_size, config.num_heads, config.head_dim
-        self.q_proj = nn.Linear(hidden, heads * dim, bias=False)
-        self.k_proj = nn.Linear(hidden, heads * dim, bias=False)
-        self.v_proj = nn.Linear(hidden, heads * dim, bias=False)
+        self._build_qkv()
         self.merge_proj = nn.Linear(hidden, heads, bias=False)
         self.o_proj = nn.Linear(heads * dim, hidden, bias=False)
         self.q_norm = nn.LayerNorm(dim, eps=LN_EPS)

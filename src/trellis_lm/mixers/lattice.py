@@ -8,11 +8,12 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from ..cache_trellis import MemoryLayerCache, TensorSpec
+from ..cache_entries import MemoryLayerCache
+from ..cache_layout import TensorSpec
 from ..ops.lattice import BACKENDS, LATTICE_VARIANTS, LatticeState, lattice_attention, lattice_step
 from .base import MemoryMixer, Projections, chunked_memory_layout
 from .fields import CHUNK_SIZE, CONV_SIZE, NUM_SLOTS, choice
-from .parts import at_least_float32, l2_normalize
+from .norms_convs import at_least_float32, l2_normalize
 
 
 class LatticeLayerCache(MemoryLayerCache):
@@ -50,9 +51,7 @@ class LatticeAttention(MemoryMixer):
         super().__init__(config, layer_idx, **arguments)
         config = self.config
         hidden, heads, dim, slots = config.hidden_size, config.num_heads, config.head_dim, config.num_slots
-        self.q_proj = nn.Linear(hidden, heads * slots, bias=False)
-        self.k_proj = nn.Linear(hidden, heads * slots, bias=False)
-        self.v_proj = nn.Linear(hidden, heads * dim, bias=False)
+        self._build_qkv()
         self.gamma_proj = nn.Linear(hidden, heads, bias=True)
         self._build_output()
         self._build_convs()

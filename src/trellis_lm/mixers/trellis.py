@@ -10,12 +10,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..cache_trellis import MemoryLayerCache, TensorSpec
+from ..cache_entries import MemoryLayerCache
+from ..cache_layout import TensorSpec
 from ..ops.trellis import (BACKENDS, COMPRESS_FNS, MIX_FNS, WRITE_GRADIENTS, TrellisState, trellis_attention,
                            trellis_step)
 from .base import MemoryMixer, Projections, chunked_memory_layout
 from .fields import CHUNK_SIZE, CONV_SIZE, NUM_SLOTS, ConfigField, choice, flag, positive
-from .parts import at_least_float32, l2_normalize
+from .norms_convs import at_least_float32, l2_normalize
 
 
 def forget_gate_bias(num_heads: int, normalizer: float, span: tuple[float, float] = (1e-3, 1e-1)) -> torch.Tensor:
@@ -84,9 +85,7 @@ class TrellisAttention(MemoryMixer):
         super().__init__(config, layer_idx, **arguments)
         config = self.config
         hidden, heads, dim, slots = config.hidden_size, config.num_heads, config.head_dim, config.num_slots
-        self.q_proj = nn.Linear(hidden, heads * dim, bias=False)
-        self.k_proj = nn.Linear(hidden, heads * dim, bias=False)
-        self.v_proj = nn.Linear(hidden, heads * dim, bias=False)
+        self._build_qkv()
         self.alpha_proj = nn.Linear(hidden, heads * slots, bias=False)
         self.beta_proj = nn.Linear(hidden, heads, bias=True) if config.use_forget_gate else None
         self.gamma_proj = nn.Linear(hidden, heads, bias=True)

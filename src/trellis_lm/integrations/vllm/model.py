@@ -37,7 +37,7 @@ from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 from vllm.v1.kv_cache_interface import KVCacheSpec
 
 from ...mixers import MIXERS, MemoryMixer, Mixer
-from ...mixers.parts import TrellisRMSNorm
+from ...mixers.norms_convs import TrellisRMSNorm
 from ...modeling_trellis import TrellisDecoderLayer
 from .parallel import rank_config, rank_share, reduce_outputs
 from .slots import SlotLayout, run_on_slots

@@ -27,10 +27,11 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from ...cache_trellis import COLUMNS, ROWS, Dim, TensorSpec
+from ...cache_entries import MemoryEntry
+from ...cache_layout import COLUMNS, ROWS, Dim, TensorSpec
 from ...mixers import MIXERS
 from ...mixers.base import MemoryMixer
-from ...mixers.tokens import ValidTokens
+from ...mixers.valid_tokens import ValidTokens
 
 TAILS = ("q_tail", "k_tail")
 
@@ -214,19 +215,15 @@ def _run_rows(mixer: MemoryMixer, layout: SlotLayout, tensors: Sequence[torch.Te
     if layout.pending:
         _replay_kept(mixer, layout, held, computed)
     fresh = computed == 0
-    state = layout.mixer_class.state_class(**{name: held[name] for name in layout.state_names})
-    tails = [held.get(name) for name in TAILS]  # None for a kind without short convs (none in its layout)
+    entry = _held_entry(layout, held)
     if bool(fresh.any()):
-        state = mixer.mixed_state(state, ~fresh)
-        tails = [None if t is None else t.masked_fill(fresh.view(-1, 1, 1), 0) for t in tails]
-
-    y, q_tail, k_tail, new_state = mixer.mix(rows, valid, *tails, state, keep_state=True)
-    q_tail, k_tail, new_state = mixer.carried_after(*tails, state, q_tail, k_tail, new_state, len(slots))
+        entry = mixer.fresh_rows(entry, fresh)
+    y, after_entry = mixer.advance(rows, valid, entry)
     if valid is not None:
         out[index[real]] = y[real]
     else:  # every row full (decodes, equal chunks): no mask to gather by
         out[index] = y
-    after = _entry(new_state, q_tail, k_tail)
+    after = _entry(after_entry)
     if not layout.pending:
         layout.write(tensors, slots, after)
         return
@@ -235,7 +232,7 @@ def _run_rows(mixer: MemoryMixer, layout: SlotLayout, tensors: Sequence[torch.Te
     after.update(tokens=computed + lengths, pending_count=torch.zeros_like(lengths))
     layout.write(tensors, slots[~hold], {name: t[~hold] for name, t in after.items()})
     if bool(hold.any()):
-        before = _entry(state, *tails)
+        before = _entry(entry)
         inputs = rows[:, : layout.pending].masked_fill(~real[:, : layout.pending, None], 0)
         before.update(tokens=computed, pending_count=lengths, pending_x=inputs)
         layout.write(tensors, slots[hold], {name: t[hold] for name, t in before.items()})
@@ -253,12 +250,19 @@ def _padded(x: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor
     return rows, (None if bool(real.all()) else ValidTokens.from_mask(real)), index, real
 
 
-def _entry(state: Any, q_tail: Optional[torch.Tensor], k_tail: Optional[torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A cache entry's tensors by field name (no tails for a kind without short convs)."""
-    entry = dict(state.tensors())
-    if q_tail is not None:
-        entry.update(q_tail=q_tail, k_tail=k_tail)
-    return entry
+def _held_entry(layout: SlotLayout, held: dict[str, torch.Tensor]) -> MemoryEntry:
+    """The memory entry of slots read as ``held`` (its tensors by field name; no tails for a kind
+    without short convs)."""
+    state = layout.mixer_class.state_class(**{name: held[name] for name in layout.state_names})
+    return MemoryEntry(held.get("q_tail"), held.get("k_tail"), state)
+
+
+def _entry(entry: MemoryEntry) -> dict[str, torch.Tensor]:
+    """A memory entry's tensors by field name (no tails for a kind without short convs)."""
+    named = dict(entry.state.tensors())
+    if entry.q_tail is not None:
+        named.update(q_tail=entry.q_tail, k_tail=entry.k_tail)
+    return named
 
 
 def _replay_kept(mixer: MemoryMixer, layout: SlotLayout, held: dict[str, torch.Tensor], computed: torch.Tensor) -> None:
@@ -281,11 +285,8 @@ def _replay_kept(mixer: MemoryMixer, layout: SlotLayout, held: dict[str, torch.T
     real = torch.arange(int(count.max()), device=count.device) < count[:, None]
     inputs = held["pending_x"][rows, : real.shape[1]]
     valid = None if bool(real.all()) else ValidTokens.from_mask(real)
-    state = layout.mixer_class.state_class(**{name: held[name][rows] for name in layout.state_names})
-    tails = [held[name][rows] if name in held else None for name in TAILS]
-    _, q_tail, k_tail, new_state = mixer.mix(inputs, valid, *tails, state, keep_state=True, with_output=False)
-    q_tail, k_tail, new_state = mixer.carried_after(*tails, state, q_tail, k_tail, new_state, len(rows))
-    replayed = _entry(new_state, q_tail, k_tail)
+    entry = _held_entry(layout, {name: held[name][rows] for name in (*layout.state_names, *TAILS) if name in held})
+    replayed = _entry(mixer.advance(inputs, valid, entry, with_output=False)[1])
     for name, value in replayed.items():
         field = layout.fields[layout.entry_names.index(name)]
         held[name][rows] = layout.fit(field, value)

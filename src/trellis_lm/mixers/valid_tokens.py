@@ -8,7 +8,7 @@ from typing import Any, Optional, Union
 import torch
 import torch.nn.functional as F
 
-from .parts import UNBOUNDED_REACH
+from .norms_convs import UNBOUNDED_REACH
 
 
 @dataclass
