@@ -25,8 +25,9 @@ Operations per token: ``torch.profiler`` counts of every ``aten::`` call (nested
 and of the top-level ones (those no other ``aten::`` call issued) over 5 steps at the first
 context, batch 1, with each model's most frequent top-level operations.
 
-The steps run as ``generate()`` runs them (inside ``stacked_projections`` where the package has
-it); otherwise only public API, so an older checkout runs it unchanged (before/after tables).
+The steps run as ``generate()`` runs them (inside its set-up, ``inference_span``, where the package
+has it; older checkouts: ``stacked_projections``); otherwise only public API, so an older checkout
+runs it unchanged (before/after tables).
 """
 
 from __future__ import annotations
@@ -47,10 +48,13 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from trellis_lm import TrellisConfig, TrellisForCausalLM
 
-try:  # what generate() runs its steps in (older checkouts have no such span)
-    from trellis_lm.projection_stacks import stacked_projections
+try:  # what generate() runs its steps in (older checkouts have no such span, or only the stacks)
+    from trellis_lm.compiled_decode import inference_span
 except ImportError:
-    stacked_projections = None
+    try:
+        from trellis_lm.mixers.stacking import stacked_projections as inference_span
+    except ImportError:
+        inference_span = None
 from trellis_lm.cache_trellis import CACHE_ARG  # the running transformers' name for the cache argument
 
 SIZE = dict(hidden=256, layers=4, heads=4, head_dim=64, slots=64, vocab=4096)
@@ -180,10 +184,10 @@ def main() -> None:
     print("parameters (M): " + ", ".join(f"{n} {p:.2f}" for n, p in params.items()))
 
     spans = contextlib.ExitStack()
-    if stacked_projections is not None:
+    if inference_span is not None:
         for model in models.values():
             if isinstance(model, TrellisForCausalLM):
-                spans.enter_context(stacked_projections(model))
+                spans.enter_context(inference_span(model))
     steppers, nbytes = {}, {}
     for name, model in models.items():
         for context in contexts:

@@ -1,9 +1,12 @@
-"""A whole-process workload over every mixer kind, for A/B timing of two checkouts with farm-bench:
-12 training steps (forward, backward, AdamW) of a 4-layer hybrid (Trellis, Lattice, attention,
-KVM; width 128) on 8 x 256 tokens, then greedy generation of 48 tokens for 2 rows.
+"""A whole-process workload over every mixer kind, for A/B timing of two checkouts (each run a
+fresh process, the two checkouts alternated, the ratio taken pair by pair): 12 training steps
+(forward, backward, AdamW) of a 4-layer hybrid (Trellis, Lattice, attention, KVM; width 128) on
+8 x 256 tokens, then greedy generation of 48 tokens for 2 rows.
 
-    farm-bench -n 8 --timeout 300 --vs "env PYTHONPATH=<old>/src .venv/bin/python benchmarks/bench_family_step.py" \
-        -- env PYTHONPATH=src .venv/bin/python benchmarks/bench_family_step.py
+    for i in 1 2 3 4 5 6; do
+        /usr/bin/time -f "old %e s" env PYTHONPATH=<old>/src .venv/bin/python benchmarks/bench_family_step.py
+        /usr/bin/time -f "new %e s" env PYTHONPATH=src .venv/bin/python benchmarks/bench_family_step.py
+    done
 """
 
 import torch

@@ -282,3 +282,40 @@ def test_a_state_file_that_is_not_what_save_wrote_is_refused_by_name(tmp_path):
     _, path = saved_states(tmp_path, schedule="kvm-hybrid")
     with pytest.raises(ValueError, match=r"mixer_types"):
         StatePassing().load(path, hybrid)
+
+
+def test_a_state_file_has_the_cache_file_s_header_and_checks(tmp_path):
+    """One file format (issue 54): the states' file records its format, version and layer kinds as
+    a cache file does; a cache file, or a file that records other kinds, is refused by name; a file
+    written before the header existed (no format) is still read, checked by its tensors."""
+    model, path = saved_states(tmp_path)
+    with safe_open(str(path), framework="pt") as f:
+        metadata, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    assert metadata["format"] == "trellis-carried-states" and metadata["layer_kinds"] == '["trellis", "trellis"]'
+    assert "seen_tokens" not in metadata
+
+    cache = TrellisCache(model.config)
+    with torch.no_grad():
+        model.eval()(random_tokens(2, 3), past_key_values=cache)
+    cache.save(tmp_path / "cache.safetensors")
+    with pytest.raises(ValueError, match=r"is not a file of carried training states \(metadata format: 'trellis-cache'\)"):
+        StatePassing().load(tmp_path / "cache.safetensors", model)
+
+    def written(name, **changes):
+        save_file(tensors, str(tmp_path / name), metadata={**metadata, **changes})
+        return tmp_path / name
+
+    unsigned = {k: v for k, v in metadata.items() if k != "signature"}
+    save_file(tensors, str(tmp_path / "other_kinds.safetensors"), metadata={**unsigned, "layer_kinds": '["trellis", "lattice"]'})
+    with pytest.raises(ValueError, match=r"carried by a model with the layers \['trellis', 'lattice'\]"):
+        StatePassing().load(tmp_path / "other_kinds.safetensors", model)
+    with pytest.raises(ValueError, match=r"carried-states format version '9'"):
+        StatePassing().load(written("future.safetensors", format_version="9"), model)
+
+    legacy = {"probability": metadata["probability"], "signature": metadata["signature"]}
+    save_file(tensors, str(tmp_path / "legacy.safetensors"), metadata=legacy)
+    passing = StatePassing()
+    passing.load(tmp_path / "legacy.safetensors", model)
+    assert sorted(passing.carried) == [0, 1]
+    for index, entry in passing.carried.items():
+        torch.testing.assert_close(entry.state.m_k, tensors[f"layers.{index}.m_k"], rtol=0, atol=0)

@@ -37,6 +37,11 @@ class MemoryEntry(NamedTuple):
     k_tail: Optional[torch.Tensor]
     state: Optional[OpState]
 
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "MemoryEntry":
+        """``fn`` applied to every tensor held (all have the rows on dim 0)."""
+        return MemoryEntry(*(None if t is None else fn(t) for t in (self.q_tail, self.k_tail)),
+                           None if self.state is None else self.state.map(fn))
+
 
 class LayerCache:
     """What one layer carries from one forward call to the next; empty before its first call.

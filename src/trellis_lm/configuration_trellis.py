@@ -59,18 +59,10 @@ class TrellisConfig(PreTrainedConfig):
         num_heads: heads H of every mixer (query heads of attention layers).
         head_dim: per-head width d of queries, keys and values (H * d need not equal D).
         num_slots: memory slots M per head (Trellis and Lattice).
-        chunk_size: C of the memory ops. With ``write_gradient="exact"`` (the default) C only
-            chooses how Trellis's per-token recurrence is computed, so it follows speed: on a
-            CPU (``BENCHMARKS.md``, issue 51) the exact step is 2.3-3.1x faster than the per-token
-            loop at C = 16-64 and 1.2-1.5x the anchored step of the same C; C = 16 and 32 are the
-            fastest (within 13%, which one depends on the threads), so the default stays 16.
-            With ``write_gradient="anchored"`` C is part of the function: every
-            write in a chunk takes its gradient at the chunk start, validation perplexity 61.4 /
-            62.5 / 63.2 / 67.7 at C = 8 / 16 / 32 / 64 in ``docs/results_lm.md``. Lattice's
-            chunk form and the gated delta rule (``compress_fn="identity"``) are exact at any C.
-            On a GPU the Triton kernels run exact writes with the per-token kernel at any C (no
-            exact chunk-parallel kernel yet); anchored, they take any power of two.
-
+        chunk_size: C of the memory ops. With ``write_gradient="exact"`` it only chooses how
+            Trellis's recurrence is computed (speed: 16 is fastest on CPUs, ``BENCHMARKS.md``);
+            with ``"anchored"`` it is part of the function (``docs/results_lm.md``). Lattice and
+            the gated delta rule are exact at any C.
         compress_fn: Trellis's compression function phi, one of ``trellis_lm.ops.COMPRESS_FNS``.
         mix_fn: Trellis's mixing function f, one of ``trellis_lm.ops.MIX_FNS``.
         write_gradient: where each Trellis write takes its inner gradient (design page
@@ -94,12 +86,9 @@ class TrellisConfig(PreTrainedConfig):
         kvm_chunk_size: C of KVM layers (a chunk is folded into the state as a whole).
         kvm_window_chunks: KVM's window, in chunks: the most recent ``kvm_window_chunks * C``
             tokens are attended to exactly.
-        kvm_rope_dims: channels of q and k (even, fewer than ``head_dim``) that KVM rotates; its
-            RoPE pairs channels (2i, 2i + 1) as the official code does, with ``rope_theta``.
-            ``None`` (default): half of ``head_dim``, rounded down to even (the official 64 of 128).
-            ``head_dim`` itself is refused: state keys are the keys with their rotated channels
-            zeroed, so every state key would be the same vector, and nothing that has left the
-            window could be found by its content.
+        kvm_rope_dims: channels of q and k (even, fewer than ``head_dim``) that KVM rotates, pairs
+            (2i, 2i + 1) with ``rope_theta``; ``None``: half of ``head_dim``, rounded down to even.
+            All of ``head_dim`` is refused (every state key would be the same vector; ``kvm.md``).
         kvm_sinks: KVM state rows that never take merges (attention sinks), < ``kvm_chunk_size``.
         kvm_state_size: KVM state rows: the budget for ``kvm_budget="fixed"``, the cap for the
             growable budgets; at least ``kvm_chunk_size``.
@@ -116,11 +105,9 @@ class TrellisConfig(PreTrainedConfig):
         intermediate_size: hidden width of the SwiGLU MLP.
         rms_norm_eps: epsilon of every RMSNorm.
         initializer_range: standard deviation of the linear and embedding weights at init.
-        tie_word_embeddings: share the input embedding with the LM head. Off by default for models
-            built from scratch: with the tied N(0, initializer_range) matrix, MQAR training at lr 3e-3
-            sat at chance for 550+ steps in 3 of 3 seeds, and an untied head left chance at step 100
-            in every seed at no cost at lr 1e-3 (docs/results_notes.md, "Initialisation and the
-            plateau"). Converted checkpoints keep their source's choice.
+        tie_word_embeddings: share the input embedding with the LM head; off for models built from
+            scratch (a tied head stalled MQAR training, ``docs/results_notes.md``); converted
+            checkpoints keep their source's choice.
         pad_token_id, bos_token_id, eos_token_id: special token ids (generation reads them).
         use_cache: return a :class:`TrellisCache` from ``forward`` by default.
         op_backend: ``"auto"`` or a backend that every op of the model's layers has (the registry
@@ -128,35 +115,13 @@ class TrellisConfig(PreTrainedConfig):
             ``"torch"`` the chunked PyTorch form, ``"triton"`` the Trellis kernels, which only
             the Trellis op has); passed as ``backend=`` to the ops. A named backend that cannot
             run a call (triton on a CPU tensor) raises a ``ValueError`` saying why.
-        compile_decode: on CPUs, run each single-token decode step's runs of consecutive Trellis
-            and Lattice blocks (norms, mixer, MLP) as one ``torch.compile``d function each
-            (:mod:`trellis_lm.compiled_decode`; compiled once per process, batch size and dtype,
-            about 10-20 s for a small model on 2 cores; needs a C++ compiler). Same function,
-            a few fused loops around the matrix products instead of hundreds of small operations:
-            decoding on CPUs is bound by per-operation overhead (BENCHMARKS.md, issue 40).
-            Attention and KVM blocks between runs decode eagerly (attention's keys grow with the
-            context; a KVM step folds its window on a condition on the data), and so does a
-            block with a forward hook or pre-hook on any of its modules (a hook expects the call). Steps
-            whose own token is padding in some row (not a padded prompt: its steps compile), with
-            a rollback window (assisted decoding), asking for every block's hidden states or
-            recording gradients run eagerly too. Past torch.compile's recompile limit new shapes decode eagerly, with
-            a warning. On GPUs, within a ``generate()`` call (and without autograd), the same
-            runs are each captured once as a CUDA graph and replayed every step
-            (:func:`trellis_lm.compiled_decode.decode_graphs`): one launch per run instead of dozens per block,
-            since a small model's GPU decode step is bound by kernel launches; GPU calls outside
-            ``generate()`` decode eagerly, unless a decode loop of one's own runs within
-            ``trellis_lm.compiled_decode.inference_span(model)`` (weights unchanged inside it); a
-            capture that fails warns and leaves the call's steps eager. Prefill and training are
-            not affected.
+        compile_decode: decode steps' runs of consecutive Trellis and Lattice blocks as one
+            ``torch.compile``d function each on CPUs, and as CUDA graphs within ``generate()`` on
+            GPUs (same numbers; what runs eagerly and why: :mod:`trellis_lm.compiled_decode`;
+            speed: ``BENCHMARKS.md``, issues 39-40). Prefill and training are not affected.
 
-    Reading far past the training length: a model trained only on windows that start from the
-    learned memories meets unknown states beyond about 16x its training length, and its
-    perplexity climbs (3.6x its first bucket's at 64x in ``docs/results_lm_extrapolation.md``).
-    The training recipes (``pretrain``, ``finetune``, the conversion's stage 2) therefore pass
-    states by default (:mod:`trellis_lm.state_passing`: over the last 30% of the steps a training
-    row starts, with probability 0.9, from a row of the previous batch's final states; flat to 64x
-    there, at +2.5% perplexity at the training length). In a training loop of your own, wrap the
-    last 30% of the steps in ``with StatePassing(0.9).attached(model):``.
+    Reading far past the training length needs state passing in training (the recipes do it by
+    default; a loop of one's own: :mod:`trellis_lm.state_passing`, ``docs/results_lm_extrapolation.md``).
     """
 
     model_type: ClassVar[str] = "trellis"

@@ -125,9 +125,7 @@ class StatePassing:
             if not bool(keep.any()):
                 continue
             rows_of = torch.arange(rows).clamp(max=held - 1)
-            picked = MemoryEntry(*(None if t is None else t.index_select(0, rows_of.to(t.device))
-                                   for t in carried[:2]),
-                                 carried.state.map(lambda t: t.index_select(0, rows_of.to(t.device))))
+            picked = carried.map(lambda t: t.index_select(0, rows_of.to(t.device)))
             cache.layers[index].hold(model.layers[index].self_attn.fresh_rows(picked, ~keep))
         return cache
 
@@ -135,8 +133,7 @@ class StatePassing:
         """Keep the memory layers' entries of ``cache`` (detached) for the next batch."""
         self.signature, self.kinds = cache.signature, cache.kinds
         self.carried = {
-            index: MemoryEntry(*(None if t is None else t.detach() for t in layer.entry[:2]),
-                               layer.state.map(torch.Tensor.detach))
+            index: layer.entry.map(torch.Tensor.detach)
             for index, layer in enumerate(cache.layers)
             if isinstance(layer, MemoryLayerCache) and layer.state is not None
         }

@@ -444,7 +444,7 @@ class MemoryMixer(Mixer):
         The entry after holds the new tails (when the layer has a conv) and the new state; where
         no row had a real token, the old state stands, or the initial one, copied, so that every
         layer that has seen a call holds a whole state."""
-        y, q_tail, k_tail, state = self.mix(x, valid, entry, keep_state=True, with_output=with_output)
+        y, (q_tail, k_tail, state) = self.mix(x, valid, entry, keep_state=True, with_output=with_output)
         if self.q_conv is None:
             q_tail, k_tail = entry.q_tail, entry.k_tail
         if state is None:
@@ -478,17 +478,18 @@ class MemoryMixer(Mixer):
         entry: MemoryEntry,
         keep_state: bool,
         with_output: bool = True,
-    ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor], Optional[OpState]]:
+    ) -> tuple[Optional[torch.Tensor], MemoryEntry]:
         """The mixer as a function of what a cache carries: ``x [B, T, D]`` after ``entry``'s
         short-conv tails (``None`` for zeros) and op state (``None``: the learned initial
-        memories). Returns ``(y [B, T, D], q_tail, k_tail, final state)``, the state ``None``
-        when not ``keep_state`` or when no row had a real token, and ``y`` ``None`` when not
-        ``with_output``. :meth:`advance` makes the entry after from them."""
+        memories). Returns ``y [B, T, D]`` (``None`` when not ``with_output``) and what the op
+        and convs leave: the new tails and final state, the state ``None`` when not
+        ``keep_state`` or when no row had a real token (:meth:`advance` makes the entry after
+        from it)."""
         proj = Projections(self, x, self._fused_projections(x))
         q, k, q_tail, k_tail = self._queries_keys(proj, valid, entry.q_tail, entry.k_tail)
         inputs = self.op_inputs(proj, q, k, valid, entry.state)
         o, state = self._attend(inputs, self._initial_state(entry.state, valid, x.shape[0]), valid, keep_state)
-        return (self.read_out(proj, o) if with_output else None), q_tail, k_tail, state
+        return (self.read_out(proj, o) if with_output else None), MemoryEntry(q_tail, k_tail, state)
 
     def _queries_keys(
         self, proj: "Projections", valid: Optional[ValidTokens], q_tail: Optional[torch.Tensor],
