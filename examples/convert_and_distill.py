@@ -35,7 +35,7 @@ from trellis_lm.conversion import (
     layerwise_errors,
     logit_kl,
 )
-from trellis_lm.conversion.cli import read_texts
+from trellis_lm.conversion.pipeline import read_texts
 
 
 def train_tiny_llama(texts: list[str], folder: Path, steps: int, seq_len: int = 128) -> None:

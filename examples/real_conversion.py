@@ -70,8 +70,8 @@ from trellis_lm.conversion import (
     layer_mixers,
     layerwise_errors,
 )
-from trellis_lm.conversion.cli import read_texts
 from trellis_lm.conversion.distill import block_perplexity
+from trellis_lm.conversion.pipeline import read_texts
 from trellis_lm.eval.decode_cost import decode_cost
 from trellis_lm.eval.harness import TASKS_DIR
 from trellis_lm.eval.perplexity import perplexity_by_position

@@ -5,7 +5,8 @@ rest (:mod:`.llama`; optionally keeping some layers as softmax attention, or mak
 Lattice layers), from a checkpoint folder or a GGUF file (:mod:`.source`);
 :func:`distill_layerwise` and :func:`distill_logits` are the two training stages
 (:mod:`.distill`); :func:`conversion_costs` prices converting each layer, to choose which ones a
-hybrid keeps as attention (:mod:`.layer_choice`); :mod:`.cli` is the ``trellis-lm convert`` command. See
+hybrid keeps as attention (:mod:`.layer_choice`); :func:`convert_and_distill` is the whole run of
+the ``trellis-lm convert`` command (:mod:`.pipeline`), which :mod:`.cli` parses its arguments for. See
 ``docs/conversion.md``.
 """
 
@@ -28,16 +29,20 @@ from .llama import (
     converted_layers,
     layer_mixers,
 )
+from .pipeline import ConversionOptions, DistillOptions, convert_and_distill
 
 __all__ = [
     "CONVERTED_MIXERS",
+    "ConversionOptions",
     "DEFAULT_LORA_TARGETS",
+    "DistillOptions",
     "NEW_LATTICE_PARAMETERS",
     "NEW_MIXER_PARAMETERS",
     "SUPPORTED_ARCHITECTURES",
     "TokenBlocks",
     "choose_attention_layers",
     "conversion_costs",
+    "convert_and_distill",
     "convert_llama_to_trellis",
     "converted_layers",
     "distill_layerwise",

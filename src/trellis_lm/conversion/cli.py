@@ -19,31 +19,24 @@ DST is written only once complete: the model is built in a folder beside it and 
 place at the end, so a failure or Ctrl-C leaves no half-written DST. A DST (or --work-dir) that
 is SRC, lies inside it or holds it is refused, and so is a DST that is a file, or a folder that
 is not empty unless --overwrite is given (the old folder is then replaced at the end).
+
+The run itself is conversion.pipeline.convert_and_distill, which a Python caller can call too:
+this module parses the command line and maps it onto that function's arguments.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
+import dataclasses
 import json
-import secrets
-import shutil
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any, Optional
-
-import torch
-from transformers import AutoTokenizer, TrainingArguments
-from transformers.trainer_utils import get_last_checkpoint
 
 from ..arguments import float_above, fraction, int_at_least, probability, report_error
 from ..mixers import DEFAULT_KIND
-from ..modeling_trellis import TrellisForCausalLM
 from ..state_passing import DEFAULT_PROBABILITY, DEFAULT_START_FRACTION
-from .distill import TokenBlocks, distill_layerwise, distill_logits, distillation_arguments, pad_batch
-from .layer_choice import choose_attention_layers, conversion_costs, keep_as_attention, parse_auto
-from .llama import CONVERTED_MIXERS, convert_llama_to_trellis
-from .source import locate_source, path_overlap
+from .layer_choice import parse_auto
+from .llama import CONVERTED_MIXERS
+from .pipeline import ConversionOptions, DistillOptions, convert_and_distill
 
 
 def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
@@ -117,226 +110,35 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_convert(args: argparse.Namespace) -> int:
-    """Run the command parsed by :func:`add_convert_arguments`; returns the exit status."""
+    """Run the command parsed by :func:`add_convert_arguments` (:func:`~.pipeline.convert_and_distill`
+    with its arguments); returns the exit status."""
     try:
-        target = _checked_destination(args)
         overrides = dict(_parse_field(item) for item in args.set)
-        texts = read_texts(args.data) if args.distill else []  # before converting: fail fast
-        if _auto_kept(args) is not None and not args.distill:
+        auto_kept = parse_auto(args.keep_attention) if _is_auto(args.keep_attention) else None
+        if auto_kept is not None and not args.distill:
             raise ValueError("argument --keep-attention: auto:K chooses the layers after stage 1 and needs --distill")
-        if args.stage1_patience is not None and not args.heldout_blocks:
-            raise ValueError("argument --stage1-patience: stopping needs held-out blocks to measure (--heldout-blocks N)")
         if args.heldout_blocks and not args.distill:
             raise ValueError("argument --heldout-blocks: held-out blocks measure stage 1, which runs with --distill")
-        if args.state_passing_from is not None and not args.state_passing:
-            raise ValueError(f"argument --state-passing-from: state passing is off (--state-passing 0), so a start at "
-                             f"{args.state_passing_from} would be ignored: drop one of them")
-        _check_auto_kept(args)
-        with _staged(target, args.dst) as staging:
-            student = convert_llama_to_trellis(
-                args.src, staging, keep_attention=None if _auto_kept(args) is not None else parse_layer_list(
-                    args.keep_attention), attention_every=args.attention_every, **_conversion_options(args, overrides),
-            )
-            print(f"converted {args.src} -> {args.dst} ({student.num_parameters() / 1e6:.1f}M parameters)")
-            if args.distill:
-                _distill(student, texts, args, staging, overrides)
-        if args.distill:
-            print(f"distilled model written to {args.dst}")
+        conversion = ConversionOptions(
+            num_slots=args.num_slots, chunk_size=args.chunk_size, seed=args.seed, mixer=args.mixer,
+            keep_attention=None if auto_kept is not None else parse_layer_list(args.keep_attention),
+            attention_every=args.attention_every, overrides=overrides,
+        )
+        distill = _distill_options(args, auto_kept) if args.distill else None
+        convert_and_distill(args.src, args.dst, conversion, distill, overwrite=args.overwrite)
     except ValueError as error:
         return report_error("trellis-lm convert", str(error))
     return 0
 
 
-def _checked_destination(args: argparse.Namespace) -> Path:
-    """Where DST really is (symlinks followed), after refusing what would harm SRC or DST: the
-    source is read while the model is written, and a replaced DST takes what it holds with it."""
-    try:
-        source = locate_source(args.src)
-    except ValueError as error:
-        raise ValueError(f"argument src: {error}") from None
-    # What is read: the folder, or only the GGUF file (a folder may hold it among other things).
-    src, target = source.folder / (source.gguf_file or ""), Path(args.dst).resolve()
-    relation = path_overlap(target, src)
-    if relation:
-        raise ValueError(f"argument dst: {args.dst} {relation} the source {args.src}: a conversion never writes "
-                         "into its source")
-    if target.exists() and not target.is_dir():
-        raise ValueError(f"argument dst: {args.dst} is a file: expected a folder")
-    if target.is_dir() and any(target.iterdir()) and not args.overwrite:
-        raise ValueError(f"argument dst: {args.dst} is a folder that is not empty: pass --overwrite to replace it")
-    if args.distill:
-        work = _work_dir(args)
-        if work.exists() and not work.is_dir():
-            raise ValueError(f"argument --work-dir: {work} is a file: expected a folder for the stages' checkpoints")
-        for other, name in ((src, f"the source {args.src}"), (target, f"dst {args.dst}")):
-            relation = path_overlap(work, other)
-            if relation:
-                raise ValueError(f"argument --work-dir: {work} {relation} {name}: expected a folder of its own")
-    return target
+def _distill_options(args: argparse.Namespace, auto_kept: Optional[int]) -> DistillOptions:
+    """The distillation options: each field is the option of the same name, but ``keep_dearest``."""
+    names = [field.name for field in dataclasses.fields(DistillOptions) if field.name != "keep_dearest"]
+    return DistillOptions(**{name: getattr(args, name) for name in names}, keep_dearest=auto_kept)
 
 
-@contextlib.contextmanager
-def _staged(target: Path, name: str) -> Iterator[Path]:
-    """A new folder beside ``target`` (same file system, so the final move is a rename) to write
-    the model into; it replaces ``target`` when the block completes and is removed when the block
-    fails or is interrupted. ``name`` is DST as given, for messages."""
-    staging = target.with_name(f".{target.name}.partial-{secrets.token_hex(4)}")
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        staging.mkdir()
-    except OSError as error:
-        raise ValueError(f"argument dst: cannot create {name}: {error.strerror or error}") from None
-    try:
-        yield staging
-        _replace(target, staging)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-
-
-def _replace(target: Path, new: Path) -> None:
-    """Move the folder ``new`` to ``target``; an existing ``target`` is set aside first and only
-    deleted once ``new`` is in its place (renaming onto a folder fails where it is not empty)."""
-    if not target.exists():
-        new.rename(target)
-        return
-    old = new.with_name(f"{new.name}.old")
-    target.rename(old)
-    try:
-        new.rename(target)
-    except BaseException:
-        old.rename(target)
-        raise
-    shutil.rmtree(old)
-
-
-def _work_dir(args: argparse.Namespace) -> Path:
-    return Path(args.work_dir or f"{str(args.dst).rstrip('/')}-distill")
-
-
-def _check_auto_kept(args: argparse.Namespace) -> None:
-    """``--keep-attention auto:K`` keeps at most every layer of the teacher: checked against its
-    config before stage 1 runs (which would otherwise run, and write, before the choice fails)."""
-    kept = _auto_kept(args)
-    if kept is None:
-        return
-    layers = locate_source(args.src).load_config().num_hidden_layers
-    if kept > layers:
-        raise ValueError(f"argument --keep-attention: auto:{kept} keeps more layers than the teacher's "
-                         f"{layers} (expected auto:K with K <= {layers})")
-
-
-def _auto_kept(args: argparse.Namespace) -> Optional[int]:
-    """K of ``--keep-attention auto:K``, else ``None``."""
-    text = args.keep_attention
-    return parse_auto(text) if isinstance(text, str) and text.startswith("auto") else None
-
-
-def _conversion_options(args: argparse.Namespace, overrides: dict[str, Any]) -> dict[str, Any]:
-    """The conversion's arguments besides the kept layers (the same for a re-conversion)."""
-    return dict(num_slots=args.num_slots, chunk_size=args.chunk_size, seed=args.seed, mixer=args.mixer, **overrides)
-
-
-def _distill(student: TrellisForCausalLM, texts: list[str], args: argparse.Namespace, out: Path,
-             overrides: dict[str, Any]) -> None:
-    """Distil ``student`` (converted into ``out``) into the model ``out`` ends up holding."""
-    tokenizer = AutoTokenizer.from_pretrained(out)
-    data = TokenBlocks.from_texts(texts, tokenizer, args.block_size)
-    auto_kept = _auto_kept(args)
-    choice_rows = None
-    if auto_kept is not None:
-        if len(data) <= args.choice_blocks:
-            raise ValueError(f"argument --choice-blocks: the data holds {len(data)} blocks of {args.block_size} tokens; "
-                             f"pricing the layers holds {args.choice_blocks} out, leaving none to train on")
-        choice_rows = data.rows[-args.choice_blocks:]
-        data = TokenBlocks(data.rows[: -args.choice_blocks])
-    heldout = None
-    if args.heldout_blocks:
-        if len(data) <= args.heldout_blocks:
-            raise ValueError(f"argument --heldout-blocks: the data holds {len(data)} training blocks; holding "
-                             f"{args.heldout_blocks} out leaves none to train on")
-        heldout = pad_batch([{"input_ids": row} for row in data.rows[-args.heldout_blocks:]])  # the last may be short
-        data = TokenBlocks(data.rows[: -args.heldout_blocks])
-    teacher = locate_source(args.src).load_model(dtype=torch.bfloat16 if args.bf16 else torch.float32)
-    saved_dtype = student.dtype
-    work = _work_dir(args)
-
-    layerwise_final = work / "layerwise" / "final"
-    if args.resume and (layerwise_final / "config.json").is_file():
-        student = TrellisForCausalLM.from_pretrained(layerwise_final, dtype=torch.float32)
-    else:
-        student = distill_layerwise(
-            student.float(), teacher, data, _training_args(work / "layerwise", args, args.stage1_steps, args.stage1_lr),
-            tokenizer=tokenizer, train_carried=args.stage1_train_carried,
-            resume_from_checkpoint=_checkpoint(work / "layerwise", args),
-            teacher_cache=None if args.stage1_cache_gib is None else work / "teacher_activations",
-            cache_memory_bytes=int((args.stage1_cache_gib or 0) * 2**30), eval_every=args.eval_every,
-            heldout=None if heldout is None else heldout["input_ids"], patience=args.stage1_patience,
-            heldout_mask=None if heldout is None else heldout["attention_mask"],
-        )
-        student.save_pretrained(layerwise_final)
-        tokenizer.save_pretrained(layerwise_final)
-    if auto_kept is not None:
-        student = _keep_dearest_layers(student, teacher, choice_rows, auto_kept, args, out, overrides)
-
-    lora_rank = args.lora_rank or None
-    stage2_lr = args.stage2_lr if args.stage2_lr is not None else (1e-4 if lora_rank else 1e-5)
-    student = distill_logits(
-        student, teacher, data, _training_args(work / "logits", args, args.stage2_steps, stage2_lr),
-        tokenizer=tokenizer, temperature=args.temperature, lora_rank=lora_rank,
-        resume_from_checkpoint=_checkpoint(work / "logits", args), state_passing=args.state_passing,
-        state_passing_from=args.state_passing_from,
-    )
-    student.to(saved_dtype).save_pretrained(out)
-
-
-def _keep_dearest_layers(student: TrellisForCausalLM, teacher: Any, rows: list[torch.Tensor], k: int,
-                         args: argparse.Namespace, out: Path, overrides: dict[str, Any]) -> TrellisForCausalLM:
-    """The hybrid keeping the ``k`` layers whose conversion costs most on ``rows`` (held-out
-    blocks), the others' stage-1 mixers carried over; the costs go to the work dir."""
-    batch = pad_batch([{"input_ids": row} for row in rows])
-    device = next(teacher.parameters()).device
-    costs = conversion_costs(student.to(device), teacher, batch["input_ids"].to(device), batch["attention_mask"].to(device))
-    kept = choose_attention_layers(costs, k)
-    record = {"costs_kl": {str(layer): cost for layer, cost in costs.items()}, "kept": kept, "blocks": len(rows)}
-    (_work_dir(args) / "layer_choice.json").write_text(json.dumps(record, indent=1))
-    print(f"kept as attention (largest KL when converted alone): {kept}")
-    hybrid = keep_as_attention(student, args.src, out, kept, **_conversion_options(args, overrides))
-    return hybrid.float()
-
-
-def _training_args(output_dir: Path, args: argparse.Namespace, steps: int, learning_rate: float) -> TrainingArguments:
-    return distillation_arguments(
-        str(output_dir), max_steps=steps, learning_rate=learning_rate, per_device_train_batch_size=args.batch_size,
-        gradient_accumulation_steps=args.grad_accum, save_steps=args.save_steps, bf16=args.bf16, use_cpu=args.cpu,
-    )
-
-
-def _checkpoint(output_dir: Path, args: argparse.Namespace) -> Optional[str]:
-    """The latest checkpoint to resume from, when ``--resume`` is given and one exists."""
-    return get_last_checkpoint(str(output_dir)) if args.resume and output_dir.is_dir() else None
-
-
-def read_texts(paths: list[str]) -> list[str]:
-    """Texts from ``.txt`` files (one each), ``.jsonl`` files (field ``text``) and folders of them."""
-    if not paths:
-        raise ValueError("--distill needs training texts: pass --data")
-    files: list[Path] = []
-    for path in map(Path, paths):
-        if not path.exists():
-            raise ValueError(f"--data {path}: no such file or folder")
-        files.extend(sorted(p for p in path.rglob("*") if p.suffix in (".txt", ".jsonl")) if path.is_dir() else [path])
-    texts = []
-    for file in files:
-        if file.suffix == ".jsonl":
-            lines = file.read_text(encoding="utf-8").splitlines()
-            texts.extend(json.loads(line)["text"] for line in lines if line.strip())
-        elif file.suffix == ".txt":
-            texts.append(file.read_text(encoding="utf-8"))
-        else:
-            raise ValueError(f"--data {file}: expected a .txt or .jsonl file, or a folder of them")
-    if not texts:
-        raise ValueError(f"--data {' '.join(paths)}: no texts found")
-    return texts
+def _is_auto(text: Optional[str]) -> bool:
+    return isinstance(text, str) and text.startswith("auto")
 
 
 def parse_layer_list(text: Optional[str]) -> Optional[list[int]]:
@@ -361,4 +163,4 @@ def _parse_field(item: str) -> tuple[str, Any]:
         return name, value
 
 
-__all__ = ["add_convert_arguments", "parse_layer_list", "read_texts", "run_convert"]
+__all__ = ["add_convert_arguments", "parse_layer_list", "run_convert"]

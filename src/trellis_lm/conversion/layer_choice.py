@@ -113,7 +113,14 @@ def keep_as_attention(
     kept as the teacher's attention (``options``: the other arguments of
     :func:`~.llama.convert_llama_to_trellis`, as the student was converted), and every other
     layer's mixer taken from ``student`` (its stage-1 fit). Saved to ``dst`` and returned."""
-    hybrid = convert_llama_to_trellis(src, dst, keep_attention=list(layers), **options)
+    return carry_converted_mixers(student, convert_llama_to_trellis(src, dst, keep_attention=list(layers), **options),
+                                  dst)
+
+
+def carry_converted_mixers(student: TrellisForCausalLM, hybrid: TrellisForCausalLM,
+                           dst: Union[str, Path]) -> TrellisForCausalLM:
+    """``hybrid`` (the student's teacher converted again, keeping some layers as attention) with
+    every layer it converts taking ``student``'s mixer; saved to ``dst`` and returned."""
     for index in converted_layers(hybrid):
         mine, theirs = hybrid.model.layers[index].self_attn, student.model.layers[index].self_attn
         if type(mine) is not type(theirs):
@@ -124,4 +131,7 @@ def keep_as_attention(
     return hybrid
 
 
-__all__ = ["choose_attention_layers", "conversion_costs", "keep_as_attention", "parse_auto", "replaced_attention"]
+__all__ = [
+    "carry_converted_mixers", "choose_attention_layers", "conversion_costs", "keep_as_attention", "parse_auto",
+    "replaced_attention",
+]

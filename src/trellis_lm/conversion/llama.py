@@ -41,7 +41,7 @@ from ..configuration_trellis import TrellisConfig
 from ..mixers import DEFAULT_KIND, MIXERS, AttentionMixer, LatticeAttention, TrellisAttention
 from ..modeling_trellis import TrellisForCausalLM
 from ..remote_code import flat_sources
-from .source import copy_tokenizer, locate_source, path_overlap
+from .source import TeacherSource, copy_tokenizer, locate_source, path_overlap
 
 logger = logging.getLogger(__name__)
 
@@ -149,17 +149,42 @@ def convert_llama_to_trellis(
             attention the attention mixer cannot reproduce exactly.
     """
     source, dst = locate_source(src), Path(dst)
-    source_config = source.load_config()
-    config = trellis_config_from(
-        source_config, num_slots=num_slots, chunk_size=chunk_size, mixer=mixer, keep_attention=keep_attention,
+    source_config, config = _converted_config(
+        source, num_slots=num_slots, chunk_size=chunk_size, mixer=mixer, keep_attention=keep_attention,
         attention_every=attention_every, **overrides,
     )
-    for note in _dropped_parts(source_config, config.layer_kinds):
-        logger.warning("Converting %s: %s", source, note)
-
-    relation = path_overlap(dst, source.folder / (source.gguf_file or ""))
+    # Checked after the config: a folder that holds no convertible checkpoint is named as such,
+    # even when DST lies inside it.
+    relation = path_overlap(dst, source.path)
     if relation:
         raise ValueError(f"dst {dst} {relation} the source {src}: a conversion never writes into its source")
+    return _write_converted(source, source_config, config, dst, seed)
+
+
+def convert_source(source: TeacherSource, dst: Union[str, Path], *, seed: int = 0, **options: Any) -> TrellisForCausalLM:
+    """:func:`convert_llama_to_trellis` of a source already located (:func:`~.source.locate_source`),
+    into a ``dst`` that the caller has already refused to be, hold or lie inside the source: the
+    convert-and-distil pipeline locates and checks once, then writes beside DST (and converts a
+    second time for a hybrid chosen after stage 1). ``options`` are the other keyword arguments of
+    :func:`convert_llama_to_trellis`; it raises what that raises, but for the source and ``dst``.
+    """
+    source_config, config = _converted_config(source, **options)
+    return _write_converted(source, source_config, config, Path(dst), seed)
+
+
+def _converted_config(source: TeacherSource, **options: Any) -> tuple[PreTrainedConfig, TrellisConfig]:
+    """The source's config and the Trellis config converting it with ``options`` gives; what the
+    converted layers drop is logged."""
+    source_config = source.load_config()
+    config = trellis_config_from(source_config, **options)
+    for note in _dropped_parts(source_config, config.layer_kinds):
+        logger.warning("Converting %s: %s", source, note)
+    return source_config, config
+
+
+def _write_converted(source: TeacherSource, source_config: PreTrainedConfig, config: TrellisConfig, dst: Path,
+                     seed: int) -> TrellisForCausalLM:
+    """Build the model of ``config`` from the teacher's weights, save it with the tokenizer to ``dst``."""
     teacher = source.load_model(dtype="auto")
     dtype = next(teacher.parameters()).dtype
     # Built in float32 and cast at the end: a half-precision teacher's values survive the round
@@ -565,6 +590,7 @@ __all__ = [
     "check_convertible",
     "check_keepable",
     "convert_llama_to_trellis",
+    "convert_source",
     "converted_layers",
     "init_new_lattice_parameters",
     "init_new_mixer_parameters",

@@ -53,8 +53,14 @@ class TeacherSource:
     def is_gguf(self) -> bool:
         return self.gguf_file is not None
 
+    @property
+    def path(self) -> Path:
+        """What a conversion reads: the folder, or only the GGUF file (a folder may hold it among
+        other things, which a conversion may write beside)."""
+        return self.folder / (self.gguf_file or "")
+
     def __str__(self) -> str:
-        return str(self.folder / self.gguf_file) if self.gguf_file else str(self.folder)
+        return str(self.path)
 
     def load_config(self) -> PreTrainedConfig:
         """The teacher's config (for a GGUF file, built from its metadata)."""
