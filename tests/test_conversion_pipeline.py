@@ -124,3 +124,12 @@ def test_the_function_refuses_before_writing(teacher_and_texts, tmp_path):
     assert list(tmp_path.iterdir()) == []
     with pytest.raises(ValueError, match="argument dst: .* the source .*: a conversion never writes into its source"):
         convert_and_distill(folder, folder / "out")
+
+
+def test_a_config_field_with_its_own_option_is_refused_in_overrides():
+    """``--set num_slots=4`` once raised a bare TypeError deep in the conversion ("got multiple
+    values"); it names the option to use instead."""
+    for name, option in [("num_slots", "--num-slots"), ("chunk_size", "--chunk-size"), ("seed", "--seed")]:
+        with pytest.raises(ValueError, match=rf"--set {name}=\.\.\.: {name} has its own option, {option}"):
+            ConversionOptions(overrides={name: 4})
+    assert ConversionOptions(overrides={"conv_size": 2}).options()["conv_size"] == 2

@@ -55,6 +55,13 @@ class ConversionOptions:
     attention_every: Optional[int] = None
     overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        own = sorted(set(self.overrides) & {f.name for f in dataclasses.fields(self)})
+        if own:
+            name = own[0]
+            raise ValueError(f"--set {name}=...: {name} has its own option, --{name.replace('_', '-')} "
+                             f"(ConversionOptions.{name}), not a further config field")
+
     def options(self) -> dict[str, Any]:
         """The conversion's arguments besides the kept layers (the same when a hybrid is converted again)."""
         return dict(num_slots=self.num_slots, chunk_size=self.chunk_size, seed=self.seed, mixer=self.mixer,
