@@ -25,9 +25,9 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, eager
 from ..cache_entries import AttentionLayerCache
 from ..cache_layout import COLUMNS, ROWS, TensorSpec
 from ..cache_trellis import CacheCall, TrellisCache
+from ..projection_stacks import LinearStack, stacked
 from .base import Mixer
 from .fields import ROPE_THETA, ConfigField, flag, is_int
-from ..projection_stacks import LinearStack, stacked
 from .valid_tokens import ValidTokens, last_document, token_positions
 
 

@@ -25,9 +25,9 @@ from ..cache_layout import ROWS, TensorSpec, model_config
 from ..cache_trellis import CacheCall, TrellisCache
 from ..ops.state import OpState
 from ..ops.registry import BackendRegistry
+from ..projection_stacks import LinearStack, stacked
 from .fields import MODEL_FIELDS, ConfigField
 from .norms_convs import TrellisRMSNorm, TrellisShortConv, at_least_float32, causal_conv, l2_normalize
-from ..projection_stacks import LinearStack, stacked
 from .valid_tokens import ValidTokens
 
 # Outside a span with stacks made once (generate's), fewer tokens than this per call run the
@@ -244,8 +244,9 @@ class MemoryMixer(Mixer):
     """Short convs on q and k, the op on real tokens, gated RMSNorm output (see module doc).
 
     Subclasses set ``state_class`` and ``cache_class``, call :meth:`_build_qkv` (or create
-    ``q_proj``, ``k_proj`` and ``v_proj``), create ``o_proj``, call :meth:`_build_convs` (and :meth:`_build_output` for the gated read-out),
-    and implement :meth:`op_inputs`, :meth:`fresh_state` and :meth:`op_settings`.
+    ``q_proj``, ``k_proj`` and ``v_proj``), create ``o_proj``, call :meth:`_build_convs` (and
+    :meth:`_build_output` for the gated read-out), and implement :meth:`op_inputs`,
+    :meth:`fresh_state` and :meth:`op_settings`.
     """
 
     state_class: ClassVar[type[OpState]]
