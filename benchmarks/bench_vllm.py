@@ -11,7 +11,9 @@ seed): 4 layers of width 256 (4 heads of 64; Trellis 64 slots, chunks of 64; Swi
 vocabulary 4096; the head tied to the embeddings): a ``LlamaForCausalLM``, all-Trellis, and
 the hybrid (three Trellis layers, then attention). Each (model, variant) gets its own engine (``enforce_eager``), in a
 subprocess; ``--rounds`` repeats the whole list in turn, so that every ratio to Llama is
-taken between runs made side by side (the machine is shared: compare ratios, not times).
+taken between runs made side by side (the machine is shared: compare ratios, not times; with
+``--cpu-time`` every time is CPU seconds of an engine on one core, which other work on the
+machine does not stretch as it stretches wall time).
 
 Workloads:
 
@@ -87,6 +89,16 @@ def engine(folder: str, max_model_len: int, requests: int, **options: Any) -> An
                enforce_eager=True, seed=0, max_num_seqs=max(requests, 1), disable_log_stats=False, **options)
 
 
+CPU_TIME = "BENCH_VLLM_CPU_TIME"  # set in an engine's environment by --cpu-time
+
+
+def clock() -> float:
+    """Seconds: wall, or with ``--cpu-time`` the CPU seconds of this process, which then runs
+    the engine (on one core): on a machine shared with other work, the CPU seconds a step
+    takes stay what its work costs while its wall time does not."""
+    return time.process_time() if os.environ.get(CPU_TIME) else time.perf_counter()
+
+
 def counter(llm: Any, name: str) -> float:
     return sum(getattr(m, "value", 0) for m in llm.get_metrics() if m.name == name)
 
@@ -106,15 +118,15 @@ def contexts_case(folder: str, context: int, requests: int, decode_steps: int) -
     for i, prompt in enumerate(prompts):
         core.add_request(str(i), {"prompt_token_ids": prompt}, params)
     first: dict[str, float] = {}
-    start = time.perf_counter()
+    start = clock()
     while len(first) < requests:  # until every sequence has its first token
         for out in core.step():
             if out.outputs and out.outputs[0].token_ids and out.request_id not in first:
-                first[out.request_id] = time.perf_counter() - start
-    tokens, begin = 0, time.perf_counter()
+                first[out.request_id] = clock() - start
+    tokens, begin = 0, clock()
     for _ in range(decode_steps):  # every sequence decoding
         tokens += sum(1 for out in core.step() if out.outputs)
-    decode = time.perf_counter() - begin
+    decode = clock() - begin
     core.abort_request([str(i) for i in range(requests)])
     ttft = sorted(first.values())
     return {"ttft_median_s": ttft[len(ttft) // 2], "ttft_last_s": ttft[-1], "decode_tokens_per_s": tokens / decode}
@@ -128,15 +140,15 @@ def run_together(llm: Any, prompts: list[list[int]], params: Any) -> tuple[list[
         core.add_request(str(i), {"prompt_token_ids": prompt}, params)
     first: dict[str, float] = {}
     done: dict[str, Any] = {}
-    start = time.perf_counter()
+    start = clock()
     while len(done) < len(prompts):
         for out in core.step():
             if out.outputs and out.outputs[0].token_ids and out.request_id not in first:
-                first[out.request_id] = time.perf_counter() - start
+                first[out.request_id] = clock() - start
             if out.finished:
                 done[out.request_id] = out
     return [done[str(i)] for i in range(len(prompts))], [first[str(i)] for i in range(len(prompts))], \
-        time.perf_counter() - start
+        clock() - start
 
 
 def shared_prefix_case(folder: str, prefix: int, suffix: int, requests: int, caching: bool) -> dict:
@@ -190,8 +202,8 @@ def copy_case(folder: str, passage: int, requests: int, new_tokens: int, drafts:
                 got[out.request_id] = list(out.outputs[0].token_ids)
         if not at_first and len(got) == requests and all(got.values()):
             at_first = {k: len(v) for k, v in got.items()}
-            begin = time.perf_counter()
-    decode = time.perf_counter() - begin
+            begin = clock()
+    decode = clock() - begin
     drafted = counter(llm, "vllm:spec_decode_num_draft_tokens")
     accepted = counter(llm, "vllm:spec_decode_num_accepted_tokens")
     return {"decode_tokens_per_s": sum(len(got[k]) - at_first[k] for k in got) / decode,
@@ -293,6 +305,8 @@ def main() -> None:
     parser.add_argument("--kv-space", type=int, default=6, help="VLLM_CPU_KVCACHE_SPACE, GiB, every engine")
     parser.add_argument("--baseline-src", type=Path, help="also run the Trellis models with trellis_lm imported from "
                         "this folder (another checkout's src/), as '<model>@baseline': before and after in one run")
+    parser.add_argument("--cpu-time", action="store_true", help="time in CPU seconds of the engine's process (one "
+                        "core) instead of wall seconds: for a machine shared with other work")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--case", help=argparse.SUPPRESS)  # one engine's case (the subprocess's side)
     args = parser.parse_args()
@@ -302,6 +316,9 @@ def main() -> None:
         return
 
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(args.kv_space)}
+    if args.cpu_time:  # the engine in the case's own process, on one core, one thread
+        env.update({CPU_TIME: "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "0",
+                    "OMP_NUM_THREADS": "1"})
     cases = variants(args)
     results: dict[tuple[str, int], list[dict]] = {}
     with tempfile.TemporaryDirectory() as work:
