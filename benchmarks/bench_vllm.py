@@ -4,13 +4,16 @@
     .venv-vllm/bin/python benchmarks/bench_vllm.py contexts --contexts 256 --requests 2 --decode-steps 4  # a minute
     .venv-vllm/bin/python benchmarks/bench_vllm.py shared-prefix --json benchmarks/results/vllm_prefix.json
     .venv-vllm/bin/python benchmarks/bench_vllm.py copy --json benchmarks/results/vllm_speculative.json
+    .venv-vllm/bin/python benchmarks/bench_vllm.py contexts --contexts 1024 --baseline-src /path/to/old/src
 
 Runs in the vLLM venv (``make test-vllm`` makes it). Models (float32, random weights, one
 seed): 4 layers of width 256 (4 heads of 64; Trellis 64 slots, chunks of 64; SwiGLU of 682;
-vocabulary 4096): a ``LlamaForCausalLM``, all-Trellis, and the hybrid (three Trellis layers,
-then attention). Each (model, variant) gets its own engine (``enforce_eager``), in a
+vocabulary 4096; the head tied to the embeddings): a ``LlamaForCausalLM``, all-Trellis, and
+the hybrid (three Trellis layers, then attention). Each (model, variant) gets its own engine (``enforce_eager``), in a
 subprocess; ``--rounds`` repeats the whole list in turn, so that every ratio to Llama is
-taken between runs made side by side (the machine is shared: compare ratios, not times).
+taken between runs made side by side (the machine is shared: compare ratios, not times; with
+``--cpu-time`` every time is CPU seconds of an engine on one core, which other work on the
+machine does not stretch as it stretches wall time).
 
 Workloads:
 
@@ -27,11 +30,13 @@ Workloads:
   the share of prompt tokens vLLM took from its cache, times to first token, and whether
   the tokens equal those without caching.
 - ``copy``: copy-heavy prompts (a random passage of ``--passage`` tokens said twice, then
-  its start again, so that greedy decoding of a model trained to copy would repeat it; the
-  random models here continue it with their own tokens, and n-gram drafts then match where
-  those repeat): ``--requests`` of them decoded greedily with and without n-gram
-  speculation (``--speculative-tokens``): draft acceptance, decode tokens per second, and
-  whether the tokens are the same.
+  its first quarter again), ``--requests`` of them decoded greedily (``--new-tokens`` each)
+  with and without n-gram speculation (``--speculative-tokens``, no prefix caching for any
+  model): draft acceptance, decode tokens per second (the tokens every sequence gets after
+  the last one's first token, over that time), and whether the tokens are the same. Random
+  models do not copy the passage as a trained one would: the drafts match where a model's
+  own greedy text repeats (a head tied to the embeddings makes it repeat often, every model
+  alike; untied, all-Trellis's greedy text drew no draft at all).
 """
 
 from __future__ import annotations
@@ -69,7 +74,7 @@ def save(kind: str, folder: Path) -> None:
     else:
         kinds = ["trellis"] * 4 if kind == "trellis" else ["trellis", "trellis", "trellis", "attention"]
         model = TrellisForCausalLM(TrellisConfig(num_heads=4, head_dim=64, num_slots=64, chunk_size=64,
-                                                 mixer_types=kinds, **SIZES))
+                                                 mixer_types=kinds, tie_word_embeddings=True, **SIZES))
     model.save_pretrained(folder)
 
 
@@ -82,6 +87,16 @@ def engine(folder: str, max_model_len: int, requests: int, **options: Any) -> An
 
     return LLM(model=folder, skip_tokenizer_init=True, dtype="float32", max_model_len=max_model_len,
                enforce_eager=True, seed=0, max_num_seqs=max(requests, 1), disable_log_stats=False, **options)
+
+
+CPU_TIME = "BENCH_VLLM_CPU_TIME"  # set in an engine's environment by --cpu-time
+
+
+def clock() -> float:
+    """Seconds: wall, or with ``--cpu-time`` the CPU seconds of this process, which then runs
+    the engine (on one core): on a machine shared with other work, the CPU seconds a step
+    takes stay what its work costs while its wall time does not."""
+    return time.process_time() if os.environ.get(CPU_TIME) else time.perf_counter()
 
 
 def counter(llm: Any, name: str) -> float:
@@ -103,15 +118,15 @@ def contexts_case(folder: str, context: int, requests: int, decode_steps: int) -
     for i, prompt in enumerate(prompts):
         core.add_request(str(i), {"prompt_token_ids": prompt}, params)
     first: dict[str, float] = {}
-    start = time.perf_counter()
+    start = clock()
     while len(first) < requests:  # until every sequence has its first token
         for out in core.step():
             if out.outputs and out.outputs[0].token_ids and out.request_id not in first:
-                first[out.request_id] = time.perf_counter() - start
-    tokens, begin = 0, time.perf_counter()
+                first[out.request_id] = clock() - start
+    tokens, begin = 0, clock()
     for _ in range(decode_steps):  # every sequence decoding
         tokens += sum(1 for out in core.step() if out.outputs)
-    decode = time.perf_counter() - begin
+    decode = clock() - begin
     core.abort_request([str(i) for i in range(requests)])
     ttft = sorted(first.values())
     return {"ttft_median_s": ttft[len(ttft) // 2], "ttft_last_s": ttft[-1], "decode_tokens_per_s": tokens / decode}
@@ -125,15 +140,15 @@ def run_together(llm: Any, prompts: list[list[int]], params: Any) -> tuple[list[
         core.add_request(str(i), {"prompt_token_ids": prompt}, params)
     first: dict[str, float] = {}
     done: dict[str, Any] = {}
-    start = time.perf_counter()
+    start = clock()
     while len(done) < len(prompts):
         for out in core.step():
             if out.outputs and out.outputs[0].token_ids and out.request_id not in first:
-                first[out.request_id] = time.perf_counter() - start
+                first[out.request_id] = clock() - start
             if out.finished:
                 done[out.request_id] = out
     return [done[str(i)] for i in range(len(prompts))], [first[str(i)] for i in range(len(prompts))], \
-        time.perf_counter() - start
+        clock() - start
 
 
 def shared_prefix_case(folder: str, prefix: int, suffix: int, requests: int, caching: bool) -> dict:
@@ -154,7 +169,50 @@ def shared_prefix_case(folder: str, prefix: int, suffix: int, requests: int, cac
             "tokens": [list(o.outputs[0].token_ids) for o in outputs]}
 
 
-CASES: dict[str, Callable[..., dict]] = {"contexts": contexts_case, "shared-prefix": shared_prefix_case}
+def copy_prompts(passage: int, requests: int) -> list[list[int]]:
+    """Copy-heavy prompts: a random passage said twice, then its first quarter again."""
+    rng = random.Random(passage)
+    texts = [random_prompt(rng, passage) for _ in range(requests)]
+    return [text + text + text[: passage // 4] for text in texts]
+
+
+def copy_case(folder: str, passage: int, requests: int, new_tokens: int, drafts: int) -> dict:
+    """Greedy decoding of the copy prompts, with n-gram drafts of ``drafts`` tokens (0: none).
+    Decode rate: the tokens every sequence gets after the last one's first token, over that time."""
+    from vllm import SamplingParams
+
+    speculation = {"method": "ngram", "num_speculative_tokens": drafts, "prompt_lookup_min": 2,
+                   "prompt_lookup_max": 4} if drafts else None
+    prompts = copy_prompts(passage, requests)
+    # No prefix caching for any model: the plugin refuses it together with speculative decoding.
+    llm = engine(folder, len(prompts[0]) + new_tokens + 64, requests, enable_prefix_caching=False,
+                 speculative_config=speculation)
+    llm.generate([{"prompt_token_ids": random_prompt(random.Random(1), 64)}], SamplingParams(max_tokens=4),
+                 use_tqdm=False)
+    core = llm.llm_engine
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        core.add_request(str(i), {"prompt_token_ids": prompt}, params)
+    got: dict[str, list[int]] = {}
+    at_first: dict[str, int] = {}  # tokens each sequence had when the last first token came
+    begin = 0.0
+    while len(got) < requests or any(len(t) < new_tokens for t in got.values()):
+        for out in core.step():
+            if out.outputs:
+                got[out.request_id] = list(out.outputs[0].token_ids)
+        if not at_first and len(got) == requests and all(got.values()):
+            at_first = {k: len(v) for k, v in got.items()}
+            begin = clock()
+    decode = clock() - begin
+    drafted = counter(llm, "vllm:spec_decode_num_draft_tokens")
+    accepted = counter(llm, "vllm:spec_decode_num_accepted_tokens")
+    return {"decode_tokens_per_s": sum(len(got[k]) - at_first[k] for k in got) / decode,
+            "drafted": drafted, "accepted": accepted, "acceptance": accepted / drafted if drafted else None,
+            "tokens": [got[str(i)] for i in range(requests)]}
+
+
+CASES: dict[str, Callable[..., dict]] = {"contexts": contexts_case, "shared-prefix": shared_prefix_case,
+                                         "copy": copy_case}
 
 
 # --- memory held per sequence (contexts workload) ---
@@ -198,6 +256,9 @@ def variants(args: argparse.Namespace) -> list[dict]:
     if args.workload == "shared-prefix":
         return [{"prefix": args.prefix, "suffix": args.suffix, "requests": args.requests, "caching": caching}
                 for caching in (False, True)]
+    if args.workload == "copy":
+        return [{"passage": args.passage, "requests": args.requests, "new_tokens": args.new_tokens, "drafts": drafts}
+                for drafts in (0, args.speculative_tokens)]
     raise ValueError(f"unknown workload {args.workload!r}")
 
 
@@ -211,7 +272,7 @@ def median_rows(runs: list[dict], keys: tuple[str, ...]) -> dict:
 
 
 TIMINGS = {"contexts": ("ttft_median_s", "ttft_last_s", "decode_tokens_per_s"),
-           "shared-prefix": ("ttft_median_s", "ttft_last_s", "total_s")}
+           "shared-prefix": ("ttft_median_s", "ttft_last_s", "total_s"), "copy": ("decode_tokens_per_s",)}
 
 
 def ratios(workload: str, rows: list[dict], rounds: list[list[dict]]) -> None:
@@ -236,9 +297,16 @@ def main() -> None:
     parser.add_argument("--decode-steps", type=int, default=16)
     parser.add_argument("--prefix", type=int, default=2048, help="shared-prefix: tokens every prompt shares")
     parser.add_argument("--suffix", type=int, default=64, help="shared-prefix: distinct tokens after the prefix")
+    parser.add_argument("--passage", type=int, default=256, help="copy: tokens of the passage each prompt repeats")
+    parser.add_argument("--new-tokens", type=int, default=256, help="copy: greedy tokens per request")
+    parser.add_argument("--speculative-tokens", type=int, default=3, help="copy: n-gram draft tokens per step")
     parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
     parser.add_argument("--rounds", type=int, default=1, help="repeat every (model, case) in turn")
     parser.add_argument("--kv-space", type=int, default=6, help="VLLM_CPU_KVCACHE_SPACE, GiB, every engine")
+    parser.add_argument("--baseline-src", type=Path, help="also run the Trellis models with trellis_lm imported from "
+                        "this folder (another checkout's src/), as '<model>@baseline': before and after in one run")
+    parser.add_argument("--cpu-time", action="store_true", help="time in CPU seconds of the engine's process (one "
+                        "core) instead of wall seconds: for a machine shared with other work")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--case", help=argparse.SUPPRESS)  # one engine's case (the subprocess's side)
     args = parser.parse_args()
@@ -248,6 +316,9 @@ def main() -> None:
         return
 
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(args.kv_space)}
+    if args.cpu_time:  # the engine in the case's own process, on one core, one thread
+        env.update({CPU_TIME: "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "0",
+                    "OMP_NUM_THREADS": "1"})
     cases = variants(args)
     results: dict[tuple[str, int], list[dict]] = {}
     with tempfile.TemporaryDirectory() as work:
@@ -255,16 +326,21 @@ def main() -> None:
         for kind in args.models:
             folders[kind] = Path(work) / kind
             save(kind, folders[kind])
+        engines = [(kind, kind, env) for kind in args.models]
+        if args.baseline_src:  # the Trellis models again, on the baseline's trellis_lm
+            baseline = {**env, "PYTHONPATH": os.pathsep.join([str(args.baseline_src.resolve()), env.get("PYTHONPATH", "")])}
+            engines += [(f"{kind}@baseline", kind, baseline) for kind in args.models if kind != "llama"]
         for round_ in range(args.rounds):
             for i, case in enumerate(cases):
-                for kind in args.models:
-                    result = run_case(args.workload, folders[kind], case, env)
+                for name, kind, engine_env in engines:
+                    result = run_case(args.workload, folders[kind], case, engine_env)
                     if args.workload == "contexts":
                         held = state_bytes(kind, folders[kind], case["context"])
                         result.update(bytes_per_sequence=held, sequences_that_fit=args.kv_space * 2**30 // held)
-                    results.setdefault((kind, i), []).append({"model": kind, "case": case, **result})
-                    print(json.dumps({k: v for k, v in results[(kind, i)][-1].items() if k != "tokens"}), flush=True)
-    keys = sorted(results, key=lambda k: (k[1], MODELS.index(k[0])))
+                    results.setdefault((name, i), []).append({"model": name, "case": case, **result})
+                    print(json.dumps({k: v for k, v in results[(name, i)][-1].items() if k != "tokens"}), flush=True)
+    order = [name for name, _, _ in sorted(engines, key=lambda e: (MODELS.index(e[1]), e[0] != e[1]))]
+    keys = sorted(results, key=lambda k: (k[1], order.index(k[0])))
     rows = [median_rows(results[k], TIMINGS[args.workload]) for k in keys]
     ratios(args.workload, rows, [results[k] for k in keys])
     if args.workload == "shared-prefix":
@@ -272,6 +348,13 @@ def main() -> None:
             if row["case"]["caching"]:
                 plain = next(r for r in rows if r["model"] == row["model"] and not r["case"]["caching"])
                 row["tokens_equal_without_caching"] = row["tokens"] == plain["tokens"]
+    if args.workload == "copy":
+        for key, row in zip(keys, rows):  # with drafts against the same model without, round by round
+            if row["case"]["drafts"]:
+                plain_key = next(k for k, r in zip(keys, rows) if r["model"] == row["model"] and not r["case"]["drafts"])
+                row["speedup_vs_no_drafts"] = statistics.median(
+                    a["decode_tokens_per_s"] / b["decode_tokens_per_s"] for a, b in zip(results[key], results[plain_key]))
+                row["tokens_equal_without_drafts"] = row["tokens"] == rows[keys.index(plain_key)]["tokens"]
     print_table(args.workload, rows)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -285,20 +368,28 @@ def main() -> None:
 def print_table(workload: str, rows: list[dict]) -> None:
     nan = float("nan")
     if workload == "contexts":
-        print(f"\n{'model':8} {'context':>7} {'TTFT med s':>10} {'last s':>7} {'x Llama':>7} {'decode tok/s':>12} "
+        print(f"\n{'model':16} {'context':>7} {'TTFT med s':>10} {'last s':>7} {'x Llama':>7} {'decode tok/s':>12} "
               f"{'x Llama':>7} {'MiB/seq':>8} {'seqs fit':>9}")
         for r in rows:
-            print(f"{r['model']:8} {r['case']['context']:7d} {r['ttft_median_s']:10.2f} {r['ttft_last_s']:7.2f} "
+            print(f"{r['model']:16} {r['case']['context']:7d} {r['ttft_median_s']:10.2f} {r['ttft_last_s']:7.2f} "
                   f"{r.get('ttft_last_s_vs_llama', nan):7.2f} {r['decode_tokens_per_s']:12.1f} "
                   f"{r.get('decode_tokens_per_s_vs_llama', nan):7.2f} {r['bytes_per_sequence'] / 2**20:8.2f} "
                   f"{r['sequences_that_fit']:9d}")
     elif workload == "shared-prefix":
-        print(f"\n{'model':8} {'caching':>7} {'hit share':>9} {'TTFT med s':>10} {'last s':>7} {'x Llama':>7} "
+        print(f"\n{'model':16} {'caching':>7} {'hit share':>9} {'TTFT med s':>10} {'last s':>7} {'x Llama':>7} "
               f"{'total s':>8} {'same tokens':>11}")
         for r in rows:
-            print(f"{r['model']:8} {str(r['case']['caching']):>7} {r['hit_share']:9.3f} {r['ttft_median_s']:10.2f} "
+            print(f"{r['model']:16} {str(r['case']['caching']):>7} {r['hit_share']:9.3f} {r['ttft_median_s']:10.2f} "
                   f"{r['ttft_last_s']:7.2f} {r.get('ttft_last_s_vs_llama', nan):7.2f} {r['total_s']:8.2f} "
                   f"{str(r.get('tokens_equal_without_caching', '')):>11}")
+    elif workload == "copy":
+        print(f"\n{'model':16} {'drafts':>6} {'acceptance':>10} {'decode tok/s':>12} {'x Llama':>7} {'x no drafts':>11} "
+              f"{'same tokens':>11}")
+        for r in rows:
+            acceptance = "" if r["acceptance"] is None else f"{r['acceptance']:.3f}"
+            print(f"{r['model']:16} {r['case']['drafts']:6d} {acceptance:>10} {r['decode_tokens_per_s']:12.1f} "
+                  f"{r.get('decode_tokens_per_s_vs_llama', nan):7.2f} {r.get('speedup_vs_no_drafts', nan):11.2f} "
+                  f"{str(r.get('tokens_equal_without_drafts', '')):>11}")
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tests.tiny_models import random_tokens, tiny_model
+from trellis_lm.integrations.vllm import slots as slots_module
 from trellis_lm.integrations.vllm.slots import SlotLayout, run_on_slots
 from trellis_lm.mixers import MIXERS, MemoryMixer
 
@@ -171,3 +172,28 @@ def test_run_on_slots_refuses_starts_and_counts_it_would_misread(starts, compute
     with pytest.raises(ValueError, match=r"starts must rise strictly from >= 0 to <= 6 tokens .* computed must be >= 0"):
         run_on_slots(mixer, layout, tensors, x, torch.tensor(starts), torch.tensor(computed), torch.tensor([0, 1, 2]))
     assert all(torch.equal(a, b) for a, b in zip(tensors, before))
+
+
+@pytest.mark.parametrize("schedule", ["trellis", "lattice", "kvm"])
+def test_runs_of_slots_and_prompt_chunks_of_unlike_lengths(schedule, monkeypatch):
+    """The fast paths of a step: sequences in consecutive slots, in any order (as a server hands
+    them out to sequences started together), are read in place, not copied, and state tensors the mixer
+    returns unchanged are not written back; prompt chunks of very different lengths run in
+    batches of their own (less padding). Every token's logits equal the model's on the
+    sequence alone."""
+    model = tiny_model(schedule=schedule, dtype=torch.float64)
+    prompts = [random_tokens(1, n, seed=n)[0] for n in (150, 3, 90, 2, 40, 1)]
+    runs, batches = [], []
+    real_run, real_rows = slots_module.slot_run, slots_module._run_rows
+    monkeypatch.setattr(slots_module, "slot_run", lambda slots: runs.append(real_run(slots)) or runs[-1])
+    monkeypatch.setattr(slots_module, "_run_rows", lambda *a: batches.append(a[6].tolist()) or real_rows(*a))
+    # 100 tokens for every sequence at first (a prompt chunk beside whole short prompts), then
+    # one token (decode steps) twice in three steps, 7 in the third.
+    got = serve(model, prompts, slot_of=[4, 2, 1, 6, 3, 5],
+                step_tokens=lambda i, step: 100 if step == 0 else (1 if step % 3 else 7))
+    for prompt, logits in zip(prompts, got):
+        torch.testing.assert_close(logits, model(prompt[None]).logits[0], rtol=1e-12, atol=1e-12)
+    assert runs.count(None) < len(runs) and any(start is not None and start > 1 for start in runs)
+    # The first step, in each layer: the one-token prompt, the chunks of 100 to 40 tokens, the
+    # short prompts (padded to 100 they would be 97 % padding).
+    assert batches[:3] == [[1], [90, 40, 100], [3, 2]]  # each in the order of its slots

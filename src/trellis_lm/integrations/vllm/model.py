@@ -39,6 +39,7 @@ from vllm.v1.kv_cache_interface import KVCacheSpec
 from ...mixers import MIXERS, MemoryMixer, Mixer
 from ...mixers.norms_convs import TrellisRMSNorm
 from ...modeling_trellis import TrellisDecoderLayer
+from ...projection_stacks import LinearStack
 from .parallel import rank_config, rank_share, reduce_outputs
 from .slots import SlotLayout, run_on_slots
 
@@ -184,6 +185,19 @@ class TrellisStack(nn.Module):
         return self.norm(hidden)
 
 
+def stack_projections(model: nn.Module) -> None:
+    """Give every module of ``model`` that reads several projections of one input
+    (``fusable_projections``: a mixer's q, k, v and gates, the MLP's gate and up) their weights
+    stacked once (:class:`~trellis_lm.projection_stacks.LinearStack`): one product per module
+    and step instead of one per projection. vLLM does not change the weights it loaded (a
+    reload loads them again, and stacks again), so, unlike ``generate``, which stacks for one
+    call, the stacks are made once; without them a decode step makes none (see
+    :func:`~trellis_lm.projection_stacks.stacked`)."""
+    for module in model.modules():
+        if getattr(type(module), "fusable_projections", ()):
+            module.projection_stack = LinearStack.of(module, module.fusable_projections)
+
+
 class TrellisForCausalLM(nn.Module, HasInnerState, IsHybrid):
     """A Trellis checkpoint in vLLM (any ``mixer_types``; see the module doc).
 
@@ -223,6 +237,7 @@ class TrellisForCausalLM(nn.Module, HasInnerState, IsHybrid):
                 raise ValueError(f"the checkpoint holds {name!r}, which a {type(self).__name__} with this config lacks")
             params[name].data.copy_(rank_share(tensor, params[name].shape, rank, ranks, name))
             loaded.add(name)
+        stack_projections(self)
         return loaded
 
     # What vLLM asks of a hybrid model class before building it: the state of one sequence in

@@ -23,7 +23,7 @@ replays the ones the server kept from there (the mixer's own function again, as 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Union
 
 import torch
 
@@ -130,16 +130,25 @@ class SlotLayout:
         """The field tensors of ``slots`` zeroed slots (what a server allocates, for tests)."""
         return self.views(torch.zeros(slots, self.nbytes, dtype=torch.uint8, device=device))
 
-    def read(self, tensors: Sequence[torch.Tensor], slots: torch.Tensor, names: Sequence[str]) -> dict[str, torch.Tensor]:
-        """The fields ``names`` of ``slots [R]`` from the field tensors, by name (copies)."""
+    def read(self, tensors: Sequence[torch.Tensor], slots: Union[torch.Tensor, int], names: Sequence[str],
+             rows: int = 0) -> dict[str, torch.Tensor]:
+        """The fields ``names`` of ``slots [R]`` from the field tensors, by name: copies; or, for
+        ``slots`` an int (a run of ``rows`` slots from there, see :func:`slot_run`), views of them."""
+        if isinstance(slots, int):
+            return {f.name: t[slots: slots + rows] for f, t in zip(self.fields, tensors) if f.name in names}
         return {f.name: t.index_select(0, slots) for f, t in zip(self.fields, tensors) if f.name in names}
 
-    def write(self, tensors: Sequence[torch.Tensor], slots: torch.Tensor, values: dict[str, torch.Tensor]) -> None:
+    def write(self, tensors: Sequence[torch.Tensor], slots: Union[torch.Tensor, int], values: dict[str, torch.Tensor]) -> None:
         """Store ``values`` (by name, ``[R, ...]`` no larger than a slot's fields, the rest zero)
-        in ``slots [R]``; fields not in ``values`` are left as they are."""
+        in ``slots [R]`` (or the run of slots from an int); fields not in ``values`` are left as
+        they are."""
         for f, t in zip(self.fields, tensors):
             if f.name in values:
-                t.index_copy_(0, slots, self.fit(f, values[f.name]))
+                value = self.fit(f, values[f.name])
+                if isinstance(slots, int):
+                    t[slots: slots + value.shape[0]].copy_(value)
+                else:
+                    t.index_copy_(0, slots, value)
 
     @staticmethod
     def fit(field: SlotField, value: torch.Tensor) -> torch.Tensor:
@@ -199,10 +208,42 @@ def run_on_slots(
             f"computed must be >= 0; got starts {starts.tolist()}, computed {computed.tolist()}"
         )
     single = lengths == 1
-    for rows in (single.nonzero()[:, 0], (~single & (lengths > 0)).nonzero()[:, 0]):
+    for rows in (single.nonzero()[:, 0], *_similar_lengths((~single).nonzero()[:, 0], lengths)):
         if rows.numel():
+            rows = rows[slots[rows].argsort()]  # a batch's rows in any order: by slot, so its slots may form a run
             _run_rows(mixer, layout, tensors, x, out, starts[rows], lengths[rows], computed[rows], slots[rows])
     return out
+
+
+# A prompt chunk much shorter than a step's longest (its first or last chunk beside whole
+# ones) runs in a batch of its own when the padding it would get is at least this many tokens:
+# the projections, short convs and read-out run on the padded batch (the op on the real tokens
+# only), and a batch of its own costs one more mixer call.
+PADDING_WORTH_A_CALL = 64
+
+
+def _similar_lengths(rows: torch.Tensor, lengths: torch.Tensor) -> list[torch.Tensor]:
+    """``rows [R]`` split into batches whose rows are padded to no more than twice their length
+    (or by fewer than ``PADDING_WORTH_A_CALL`` tokens), longest first."""
+    if rows.numel() < 2:
+        return [rows]
+    ordered = rows[lengths[rows].argsort(descending=True, stable=True)]
+    batches, start, longest = [], 0, None
+    for i, length in enumerate(lengths[ordered].tolist()):
+        if longest is None:
+            longest = length
+        elif 2 * length < longest and longest - length >= PADDING_WORTH_A_CALL:
+            batches.append(ordered[start:i])
+            start, longest = i, length
+    batches.append(ordered[start:])
+    return batches
+
+
+def slot_run(slots: torch.Tensor) -> Optional[int]:
+    """The first of ``slots [R]`` when they are consecutive and ascending (a server that hands
+    out slots in order gives sequences started together such a run, in some order), else ``None``."""
+    first = int(slots[0])
+    return first if bool((slots == torch.arange(first, first + len(slots), device=slots.device)).all()) else None
 
 
 def _run_rows(mixer: MemoryMixer, layout: SlotLayout, tensors: Sequence[torch.Tensor], x: torch.Tensor,
@@ -211,7 +252,11 @@ def _run_rows(mixer: MemoryMixer, layout: SlotLayout, tensors: Sequence[torch.Te
     """Run ``R`` sequences (``starts``, ``lengths``, ``computed``, ``slots``: ``[R]``) as one
     right-padded batch ``[R, max length, D]``; write outputs into ``out`` and states back."""
     rows, valid, index, real = _padded(x, starts, lengths)
-    held = layout.read(tensors, slots, [f.name for f in layout.fields])
+    # A run of slots is read as views, not copies (the ops only read the state they are given),
+    # except where drafts are replayed into what was read.
+    run = None if layout.pending else slot_run(slots)
+    where = slots if run is None else run
+    held = layout.read(tensors, where, [f.name for f in layout.fields], len(slots))
     if layout.pending:
         _replay_kept(mixer, layout, held, computed)
     fresh = computed == 0
@@ -225,7 +270,9 @@ def _run_rows(mixer: MemoryMixer, layout: SlotLayout, tensors: Sequence[torch.Te
         out[index] = y
     after = _entry(after_entry)
     if not layout.pending:
-        layout.write(tensors, slots, after)
+        # A tensor the mixer returned as it was given is what the slots hold already (a decode
+        # step's anchors between chunk starts, KVM's state rows between folds): not written.
+        layout.write(tensors, where, {name: t for name, t in after.items() if t is not held.get(name)})
         return
     # Rows that may be drafts keep the state from before them, and their inputs.
     hold = (lengths > 1) & (lengths <= layout.pending)
