@@ -32,7 +32,7 @@ class TrellisServingChecks(VerifyAndUpdateConfig):
             raise ValueError(
                 "speculative decoding with prefix caching is not supported for Trellis checkpoints in vLLM: with both, "
                 "vLLM keeps the state after every draft token in a block of its own and copies between them, while the "
-                "plugin keeps the state before a draft and replays the accepted tokens (docs/serving.md); pass "
+                "plugin keeps them all in the sequence's one slot (docs/serving.md); pass "
                 "enable_prefix_caching=False (--no-enable-prefix-caching) with speculative_config"
             )
         keep_states_where_the_scheduler_aligns(vllm_config)
