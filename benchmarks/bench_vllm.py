@@ -326,8 +326,11 @@ def main() -> None:
 
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(args.kv_space), DTYPE: args.dtype}
     if args.cpu_time:  # the engine in the case's own process, on one core, one thread
+        # NUMBA_NUM_THREADS: vLLM's n-gram drafter runs numba's parallel loop on one thread, but numba
+        # starts a pool of one thread per core, whose idle threads spun on the engine's core: every
+        # engine with drafts measured 2-100x its CPU seconds (the process's CPU time counts them).
         env.update({CPU_TIME: "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "0",
-                    "OMP_NUM_THREADS": "1"})
+                    "OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1"})
     cases = variants(args)
     results: dict[tuple[str, int], list[dict]] = {}
     with tempfile.TemporaryDirectory() as work:
