@@ -293,19 +293,16 @@ def _run_rows(mixer: MemoryMixer, layout: SlotLayout, tensors: Sequence[torch.Te
 def _run_positions(mixer: MemoryMixer, layout: SlotLayout, tensors: Sequence[torch.Tensor], rows: torch.Tensor,
                    out: torch.Tensor, index: torch.Tensor, lengths: torch.Tensor, computed: torch.Tensor,
                    slots: torch.Tensor, entry: MemoryEntry) -> None:
-    """Rows that may hold drafts (``rows [R, L, D]``, ``L <= layout.pending``): a token at a time,
-    the entry after each token stored at its position in the slot, the entry before them at
-    position 0; a row shorter than ``L`` stops at its last token."""
+    """Rows that may hold drafts (``rows [R, L, D]``, ``L <= layout.pending``): the entry before
+    them stored at position 0 of each slot, the entry after each token at its position. A row
+    shorter than ``L`` runs on through padding (tokens of other rows): the entries past its end
+    are never read (the server keeps at most its ``lengths`` tokens), its outputs not written."""
     layout.write(tensors, slots, {**_entry(entry), "tokens": computed, "pending_count": lengths})
-    active = torch.arange(rows.shape[0], device=rows.device)  # the rows with a token at this position
-    for position in range(rows.shape[1]):
-        if position:
-            going = lengths[active] > position
-            if not bool(going.all()):
-                active, entry = active[going], entry.map(lambda t, going=going: t[going])
-        y, entry = mixer.advance(rows[active, position: position + 1], None, entry)
-        out[index[active, position]] = y[:, 0]
-        layout.write(tensors, slots[active], _entry(entry), position + 1)
+    y, entries = mixer.advance_each(rows, entry)
+    real = torch.arange(rows.shape[1], device=rows.device) < lengths[:, None]
+    out[index[real]] = y[real]
+    for position, after in enumerate(entries, start=1):
+        layout.write(tensors, slots, _entry(after), position)
 
 
 def _padded(x: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor
