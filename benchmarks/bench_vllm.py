@@ -6,7 +6,7 @@
     .venv-vllm/bin/python benchmarks/bench_vllm.py copy --json benchmarks/results/vllm_speculative.json
     .venv-vllm/bin/python benchmarks/bench_vllm.py contexts --contexts 1024 --baseline-src /path/to/old/src
 
-Runs in the vLLM venv (``make test-vllm`` makes it). Models (float32, random weights, one
+Runs in the vLLM venv (``make test-vllm`` makes it). Models (float32 unless ``--dtype``, random weights, one
 seed): 4 layers of width 256 (4 heads of 64; Trellis 64 slots, chunks of 64; SwiGLU of 682;
 vocabulary 4096; the head tied to the embeddings): a ``LlamaForCausalLM``, all-Trellis, and
 the hybrid (three Trellis layers, then attention). Each (model, variant) gets its own engine (``enforce_eager``), in a
@@ -82,10 +82,16 @@ def random_prompt(rng: random.Random, length: int) -> list[int]:
     return [rng.randrange(FIRST_TOKEN, SIZES["vocab_size"]) for _ in range(length)]
 
 
+DTYPE = "BENCH_VLLM_DTYPE"  # set in an engine's environment by --dtype
+
+
 def engine(folder: str, max_model_len: int, requests: int, **options: Any) -> Any:
+    import torch
     from vllm import LLM
 
-    return LLM(model=folder, skip_tokenizer_init=True, dtype="float32", max_model_len=max_model_len,
+    # vLLM's dtype argument names no float64; it takes the torch dtype itself.
+    dtype = getattr(torch, os.environ.get(DTYPE, "float32"))
+    return LLM(model=folder, skip_tokenizer_init=True, dtype=dtype, max_model_len=max_model_len,
                enforce_eager=True, seed=0, max_num_seqs=max(requests, 1), disable_log_stats=False, **options)
 
 
@@ -307,6 +313,9 @@ def main() -> None:
                         "this folder (another checkout's src/), as '<model>@baseline': before and after in one run")
     parser.add_argument("--cpu-time", action="store_true", help="time in CPU seconds of the engine's process (one "
                         "core) instead of wall seconds: for a machine shared with other work")
+    parser.add_argument("--dtype", choices=("float32", "float64"), default="float32",
+                        help="every engine's dtype: float64 tells float32's rounding from a served path's error where "
+                             "tokens differ (models without attention layers: vLLM's CPU attention takes no float64)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--case", help=argparse.SUPPRESS)  # one engine's case (the subprocess's side)
     args = parser.parse_args()
@@ -315,10 +324,13 @@ def main() -> None:
         print("RESULT " + json.dumps(CASES[args.workload](**case)), flush=True)
         return
 
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(args.kv_space)}
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(args.kv_space), DTYPE: args.dtype}
     if args.cpu_time:  # the engine in the case's own process, on one core, one thread
+        # NUMBA_NUM_THREADS: vLLM's n-gram drafter runs numba's parallel loop on one thread, but numba
+        # starts a pool of one thread per core, whose idle threads spun on the engine's core: every
+        # engine with drafts measured 2-100x its CPU seconds (the process's CPU time counts them).
         env.update({CPU_TIME: "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "0",
-                    "OMP_NUM_THREADS": "1"})
+                    "OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1"})
     cases = variants(args)
     results: dict[tuple[str, int], list[dict]] = {}
     with tempfile.TemporaryDirectory() as work:

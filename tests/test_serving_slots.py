@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tests.tiny_models import random_tokens, tiny_model
+from trellis_lm.cache_entries import MemoryEntry
 from trellis_lm.integrations.vllm import slots as slots_module
 from trellis_lm.integrations.vllm.slots import SlotLayout, run_on_slots
 from trellis_lm.mixers import MIXERS, MemoryMixer
@@ -197,3 +198,28 @@ def test_runs_of_slots_and_prompt_chunks_of_unlike_lengths(schedule, monkeypatch
     # The first step, in each layer: the one-token prompt, the chunks of 100 to 40 tokens, the
     # short prompts (padded to 100 they would be 97 % padding).
     assert batches[:3] == [[1], [90, 40, 100], [3, 2]]  # each in the order of its slots
+
+
+@pytest.mark.parametrize("schedule, overrides", [
+    ("trellis", {}), ("trellis", {"conv_size": 0, "use_forget_gate": False}), ("lattice", {}), ("kvm", {}),
+])
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_advance_each_gives_the_entry_after_every_token(schedule, overrides, tokens):
+    """What the slots verify drafts with: the outputs of ``advance`` on the same tokens, and after
+    token t the entry ``advance`` leaves after the first t (mid-chunk: 6 tokens before, chunks of 4)."""
+    model = tiny_model(schedule=schedule, dtype=torch.float64, **overrides)
+    mixer = model.model.layers[0].self_attn
+    x = torch.randn(2, 6 + tokens, model.config.hidden_size, dtype=torch.float64)
+    with torch.no_grad():
+        _, before = mixer.advance(x[:, :6], None, MemoryEntry(None, None, None))
+        y, entries = mixer.advance_each(x[:, 6:], before)
+        torch.testing.assert_close(y, mixer.advance(x[:, 6:], None, before)[0], rtol=1e-12, atol=1e-12)
+        assert len(entries) == tokens
+        for t, entry in enumerate(entries, start=1):
+            expected = mixer.advance(x[:, 6: 6 + t], None, before)[1]
+            for got, want in zip(_tensors(entry), _tensors(expected)):
+                torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def _tensors(entry):
+    return [t for t in (entry.q_tail, entry.k_tail, *entry.state.tensors().values()) if t is not None]

@@ -231,11 +231,15 @@ def test_two_tensor_parallel_ranks_give_the_tokens_of_one(tmp_path, monkeypatch,
 
 def test_what_the_plugin_does_not_serve_is_refused_when_the_engine_is_configured(tmp_path):
     """Clear errors at LLM(...), not wrong tokens later (docs/serving.md): speculative decoding
-    with prefix caching (vLLM would copy per-draft states the plugin does not keep), pipeline
+    with prefix caching (vLLM would copy per-draft states the plugin does not keep) or with a
+    draft model (vLLM 0.32 fails to configure the draft beside a recurrent-state model), pipeline
     parallelism, and tensor parallelism over a number of ranks that does not divide the heads."""
     save_checkpoint(tmp_path, "trellis")
     with pytest.raises(Exception, match="speculative decoding with prefix caching is not supported"):
         engine(tmp_path, speculative_config=NGRAM)
+    with pytest.raises(Exception, match="speculative decoding with a draft model is not supported"):
+        engine(tmp_path, speculative_config={"method": "draft_model", "model": str(tmp_path), "num_speculative_tokens": 2},
+               enable_prefix_caching=False)
     with pytest.raises(Exception, match="pipeline_parallel_size = 2: Trellis checkpoints are not split"):
         engine(tmp_path, pipeline_parallel_size=2)
     with pytest.raises(Exception, match="tensor_parallel_size = 3 must divide .* num_heads = 2"):

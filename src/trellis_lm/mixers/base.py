@@ -452,6 +452,37 @@ class MemoryMixer(Mixer):
             state = entry.state if entry.state is not None else self.fresh_state(x.shape[0]).map(torch.clone)
         return y, MemoryEntry(q_tail, k_tail, state)
 
+    @torch.no_grad()
+    def advance_each(self, x: torch.Tensor, entry: MemoryEntry) -> tuple[torch.Tensor, list[MemoryEntry]]:
+        """The layer on ``x [B, T, D]`` (``T`` real tokens in every row) continuing ``entry`` (a
+        whole one, state given): ``y [B, T, D]`` and the entry after *each* token, ``T`` of them:
+        what a server verifying draft tokens keeps, to continue after however many it accepts
+        (the vLLM slots). Projections, convs and read-out run once on the ``T`` tokens; the op
+        runs a token at a time (its decode step), the same function as :meth:`advance`."""
+        proj = Projections(self, x, self._fused_projections(x))
+        q, k, _, _ = self._queries_keys(proj, None, entry.q_tail, entry.k_tail)
+        inputs = self.op_inputs(proj, q, k, None, entry.state)
+        tails = self._tails_after_each(proj, entry)
+        state, outputs, entries = entry.state, [], []
+        for t in range(x.shape[1]):
+            o, state = self.run_op(tuple(i[:, t: t + 1] for i in inputs), state, True, None)
+            outputs.append(o)
+            entries.append(MemoryEntry(*tails[t], state))
+        return self.read_out(proj, torch.cat(outputs, dim=1)), entries
+
+    def _tails_after_each(self, proj: "Projections", entry: MemoryEntry) -> list[tuple[Any, Any]]:
+        """The short convs' tails ``(q_tail, k_tail)`` after each of ``proj``'s tokens: the last
+        ``width - 1`` conv inputs up to it (``entry``'s tails before the first)."""
+        length = proj.x.shape[1]
+        if self.q_conv is None:
+            return [(entry.q_tail, entry.k_tail)] * length
+        qk, split = proj.side_by_side("q_proj", "k_proj")
+        carried = self.q_conv.weight.shape[-1] - 1
+        tail = (qk.new_zeros(qk.shape[0], carried, qk.shape[-1]) if entry.q_tail is None
+                else torch.cat([entry.q_tail, entry.k_tail], dim=-1).to(qk.dtype))
+        seq = torch.cat([tail, qk], dim=1)
+        return [tuple(seq[:, t + 1: t + 1 + carried].split(split, dim=-1)) for t in range(length)]
+
     def fresh_rows(self, entry: MemoryEntry, fresh: torch.Tensor) -> MemoryEntry:
         """``entry`` (state ``[N]`` rows given) with the rows where ``fresh [N]`` (bool) is True
         reset to a sequence's start: the learned initial memories, empty (zero) conv tails. What

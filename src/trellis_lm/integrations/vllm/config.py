@@ -32,8 +32,15 @@ class TrellisServingChecks(VerifyAndUpdateConfig):
             raise ValueError(
                 "speculative decoding with prefix caching is not supported for Trellis checkpoints in vLLM: with both, "
                 "vLLM keeps the state after every draft token in a block of its own and copies between them, while the "
-                "plugin keeps the state before a draft and replays the accepted tokens (docs/serving.md); pass "
+                "plugin keeps them all in the sequence's one slot (docs/serving.md); pass "
                 "enable_prefix_caching=False (--no-enable-prefix-caching) with speculative_config"
+            )
+        if vllm_config.speculative_config is not None and vllm_config.speculative_config.method == "draft_model":
+            raise ValueError(
+                "speculative decoding with a draft model is not supported for Trellis checkpoints in vLLM 0.32: vLLM "
+                "gives a model with recurrent-state layers a mamba_block_size, and the copy of the configuration it "
+                "builds for the draft refuses one without prefix caching, which speculative decoding needs off here "
+                "(docs/serving.md); use n-gram drafts (speculative_config={'method': 'ngram', ...})"
             )
         keep_states_where_the_scheduler_aligns(vllm_config)
         parallel = vllm_config.parallel_config

@@ -119,8 +119,8 @@ class MemoryStateLayer(nn.Module, MambaBase):
         return MambaAttentionBackendEnum.LINEAR
 
     def get_kv_cache_spec(self, vllm_config: VllmConfig) -> KVCacheSpec:
-        # One slot per sequence also under speculative decoding (vLLM would give one per draft
-        # token): the slot holds the drafts' inputs, not a state per draft.
+        # One slot per sequence also under speculative decoding (vLLM would add a block per draft
+        # token): the slot itself holds the entry after each draft position (SlotLayout).
         spec = super().get_kv_cache_spec(vllm_config)
         return dataclasses.replace(spec, page_size_padded=max(spec.page_size_padded or 0, self.page_bytes),
                                    num_speculative_blocks=0)

@@ -13,11 +13,13 @@ each sequence from its slot and writing the state after its tokens back. It is t
 function (``MemoryMixer.mix``) that ``model.generate`` runs, so the two give the same numbers.
 
 Speculative decoding: a server verifies a sequence's draft tokens in one step and keeps, in
-the next, only those it accepted (``computed`` then counts them). A slot laid out with room
-for ``pending`` tokens keeps, for a row of at most that many tokens (a draft and the token
-before it), the state from *before* them and the mixer's inputs for them; the next step
-replays the ones the server kept from there (the mixer's own function again, as the
-``generate`` cache's rollback does), so a rejected draft never enters the state.
+the next, only those it accepted (``computed`` then counts them). A slot laid out for rows of
+up to ``pending`` tokens (a draft and the token before it) holds ``pending + 1`` entries: the
+entry from *before* such a row, and the entry after each of its tokens, which the layer runs
+one at a time (the op's decode step, the function ``generate`` decodes with). The next step
+continues from the entry after the last token the server kept, so a rejected draft never
+enters the state and nothing is computed twice (vLLM's own recurrent layers keep a state per
+draft position likewise).
 """
 
 from __future__ import annotations
@@ -32,8 +34,6 @@ from ...cache_layout import COLUMNS, ROWS, Dim, TensorSpec
 from ...mixers import MIXERS
 from ...mixers.base import MemoryMixer
 from ...mixers.valid_tokens import ValidTokens
-
-TAILS = ("q_tail", "k_tail")
 
 
 def memory_only(layer_kinds: Sequence[str]) -> bool:
@@ -61,9 +61,10 @@ class SlotLayout:
     one run of bytes (a server allocates pages of bytes), each tensor at an offset aligned to
     ``ALIGN`` bytes: :meth:`views` reads a page as the typed tensors.
 
-    With ``pending > 0`` (speculative decoding) a slot also counts the ``tokens`` its state has
-    taken in and holds up to ``pending`` tokens' mixer inputs ``pending_x [pending, D]`` (model
-    dtype) not yet in the state, ``pending_count`` of them (see the module doc).
+    With ``pending > 0`` (speculative decoding) every entry tensor is held ``pending + 1`` times
+    (``[pending + 1, *shape]``: the entry at each position of a held row, see the module doc), and
+    a slot also counts the ``tokens`` its position 0 has taken in and the ``pending_count`` tokens
+    of the row after them.
 
     Args:
         mixer_class: a :class:`~trellis_lm.mixers.MemoryMixer` subclass.
@@ -82,13 +83,14 @@ class SlotLayout:
             raise ValueError(f"pending must be 0 (no drafts) or at least 2 (a token and a draft), got {pending}")
         state_dtype = torch.float64 if dtype == torch.float64 else torch.float32
         state_names = set(mixer_class.state_layout(config))
+        positions = (pending + 1,) if pending else ()
         entry = tuple(
-            SlotField(name, self._shape(name, spec), self._dtype(spec, state_dtype if name in state_names else dtype))
+            SlotField(name, positions + self._shape(name, spec),
+                      self._dtype(spec, state_dtype if name in state_names else dtype))
             for name, spec in mixer_class.cache_layout(config).items()
         )
         self.entry_names = tuple(f.name for f in entry)
-        held = (SlotField("tokens", (), torch.int64), SlotField("pending_count", (), torch.int64),
-                SlotField("pending_x", (pending, config.hidden_size), dtype)) if pending else ()
+        held = (SlotField("tokens", (), torch.int64), SlotField("pending_count", (), torch.int64)) if pending else ()
         self.fields = (*entry, *held)
         self.pending = pending
         self.offsets, end = [], 0
@@ -131,33 +133,39 @@ class SlotLayout:
         return self.views(torch.zeros(slots, self.nbytes, dtype=torch.uint8, device=device))
 
     def read(self, tensors: Sequence[torch.Tensor], slots: Union[torch.Tensor, int], names: Sequence[str],
-             rows: int = 0) -> dict[str, torch.Tensor]:
+             rows: int = 0, positions: Optional[torch.Tensor] = None) -> dict[str, torch.Tensor]:
         """The fields ``names`` of ``slots [R]`` from the field tensors, by name: copies; or, for
-        ``slots`` an int (a run of ``rows`` slots from there, see :func:`slot_run`), views of them."""
+        ``slots`` an int (a run of ``rows`` slots from there, see :func:`slot_run`), views of them.
+        With ``pending`` room, entry fields are read at ``positions [R]`` (one per slot)."""
         if isinstance(slots, int):
             return {f.name: t[slots: slots + rows] for f, t in zip(self.fields, tensors) if f.name in names}
-        return {f.name: t.index_select(0, slots) for f, t in zip(self.fields, tensors) if f.name in names}
+        return {f.name: t[slots, positions] if f.name in self.entry_names and self.pending else t.index_select(0, slots)
+                for f, t in zip(self.fields, tensors) if f.name in names}
 
-    def write(self, tensors: Sequence[torch.Tensor], slots: Union[torch.Tensor, int], values: dict[str, torch.Tensor]) -> None:
+    def write(self, tensors: Sequence[torch.Tensor], slots: Union[torch.Tensor, int], values: dict[str, torch.Tensor],
+              position: int = 0) -> None:
         """Store ``values`` (by name, ``[R, ...]`` no larger than a slot's fields, the rest zero)
-        in ``slots [R]`` (or the run of slots from an int); fields not in ``values`` are left as
-        they are."""
+        in ``slots [R]`` (or the run of slots from an int), entry fields at ``position`` where the
+        layout has ``pending`` room; fields not in ``values`` are left as they are."""
         for f, t in zip(self.fields, tensors):
             if f.name in values:
-                value = self.fit(f, values[f.name])
-                if isinstance(slots, int):
+                held = self.pending and f.name in self.entry_names
+                value = self.fit(f.shape[1:] if held else f.shape, f.dtype, values[f.name])
+                if held:
+                    t[slots, position] = value
+                elif isinstance(slots, int):
                     t[slots: slots + value.shape[0]].copy_(value)
                 else:
                     t.index_copy_(0, slots, value)
 
     @staticmethod
-    def fit(field: SlotField, value: torch.Tensor) -> torch.Tensor:
-        """``value [R, ...]`` in the field's dtype and shape: zeros past a buffer that has not
+    def fit(shape: tuple[int, ...], dtype: torch.dtype, value: torch.Tensor) -> torch.Tensor:
+        """``value [R, ...]`` as ``[R, *shape]`` of ``dtype``: zeros past a buffer that has not
         grown to the slot's bound (KVM's window and state rows)."""
-        value = value.to(field.dtype)
-        if tuple(value.shape[1:]) == field.shape:
+        value = value.to(dtype)
+        if tuple(value.shape[1:]) == shape:
             return value
-        full = torch.zeros((value.shape[0], *field.shape), dtype=field.dtype, device=value.device)
+        full = torch.zeros((value.shape[0], *shape), dtype=dtype, device=value.device)
         full[tuple(slice(0, n) for n in value.shape)] = value
         return full
 
@@ -178,12 +186,12 @@ def run_on_slots(
     """The mixer on a server's flat batch, continuing each sequence from its slot.
 
     Sequences with one token (decodes) run as one batch of single tokens (the op's decode
-    step); the others (prefills, whole prompts or chunks of them, and drafts) as one
-    right-padded batch, whose real tokens the op takes in one varlen call. A sequence with
+    step); the others (prefills, whole prompts or chunks of them) as right-padded batches of
+    similar lengths, whose real tokens the op takes in one varlen call. A sequence with
     ``computed == 0`` starts from the learned initial state whatever its slot holds. With room
-    for pending tokens (``layout.pending``) a sequence first replays those of its slot's
-    pending tokens the server kept, and a row of 2 to ``layout.pending`` tokens is held back
-    (see the module doc).
+    for pending tokens (``layout.pending``) a sequence continues from the entry after the tokens
+    of its last row the server kept, and rows of 2 to ``layout.pending`` tokens run a token at a
+    time, keeping the entry after each (see the module doc).
 
     Args:
         mixer: the layer's memory mixer.
@@ -208,7 +216,8 @@ def run_on_slots(
             f"computed must be >= 0; got starts {starts.tolist()}, computed {computed.tolist()}"
         )
     single = lengths == 1
-    for rows in (single.nonzero()[:, 0], *_similar_lengths((~single).nonzero()[:, 0], lengths)):
+    held = ~single & (lengths <= layout.pending)
+    for rows in (single.nonzero()[:, 0], held.nonzero()[:, 0], *_similar_lengths((~single & ~held).nonzero()[:, 0], lengths)):
         if rows.numel():
             rows = rows[slots[rows].argsort()]  # a batch's rows in any order: by slot, so its slots may form a run
             _run_rows(mixer, layout, tensors, x, out, starts[rows], lengths[rows], computed[rows], slots[rows])
@@ -252,37 +261,48 @@ def _run_rows(mixer: MemoryMixer, layout: SlotLayout, tensors: Sequence[torch.Te
     """Run ``R`` sequences (``starts``, ``lengths``, ``computed``, ``slots``: ``[R]``) as one
     right-padded batch ``[R, max length, D]``; write outputs into ``out`` and states back."""
     rows, valid, index, real = _padded(x, starts, lengths)
-    # A run of slots is read as views, not copies (the ops only read the state they are given),
-    # except where drafts are replayed into what was read.
-    run = None if layout.pending else slot_run(slots)
-    where = slots if run is None else run
-    held = layout.read(tensors, where, [f.name for f in layout.fields], len(slots))
     if layout.pending:
-        _replay_kept(mixer, layout, held, computed)
+        entry = _kept_entry(layout, tensors, slots, computed)
+    else:
+        # A run of slots is read as views, not copies (the ops only read the state they are given).
+        run = slot_run(slots)
+        where = slots if run is None else run
+        held = layout.read(tensors, where, layout.entry_names, len(slots))
+        entry = _held_entry(layout, held)
     fresh = computed == 0
-    entry = _held_entry(layout, held)
     if bool(fresh.any()):
         entry = mixer.fresh_rows(entry, fresh)
+    if layout.pending and 1 < rows.shape[1] <= layout.pending:
+        _run_positions(mixer, layout, tensors, rows, out, index, lengths, computed, slots, entry)
+        return
     y, after_entry = mixer.advance(rows, valid, entry)
     if valid is not None:
         out[index[real]] = y[real]
     else:  # every row full (decodes, equal chunks): no mask to gather by
         out[index] = y
     after = _entry(after_entry)
-    if not layout.pending:
-        # A tensor the mixer returned as it was given is what the slots hold already (a decode
-        # step's anchors between chunk starts, KVM's state rows between folds): not written.
-        layout.write(tensors, where, {name: t for name, t in after.items() if t is not held.get(name)})
+    if layout.pending:
+        after.update(tokens=computed + lengths, pending_count=torch.zeros_like(lengths))
+        layout.write(tensors, slots, after)
         return
-    # Rows that may be drafts keep the state from before them, and their inputs.
-    hold = (lengths > 1) & (lengths <= layout.pending)
-    after.update(tokens=computed + lengths, pending_count=torch.zeros_like(lengths))
-    layout.write(tensors, slots[~hold], {name: t[~hold] for name, t in after.items()})
-    if bool(hold.any()):
-        before = _entry(entry)
-        inputs = rows[:, : layout.pending].masked_fill(~real[:, : layout.pending, None], 0)
-        before.update(tokens=computed, pending_count=lengths, pending_x=inputs)
-        layout.write(tensors, slots[hold], {name: t[hold] for name, t in before.items()})
+    # A tensor the mixer returned as it was given is what the slots hold already (a decode
+    # step's anchors between chunk starts, KVM's state rows between folds): not written.
+    layout.write(tensors, where, {name: t for name, t in after.items() if t is not held.get(name)})
+
+
+def _run_positions(mixer: MemoryMixer, layout: SlotLayout, tensors: Sequence[torch.Tensor], rows: torch.Tensor,
+                   out: torch.Tensor, index: torch.Tensor, lengths: torch.Tensor, computed: torch.Tensor,
+                   slots: torch.Tensor, entry: MemoryEntry) -> None:
+    """Rows that may hold drafts (``rows [R, L, D]``, ``L <= layout.pending``): the entry before
+    them stored at position 0 of each slot, the entry after each token at its position. A row
+    shorter than ``L`` runs on through padding (tokens of other rows): the entries past its end
+    are never read (the server keeps at most its ``lengths`` tokens), its outputs not written."""
+    layout.write(tensors, slots, {**_entry(entry), "tokens": computed, "pending_count": lengths})
+    y, entries = mixer.advance_each(rows, entry)
+    real = torch.arange(rows.shape[1], device=rows.device) < lengths[:, None]
+    out[index[real]] = y[real]
+    for position, after in enumerate(entries, start=1):
+        layout.write(tensors, slots, _entry(after), position)
 
 
 def _padded(x: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor
@@ -312,30 +332,19 @@ def _entry(entry: MemoryEntry) -> dict[str, torch.Tensor]:
     return named
 
 
-def _replay_kept(mixer: MemoryMixer, layout: SlotLayout, held: dict[str, torch.Tensor], computed: torch.Tensor) -> None:
-    """Bring ``held`` (the rows' slots, read) to ``computed`` tokens: replay, from each row's
-    state, the pending tokens the server kept (``computed - tokens`` of them), in place."""
+def _kept_entry(layout: SlotLayout, tensors: Sequence[torch.Tensor], slots: torch.Tensor,
+                computed: torch.Tensor) -> MemoryEntry:
+    """The entry of ``slots [R]`` after ``computed [R]`` tokens: at the position of the last token
+    of its held row the server kept (``computed - tokens`` of them; 0: the row's start)."""
+    counts = layout.read(tensors, slots, ("tokens", "pending_count"))
     continuing = computed > 0
-    kept = torch.where(continuing, computed - held["tokens"], 0)
-    wrong = continuing & ((kept < 0) | (kept > held["pending_count"]))
+    kept = torch.where(continuing, computed - counts["tokens"], 0)
+    wrong = continuing & ((kept < 0) | (kept > counts["pending_count"]))
     if bool(wrong.any()):
         row = int(wrong.nonzero()[0, 0])
         raise RuntimeError(
-            f"a sequence's state slot holds the state after {int(held['tokens'][row])} tokens and "
-            f"{int(held['pending_count'][row])} pending ones, but the server continues it after {int(computed[row])} "
+            f"a sequence's state slot holds the state after {int(counts['tokens'][row])} tokens and "
+            f"{int(counts['pending_count'][row])} pending ones, but the server continues it after {int(computed[row])} "
             "tokens: the slot was not written by this sequence's last step"
         )
-    rows = kept.nonzero()[:, 0]
-    if not rows.numel():
-        return
-    count = kept[rows]
-    real = torch.arange(int(count.max()), device=count.device) < count[:, None]
-    inputs = held["pending_x"][rows, : real.shape[1]]
-    valid = None if bool(real.all()) else ValidTokens.from_mask(real)
-    entry = _held_entry(layout, {name: held[name][rows] for name in (*layout.state_names, *TAILS) if name in held})
-    replayed = _entry(mixer.advance(inputs, valid, entry, with_output=False)[1])
-    for name, value in replayed.items():
-        field = layout.fields[layout.entry_names.index(name)]
-        held[name][rows] = layout.fit(field, value)
-    held["tokens"][rows] = computed[rows]
-    held["pending_count"][rows] = 0
+    return _held_entry(layout, layout.read(tensors, slots, layout.entry_names, positions=kept))
