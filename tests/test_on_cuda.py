@@ -1,5 +1,5 @@
-"""On a CUDA GPU: Lattice and KVM at real sizes, the model's ``generate`` against the CPU's, and
-bf16 Trainer steps (issue 39, item 1).
+"""On a CUDA GPU: Lattice and KVM at real sizes, the model's ``generate`` against the CPU's, the
+vLLM plugin's slots, and bf16 Trainer steps (issue 39, item 1).
 
 These need a GPU, which CI does not have: they are skipped there and run by the device check
 (``benchmarks/gpu_run.sh``). Trellis's kernels at real sizes are in ``test_triton.py`` (which
@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from op_inputs import make_kvm_inputs
+from slot_server import serve
 from tiny_models import random_tokens, tiny_model
 from trellis_lm.ops import kvm_attention
 from trellis_lm.ops.lattice import lattice_attention
@@ -96,6 +97,28 @@ def test_generate_on_cuda_gives_the_cpu_tokens():
     on_gpu = model.to("cuda").generate(prompt.cuda(), **settings)
     assert on_gpu.is_cuda
     assert torch.equal(on_gpu.cpu(), on_cpu)
+
+
+@pytest.mark.parametrize("schedule", ["trellis", "lattice", "kvm"])
+def test_vllm_slots_on_cuda_give_each_sequence_its_logits(schedule):
+    """The vLLM plugin's slot logic on the GPU (vLLM itself is not on the device): prompt
+    chunks that end mid-chunk of the ops, single tokens and rows of n-gram drafts of which some
+    are rejected, the slots' state tensors on the GPU, Trellis on its Triton kernels and decode
+    step. Every kept token's float32 logits are the model's on the sequence alone, within 1e-4."""
+    model = tiny_model(seed=3, schedule=schedule, hidden_size=128, head_dim=64, num_slots=64, chunk_size=16,
+                       intermediate_size=256, kvm_chunk_size=16, kvm_window_chunks=2, kvm_state_size=32,
+                       kvm_rope_dims=16).to("cuda")
+    prompts = [random_tokens(1, n, seed=n)[0].cuda() for n in (61, 9, 40, 3)]
+    drafts = [(1, 3), (2, 2), (4, 0), (1, 0), (3, 1)]  # (kept, rejected) in turn
+
+    def plan(i, step):
+        return 21 if i == 0 and step < 2 else drafts[(i + step) % len(drafts)]
+
+    got = serve(model, prompts, slot_of=[5, 0, 3, 1], step_tokens=plan, pending=4)
+    with torch.no_grad():
+        for prompt, logits in zip(prompts, got):
+            assert logits.is_cuda
+            assert rel(logits, model(prompt[None]).logits[0]) < 1e-4
 
 
 def test_bf16_trainer_steps_are_finite(tmp_path):

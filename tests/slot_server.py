@@ -1,0 +1,63 @@
+"""A small server loop that plays vLLM's part for the plugin's slot logic
+(trellis_lm.integrations.vllm.slots): a flat batch per step (decodes first, then prefill chunks
+of different lengths), each sequence in its own slot of tensors that hold garbage from earlier
+sequences. Used by tests/test_serving_slots.py (CPU, float64) and tests/test_on_cuda.py."""
+
+from __future__ import annotations
+
+import torch
+
+from trellis_lm.integrations.vllm.slots import SlotLayout, run_on_slots
+
+
+def flat_forward(model, ids, starts, computed, slots, layers):
+    """The model on a server's flat batch ``ids [N]``: each block's mixer over its slots."""
+    hidden = model.model.embed_tokens(ids)
+    for layer, (layout, tensors) in zip(model.model.layers, layers):
+        hidden = layer.around(hidden, lambda x, layer=layer, layout=layout, tensors=tensors: run_on_slots(
+            layer.self_attn, layout, tensors, x, starts, computed, slots))
+    return model.lm_head(model.model.norm(hidden))
+
+
+def serve(model, prompts, slot_of, step_tokens, slots=8, pending=0):
+    """Logits of every token of ``prompts`` (1-D rows on the model's device), computed as a
+    server would: each step gives a sequence ``step_tokens(i, step)`` tokens, sequences ordered
+    decodes (one token) first.
+
+    ``step_tokens`` returns a number of tokens, or ``(kept, rejected)``: the sequence's next
+    ``kept`` tokens, then ``rejected`` random ones (a draft the server rejects: it counts only
+    the kept ones as taken in, and only their logits are returned).
+    """
+    weight = model.model.embed_tokens.weight
+    dtype, device = weight.dtype, weight.device
+    layers = []
+    for layer in model.model.layers:
+        layout = SlotLayout(type(layer.self_attn), model.config, dtype, pending)
+        tensors = layout.allocate(slots, device)
+        for t in tensors:  # what an earlier sequence left behind
+            t.copy_(torch.randn(t.shape, dtype=torch.float64).to(t.dtype) if t.is_floating_point() else 5)
+        layers.append((layout, tensors))
+    done = [0] * len(prompts)
+    logits = [[] for _ in prompts]
+    noise = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for step in range(10**6):
+            rows = [i for i, p in enumerate(prompts) if done[i] < len(p)]
+            if not rows:
+                break
+            plan = {i: step_tokens(i, step) for i in rows}
+            plan = {i: (n, 0) if isinstance(n, int) else n for i, n in plan.items()}
+            pieces = {i: torch.cat([prompts[i][done[i]: done[i] + kept],
+                                    torch.randint(3, model.config.vocab_size, (rejected,), generator=noise).to(device)])
+                      for i, (kept, rejected) in plan.items()}
+            rows.sort(key=lambda i: len(pieces[i]) != 1)
+            starts = torch.tensor([0] + [len(pieces[i]) for i in rows]).cumsum(0)
+            # The step's metadata lives where the model does, as vLLM's does.
+            out = flat_forward(model, torch.cat([pieces[i] for i in rows]), starts.to(device),
+                               torch.tensor([done[i] for i in rows], device=device),
+                               torch.tensor([slot_of[i] for i in rows], device=device), layers)
+            for j, i in enumerate(rows):
+                kept = min(plan[i][0], len(prompts[i]) - done[i])
+                logits[i].append(out[starts[j]: starts[j] + kept])
+                done[i] += kept
+    return [torch.cat(parts) for parts in logits]
