@@ -33,7 +33,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .compress_mix import EPS, compress_residual_vjp, layer_norm_stats, layer_norm_vjp, mix
+from .compress_mix import (EPS, compress_residual_vjp, layer_norm_stats, layer_norm_vjp, mix,
+                           residual_vjp_without_graph)
 
 
 @dataclass(frozen=True)
@@ -167,6 +168,7 @@ def _substitute(name: str, z: torch.Tensor, lower: torch.Tensor, alpha: torch.Te
     """
     passes, nh, width, slots = z.shape
     z_rows, lower_rows, u_rows = z.view(-1, width, slots), lower.view(-1, width, width), u.view(-1, width, slots)
+    residual = residual_vjp_without_graph(name)
     for lo in range(0, width, SUBSTITUTION_BLOCK):
         hi = min(width, lo + SUBSTITUTION_BLOCK)
         block = z_rows[:, lo:hi]
@@ -175,13 +177,15 @@ def _substitute(name: str, z: torch.Tensor, lower: torch.Tensor, alpha: torch.Te
         reads = block.view(passes, nh, hi - lo, slots).permute(2, 0, 1, 3).contiguous()  # [b, P, NH, M]
         push = lower[..., lo:hi, lo:hi].permute(3, 2, 0, 1).contiguous()  # push[i, r] = Lm[..., r, i]
         targets = alpha[:, lo:hi].transpose(0, 1).contiguous()  # [b, NH, M]
-        out = torch.empty_like(reads)
+        # The loop is bound by per-call overhead (a token's operands are a few thousand numbers):
+        # views made in one call, each u_r kept as computed and stacked once.
+        rows, row_targets, us = reads.unbind(0), targets.unbind(0), []
         for r in range(hi - lo):
-            out[r] = compress_residual_vjp(name, reads[r], targets[r])
+            us.append(residual(rows[r], row_targets[r]))
             if r + 1 < hi - lo:
-                reads[r + 1:].addcmul_(push[r, r + 1:, ..., None], out[r], value=-1)
+                reads[r + 1:].addcmul_(push[r, r + 1:, ..., None], us[r], value=-1)
         z[..., lo:hi, :] = reads.permute(1, 2, 0, 3)
-        u[..., lo:hi, :] = out.permute(1, 2, 0, 3)
+        u[..., lo:hi, :] = torch.stack(us).permute(1, 2, 0, 3)
 
 
 def _unsubstitute(name: str, z_hat, r, a, b, u, lower, grad_u, out_z, out_alpha) -> None:

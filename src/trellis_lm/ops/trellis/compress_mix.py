@@ -8,6 +8,9 @@ checked against autograd in ``tests/test_ops.py`` (``test_closed_form_vjp_matche
 
 from __future__ import annotations
 
+import functools
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -18,6 +21,7 @@ MIX_FNS = ("ln_silu", "l2_silu", "softmax")
 # Where each write takes its inner gradient (design page, section 1): at the memory just before
 # it ("exact": the per-token recurrence, whatever C) or at its chunk's start ("anchored").
 WRITE_GRADIENTS = ("exact", "anchored")
+_INPUT_GRAD_ONLY = [True, False, False]  # layer norm's backward: the input's gradient, no weight or bias
 
 
 def _layernorm(z: torch.Tensor) -> torch.Tensor:
@@ -48,6 +52,22 @@ def reads_current_memory(compress_fn: str, write_gradient: str) -> bool:
     return write_gradient == "exact" or compress_fn == "identity"
 
 
+def _layer_norm_residual(z: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
+    """``compress_residual_vjp("layernorm", z, alpha)`` where no graph is recorded: layer norm's
+    fused forward and backward kernels, called directly (per-token loops pay for every call)."""
+    shape = z.shape[-1:]
+    z_hat, mean, rstd = torch.native_layer_norm(z, shape, None, None, EPS)
+    # z_hat is fresh: it becomes the residual e in place.
+    return torch.ops.aten.native_layer_norm_backward(z_hat.sub_(alpha), z, shape, mean, rstd, None, None,
+                                                     _INPUT_GRAD_ONLY)[0]
+
+
+def residual_vjp_without_graph(name: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """``(z, alpha) -> compress_residual_vjp(name, z, alpha)`` for callers that record no graph
+    (the chunk form's forward substitution): the fused layer-norm path without the checks."""
+    return _layer_norm_residual if name == "layernorm" else functools.partial(compress_residual_vjp, name)
+
+
 def compress_residual_vjp(name: str, z: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
     """``vjp_phi(z, phi(z) - alpha)``: the gradient of ``||phi(z) - alpha||^2 / 2`` in ``z``.
 
@@ -72,8 +92,7 @@ def compress_residual_vjp(name: str, z: torch.Tensor, alpha: torch.Tensor) -> to
         return (e - z_hat * (z_hat * e).sum(dim=-1, keepdim=True)) * inv_norm
     if name == "layernorm":
         if not (torch.is_grad_enabled() and (z.requires_grad or alpha.requires_grad)):
-            z_hat, mean, rstd = layer_norm_stats(z)
-            return layer_norm_vjp(z_hat - alpha, z, mean, rstd)
+            return _layer_norm_residual(z, alpha)
         # J^T e = (e - mean(e) - zh mean(zh * e)) / sigma.
         centred = z - z.mean(dim=-1, keepdim=True)
         inv_sigma = torch.rsqrt(centred.pow(2).mean(dim=-1, keepdim=True) + EPS)
