@@ -313,6 +313,8 @@ def main() -> None:
                         "this folder (another checkout's src/), as '<model>@baseline': before and after in one run")
     parser.add_argument("--cpu-time", action="store_true", help="time in CPU seconds of the engine's process (one "
                         "core) instead of wall seconds: for a machine shared with other work")
+    parser.add_argument("--core", type=int, default=0, help="with --cpu-time: the core the engines run on (two runs "
+                        "side by side each take their own)")
     parser.add_argument("--dtype", choices=("float32", "float64"), default="float32",
                         help="every engine's dtype: float64 tells float32's rounding from a served path's error where "
                              "tokens differ (models without attention layers: vLLM's CPU attention takes no float64)")
@@ -329,7 +331,7 @@ def main() -> None:
         # NUMBA_NUM_THREADS: vLLM's n-gram drafter runs numba's parallel loop on one thread, but numba
         # starts a pool of one thread per core, whose idle threads spun on the engine's core: every
         # engine with drafts measured 2-100x its CPU seconds (the process's CPU time counts them).
-        env.update({CPU_TIME: "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "0",
+        env.update({CPU_TIME: "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": str(args.core),
                     "OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1"})
     cases = variants(args)
     results: dict[tuple[str, int], list[dict]] = {}
