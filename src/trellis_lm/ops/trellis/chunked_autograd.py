@@ -33,8 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .compress_mix import (EPS, compress_residual_vjp, layer_norm_stats, layer_norm_vjp, mix,
-                           residual_vjp_without_graph)
+from .compress_mix import EPS, compress_residual_vjp, layer_norm_stats, layer_norm_vjp, mix
 
 
 @dataclass(frozen=True)
@@ -168,7 +167,6 @@ def _substitute(name: str, z: torch.Tensor, lower: torch.Tensor, alpha: torch.Te
     """
     passes, nh, width, slots = z.shape
     z_rows, lower_rows, u_rows = z.view(-1, width, slots), lower.view(-1, width, width), u.view(-1, width, slots)
-    residual = residual_vjp_without_graph(name)
     for lo in range(0, width, SUBSTITUTION_BLOCK):
         hi = min(width, lo + SUBSTITUTION_BLOCK)
         block = z_rows[:, lo:hi]
@@ -181,7 +179,7 @@ def _substitute(name: str, z: torch.Tensor, lower: torch.Tensor, alpha: torch.Te
         # views made in one call, each u_r kept as computed and stacked once.
         rows, row_targets, us = reads.unbind(0), targets.unbind(0), []
         for r in range(hi - lo):
-            us.append(residual(rows[r], row_targets[r]))
+            us.append(compress_residual_vjp(name, rows[r], row_targets[r]))
             if r + 1 < hi - lo:
                 reads[r + 1:].addcmul_(push[r, r + 1:, ..., None], us[r], value=-1)
         z[..., lo:hi, :] = reads.permute(1, 2, 0, 3)

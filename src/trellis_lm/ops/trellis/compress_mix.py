@@ -8,9 +8,6 @@ checked against autograd in ``tests/test_ops.py`` (``test_closed_form_vjp_matche
 
 from __future__ import annotations
 
-import functools
-from typing import Callable
-
 import torch
 import torch.nn.functional as F
 
@@ -60,12 +57,6 @@ def _layer_norm_residual(z: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
     # z_hat is fresh: it becomes the residual e in place.
     return torch.ops.aten.native_layer_norm_backward(z_hat.sub_(alpha), z, shape, mean, rstd, None, None,
                                                      _INPUT_GRAD_ONLY)[0]
-
-
-def residual_vjp_without_graph(name: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """``(z, alpha) -> compress_residual_vjp(name, z, alpha)`` for callers that record no graph
-    (the chunk form's forward substitution): the fused layer-norm path without the checks."""
-    return _layer_norm_residual if name == "layernorm" else functools.partial(compress_residual_vjp, name)
 
 
 def compress_residual_vjp(name: str, z: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
