@@ -173,15 +173,18 @@ def _substitute(name: str, z: torch.Tensor, lower: torch.Tensor, alpha: torch.Te
         if lo:
             block = torch.baddbmm(block, lower_rows[:, lo:hi, :lo], u_rows[:, :lo], alpha=-1)
         reads = block.view(passes, nh, hi - lo, slots).permute(2, 0, 1, 3).contiguous()  # [b, P, NH, M]
-        push = lower[..., lo:hi, lo:hi].permute(3, 2, 0, 1).contiguous()  # push[i, r] = Lm[..., r, i]
+        # push[i][r] = Lm[..., r, i], zero for r <= i (Lm is strictly lower).
+        push = lower[..., lo:hi, lo:hi].permute(3, 2, 0, 1)[..., None].contiguous().unbind(0)
         targets = alpha[:, lo:hi].transpose(0, 1).contiguous()  # [b, NH, M]
         # The loop is bound by per-call overhead (a token's operands are a few thousand numbers):
-        # views made in one call, each u_r kept as computed and stacked once.
+        # views made in one call each, u_r kept as computed and stacked once, and u_r's term added
+        # to every read-out of the block: the rows up to r take exact zeros, and one call on the
+        # whole block costs less than slicing out the later rows (a slice is a call too).
         rows, row_targets, us = reads.unbind(0), targets.unbind(0), []
-        for r in range(hi - lo):
+        for r in range(hi - lo - 1):
             us.append(compress_residual_vjp(name, rows[r], row_targets[r]))
-            if r + 1 < hi - lo:
-                reads[r + 1:].addcmul_(push[r, r + 1:, ..., None], us[r], value=-1)
+            reads.addcmul_(push[r], us[r], value=-1)
+        us.append(compress_residual_vjp(name, rows[-1], row_targets[-1]))
         z[..., lo:hi, :] = reads.permute(1, 2, 0, 3)
         u[..., lo:hi, :] = torch.stack(us).permute(1, 2, 0, 3)
 
@@ -222,14 +225,19 @@ def _unsubstitute(name: str, z_hat, r, a, b, u, lower, grad_u, out_z, out_alpha)
         if hi < width:
             block = torch.baddbmm(block, _t(lower[:, hi:, lo:hi]), out_z[:, hi:], alpha=-1)
         grads = block.transpose(0, 1).contiguous()  # [b, P NH, M]
-        pull = lower[:, lo:hi, lo:hi].permute(1, 2, 0).contiguous()  # pull[j, i] = Lm[:, j, i]
+        # pull[j][i] = Lm[:, j, i], zero for i >= j; per-token views made in one call each, and
+        # dz_t's term taken from every row of the block (as in _substitute).
+        pull = lower[:, lo:hi, lo:hi].permute(1, 2, 0)[..., None].contiguous().unbind(0)
         dz = torch.empty_like(grads)
+        g_rows, dz_rows = grads[:, :, None].unbind(0), dz[:, :, None].unbind(0)  # [P NH, 1, M] each
+        dz_terms = dz.unbind(0)  # [P NH, M] each
+        projections, rebuilds = _t(project[lo:hi]).unbind(0), rebuild[lo:hi].unbind(0)
+        row_scales = scales[lo:hi, :, None].unbind(0)
         for t in range(hi - lo - 1, -1, -1):
-            g = grads[t][:, None]  # [P NH, 1, M]
-            coefficients = torch.bmm(g, _t(project[lo + t]))  # [P NH, 1, k]
-            torch.baddbmm(g * scales[lo + t][:, None], coefficients, rebuild[lo + t], alpha=-1, out=dz[t][:, None])
+            coefficients = torch.bmm(g_rows[t], projections[t])  # [P NH, 1, k]
+            torch.baddbmm(g_rows[t] * row_scales[t], coefficients, rebuilds[t], alpha=-1, out=dz_rows[t])
             if t:
-                grads[:t].addcmul_(pull[t, :t, :, None], dz[t], value=-1)
+                grads.addcmul_(pull[t], dz_terms[t], value=-1)
         out_z[:, lo:hi] = dz.transpose(0, 1)
         grad_u[:, lo:hi] = grads.transpose(0, 1)
     _alpha_vjp(name, z_hat, r, grad_u, out_alpha)
