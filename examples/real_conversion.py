@@ -53,7 +53,6 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from lm_eval import simple_evaluate
 from lm_eval.models.huggingface import HFLM
-from lm_eval.tasks import TaskManager
 from tqdm.auto import tqdm
 
 from trellis_lm import TrellisForCausalLM
@@ -73,7 +72,7 @@ from trellis_lm.conversion import (
 from trellis_lm.conversion.distill import block_perplexity
 from trellis_lm.conversion.pipeline import read_texts
 from trellis_lm.eval.decode_cost import decode_cost
-from trellis_lm.eval.harness import TASKS_DIR
+from trellis_lm.eval.harness import task_manager
 from trellis_lm.eval.perplexity import perplexity_by_position
 from trellis_lm.conversion.source import locate_source
 from trellis_lm.training import stdlib_docstrings
@@ -218,7 +217,7 @@ def final_measures(model, stream: torch.Tensor, prompts: list[torch.Tensor], tok
     record["samples"] = [tokenizer.decode(model.generate(p[None].to(device), max_new_tokens=32, do_sample=False)[
         0, p.numel():].tolist()) for p in prompts]
     harness = simple_evaluate(model=HFLM(pretrained=model, tokenizer=tokenizer, batch_size=4, device=str(device)),
-                              tasks=["trellis_demo"], task_manager=TaskManager(include_path=str(TASKS_DIR)),
+                              tasks=["trellis_demo"], task_manager=task_manager(),
                               limit=preset.harness_limit)["results"]
     record["lm_eval"] = {task: {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
                          for task, metrics in harness.items()}

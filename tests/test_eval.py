@@ -58,3 +58,38 @@ def test_hf_and_trellis_models_give_the_same_results_batched_or_not(checkpoint, 
     # Greedy generations (left-padded batches vs one by one).
     assert responses(batched, "trellis_demo_gen") == responses(single, "trellis_demo_gen")
     assert all(r[0][0] for r in responses(single, "trellis_demo_gen"))  # something was generated
+
+
+def test_the_task_index_is_built_once_per_folders_and_again_when_their_yamls_change(tmp_path, monkeypatch):
+    """Building lm-eval's index reads every task YAML it ships (20 s of a core): evaluate and the
+    CLI share one per process, and a YAML added or changed in an included folder is indexed."""
+    import os
+
+    import lm_eval.tasks
+
+    from trellis_lm.eval.harness import _task_manager, task_manager
+
+    built = []
+
+    class Recorder:
+        def __init__(self, include_path=None):
+            built.append(include_path)
+
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager", Recorder)
+    _task_manager.cache_clear()
+    try:
+        (tmp_path / "mine.yaml").write_text("task: mine\n")
+        first = task_manager(tmp_path)
+        assert task_manager(str(tmp_path)) is first and built == [[str(tmp_path)]]
+        assert task_manager([TASKS_DIR, tmp_path]) is not first and len(built) == 2
+        assert task_manager(None) is not first and built[-1] is None
+        (tmp_path / "more" / "deeper").mkdir(parents=True)
+        (tmp_path / "more" / "deeper" / "theirs.yml").write_text("task: theirs\n")
+        added = task_manager(tmp_path)
+        assert added is not first and task_manager(tmp_path) is added
+        stat = (tmp_path / "mine.yaml").stat()
+        os.utime(tmp_path / "mine.yaml", ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+        assert task_manager(tmp_path) is not added
+        assert len(built) == 5
+    finally:
+        _task_manager.cache_clear()

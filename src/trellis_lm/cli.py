@@ -286,9 +286,9 @@ def _eval(args: argparse.Namespace) -> int:
 
 def _check_tasks(tasks: list[str], include_path: list[str]) -> None:
     """Refuse task names lm-eval does not know before the model loads (lm-eval looks them up after)."""
-    from lm_eval.tasks import TaskManager
+    from .eval.harness import task_manager
 
-    manager = TaskManager(include_path=include_path)
+    manager = task_manager(include_path)
     unknown = [task for task in tasks if not manager.match_tasks([task]) and not Path(task).is_file()]
     if unknown:
         raise CommandLineError(f"argument --tasks: no lm-eval task, group or YAML file named {', '.join(unknown)}")
