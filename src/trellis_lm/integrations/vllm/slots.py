@@ -158,16 +158,6 @@ class SlotLayout:
                 else:
                     t.index_copy_(0, slots, value)
 
-    def write_row(self, tensors: Sequence[torch.Tensor], slots: torch.Tensor,
-                  entries: Sequence[dict[str, torch.Tensor]]) -> None:
-        """Store a held row's entries (each by name, ``[R, ...]`` as for :meth:`write`) at
-        positions 0 to ``len(entries) - 1`` of ``slots [R]``: one write per field (a server
-        verifying drafts writes a row's entries at every step; a write per entry cost a call
-        per field and position)."""
-        for f, t in zip(self.fields, tensors):
-            if f.name in self.entry_names:
-                t[slots, :len(entries)] = torch.stack([self.fit(f.shape[1:], f.dtype, e[f.name]) for e in entries], 1)
-
     @staticmethod
     def fit(shape: tuple[int, ...], dtype: torch.dtype, value: torch.Tensor) -> torch.Tensor:
         """``value [R, ...]`` as ``[R, *shape]`` of ``dtype``: zeros past a buffer that has not
@@ -307,11 +297,12 @@ def _run_positions(mixer: MemoryMixer, layout: SlotLayout, tensors: Sequence[tor
     them stored at position 0 of each slot, the entry after each token at its position. A row
     shorter than ``L`` runs on through padding (tokens of other rows): the entries past its end
     are never read (the server keeps at most its ``lengths`` tokens), its outputs not written."""
+    layout.write(tensors, slots, {**_entry(entry), "tokens": computed, "pending_count": lengths})
     y, entries = mixer.advance_each(rows, entry)
     real = torch.arange(rows.shape[1], device=rows.device) < lengths[:, None]
     out[index[real]] = y[real]
-    layout.write_row(tensors, slots, [_entry(e) for e in (entry, *entries)])
-    layout.write(tensors, slots, {"tokens": computed, "pending_count": lengths})
+    for position, after in enumerate(entries, start=1):
+        layout.write(tensors, slots, _entry(after), position)
 
 
 def _padded(x: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor
