@@ -7,6 +7,10 @@ with chunks that end mid-chunk of the ops (tests/test_on_cuda.py runs it on a GP
 
 from __future__ import annotations
 
+import os
+import platform
+import sys
+
 import pytest
 import torch
 
@@ -174,3 +178,45 @@ def test_advance_each_gives_the_entry_after_every_token(schedule, overrides, tok
 
 def _tensors(entry):
     return [t for t in (entry.q_tail, entry.k_tail, *entry.state.tensors().values()) if t is not None]
+
+
+KEEPS_FREED_BLOCK = """
+import importlib.util, os, sys
+spec = importlib.util.spec_from_file_location("allocator", sys.argv[1])  # alone: no torch in this process
+allocator = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(allocator)
+def resident():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+raised = allocator.keep_freed_memory()
+before = resident()
+block = bytearray(24 << 20)  # zero-filled, so every page is touched
+del block
+print(raised, resident() - before)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc", reason="glibc's malloc")
+def test_a_cpu_server_keeps_freed_blocks_unless_the_user_chose_an_allocator(monkeypatch):
+    """The plugin raises glibc's thresholds (``allocator.py``): a freed 24 MB block stays the
+    process's, where glibc alone returns it; a user's own thresholds or allocator are left alone."""
+    import subprocess
+
+    from trellis_lm.integrations.vllm import allocator
+
+    def run(**env: str) -> tuple[str, int]:
+        clean = {k: v for k, v in os.environ.items() if k not in allocator.USER_CHOICES and k != "LD_PRELOAD"}
+        raised, kept = subprocess.run([sys.executable, "-c", KEEPS_FREED_BLOCK, allocator.__file__], env={**clean, **env}, check=True,
+                                      capture_output=True, text=True).stdout.split()
+        return raised, int(kept)
+
+    raised, kept = run()
+    assert raised == "True" and kept >= 20 << 20
+    raised, kept = run(MALLOC_TRIM_THRESHOLD_="131072")
+    assert raised == "False" and kept < 4 << 20
+    for env in ({"MALLOC_MMAP_THRESHOLD_": "131072"}, {"LD_PRELOAD": "/opt/lib/libjemalloc.so.2"}):
+        for name in (*allocator.USER_CHOICES, "LD_PRELOAD"):
+            monkeypatch.delenv(name, raising=False)
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        assert allocator.keep_freed_memory() is False

@@ -40,6 +40,7 @@ from ...mixers import MIXERS, MemoryMixer, Mixer
 from ...mixers.norms_convs import TrellisRMSNorm
 from ...modeling_trellis import TrellisDecoderLayer
 from ...projection_stacks import LinearStack
+from .allocator import keep_freed_memory
 from .parallel import rank_config, rank_share, reduce_outputs
 from .slots import SlotLayout, run_on_slots
 
@@ -207,6 +208,8 @@ class TrellisForCausalLM(nn.Module, HasInnerState, IsHybrid):
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()
+        if vllm_config.device_config.device_type == "cpu":
+            keep_freed_memory()  # a prefill step's temporaries, not faulted in again at every step
         config = vllm_config.model_config.hf_config
         self.config = config
         self.model = TrellisStack(served_config(vllm_config), vllm_config, prefix="model")
