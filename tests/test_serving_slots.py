@@ -206,8 +206,9 @@ def test_a_cpu_server_keeps_freed_blocks_unless_the_user_chose_an_allocator(monk
 
     def run(**env: str) -> tuple[str, int]:
         clean = {k: v for k, v in os.environ.items() if k not in allocator.USER_CHOICES and k != "LD_PRELOAD"}
-        raised, kept = subprocess.run([sys.executable, "-c", KEEPS_FREED_BLOCK, allocator.__file__], env={**clean, **env}, check=True,
-                                      capture_output=True, text=True).stdout.split()
+        command = [sys.executable, "-c", KEEPS_FREED_BLOCK, allocator.__file__]
+        raised, kept = subprocess.run(command, env={**clean, **env}, check=True, capture_output=True,
+                                      text=True).stdout.split()
         return raised, int(kept)
 
     raised, kept = run()
