@@ -118,6 +118,7 @@ def _yaml_files(paths: tuple[str, ...]) -> tuple[tuple[str, int], ...]:
 
 @functools.lru_cache(maxsize=4)
 def _task_manager(paths: tuple[str, ...], yaml_files: tuple[tuple[str, int], ...]) -> Any:
+    # yaml_files is only part of the cache key: a changed folder gets a new index.
     from lm_eval.tasks import TaskManager
 
     return TaskManager(include_path=list(paths) or None)
