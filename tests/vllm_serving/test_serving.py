@@ -2,11 +2,16 @@
 
 Every check compares vLLM's tokens with ``model.generate`` on the same checkpoint, saved by
 ``save_pretrained`` and loaded by vLLM through the plugin's entry point (no remote code, no
-conversion). Engines run in float32 (greedy ties would otherwise depend on rounding), eagerly.
+conversion). Engines run in float32 (greedy ties would otherwise depend on rounding), eagerly,
+in the test's own process (no engine-core process, the ``uni`` executor): each engine then starts
+in seconds rather than the half a minute two spawned processes take to import vLLM again.
+Processes are what two tensor-parallel ranks need and what ``vllm serve`` runs: those paths are
+checked by the tensor-parallel case here and by ``test_documented_server.py``.
 """
 
 from __future__ import annotations
 
+import gc
 import os
 from pathlib import Path
 
@@ -15,8 +20,13 @@ import torch
 
 # vLLM's CPU cache budget (GiB): tiny models need little, and the default takes a share of RAM.
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+# The engine core in this process (see the module doc); its threads left where the OS puts them,
+# since test workers run side by side (vLLM's automatic binding puts every engine on core 0).
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
 from vllm import LLM, SamplingParams  # noqa: E402
+from vllm.distributed.parallel_state import cleanup_dist_env_and_memory  # noqa: E402
 from vllm.exceptions import VLLMValidationError  # noqa: E402
 
 from tests.tiny_models import random_tokens, tiny_model  # noqa: E402
@@ -34,9 +44,18 @@ def save_checkpoint(folder: Path, schedule: str, seed: int = 0) -> torch.nn.Modu
     return model
 
 
+@pytest.fixture(autouse=True)
+def one_engine_at_a_time():
+    """A test's engine is gone before the next one starts in this process: its memory freed and
+    its (one-rank) distributed state torn down, which a new engine would otherwise find set up."""
+    yield
+    gc.collect()
+    cleanup_dist_env_and_memory()
+
+
 def engine(folder: Path, **options) -> LLM:
     settings = dict(skip_tokenizer_init=True, dtype="float32", max_model_len=4096, max_num_batched_tokens=256,
-                    enforce_eager=True, seed=0, disable_log_stats=False)
+                    enforce_eager=True, seed=0, disable_log_stats=False, distributed_executor_backend="uni")
     settings.update(options)
     return LLM(model=str(folder), **settings)
 
@@ -190,7 +209,9 @@ def test_what_the_plugin_does_not_serve_is_refused_when_the_engine_is_configured
     with pytest.raises(Exception, match="speculative decoding with a draft model is not supported"):
         engine(tmp_path, speculative_config={"method": "draft_model", "model": str(tmp_path), "num_speculative_tokens": 2},
                enable_prefix_caching=False)
+    # Several ranks with the executor a user's engine takes for them (the one-process executor
+    # refuses them itself).
     with pytest.raises(Exception, match="pipeline_parallel_size = 2: Trellis checkpoints are not split"):
-        engine(tmp_path, pipeline_parallel_size=2)
+        engine(tmp_path, pipeline_parallel_size=2, distributed_executor_backend="mp")
     with pytest.raises(Exception, match="tensor_parallel_size = 3 must divide .* num_heads = 2"):
-        engine(tmp_path, tensor_parallel_size=3)
+        engine(tmp_path, tensor_parallel_size=3, distributed_executor_backend="mp")
