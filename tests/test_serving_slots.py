@@ -24,6 +24,7 @@ from trellis_lm.mixers import MIXERS, MemoryMixer
 
 @pytest.mark.parametrize("schedule, overrides", [
     ("trellis", {}), ("trellis", {"conv_size": 0, "use_forget_gate": False}), ("lattice", {}), ("kvm", {}),
+    ("trellis", {"write_gradient": "anchored"}),  # the anchors kept in the slots and read mid-chunk
 ])
 def test_slots_give_each_sequence_its_own_logits(schedule, overrides):
     model = tiny_model(schedule=schedule, dtype=torch.float64, **overrides)
@@ -43,13 +44,15 @@ def test_a_finished_sequences_slot_serves_the_next_one_from_its_start():
     torch.testing.assert_close(got[1], model(second[None]).logits[0], rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("schedule", ["trellis", "lattice", "kvm"])
-def test_rejected_drafts_never_enter_a_slots_state(schedule):
+@pytest.mark.parametrize("schedule, overrides", [
+    ("trellis", {}), ("lattice", {}), ("kvm", {}), ("trellis", {"write_gradient": "anchored"}),
+])
+def test_rejected_drafts_never_enter_a_slots_state(schedule, overrides):
     """Speculative decoding: rows of a kept token and drafts of which the server keeps some,
     none or all (mid-chunk of the ops, chunks of 4, KVM's of 3), mixed with prompt chunks and
     single tokens; a sequence restarted from 0 in another slot (preempted and recomputed).
     Every kept token's logits equal the model's on the sequence alone."""
-    model = tiny_model(schedule=schedule, dtype=torch.float64)
+    model = tiny_model(schedule=schedule, dtype=torch.float64, **overrides)
     prompts = [random_tokens(1, n, seed=n)[0] for n in (23, 9, 17, 30)]
     pending = 4  # a kept token and up to three drafts
     drafts = [(1, 3), (2, 2), (4, 0), (1, 0), (3, 1), (2, 0), (1, 1)]  # (kept, rejected) in turn
@@ -91,7 +94,8 @@ def test_slot_layout_follows_the_mixers_declaration():
                 SlotLayout(mixer_class, config, torch.bfloat16)
             continue
         layout = SlotLayout(mixer_class, config, torch.bfloat16)
-        assert [f.name for f in layout.fields] == list(mixer_class.cache_layout(config))
+        unread = mixer_class.unread_state(config)
+        assert [f.name for f in layout.fields] == [name for name in mixer_class.cache_layout(config) if name not in unread]
         assert all(offset % SlotLayout.ALIGN == 0 for offset in layout.offsets)
         pages = torch.zeros(3, layout.nbytes + 40, dtype=torch.uint8)  # a server's padded pages
         views = layout.views(pages)
@@ -109,6 +113,11 @@ def test_slot_layout_follows_the_mixers_declaration():
     assert shapes["window_k"] == (config.num_heads, config.kvm_window_chunks * config.kvm_chunk_size, config.head_dim)
     with pytest.raises(ValueError, match="pages must be"):
         kvm.views(torch.zeros(2, kvm.nbytes - 1, dtype=torch.uint8))
+    # Nothing reads a Trellis layer's anchors under exact writes: its slots keep the memories alone.
+    exact, anchored = (SlotLayout(MIXERS["trellis"], tiny_model(write_gradient=writes).config, torch.float32)
+                       for writes in ("exact", "anchored"))
+    assert {f.name for f in anchored.fields} - {f.name for f in exact.fields} == {"anchor_k", "anchor_v"}
+    assert exact.stand_ins == {"anchor_k": "m_k", "anchor_v": "m_v"} and anchored.stand_ins == {}
 
 
 @pytest.mark.parametrize("starts, computed", [
@@ -157,6 +166,7 @@ def test_runs_of_slots_and_prompt_chunks_of_unlike_lengths(schedule, monkeypatch
 
 @pytest.mark.parametrize("schedule, overrides", [
     ("trellis", {}), ("trellis", {"conv_size": 0, "use_forget_gate": False}), ("lattice", {}), ("kvm", {}),
+    ("trellis", {"write_gradient": "anchored"}),  # the anchors kept in the slots and read mid-chunk
 ])
 @pytest.mark.parametrize("tokens", [1, 3])
 def test_advance_each_gives_the_entry_after_every_token(schedule, overrides, tokens):

@@ -314,6 +314,13 @@ class MemoryMixer(Mixer):
         raise NotImplementedError
 
     @classmethod
+    def unread_state(cls, config: Any) -> dict[str, str]:
+        """Op-state fields that ``config``'s op never reads, each with a field of the same shape
+        and dtype to hand in its place: what a store of states (a server's slots) need not keep.
+        None by default."""
+        return {}
+
+    @classmethod
     def describe_cache(cls, config: Any) -> str:
         """A memory of ``num_slots`` slots per head (Trellis, Lattice)."""
         return f"a fixed-size memory per head ({config.num_heads} heads x {config.num_slots} slots)"

@@ -14,6 +14,7 @@ from ..cache_entries import MemoryLayerCache
 from ..cache_layout import TensorSpec
 from ..ops.trellis import (BACKENDS, COMPRESS_FNS, MIX_FNS, WRITE_GRADIENTS, TrellisState, trellis_attention,
                            trellis_step)
+from ..ops.trellis.compress_mix import reads_current_memory
 from .base import MemoryMixer, Projections, chunked_memory_layout
 from .fields import CHUNK_SIZE, CONV_SIZE, NUM_SLOTS, ConfigField, choice, flag, positive
 from .norms_convs import at_least_float32, l2_normalize
@@ -99,6 +100,14 @@ class TrellisAttention(MemoryMixer):
     def state_layout(cls, config: Any) -> dict[str, TensorSpec]:
         """:class:`~trellis_lm.ops.TrellisState`: four ``[B, H, M, d]`` memories, the offset in ``[0, C)``."""
         return chunked_memory_layout(config, ("m_k", "m_v", "anchor_k", "anchor_v"))
+
+    @classmethod
+    def unread_state(cls, config: Any) -> dict[str, str]:
+        """The anchors, where every residual is taken at the current memory (``"exact"`` writes,
+        the default, and ``identity``; design page, section 1): the memories stand in for them."""
+        if reads_current_memory(config.compress_fn, config.write_gradient):
+            return {"anchor_k": "m_k", "anchor_v": "m_v"}
+        return {}
 
     def op_inputs(self, proj: Projections, q: torch.Tensor, k: torch.Tensor, valid: Any = None,
                   state: Any = None) -> tuple[torch.Tensor, ...]:

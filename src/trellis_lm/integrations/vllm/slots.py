@@ -56,8 +56,11 @@ class SlotLayout:
     largest size the configuration allows (buffers that grow with the tokens, KVM's window
     and state rows, are held at their bound), so a slot never grows.
 
-    Short-conv tails are kept in the model's dtype, as the layer computes them; the op state
-    in float32 (float64 for a float64 model), as the ops carry it; counters in int64. A slot is
+    State fields the configuration's op never reads (``unread_state`` of the kind: a Trellis
+    layer's anchors under ``"exact"`` writes) are not kept; a read hands in the field the kind
+    names in their place. Short-conv tails are kept in the model's dtype, as the layer computes
+    them; the op state in float32 (float64 for a float64 model), as the ops carry it; counters in
+    int64. A slot is
     one run of bytes (a server allocates pages of bytes), each tensor at an offset aligned to
     ``ALIGN`` bytes: :meth:`views` reads a page as the typed tensors.
 
@@ -83,11 +86,12 @@ class SlotLayout:
             raise ValueError(f"pending must be 0 (no drafts) or at least 2 (a token and a draft), got {pending}")
         state_dtype = torch.float64 if dtype == torch.float64 else torch.float32
         state_names = set(mixer_class.state_layout(config))
+        self.stand_ins = mixer_class.unread_state(config)
         positions = (pending + 1,) if pending else ()
         entry = tuple(
             SlotField(name, positions + self._shape(name, spec),
                       self._dtype(spec, state_dtype if name in state_names else dtype))
-            for name, spec in mixer_class.cache_layout(config).items()
+            for name, spec in mixer_class.cache_layout(config).items() if name not in self.stand_ins
         )
         self.entry_names = tuple(f.name for f in entry)
         held = (SlotField("tokens", (), torch.int64), SlotField("pending_count", (), torch.int64)) if pending else ()
@@ -320,7 +324,8 @@ def _padded(x: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor
 def _held_entry(layout: SlotLayout, held: dict[str, torch.Tensor]) -> MemoryEntry:
     """The memory entry of slots read as ``held`` (its tensors by field name; no tails for a kind
     without short convs)."""
-    state = layout.mixer_class.state_class(**{name: held[name] for name in layout.state_names})
+    stand_ins = layout.stand_ins
+    state = layout.mixer_class.state_class(**{name: held[stand_ins.get(name, name)] for name in layout.state_names})
     return MemoryEntry(held.get("q_tail"), held.get("k_tail"), state)
 
 
