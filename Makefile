@@ -23,12 +23,14 @@ PIP_ENV ?= PIP_CONSTRAINT=/dev/null
 # not keep them on these machines), so a clean clone on the same machine downloads no torch again.
 WHEELS ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/trellis-lm/wheels
 # $(call install_torch,VENV,PIP ARGUMENTS): the torch those arguments resolve to (and what it needs),
-# downloaded into $(WHEELS) where missing, then installed from there, uncompiled (byte-compiling
-# torch's 5 GB took a minute more than unpacking them; Python compiles what it imports). The package
-# goes in after it, naming torch again, so that pip keeps that build rather than resolve another.
+# downloaded where missing into a folder of $(WHEELS) named for the venv (.ci/run sets up two venvs
+# at once, and two pips saving one file into one folder could race), then installed from there,
+# uncompiled (byte-compiling torch's 5 GB took a minute more than unpacking them; Python compiles
+# what it imports). The package goes in after it, naming torch again, so that pip keeps that build
+# rather than resolve another.
 define install_torch
-	$(PIP_ENV) $(1)/bin/pip download -q -d $(WHEELS) $(2)
-	$(PIP_ENV) $(1)/bin/pip install --no-compile --no-index --find-links $(WHEELS) $(2)
+	$(PIP_ENV) $(1)/bin/pip download -q -d $(WHEELS)/$(1) $(2)
+	$(PIP_ENV) $(1)/bin/pip install --no-compile --no-index --find-links $(WHEELS)/$(1) $(2)
 endef
 # For Python to compile what it imports once, it must keep the bytecode: this project's machines
 # set PYTHONDONTWRITEBYTECODE, under which every test process and subprocess compiled torch's
@@ -39,6 +41,8 @@ unexport PYTHONDONTWRITEBYTECODE
 # its triton 3.6, transformers 5.10.4, ...), on the tests that touch what changes between releases.
 LOWEST_VENV := .venv-lowest
 LOWEST_STAMP := $(LOWEST_VENV)/.installed
+# Its torch alone: the part .ci/run sets up while it sets up .venv (it touches nothing of the checkout).
+LOWEST_TORCH := $(LOWEST_VENV)/.torch
 LOWEST_TESTS := tests/test_transformers_compat.py tests/test_generation.py tests/test_cache.py \
 	tests/test_schedules.py tests/test_remote_code.py tests/test_hub_path.py tests/test_training.py \
 	tests/test_modeling.py tests/test_distributed.py tests/test_eval.py tests/test_rollback.py \
@@ -70,10 +74,13 @@ $(VENV_STAMP): pyproject.toml
 	$(PIP_ENV) $(VENV_PIP) install --upgrade --upgrade-strategy eager -e '.[test]' '$(TORCH_SPEC)'
 	echo '$(TORCH_SPEC)' > $@
 
-$(LOWEST_STAMP): pyproject.toml .ci/lowest_pins.py
+$(LOWEST_TORCH): pyproject.toml .ci/lowest_pins.py
 	test -x $(LOWEST_VENV)/bin/python || $(PYTHON) -m venv $(LOWEST_VENV)
 	$(PYTHON) .ci/lowest_pins.py pyproject.toml > $(LOWEST_VENV)/constraints.txt
 	$(call install_torch,$(LOWEST_VENV),torch -c $(LOWEST_VENV)/constraints.txt)
+	touch $@
+
+$(LOWEST_STAMP): $(LOWEST_TORCH)
 	$(LOWEST_VENV)/bin/pip install -e '.[test]' -c $(LOWEST_VENV)/constraints.txt
 	touch $@
 
