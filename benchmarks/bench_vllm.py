@@ -348,7 +348,7 @@ def main() -> None:
             for i, case in enumerate(cases):
                 for name, kind, engine_env in engines:
                     result = run_case(args.workload, folders[kind], case, engine_env)
-                    if args.workload == "contexts":
+                    if args.workload == "contexts" and name == kind:  # this checkout's layouts, not a baseline's
                         held = state_bytes(kind, folders[kind], case["context"])
                         result.update(bytes_per_sequence=held, sequences_that_fit=args.kv_space * 2**30 // held)
                     results.setdefault((name, i), []).append({"model": name, "case": case, **result})
@@ -387,8 +387,8 @@ def print_table(workload: str, rows: list[dict]) -> None:
         for r in rows:
             print(f"{r['model']:16} {r['case']['context']:7d} {r['ttft_median_s']:10.2f} {r['ttft_last_s']:7.2f} "
                   f"{r.get('ttft_last_s_vs_llama', nan):7.2f} {r['decode_tokens_per_s']:12.1f} "
-                  f"{r.get('decode_tokens_per_s_vs_llama', nan):7.2f} {r['bytes_per_sequence'] / 2**20:8.2f} "
-                  f"{r['sequences_that_fit']:9d}")
+                  f"{r.get('decode_tokens_per_s_vs_llama', nan):7.2f} {r.get('bytes_per_sequence', nan) / 2**20:8.2f} "
+                  f"{r.get('sequences_that_fit', -1):9d}")
     elif workload == "shared-prefix":
         print(f"\n{'model':16} {'caching':>7} {'hit share':>9} {'TTFT med s':>10} {'last s':>7} {'x Llama':>7} "
               f"{'total s':>8} {'same tokens':>11}")
