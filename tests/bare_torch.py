@@ -1,10 +1,9 @@
 """Fresh venvs with the torch build this environment runs (the Hub-path and install tests).
 
 `make` installs torch from folders of wheels it keeps between runs (``WHEELS`` in the Makefile, a
-folder per venv),
-with pip's constraints file lifted (this project's machines cap torch below the newest release,
-which `make test` tests); a venv a test builds takes the same build from the same place, so that
-it downloads nothing again.
+folder per venv), with pip's constraints file lifted (this project's machines cap torch below the
+newest release, which `make test` tests); a venv a test builds takes the same build from the same
+place, so that it downloads nothing again.
 """
 
 from __future__ import annotations

@@ -60,9 +60,8 @@ class SlotLayout:
     layer's anchors under ``"exact"`` writes) are not kept; a read hands in the field the kind
     names in their place. Short-conv tails are kept in the model's dtype, as the layer computes
     them; the op state in float32 (float64 for a float64 model), as the ops carry it; counters in
-    int64. A slot is
-    one run of bytes (a server allocates pages of bytes), each tensor at an offset aligned to
-    ``ALIGN`` bytes: :meth:`views` reads a page as the typed tensors.
+    int64. A slot is one run of bytes (a server allocates pages of bytes), each tensor at an
+    offset aligned to ``ALIGN`` bytes: :meth:`views` reads a page as the typed tensors.
 
     With ``pending > 0`` (speculative decoding) every entry tensor is held ``pending + 1`` times
     (``[pending + 1, *shape]``: the entry at each position of a held row, see the module doc), and
