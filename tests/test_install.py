@@ -110,16 +110,18 @@ def fresh_venv(folder: Path) -> Path:
     return python
 
 
+# Where the package, its data and its metadata are found, without importing it (the command's run
+# below imports it, from the same place): an import of torch and transformers costs seconds.
 INSTALLED = """
 import sys
 from importlib.metadata import distribution, entry_points
+from importlib.util import find_spec
 from pathlib import Path
-import trellis_lm
-from trellis_lm.eval import TASKS_DIR
 prefix = sys.argv[1]
-assert trellis_lm.__file__.startswith(prefix), trellis_lm.__file__
+package = find_spec("trellis_lm").origin
+assert package.startswith(prefix), package
 assert str(distribution("trellis-lm").locate_file("")).startswith(prefix)
-assert any(TASKS_DIR.glob("*.jsonl")), TASKS_DIR
+assert any(Path(package).parent.glob("eval/tasks/*.jsonl")), package
 assert [e.value for e in entry_points(group="vllm.general_plugins") if e.name == "trellis_lm"] == [
     "trellis_lm.integrations.vllm:register"]
 """
