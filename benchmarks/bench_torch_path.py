@@ -16,7 +16,8 @@ Measured: the op's forward+backward and forward (B, T, H, D, M) = (1, 2048, 4, 6
 float32, and at C = 1 against the per-token ``reference`` backend; a 4-layer, 256-wide LM
 (4 heads of 64, 64 slots, vocabulary 4096, T = 2048) forward and forward+backward; eager decode
 ms/token of that LM against a same-size ``LlamaForCausalLM`` (sdpa, ``DynamicCache``) after
-256, 8192 and 32768 tokens of context.
+256, 8192 and 32768 tokens of context; the single-token decode steps of the Trellis op (exact
+writes) and the Lattice op (``"enc"``) for 1 and 16 rows of 4 heads (part ``step``).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def _worker(src: str, threads: int, quick: bool) -> None:
     import torch.nn.functional as F
 
     from trellis_lm import TrellisConfig, TrellisForCausalLM
-    from trellis_lm.ops import trellis_attention
+    from trellis_lm.ops import lattice_attention, lattice_step, trellis_attention, trellis_step
 
     torch.set_num_threads(threads)
     T = 256 if quick else 2048
@@ -86,7 +87,33 @@ def _worker(src: str, threads: int, quick: bool) -> None:
         with torch.no_grad():
             model(input_ids=ids)
 
+    def step_inputs(rows):
+        """One token per row and the state after 8 (exact writes), for the Trellis and the Lattice
+        decode steps (``"enc"``: its write reads the memory times the value)."""
+        x = [F.normalize(rand(rows, 9, H, D), dim=-1) for _ in range(3)]
+        gates = [rand(rows, 9, H, M), F.logsigmoid(rand(rows, 9, H) + 3), torch.sigmoid(rand(rows, 9, H))]
+        prefix = [t[:, :8] for t in x + gates]
+        _, t_state = trellis_attention(*prefix, output_final_state=True, write_gradient="exact")
+        _, l_state = lattice_attention(x[0][:, :8], x[1][:, :8], x[2][:, :8], gates[2][:, :8],
+                                       initial_state=F.normalize(rand(rows, H, M, D), dim=-1),
+                                       output_final_state=True, variant="enc")
+        token = [t[:, 8:] for t in x + gates]
+        return token, t_state, l_state
+
+    def step_tasks(rows):
+        token, t_state, l_state = step_inputs(rows)
+        q, k, v, _, _, gamma = token
+
+        def trellis():
+            trellis_step(*token, state=t_state, write_gradient="exact")
+
+        def lattice():
+            lattice_step(q, k, v, gamma, state=l_state, variant="enc")
+
+        return {f"trellis_step_r{rows}": trellis, f"lattice_step_r{rows}": lattice}
+
     tasks = {
+        **step_tasks(1), **step_tasks(16),
         "op_fb_c64": lambda: op_fb(64), "op_f_c64": lambda: op_f(64),
         "op_fb_c1": lambda: op_fb(1, x=x_1, s=s_1), "op_f_c1": lambda: op_f(1, x=x_1, s=s_1),
         "ref_fb_c1": lambda: op_fb(1, "reference", x=x_1, s=s_1),
@@ -103,6 +130,8 @@ def compare_old_new(old_src: str, threads: int, quick: bool, rounds: int, parts:
     groups = [
         ("op (B,T,H,D,M)=(1,%d,4,64,64), C=64, float32" % (256 if quick else 2048), ["op_fb_c64", "op_f_c64"]),
         ("LM 4x256 (4 heads of 64, 64 slots, vocab 4096), T=%d" % (256 if quick else 2048), ["lm_fb", "lm_f"]),
+        ("step of decoding, one token (4 heads of 64, 64 slots; Trellis exact writes, Lattice 'enc'), "
+         "1 and 16 rows, float32", ["trellis_step_r1", "trellis_step_r16", "lattice_step_r1", "lattice_step_r16"]),
     ]
     for title, tasks in groups:
         if title.split()[0] not in parts:
@@ -110,7 +139,7 @@ def compare_old_new(old_src: str, threads: int, quick: bool, rounds: int, parts:
         ms = alternate(workers, tasks, rounds)
         rows.append(title + ":")
         for t in tasks:
-            rows.append(f"  {t:10s} old {ms['old', t] * 1e3:9.1f} ms | new {ms['new', t] * 1e3:9.1f} ms | "
+            rows.append(f"  {t:16s} old {ms['old', t] * 1e3:9.3f} ms | new {ms['new', t] * 1e3:9.3f} ms | "
                         f"new is {ms['old', t] / ms['new', t]:.2f}x faster")
     # C = 1: the default backend against the per-token reference (new code; old for comparison).
     tasks = ["op_fb_c1", "ref_fb_c1", "op_f_c1", "ref_f_c1"]
@@ -155,7 +184,7 @@ def bench_decode(threads: int, quick: bool, rounds: int) -> list[str]:
 
 
 def main() -> None:
-    args = start(__doc__, "op,LM,c1,count,decode", threads=2, worker=_worker)
+    args = start(__doc__, "op,LM,step,c1,count,decode", threads=2, worker=_worker)
     if args is None:
         return
     rows = []

@@ -32,8 +32,9 @@ def step_forward(q, k, v, gamma, state, chunk_size, variant, cu_seqlens):
     b, w = token_terms(variant, a, k.view(rows, heads, slots), v.view(rows, heads, dim),
                        gamma.view(rows, heads))  # [N, H, M], [N, H, D]
     b = b.view(rows, heads, slots, 1)
-    # u - b (w - (a . w) a) = (u - outer(b, w)) + (b (a . w)) a
+    # u - b (w - (a . w) a) = (u - outer(b, w)) + (b (a . w)) a; a . w as the row vector w times
+    # a's transpose (torch's CPU batched matmul is several times slower as matrix @ column)
     u = torch.addcmul(torch.addcmul(u, b, w.view(rows, heads, 1, dim), value=-1),
-                      b * (a @ w.view(rows, heads, dim, 1)), a)
+                      b * (w.view(rows, heads, 1, dim) @ a.mT).view(rows, heads, slots, 1), a)
     o = (q.view(rows, heads, 1, slots) @ rownorm(u)).view(rows, 1, heads, dim)  # [N, H, 1, D] has its layout
     return o, LatticeState(u, a, (offset + 1) % chunk_size)

@@ -33,7 +33,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .compress_mix import EPS, compress_residual_vjp, layer_norm_stats, layer_norm_vjp, mix
+from .compress_mix import (
+    EPS, compress_residual_vjp, layer_norm_stats, layer_norm_vjp, mix, residual_without_graph,
+)
 
 
 @dataclass(frozen=True)
@@ -166,6 +168,7 @@ def _substitute(name: str, z: torch.Tensor, lower: torch.Tensor, alpha: torch.Te
         u: ``[P, NH, L, M]`` receives ``U``.
     """
     passes, nh, width, slots = z.shape
+    residual = residual_without_graph(name)
     z_rows, lower_rows, u_rows = z.view(-1, width, slots), lower.view(-1, width, width), u.view(-1, width, slots)
     for lo in range(0, width, SUBSTITUTION_BLOCK):
         hi = min(width, lo + SUBSTITUTION_BLOCK)
@@ -182,9 +185,9 @@ def _substitute(name: str, z: torch.Tensor, lower: torch.Tensor, alpha: torch.Te
         # whole block costs less than slicing out the later rows (a slice is a call too).
         rows, row_targets, us = reads.unbind(0), targets.unbind(0), []
         for r in range(hi - lo - 1):
-            us.append(compress_residual_vjp(name, rows[r], row_targets[r]))
+            us.append(residual(rows[r], row_targets[r]))
             reads.addcmul_(push[r], us[r], value=-1)
-        us.append(compress_residual_vjp(name, rows[-1], row_targets[-1]))
+        us.append(residual(rows[-1], row_targets[-1]))
         z[..., lo:hi, :] = reads.permute(1, 2, 0, 3)
         u[..., lo:hi, :] = torch.stack(us).permute(1, 2, 0, 3)
 

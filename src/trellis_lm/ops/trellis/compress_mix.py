@@ -8,6 +8,9 @@ checked against autograd in ``tests/test_ops.py`` (``test_closed_form_vjp_matche
 
 from __future__ import annotations
 
+import functools
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -19,6 +22,9 @@ MIX_FNS = ("ln_silu", "l2_silu", "softmax")
 # it ("exact": the per-token recurrence, whatever C) or at its chunk's start ("anchored").
 WRITE_GRADIENTS = ("exact", "anchored")
 _INPUT_GRAD_ONLY = [True, False, False]  # layer norm's backward: the input's gradient, no weight or bias
+# The overload itself: calling the packet (``torch.ops.aten.native_layer_norm_backward``) resolves
+# the overload on every call, a few microseconds that per-token loops pay each token.
+_LAYER_NORM_BACKWARD = torch.ops.aten.native_layer_norm_backward.default
 
 
 def _layernorm(z: torch.Tensor) -> torch.Tensor:
@@ -39,8 +45,7 @@ def layer_norm_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
 def layer_norm_vjp(grad: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
     """``J^T grad`` of the affine-free layer norm at ``x`` (stats from :func:`layer_norm_stats`),
     torch's fused backward kernel."""
-    return torch.ops.aten.native_layer_norm_backward(grad, x, x.shape[-1:], mean, rstd, None, None,
-                                                     [True, False, False])[0]
+    return _LAYER_NORM_BACKWARD(grad, x, x.shape[-1:], mean, rstd, None, None, _INPUT_GRAD_ONLY)[0]
 
 
 def reads_current_memory(compress_fn: str, write_gradient: str) -> bool:
@@ -55,8 +60,16 @@ def _layer_norm_residual(z: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
     shape = z.shape[-1:]
     z_hat, mean, rstd = torch.native_layer_norm(z, shape, None, None, EPS)
     # z_hat is fresh: it becomes the residual e in place.
-    return torch.ops.aten.native_layer_norm_backward(z_hat.sub_(alpha), z, shape, mean, rstd, None, None,
-                                                     _INPUT_GRAD_ONLY)[0]
+    return _LAYER_NORM_BACKWARD(z_hat.sub_(alpha), z, shape, mean, rstd, None, None, _INPUT_GRAD_ONLY)[0]
+
+
+def residual_without_graph(name: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """``compress_residual_vjp`` of ``name`` as a function of ``(z, alpha)``, for loops that call
+    it once per token with no graph to record (the chunk form's forward substitution): the name
+    is looked up once, not on every call."""
+    if name == "layernorm":
+        return _layer_norm_residual
+    return functools.partial(compress_residual_vjp, name)
 
 
 def compress_residual_vjp(name: str, z: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
