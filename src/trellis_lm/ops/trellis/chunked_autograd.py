@@ -247,8 +247,8 @@ def _unsubstitute(name: str, z_hat, r, a, b, u, lower, grad_u, out_z, out_alpha)
 
 
 def _dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``(a * b).sum(-1, keepdim=True)`` without a product temporary: ``vecdot`` (on the CPU about
-    twice as fast as a batched matrix product of rows and columns, which the product was before)."""
+    """``(a * b).sum(-1, keepdim=True)`` without a product temporary: ``vecdot``, on the CPU about
+    twice as fast as a batched matrix product of rows and columns."""
     return torch.linalg.vecdot(a, b).unsqueeze(-1)
 
 
