@@ -61,7 +61,7 @@ MODELS = ("llama", "trellis", "hybrid")
 FIRST_TOKEN = 3  # ids below are special
 
 
-def save(kind: str, folder: Path) -> None:
+def save(kind: str, folder: Path, compile_decode: bool = False, embedding_scale: float = 1.0) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -74,7 +74,10 @@ def save(kind: str, folder: Path) -> None:
     else:
         kinds = ["trellis"] * 4 if kind == "trellis" else ["trellis", "trellis", "trellis", "attention"]
         model = TrellisForCausalLM(TrellisConfig(num_heads=4, head_dim=64, num_slots=64, chunk_size=64,
-                                                 mixer_types=kinds, tie_word_embeddings=True, **SIZES))
+                                                 mixer_types=kinds, tie_word_embeddings=True,
+                                                 compile_decode=compile_decode, **SIZES))
+    with torch.no_grad():  # --embedding-scale (the head is tied: the logits scale with it)
+        model.get_input_embeddings().weight.mul_(embedding_scale)
     model.save_pretrained(folder)
 
 
@@ -201,18 +204,20 @@ def copy_case(folder: str, passage: int, requests: int, new_tokens: int, drafts:
         core.add_request(str(i), {"prompt_token_ids": prompt}, params)
     got: dict[str, list[int]] = {}
     at_first: dict[str, int] = {}  # tokens each sequence had when the last first token came
-    begin = 0.0
+    begin, steps = 0.0, 0  # steps: the engine's after the last first token
     while len(got) < requests or any(len(t) < new_tokens for t in got.values()):
         for out in core.step():
             if out.outputs:
                 got[out.request_id] = list(out.outputs[0].token_ids)
+        steps += bool(at_first)
         if not at_first and len(got) == requests and all(got.values()):
             at_first = {k: len(v) for k, v in got.items()}
             begin = clock()
     decode = clock() - begin
     drafted = counter(llm, "vllm:spec_decode_num_draft_tokens")
     accepted = counter(llm, "vllm:spec_decode_num_accepted_tokens")
-    return {"decode_tokens_per_s": sum(len(got[k]) - at_first[k] for k in got) / decode,
+    tokens = sum(len(got[k]) - at_first[k] for k in got)
+    return {"decode_tokens_per_s": tokens / decode, "tokens_per_step": tokens / steps,
             "drafted": drafted, "accepted": accepted, "acceptance": accepted / drafted if drafted else None,
             "tokens": [got[str(i)] for i in range(requests)]}
 
@@ -315,6 +320,12 @@ def main() -> None:
                         "core) instead of wall seconds: for a machine shared with other work")
     parser.add_argument("--core", type=int, default=0, help="with --cpu-time: the core the engines run on (two runs "
                         "side by side each take their own)")
+    parser.add_argument("--compile-decode", action="store_true",
+                        help="also run the Trellis models saved with compile_decode=True (their single-token and draft "
+                             "rows through torch.compile; the first steps compile)")
+    parser.add_argument("--embedding-scale", type=float, default=1.0,
+                        help="every model's embeddings times this (copy: 30 makes every random model's greedy text "
+                             "repeat itself, as the tests' copying checkpoints do, so drafts come on most steps)")
     parser.add_argument("--dtype", choices=("float32", "float64"), default="float32",
                         help="every engine's dtype: float64 tells float32's rounding from a served path's error where "
                              "tokens differ (models without attention layers: vLLM's CPU attention takes no float64)")
@@ -339,21 +350,26 @@ def main() -> None:
         folders = {}
         for kind in args.models:
             folders[kind] = Path(work) / kind
-            save(kind, folders[kind])
-        engines = [(kind, kind, env) for kind in args.models]
+            save(kind, folders[kind], embedding_scale=args.embedding_scale)
+        engines = [(kind, kind, folders[kind], env) for kind in args.models]
         if args.baseline_src:  # the Trellis models again, on the baseline's trellis_lm
             baseline = {**env, "PYTHONPATH": os.pathsep.join([str(args.baseline_src.resolve()), env.get("PYTHONPATH", "")])}
-            engines += [(f"{kind}@baseline", kind, baseline) for kind in args.models if kind != "llama"]
+            engines += [(f"{kind}@baseline", kind, folders[kind], baseline) for kind in args.models if kind != "llama"]
+        if args.compile_decode:  # the Trellis models again, their checkpoints saved with compile_decode=True
+            for kind in args.models:
+                if kind != "llama":
+                    save(kind, Path(work) / f"{kind}+compiled", compile_decode=True, embedding_scale=args.embedding_scale)
+                    engines.append((f"{kind}+compiled", kind, Path(work) / f"{kind}+compiled", env))
         for round_ in range(args.rounds):
             for i, case in enumerate(cases):
-                for name, kind, engine_env in engines:
-                    result = run_case(args.workload, folders[kind], case, engine_env)
+                for name, kind, folder, engine_env in engines:
+                    result = run_case(args.workload, folder, case, engine_env)
                     if args.workload == "contexts" and name == kind:  # this checkout's layouts, not a baseline's
                         held = state_bytes(kind, folders[kind], case["context"])
                         result.update(bytes_per_sequence=held, sequences_that_fit=args.kv_space * 2**30 // held)
                     results.setdefault((name, i), []).append({"model": name, "case": case, **result})
                     print(json.dumps({k: v for k, v in results[(name, i)][-1].items() if k != "tokens"}), flush=True)
-    order = [name for name, _, _ in sorted(engines, key=lambda e: (MODELS.index(e[1]), e[0] != e[1]))]
+    order = [name for name, *_ in sorted(engines, key=lambda e: (MODELS.index(e[1]), e[0] != e[1]))]
     keys = sorted(results, key=lambda k: (k[1], order.index(k[0])))
     rows = [median_rows(results[k], TIMINGS[args.workload]) for k in keys]
     ratios(args.workload, rows, [results[k] for k in keys])
@@ -397,11 +413,12 @@ def print_table(workload: str, rows: list[dict]) -> None:
                   f"{r['ttft_last_s']:7.2f} {r.get('ttft_last_s_vs_llama', nan):7.2f} {r['total_s']:8.2f} "
                   f"{str(r.get('tokens_equal_without_caching', '')):>11}")
     elif workload == "copy":
-        print(f"\n{'model':16} {'drafts':>6} {'acceptance':>10} {'decode tok/s':>12} {'x Llama':>7} {'x no drafts':>11} "
-              f"{'same tokens':>11}")
+        print(f"\n{'model':16} {'drafts':>6} {'acceptance':>10} {'tok/step':>8} {'decode tok/s':>12} {'x Llama':>7} "
+              f"{'x no drafts':>11} {'same tokens':>11}")
         for r in rows:
             acceptance = "" if r["acceptance"] is None else f"{r['acceptance']:.3f}"
-            print(f"{r['model']:16} {r['case']['drafts']:6d} {acceptance:>10} {r['decode_tokens_per_s']:12.1f} "
+            print(f"{r['model']:16} {r['case']['drafts']:6d} {acceptance:>10} {r['tokens_per_step']:8.2f} "
+                  f"{r['decode_tokens_per_s']:12.1f} "
                   f"{r.get('decode_tokens_per_s_vs_llama', nan):7.2f} {r.get('speedup_vs_no_drafts', nan):11.2f} "
                   f"{str(r.get('tokens_equal_without_drafts', '')):>11}")
 

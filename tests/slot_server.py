@@ -10,23 +10,24 @@ import torch
 from trellis_lm.integrations.vllm.slots import SlotLayout, run_on_slots
 
 
-def flat_forward(model, ids, starts, computed, slots, layers):
+def flat_forward(model, ids, starts, computed, slots, layers, compiled=False):
     """The model on a server's flat batch ``ids [N]``: each block's mixer over its slots."""
     hidden = model.model.embed_tokens(ids)
     for layer, (layout, tensors) in zip(model.model.layers, layers):
         hidden = layer.around(hidden, lambda x, layer=layer, layout=layout, tensors=tensors: run_on_slots(
-            layer.self_attn, layout, tensors, x, starts, computed, slots))
+            layer.self_attn, layout, tensors, x, starts, computed, slots, compiled))
     return model.lm_head(model.model.norm(hidden))
 
 
-def serve(model, prompts, slot_of, step_tokens, slots=8, pending=0):
+def serve(model, prompts, slot_of, step_tokens, slots=8, pending=0, compiled=False):
     """Logits of every token of ``prompts`` (1-D rows on the model's device), computed as a
     server would: each step gives a sequence ``step_tokens(i, step)`` tokens, sequences ordered
     decodes (one token) first.
 
     ``step_tokens`` returns a number of tokens, or ``(kept, rejected)``: the sequence's next
     ``kept`` tokens, then ``rejected`` random ones (a draft the server rejects: it counts only
-    the kept ones as taken in, and only their logits are returned).
+    the kept ones as taken in, and only their logits are returned). ``compiled``: see
+    ``run_on_slots``.
     """
     weight = model.model.embed_tokens.weight
     dtype, device = weight.dtype, weight.device
@@ -55,7 +56,7 @@ def serve(model, prompts, slot_of, step_tokens, slots=8, pending=0):
             # The step's metadata lives where the model does, as vLLM's does.
             out = flat_forward(model, torch.cat([pieces[i] for i in rows]), starts.to(device),
                                torch.tensor([done[i] for i in rows], device=device),
-                               torch.tensor([slot_of[i] for i in rows], device=device), layers)
+                               torch.tensor([slot_of[i] for i in rows], device=device), layers, compiled)
             for j, i in enumerate(rows):
                 kept = min(plan[i][0], len(prompts[i]) - done[i])
                 logits[i].append(out[starts[j]: starts[j] + kept])

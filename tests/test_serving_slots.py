@@ -18,7 +18,8 @@ from tests.slot_server import serve
 from tests.tiny_models import random_tokens, tiny_model
 from trellis_lm.cache_entries import MemoryEntry
 from trellis_lm.integrations.vllm import slots as slots_module
-from trellis_lm.integrations.vllm.slots import SlotLayout, run_on_slots
+from trellis_lm.compiled_decode import advanced_compiled
+from trellis_lm.integrations.vllm.slots import SlotLayout, compile_rows, fresh_entry, run_on_slots
 from trellis_lm.mixers import MIXERS, MemoryMixer
 
 
@@ -69,6 +70,62 @@ def test_rejected_drafts_never_enter_a_slots_state(schedule, overrides):
     again = serve(model, prompts[1:2], slot_of=[6], step_tokens=lambda i, step: drafts[step % len(drafts)],
                   pending=pending)
     torch.testing.assert_close(again[0], model(prompts[1][None]).logits[0], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("schedule", ["trellis", "kvm"])
+def test_a_run_of_slots_continues_from_views_at_the_kept_position(schedule, monkeypatch):
+    """Sequences in consecutive slots that kept as many drafts are read in place at that
+    position (not copied), and written back around those views: every kept token's logits
+    still equal the model's on the sequence alone (as the run shrinks and its slots stop
+    forming a run)."""
+    model = tiny_model(schedule=schedule, dtype=torch.float64)
+    prompts = [random_tokens(1, n, seed=n)[0] for n in (23, 9, 17, 30)]
+    drafts = [(1, 3), (2, 2), (4, 0), (1, 0), (3, 1), (2, 0), (1, 1)]
+    positions = []
+    real_read = SlotLayout.read
+
+    def read(self, tensors, slots, names, rows=0, position=0):
+        if isinstance(slots, int) and "tokens" not in names:
+            positions.append(position)
+        return real_read(self, tensors, slots, names, rows, position)
+
+    monkeypatch.setattr(SlotLayout, "read", read)
+    got = serve(model, prompts, slot_of=[2, 3, 4, 5], pending=4,
+                step_tokens=lambda i, step: 7 if step < 2 else drafts[step % len(drafts)])
+    for prompt, logits in zip(prompts, got):
+        torch.testing.assert_close(logits, model(prompt[None]).logits[0], rtol=1e-12, atol=1e-12)
+    assert {1, 2, 3} <= set(positions)  # kept drafts, read where they left the state
+
+
+# Compiling takes about a minute a kind on CI's cores: Lattice's with -m slow.
+@pytest.mark.parametrize("schedule", ["trellis", pytest.param("lattice", marks=pytest.mark.slow)])
+def test_compiled_rows_give_the_numbers_of_eager_ones(schedule, recwarn):
+    """``compiled=True`` (the plugin under ``compile_decode``): rows of single tokens and held
+    rows of drafts run through torch.compile, for batches of one row and of several, with and
+    without room for drafts; every kept token's logits equal the model's on the sequence alone.
+    What ``compile_rows`` compiles serves batches of any size: no step compiles again."""
+    torch._dynamo.reset()  # compile here, whatever this process compiled before
+    graphs = torch._dynamo.utils.counters["stats"]
+    before = graphs["unique_graphs"]
+    model = tiny_model(schedule=schedule, dtype=torch.float64).eval()
+    mixer = model.model.layers[0].self_attn
+    layout = SlotLayout(type(mixer), model.config, torch.float64, pending=4)
+    with torch.no_grad():
+        compile_rows(mixer, layout, model.model.embed_tokens.weight)
+        compiled = graphs["unique_graphs"]
+        for rows, length in ((3, 1), (70, 1), (3, 4), (17, 4)):  # past FEW_ROWS of the projections' stack
+            advanced_compiled(mixer, torch.zeros(rows, length, model.config.hidden_size, dtype=torch.float64),
+                              fresh_entry(mixer, layout, rows), each=length > 1)
+    prompts = [random_tokens(1, n, seed=n)[0] for n in (23, 9, 17, 30)]
+    drafts = [(1, 3), (2, 2), (4, 0), (1, 0), (3, 1), (2, 0), (1, 1)]
+    plans = [(0, lambda i, step: 6 if step == 0 else 1),
+             (4, lambda i, step: 7 if i == 0 and step < 2 else drafts[(i + step) % len(drafts)])]
+    for pending, plan in plans:
+        got = serve(model, prompts, slot_of=[6, 1, 3, 0], step_tokens=plan, pending=pending, compiled=True)
+        for prompt, logits in zip(prompts, got):
+            torch.testing.assert_close(logits, model(prompt[None]).logits[0], rtol=1e-12, atol=1e-12)
+    assert compiled - before == 4 and graphs["unique_graphs"] == compiled
+    assert not [w for w in recwarn if "recompile limit" in str(w.message)]
 
 
 def test_a_slot_asked_for_more_than_it_holds_is_an_error():

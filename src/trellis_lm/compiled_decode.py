@@ -1,6 +1,7 @@
 """``config.compile_decode``: a decode step's runs of Trellis and Lattice blocks, each run one
-compiled function (CPU) or one CUDA graph (GPU), and the span that ``generate()`` sets up for
-inference (:func:`inference_span`).
+compiled function (CPU) or one CUDA graph (GPU), the span that ``generate()`` sets up for
+inference (:func:`inference_span`), and the compiled mixer calls of the vLLM plugin
+(:func:`advanced_compiled`).
 
 On a CPU a one-token step costs mostly per-operation overhead, not arithmetic (BENCHMARKS.md,
 issue 40). ``torch.compile`` turns a memory block's hundreds of small operations into a few fused
@@ -159,6 +160,65 @@ def _warn_recompile_limit() -> None:
         "shape, dtype and setting met in this process); further new ones decode eagerly (same numbers, slower). "
         "Raise torch._dynamo.config.recompile_limit to compile more.", RuntimeWarning, stacklevel=3,
     )
+
+
+def _advance(mixer: nn.Module, x: torch.Tensor, entry: MemoryEntry) -> tuple[torch.Tensor, MemoryEntry]:
+    return mixer.advance(x, None, entry)
+
+
+def _advance_each(mixer: nn.Module, x: torch.Tensor, entry: MemoryEntry) -> tuple[torch.Tensor, list[MemoryEntry]]:
+    return mixer.advance_each(x, entry)
+
+
+@cache
+def _compiled_mixer(each: bool) -> Callable:
+    return torch.compile(_advance_each if each else _advance, fullgraph=True)
+
+
+def advanced_compiled(mixer: nn.Module, x: torch.Tensor, entry: MemoryEntry,
+                      each: bool) -> tuple[torch.Tensor, Any]:
+    """A memory ``mixer``'s :meth:`~trellis_lm.mixers.MemoryMixer.advance` on ``x [B, T, D]``
+    (every token real; ``each``: :meth:`~trellis_lm.mixers.MemoryMixer.advance_each`) from
+    ``entry``, through ``torch.compile``: the unit a server compiles (the vLLM plugin under
+    ``compile_decode``: its single-token rows and rows of draft tokens, whose steps are mostly
+    per-operation overhead on a CPU). As :func:`compiled_or_eager`: one compiled function per
+    process, eager past the recompile limit, with a warning.
+
+    The compiled function guards on its inputs' layout and kind: a server hands in views of its
+    state slots (at offsets, strided), copies, and tensors made in inference mode (which carry
+    other dispatch keys), so each input that is not a plain dense tensor of its own is copied
+    into one first (outside inference mode), a tensor the entry holds under two names (a
+    state's stand-ins, see :class:`~trellis_lm.integrations.vllm.slots.SlotLayout`) once: one
+    compilation per batch shape, not one per mix."""
+    with torch.inference_mode(False), torch.no_grad():
+        copies: dict[int, torch.Tensor] = {}  # one copy of a tensor the entry holds twice: still one
+
+        def plain(t: torch.Tensor) -> torch.Tensor:
+            return copies.setdefault(id(t), _plain(t))
+
+        x = _plain(x)
+        entry = MemoryEntry(*(None if t is None else plain(t) for t in (entry.q_tail, entry.k_tail)),
+                            entry.state.map(plain))
+        if x.shape[0] > 1:  # any batch of several rows: one compilation (a batch of one is its own)
+            for t in (x, *entry_tensors([entry])):
+                torch._dynamo.maybe_mark_dynamic(t, 0)
+        try:
+            return _compiled_mixer(each)(mixer, x, entry)
+        except torch._dynamo.exc.FailOnRecompileLimitHit:
+            _warn_recompile_limit()
+            return (_advance_each if each else _advance)(mixer, x, entry)
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a dense copy where it is a view at an offset or with other strides than a dense
+    tensor's (those of its dims of size 1 too: a compiled function guards on them), or an
+    inference tensor."""
+    dense, step = [], 1
+    for size in reversed(t.shape):
+        dense.append(step)
+        step *= size
+    plain = t.stride() == tuple(reversed(dense)) and t.storage_offset() == 0 and not t.is_inference()
+    return t if plain else t.clone(memory_format=torch.contiguous_format)
 
 
 # Eager calls before a capture: the first compiles the Triton kernels and sets up cuBLAS (neither

@@ -118,7 +118,9 @@ class TrellisConfig(PreTrainedConfig):
         compile_decode: decode steps' runs of consecutive Trellis and Lattice blocks as one
             ``torch.compile``d function each on CPUs, and as CUDA graphs within ``generate()`` on
             GPUs (same numbers; what runs eagerly and why: :mod:`trellis_lm.compiled_decode`;
-            speed: ``BENCHMARKS.md``, issues 39-40). Prefill and training are not affected.
+            speed: ``BENCHMARKS.md``, issues 39-40). Served by vLLM on a CPU: those mixers' rows
+            of one token and of draft tokens, compiled as the model loads (``docs/serving.md``).
+            Prefill and training are not affected.
 
     Reading far past the training length needs state passing in training (the recipes do it by
     default; a loop of one's own: :mod:`trellis_lm.state_passing`, ``docs/results_lm_extrapolation.md``).

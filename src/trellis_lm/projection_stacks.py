@@ -71,7 +71,9 @@ class LinearStack:
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """``x [..., D]`` -> the stacked product ``[..., sum of outputs]`` (its slices of projections
         without a bias are theirs exactly) and each projection (with its bias) by name."""
-        if self.bias is not None and x.shape[:-1].numel() < FEW_ROWS:
+        # Compiled, one form for any number of rows (inductor fuses the bias add either way): a
+        # branch on the row count would compile a server's batches on either side of it apart.
+        if self.bias is not None and (torch.compiler.is_compiling() or x.shape[:-1].numel() < FEW_ROWS):
             out = F.linear(x, self.weight, self.bias)
             return out, dict(zip(self.names, out.split(self.widths, dim=-1)))
         out = F.linear(x, self.weight)
@@ -91,7 +93,8 @@ def stacked(module: nn.Module, x: torch.Tensor, on_the_fly: bool = False) -> Opt
     if module.training or torch.is_grad_enabled() or not plain_forward_hooks():
         return None
     stack = module.projection_stack
-    if stack is None and on_the_fly and not torch.compiler.is_compiling():
+    # Compiling is asked first: ``on_the_fly``, read, would fix the row count it was worked out from.
+    if stack is None and not torch.compiler.is_compiling() and on_the_fly:
         stack = LinearStack.of(module, module.fusable_projections, like=x)
     if stack is None or stack.weight.dtype != x.dtype or stack.weight.device != x.device:
         return None

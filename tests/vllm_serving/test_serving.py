@@ -144,39 +144,51 @@ def test_preemption_gives_the_same_tokens(tmp_path):
     assert got == [reference(model, p, 160) for p in batch]
 
 
-def copying_checkpoint(folder: Path, schedule: str) -> torch.nn.Module:
+def copying_checkpoint(folder: Path, schedule: str, compile_decode: bool = False) -> torch.nn.Module:
     """A checkpoint whose greedy continuation falls into cycles (embeddings scaled up, so each
     token's own embedding dominates the residual stream; the mixers still change the tokens),
-    which n-gram drafts then predict: drafts get accepted, in full or in part, and rejected."""
+    which n-gram drafts then predict: drafts get accepted, in full or in part, and rejected.
+    ``compile_decode``: saved with it (the model returned, the reference, decodes eagerly)."""
     model = tiny_model(seed=0, schedule=schedule, **MODEL)
     with torch.no_grad():
         model.model.embed_tokens.weight.mul_(30)
     # No end-of-sequence token: every sequence runs its full length (a cycle through EOS would
     # end some early, and the preemption case needs them all to grow).
     model.config.eos_token_id = model.generation_config.eos_token_id = None
+    model.config.compile_decode = compile_decode
     model.save_pretrained(folder)
+    model.config.compile_decode = False
     return model
 
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 3}
 
 
-@pytest.mark.parametrize("schedule, options, new_tokens", [
-    ("trellis", {}, 48),
+@pytest.mark.parametrize("schedule, options, new_tokens, compile_decode", [
+    ("trellis", {}, 48, False),
     # The four kinds in one model, with so few KV blocks that vLLM preempts and recomputes.
-    ("kvm-hybrid", {"num_gpu_blocks_override": 12, "max_model_len": 640}, 160),
-    pytest.param("lattice", {}, 48, marks=pytest.mark.slow),
-    pytest.param("kvm", {}, 48, marks=pytest.mark.slow),
-    pytest.param("hybrid", {}, 48, marks=pytest.mark.slow),
+    ("kvm-hybrid", {"num_gpu_blocks_override": 12, "max_model_len": 640}, 160, False),
+    # compile_decode: the memory layers' single-token and draft rows compiled as the model loads.
+    ("trellis", {}, 48, True),
+    pytest.param("kvm-hybrid", {"num_gpu_blocks_override": 12, "max_model_len": 640}, 160, True,
+                 marks=pytest.mark.slow),
+    pytest.param("lattice", {}, 48, False, marks=pytest.mark.slow),
+    pytest.param("kvm", {}, 48, False, marks=pytest.mark.slow),
+    pytest.param("hybrid", {}, 48, False, marks=pytest.mark.slow),
 ])
-def test_speculative_decoding_gives_the_tokens_of_generate(tmp_path, schedule, options, new_tokens):
+def test_speculative_decoding_gives_the_tokens_of_generate(tmp_path, schedule, options, new_tokens, compile_decode):
     """n-gram drafts of 3 tokens verified in one step: drafts accepted in full, in part
     (mid-chunk of the ops: chunks of 5, KVM's of 3) and not at all; the greedy tokens equal
     ``generate``'s without speculation."""
-    model = copying_checkpoint(tmp_path, schedule)
+    model = copying_checkpoint(tmp_path, schedule, compile_decode)
+    compiled = torch._dynamo.utils.counters["stats"]
+    before = compiled["unique_graphs"]
     llm = engine(tmp_path, speculative_config=NGRAM, enable_prefix_caching=False, **options)
+    loaded = compiled["unique_graphs"]
     batch = [p for p in prompts() if len(p) < 400]
     got = served(llm, batch, max_tokens=new_tokens)
+    # Compiled as the model loaded (or found compiled by an earlier test), never in a request's step.
+    assert compiled["unique_graphs"] == loaded and (loaded > before or not compile_decode or before > 0)
     drafted, accepted = counter(llm, "vllm:spec_decode_num_draft_tokens"), counter(llm, "vllm:spec_decode_num_accepted_tokens")
     # All-KVM copies these prompts exactly (its window holds the recent tokens as they were):
     # every draft is accepted, and its layers meet rejected drafts in kvm-hybrid instead.

@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 
 
-def expect_shape(name: str, tensor: object, shape: tuple, meaning: str) -> None:
-    """Raise a ``ValueError`` naming ``name`` unless ``tensor`` is a tensor of exactly ``shape``."""
+def expect_shape(name: str, tensor: object, shape: tuple, meaning: Union[str, Callable[[], str]]) -> None:
+    """Raise a ``ValueError`` naming ``name`` unless ``tensor`` is a tensor of exactly ``shape``.
+
+    ``meaning`` (the shape in words) may be a function that writes it, called only for the error:
+    words holding a size (``N = {rows}``) would fix that size, in a compiled function, to the one
+    it was traced with (formatting a symbolic size makes it a constant)."""
     if not isinstance(tensor, torch.Tensor):
+        meaning = meaning() if callable(meaning) else meaning
         raise ValueError(f"{name} must be a torch.Tensor of shape {meaning}, got {type(tensor).__name__}")
     if tuple(tensor.shape) != tuple(shape):
+        meaning = meaning() if callable(meaning) else meaning
         raise ValueError(f"{name} must have shape {meaning} = {tuple(shape)}, got {tuple(tensor.shape)}")
 
 
@@ -84,7 +90,7 @@ def check_cu_seqlens(cu_seqlens: object, batch: int, length: int) -> torch.Tenso
 
 def check_offsets(name: str, offset: torch.Tensor, rows: int, chunk_size: int) -> None:
     """A state's per-row position within its chunk: int64-like ``[N]`` in ``[0, chunk_size)``."""
-    expect_shape(name, offset, (rows,), f"[N] with N = {rows} sequences")
+    expect_shape(name, offset, (rows,), lambda: f"[N] with N = {rows} sequences")
     if offset.is_floating_point():
         raise ValueError(f"{name} must hold integers, got {offset.dtype}")
     # Reading values back cannot be compiled; a compiled decode step is fed states this op made.

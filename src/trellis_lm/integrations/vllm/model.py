@@ -13,8 +13,10 @@ gets a *serving* child that runs its mixer on vLLM's flat batch:
 
 The model runs eagerly (no ``torch.compile`` by vLLM, no CUDA graphs): the memory layers'
 work per step is the ops' own (Triton kernels on a GPU), and a step's Python stays outside
-any graph. Tensor parallelism splits the heads across ranks (:mod:`.parallel`); pipeline
-parallelism is refused (see ``docs/serving.md``).
+any graph. A checkpoint saved with ``compile_decode`` has its Trellis and Lattice mixers' rows
+of one token and of draft tokens compiled on a CPU (:func:`~.slots.compile_rows`, as the
+weights load), the slot logic around them eager. Tensor parallelism splits the heads across
+ranks (:mod:`.parallel`); pipeline parallelism is refused (see ``docs/serving.md``).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from ...modeling_trellis import TrellisDecoderLayer
 from ...projection_stacks import LinearStack
 from .allocator import keep_freed_memory
 from .parallel import rank_config, rank_share, reduce_outputs
-from .slots import SlotLayout, run_on_slots
+from .slots import SlotLayout, compile_rows, run_on_slots
 
 
 def slot_layouts(config: Any, dtype: torch.dtype, pending: int = 0) -> dict[str, SlotLayout]:
@@ -135,7 +137,7 @@ class MemoryStateLayer(nn.Module, MambaBase):
         starts = metadata.query_start_loc[: rows + 1]
         computed = metadata.seq_lens[:rows] - (starts[1:] - starts[:-1])
         return run_on_slots(self.mixer, self.layout, self.slot_tensors, x, starts, computed,
-                            metadata.state_indices_tensor[:rows])
+                            metadata.state_indices_tensor[:rows], compiled=self.mixer.config.compile_decode)
 
 
 class PagedAttentionLayer(nn.Module):
@@ -241,6 +243,12 @@ class TrellisForCausalLM(nn.Module, HasInnerState, IsHybrid):
             params[name].data.copy_(rank_share(tensor, params[name].shape, rank, ranks, name))
             loaded.add(name)
         stack_projections(self)
+        if self.config.compile_decode:  # compiled now, not in a request's step (see docs/serving.md)
+            self.eval()  # as vLLM runs it after loading (the compiled functions guard on the mode)
+            like = self.model.embed_tokens.weight
+            for layer in self.model.layers:
+                if isinstance(layer.serving, MemoryStateLayer):
+                    compile_rows(layer.serving.mixer, layer.serving.layout, like)
         return loaded
 
     # What vLLM asks of a hybrid model class before building it: the state of one sequence in

@@ -31,6 +31,7 @@ import torch
 
 from ...cache_entries import MemoryEntry
 from ...cache_layout import COLUMNS, ROWS, Dim, TensorSpec
+from ...compiled_decode import advanced_compiled
 from ...mixers import MIXERS
 from ...mixers.base import MemoryMixer
 from ...mixers.valid_tokens import ValidTokens
@@ -136,28 +137,45 @@ class SlotLayout:
         return self.views(torch.zeros(slots, self.nbytes, dtype=torch.uint8, device=device))
 
     def read(self, tensors: Sequence[torch.Tensor], slots: Union[torch.Tensor, int], names: Sequence[str],
-             rows: int = 0, positions: Optional[torch.Tensor] = None) -> dict[str, torch.Tensor]:
+             rows: int = 0, position: Union[torch.Tensor, int] = 0) -> dict[str, torch.Tensor]:
         """The fields ``names`` of ``slots [R]`` from the field tensors, by name: copies; or, for
         ``slots`` an int (a run of ``rows`` slots from there, see :func:`slot_run`), views of them.
-        With ``pending`` room, entry fields are read at ``positions [R]`` (one per slot)."""
-        if isinstance(slots, int):
-            return {f.name: t[slots: slots + rows] for f, t in zip(self.fields, tensors) if f.name in names}
-        return {f.name: t[slots, positions] if f.name in self.entry_names and self.pending else t.index_select(0, slots)
-                for f, t in zip(self.fields, tensors) if f.name in names}
+        With ``pending`` room, entry fields are read at ``position``: one for every slot (an int),
+        or one per slot (``[R]``, with ``slots`` a tensor)."""
+        if isinstance(slots, int) and not isinstance(position, int):
+            raise TypeError("a run of slots is read at one position (an int)")
+        picked = {}
+        for f, t in zip(self.fields, tensors):
+            if f.name not in names:
+                continue
+            held = self.pending and f.name in self.entry_names
+            if isinstance(slots, int):
+                t = t[slots: slots + rows]
+                picked[f.name] = t[:, position] if held else t
+            else:
+                picked[f.name] = t[slots, position] if held else t.index_select(0, slots)
+        return picked
 
     def write(self, tensors: Sequence[torch.Tensor], slots: Union[torch.Tensor, int], values: dict[str, torch.Tensor],
-              position: int = 0) -> None:
+              position: Union[int, slice] = 0) -> None:
         """Store ``values`` (by name, ``[R, ...]`` no larger than a slot's fields, the rest zero)
         in ``slots [R]`` (or the run of slots from an int), entry fields at ``position`` where the
-        layout has ``pending`` room; fields not in ``values`` are left as they are."""
+        layout has ``pending`` room (a slice of ``P`` positions: values ``[R, P, ...]``); fields
+        not in ``values``, and values that are the slots' own tensors there (views :meth:`read`
+        gave), are left as they are."""
         for f, t in zip(self.fields, tensors):
             if f.name in values:
                 held = self.pending and f.name in self.entry_names
-                value = self.fit(f.shape[1:] if held else f.shape, f.dtype, values[f.name])
-                if held:
+                value = values[f.name]
+                span = value.shape[1:2] if held and isinstance(position, slice) else ()
+                value = self.fit((*span, *f.shape[1:]) if held else f.shape, f.dtype, value)
+                if isinstance(slots, int):
+                    target = t[slots: slots + value.shape[0]]
+                    target = target[:, position] if held else target
+                    if value.data_ptr() != target.data_ptr() or value.stride() != target.stride():
+                        target.copy_(value)
+                elif held:
                     t[slots, position] = value
-                elif isinstance(slots, int):
-                    t[slots: slots + value.shape[0]].copy_(value)
                 else:
                     t.index_copy_(0, slots, value)
 
@@ -165,7 +183,8 @@ class SlotLayout:
     def fit(shape: tuple[int, ...], dtype: torch.dtype, value: torch.Tensor) -> torch.Tensor:
         """``value [R, ...]`` as ``[R, *shape]`` of ``dtype``: zeros past a buffer that has not
         grown to the slot's bound (KVM's window and state rows)."""
-        value = value.to(dtype)
+        if value.dtype != dtype:
+            value = value.to(dtype)
         if tuple(value.shape[1:]) == shape:
             return value
         full = torch.zeros((value.shape[0], *shape), dtype=dtype, device=value.device)
@@ -185,6 +204,7 @@ def run_on_slots(
     starts: torch.Tensor,
     computed: torch.Tensor,
     slots: torch.Tensor,
+    compiled: bool = False,
 ) -> torch.Tensor:
     """The mixer on a server's flat batch, continuing each sequence from its slot.
 
@@ -204,6 +224,10 @@ def run_on_slots(
         starts: ``[R + 1]`` where each sequence's tokens start in ``x``.
         computed: ``[R]`` tokens each sequence had taken in before these.
         slots: ``[R]`` each sequence's slot.
+        compiled: run the rows of single tokens and the held rows through ``torch.compile``
+            (:func:`~trellis_lm.compiled_decode.advanced_compiled`: the mixer's own functions,
+            for a ``compilable`` mixer on a CPU); held rows are then padded to
+            ``layout.pending`` tokens, one shape to compile.
 
     Returns:
         ``[N, D]`` the mixer's output.
@@ -220,11 +244,37 @@ def run_on_slots(
         )
     single = lengths == 1
     held = ~single & (lengths <= layout.pending)
-    for rows in (single.nonzero()[:, 0], held.nonzero()[:, 0], *_similar_lengths((~single & ~held).nonzero()[:, 0], lengths)):
+    compiled = compiled and mixer.compilable and x.device.type == "cpu"
+    batches = [(single.nonzero()[:, 0], 0), (held.nonzero()[:, 0], layout.pending if compiled else 0),
+               *((rows, 0) for rows in _similar_lengths((~single & ~held).nonzero()[:, 0], lengths))]
+    for rows, padded_to in batches:
         if rows.numel():
             rows = rows[slots[rows].argsort()]  # a batch's rows in any order: by slot, so its slots may form a run
-            _run_rows(mixer, layout, tensors, x, out, starts[rows], lengths[rows], computed[rows], slots[rows])
+            _run_rows(mixer, layout, tensors, x, out, starts[rows], lengths[rows], computed[rows], slots[rows],
+                      compiled, padded_to)
     return out
+
+
+def compile_rows(mixer: MemoryMixer, layout: SlotLayout, like: torch.Tensor) -> None:
+    """Compile what :func:`run_on_slots` runs compiled for ``mixer`` (``compiled=True``): rows of
+    a single token and, with ``layout.pending``, held rows, in a batch of one row and of several
+    (torch.compile's two shapes of a batch); inputs of ``like``'s dtype and device. What a server
+    calls as it loads the model, so that no step of a request compiles."""
+    if not (mixer.compilable and like.device.type == "cpu"):
+        return
+    with torch.no_grad():
+        for rows in (1, 2):
+            entry = fresh_entry(mixer, layout, rows, like.device)
+            for length in (1, layout.pending) if layout.pending else (1,):
+                advanced_compiled(mixer, like.new_zeros(rows, length, like.shape[-1]), entry, each=length > 1)
+
+
+def fresh_entry(mixer: MemoryMixer, layout: SlotLayout, rows: int, device: Optional[torch.device] = None) -> MemoryEntry:
+    """The entry ``rows`` sequences start from, as :func:`run_on_slots` hands it to the mixer
+    (the layout's stand-ins in place of the state fields it does not keep)."""
+    held = layout.read(layout.allocate(rows, device), 0, layout.entry_names, rows)
+    fresh = mixer.fresh_rows(_held_entry(layout, held), torch.ones(rows, dtype=torch.bool, device=device))
+    return _held_entry(layout, _entry(fresh))
 
 
 # A prompt chunk much shorter than a step's longest (its first or last chunk beside whole
@@ -260,25 +310,29 @@ def slot_run(slots: torch.Tensor) -> Optional[int]:
 
 def _run_rows(mixer: MemoryMixer, layout: SlotLayout, tensors: Sequence[torch.Tensor], x: torch.Tensor,
               out: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, computed: torch.Tensor,
-              slots: torch.Tensor) -> None:
+              slots: torch.Tensor, compiled: bool, padded_to: int = 0) -> None:
     """Run ``R`` sequences (``starts``, ``lengths``, ``computed``, ``slots``: ``[R]``) as one
-    right-padded batch ``[R, max length, D]``; write outputs into ``out`` and states back."""
-    rows, valid, index, real = _padded(x, starts, lengths)
+    right-padded batch ``[R, max(max length, padded_to), D]``; write outputs into ``out`` and
+    states back. ``compiled``: see :func:`run_on_slots`."""
+    rows, valid, index, real = _padded(x, starts, lengths, padded_to)
+    # A run of slots is read as views, not copies (the ops only read the state they are given).
+    run = slot_run(slots)
+    where = slots if run is None else run
     if layout.pending:
-        entry = _kept_entry(layout, tensors, slots, computed)
+        held = _kept_entry(layout, tensors, where, computed)
     else:
-        # A run of slots is read as views, not copies (the ops only read the state they are given).
-        run = slot_run(slots)
-        where = slots if run is None else run
         held = layout.read(tensors, where, layout.entry_names, len(slots))
-        entry = _held_entry(layout, held)
+    entry = _held_entry(layout, held)
     fresh = computed == 0
     if bool(fresh.any()):
-        entry = mixer.fresh_rows(entry, fresh)
+        entry = _held_entry(layout, _entry(mixer.fresh_rows(entry, fresh)))  # the stand-ins stand in again
     if layout.pending and 1 < rows.shape[1] <= layout.pending:
-        _run_positions(mixer, layout, tensors, rows, out, index, lengths, computed, slots, entry)
+        _run_positions(mixer, layout, tensors, rows, out, index, lengths, computed, where, entry, compiled)
         return
-    y, after_entry = mixer.advance(rows, valid, entry)
+    if compiled and valid is None and rows.shape[1] == 1:
+        y, after_entry = advanced_compiled(mixer, rows, entry, each=False)
+    else:
+        y, after_entry = mixer.advance(rows, valid, entry)
     if valid is not None:
         out[index[real]] = y[real]
     else:  # every row full (decodes, equal chunks): no mask to gather by
@@ -286,34 +340,39 @@ def _run_rows(mixer: MemoryMixer, layout: SlotLayout, tensors: Sequence[torch.Te
     after = _entry(after_entry)
     if layout.pending:
         after.update(tokens=computed + lengths, pending_count=torch.zeros_like(lengths))
-        layout.write(tensors, slots, after)
-        return
-    # A tensor the mixer returned as it was given is what the slots hold already (a decode
-    # step's anchors between chunk starts, KVM's state rows between folds): not written.
-    layout.write(tensors, where, {name: t for name, t in after.items() if t is not held.get(name)})
+    elif run is None:
+        # A tensor the mixer returned as it was given is what the slots hold already (a decode
+        # step's anchors between chunk starts, KVM's state rows between folds): not written
+        # (views of a run of slots are not written onto themselves, see SlotLayout.write).
+        after = {name: t for name, t in after.items() if t is not held.get(name)}
+    layout.write(tensors, where, after)
 
 
 def _run_positions(mixer: MemoryMixer, layout: SlotLayout, tensors: Sequence[torch.Tensor], rows: torch.Tensor,
                    out: torch.Tensor, index: torch.Tensor, lengths: torch.Tensor, computed: torch.Tensor,
-                   slots: torch.Tensor, entry: MemoryEntry) -> None:
+                   slots: Union[torch.Tensor, int], entry: MemoryEntry, compiled: bool) -> None:
     """Rows that may hold drafts (``rows [R, L, D]``, ``L <= layout.pending``): the entry before
-    them stored at position 0 of each slot, the entry after each token at its position. A row
-    shorter than ``L`` runs on through padding (tokens of other rows): the entries past its end
-    are never read (the server keeps at most its ``lengths`` tokens), its outputs not written."""
+    them stored at position 0 of each slot (``slots``: ``[R]``, or the first of a run), the entry
+    after each token at its position. A row shorter than ``L`` runs on through padding (tokens
+    of other rows): the entries past its end are never read (the server keeps at most its
+    ``lengths`` tokens), its outputs not written."""
     layout.write(tensors, slots, {**_entry(entry), "tokens": computed, "pending_count": lengths})
-    y, entries = mixer.advance_each(rows, entry)
+    y, entries = advanced_compiled(mixer, rows, entry, each=True) if compiled else mixer.advance_each(rows, entry)
     real = torch.arange(rows.shape[1], device=rows.device) < lengths[:, None]
     out[index[real]] = y[real]
-    for position, after in enumerate(entries, start=1):
-        layout.write(tensors, slots, _entry(after), position)
+    # One write per field for all positions: on a CPU a step's cost is mostly per-operation.
+    named = [_entry(after) for after in entries]
+    layout.write(tensors, slots, {name: torch.stack([e[name] for e in named], dim=1) for name in named[0]},
+                 slice(1, len(entries) + 1))
 
 
-def _padded(x: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor
+def _padded(x: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, padded_to: int = 0
             ) -> tuple[torch.Tensor, Optional[ValidTokens], torch.Tensor, torch.Tensor]:
-    """The rows ``[R, L, D]`` of ``x`` from ``starts`` (``L``: the longest of ``lengths``), their
+    """The rows ``[R, L, D]`` of ``x`` from ``starts`` (``L``: the longest of ``lengths``, at least
+    ``padded_to``), their
     ``ValidTokens`` (``None`` when every row is full), and the ``index [R, L]`` into ``x`` and
     ``real [R, L]`` mask of their tokens."""
-    offsets = torch.arange(int(lengths.max()), device=x.device)
+    offsets = torch.arange(max(int(lengths.max()), padded_to), device=x.device)
     real = offsets < lengths[:, None]
     index = (starts[:, None] + offsets).clamp(max=x.shape[0] - 1)
     rows = x[index]  # the padding positions hold other tokens, which `valid` skips
@@ -336,11 +395,15 @@ def _entry(entry: MemoryEntry) -> dict[str, torch.Tensor]:
     return named
 
 
-def _kept_entry(layout: SlotLayout, tensors: Sequence[torch.Tensor], slots: torch.Tensor,
-                computed: torch.Tensor) -> MemoryEntry:
-    """The entry of ``slots [R]`` after ``computed [R]`` tokens: at the position of the last token
-    of its held row the server kept (``computed - tokens`` of them; 0: the row's start)."""
-    counts = layout.read(tensors, slots, ("tokens", "pending_count"))
+def _kept_entry(layout: SlotLayout, tensors: Sequence[torch.Tensor], slots: Union[torch.Tensor, int],
+                computed: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The entry tensors (by field name) of ``slots`` (``[R]``, or the first of a run of ``R``)
+    after ``computed [R]`` tokens: at the position of the last token of each slot's held row the
+    server kept (``computed - tokens`` of them; 0: the row's start).
+    Views where the slots form a run and every one is read at the same position (one sequence, or
+    sequences that kept as many drafts), else copies."""
+    rows = computed.shape[0]
+    counts = layout.read(tensors, slots, ("tokens", "pending_count"), rows)
     continuing = computed > 0
     kept = torch.where(continuing, computed - counts["tokens"], 0)
     wrong = continuing & ((kept < 0) | (kept > counts["pending_count"]))
@@ -351,4 +414,8 @@ def _kept_entry(layout: SlotLayout, tensors: Sequence[torch.Tensor], slots: torc
             f"{int(counts['pending_count'][row])} pending ones, but the server continues it after {int(computed[row])} "
             "tokens: the slot was not written by this sequence's last step"
         )
-    return _held_entry(layout, layout.read(tensors, slots, layout.entry_names, positions=kept))
+    if isinstance(slots, int) and bool((kept == kept[0]).all()):
+        return layout.read(tensors, slots, layout.entry_names, rows, int(kept[0]))
+    if isinstance(slots, int):
+        slots = torch.arange(slots, slots + rows, device=computed.device)
+    return layout.read(tensors, slots, layout.entry_names, position=kept)

@@ -36,7 +36,7 @@ def _initial_state(
 ) -> LatticeState:
     """Turn a memory tensor or a :class:`LatticeState` into a checked state in ``dtype`` (its
     offsets' range read back only with ``check_values``)."""
-    shape, meaning = (rows, heads, slots, dim), f"[N, H, M, D] with N = {rows} sequences"
+    shape, meaning = (rows, heads, slots, dim), lambda: f"[N, H, M, D] with N = {rows} sequences"
     if initial_state is None:
         raise ValueError(
             "initial_state is required: a memory tensor [N, H, M, D] (e.g. the layer's learned S0) "

@@ -107,7 +107,8 @@ def _initial_state(
         ("m_k", k_shape, k_meaning), ("anchor_k", k_shape, k_meaning),
         ("m_v", v_shape, v_meaning), ("anchor_v", v_shape, v_meaning),
     ):
-        expect_shape(f"initial_state.{name}", getattr(state, name), shape, f"{meaning} with N = {rows} sequences")
+        expect_shape(f"initial_state.{name}", getattr(state, name), shape,
+                     lambda meaning=meaning: f"{meaning} with N = {rows} sequences")
     return checked_offsets_state(state, rows, chunk_size, dtype, device, check_values)
 
 
