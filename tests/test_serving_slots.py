@@ -45,6 +45,10 @@ def test_a_finished_sequences_slot_serves_the_next_one_from_its_start():
     torch.testing.assert_close(got[1], model(second[None]).logits[0], rtol=1e-12, atol=1e-12)
 
 
+# Rows of a kept token and drafts, (kept, rejected) in turn.
+DRAFTS = [(1, 3), (2, 2), (4, 0), (1, 0), (3, 1), (2, 0), (1, 1)]
+
+
 @pytest.mark.parametrize("schedule, overrides", [
     ("trellis", {}), ("lattice", {}), ("kvm", {}), ("trellis", {"write_gradient": "anchored"}),
 ])
@@ -56,18 +60,17 @@ def test_rejected_drafts_never_enter_a_slots_state(schedule, overrides):
     model = tiny_model(schedule=schedule, dtype=torch.float64, **overrides)
     prompts = [random_tokens(1, n, seed=n)[0] for n in (23, 9, 17, 30)]
     pending = 4  # a kept token and up to three drafts
-    drafts = [(1, 3), (2, 2), (4, 0), (1, 0), (3, 1), (2, 0), (1, 1)]  # (kept, rejected) in turn
 
     def plan(i, step):
         if i == 0 and step < 2:
             return 7  # a prompt chunk longer than a held row
-        return drafts[(i + step) % len(drafts)]
+        return DRAFTS[(i + step) % len(DRAFTS)]
 
     got = serve(model, prompts, slot_of=[6, 1, 3, 0], step_tokens=plan, pending=pending)
     for prompt, logits in zip(prompts, got):
         torch.testing.assert_close(logits, model(prompt[None]).logits[0], rtol=1e-12, atol=1e-12)
     # A preempted sequence starts again from 0 in a slot holding another's state and drafts.
-    again = serve(model, prompts[1:2], slot_of=[6], step_tokens=lambda i, step: drafts[step % len(drafts)],
+    again = serve(model, prompts[1:2], slot_of=[6], step_tokens=lambda i, step: DRAFTS[step % len(DRAFTS)],
                   pending=pending)
     torch.testing.assert_close(again[0], model(prompts[1][None]).logits[0], rtol=1e-12, atol=1e-12)
 
@@ -80,7 +83,6 @@ def test_a_run_of_slots_continues_from_views_at_the_kept_position(schedule, monk
     forming a run)."""
     model = tiny_model(schedule=schedule, dtype=torch.float64)
     prompts = [random_tokens(1, n, seed=n)[0] for n in (23, 9, 17, 30)]
-    drafts = [(1, 3), (2, 2), (4, 0), (1, 0), (3, 1), (2, 0), (1, 1)]
     positions = []
     real_read = SlotLayout.read
 
@@ -91,7 +93,7 @@ def test_a_run_of_slots_continues_from_views_at_the_kept_position(schedule, monk
 
     monkeypatch.setattr(SlotLayout, "read", read)
     got = serve(model, prompts, slot_of=[2, 3, 4, 5], pending=4,
-                step_tokens=lambda i, step: 7 if step < 2 else drafts[step % len(drafts)])
+                step_tokens=lambda i, step: 7 if step < 2 else DRAFTS[step % len(DRAFTS)])
     for prompt, logits in zip(prompts, got):
         torch.testing.assert_close(logits, model(prompt[None]).logits[0], rtol=1e-12, atol=1e-12)
     assert {1, 2, 3} <= set(positions)  # kept drafts, read where they left the state
@@ -117,9 +119,8 @@ def test_compiled_rows_give_the_numbers_of_eager_ones(schedule, recwarn):
             advanced_compiled(mixer, torch.zeros(rows, length, model.config.hidden_size, dtype=torch.float64),
                               fresh_entry(mixer, layout, rows), each=length > 1)
     prompts = [random_tokens(1, n, seed=n)[0] for n in (23, 9, 17, 30)]
-    drafts = [(1, 3), (2, 2), (4, 0), (1, 0), (3, 1), (2, 0), (1, 1)]
     plans = [(0, lambda i, step: 6 if step == 0 else 1),
-             (4, lambda i, step: 7 if i == 0 and step < 2 else drafts[(i + step) % len(drafts)])]
+             (4, lambda i, step: 7 if i == 0 and step < 2 else DRAFTS[(i + step) % len(DRAFTS)])]
     for pending, plan in plans:
         got = serve(model, prompts, slot_of=[6, 1, 3, 0], step_tokens=plan, pending=pending, compiled=True)
         for prompt, logits in zip(prompts, got):

@@ -183,8 +183,7 @@ class SlotLayout:
     def fit(shape: tuple[int, ...], dtype: torch.dtype, value: torch.Tensor) -> torch.Tensor:
         """``value [R, ...]`` as ``[R, *shape]`` of ``dtype``: zeros past a buffer that has not
         grown to the slot's bound (KVM's window and state rows)."""
-        if value.dtype != dtype:
-            value = value.to(dtype)
+        value = value.to(dtype)
         if tuple(value.shape[1:]) == shape:
             return value
         full = torch.zeros((value.shape[0], *shape), dtype=dtype, device=value.device)
@@ -369,9 +368,8 @@ def _run_positions(mixer: MemoryMixer, layout: SlotLayout, tensors: Sequence[tor
 def _padded(x: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, padded_to: int = 0
             ) -> tuple[torch.Tensor, Optional[ValidTokens], torch.Tensor, torch.Tensor]:
     """The rows ``[R, L, D]`` of ``x`` from ``starts`` (``L``: the longest of ``lengths``, at least
-    ``padded_to``), their
-    ``ValidTokens`` (``None`` when every row is full), and the ``index [R, L]`` into ``x`` and
-    ``real [R, L]`` mask of their tokens."""
+    ``padded_to``), their ``ValidTokens`` (``None`` when every row is full), and the ``index [R, L]``
+    into ``x`` and ``real [R, L]`` mask of their tokens."""
     offsets = torch.arange(max(int(lengths.max()), padded_to), device=x.device)
     real = offsets < lengths[:, None]
     index = (starts[:, None] + offsets).clamp(max=x.shape[0] - 1)
