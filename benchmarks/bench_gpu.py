@@ -12,13 +12,14 @@
 What it measures (bfloat16 activations, float32 states, chunk 64):
   * op forward and forward+backward at (B, T, H, D, M) = (8, 4096, 16, 64, 64),
     (2, 16384, 16, 64, 64), (1, 32768, 16, 128, 64): Trellis (backend "triton", through the
-    public ``trellis_attention``), against fla's ``chunk_gsa`` (M slots, per-slot log gates)
-    and ``chunk_gated_delta_rule`` when fla is installed, and PyTorch SDPA flash attention
-    (causal) at the same B, T, H, D; Lattice and KVM (PyTorch paths) at the first shape.
-  * chunk 1 (the exact recurrence) forward+backward against chunk 64 at the first shape, the same
-    function as ``write_gradient="exact"`` on both backends (the torch chunk form at C = 16, 32, 64), and the
-    forward's achieved TFLOP/s and memory bandwidth against a bf16 matmul and a device copy
-    measured in the same run.
+    public ``trellis_attention``) anchored at chunk 64 and with exact writes (the exact chunk
+    kernels), each with tf32x3 and with bf16 products, against fla's ``chunk_gated_delta_rule``
+    and ``chunk_gsa`` (M slots, per-slot log gates) when fla is installed, and PyTorch SDPA flash
+    attention (causal) at the same B, T, H, D; Lattice and KVM (PyTorch paths) at the first
+    shape; then issue 70's goal ratios from the rows of the same run.
+  * chunk 1 (the per-token kernels) and the torch exact chunk form (chunk 16) forward+backward
+    against anchored chunk 64 at the first shape, and the forward's achieved TFLOP/s and memory
+    bandwidth against a bf16 matmul and a device copy measured in the same run.
   * decode milliseconds per token, batch 1 and 64, of a 12-layer, 768-wide Trellis model against a
     LlamaForCausalLM of the same size (sdpa attention) after contexts of 1k, 16k and 128k tokens
     (Llama is not run where its cache would not fit), each eagerly and with CUDA graphs: Trellis
@@ -154,45 +155,51 @@ def measured_ceilings() -> tuple[float, float]:
     return tflops, gbps
 
 
-def time_trellis(B, T, H, D, M, ceilings=None, sequential=False, precision=None) -> str:
-    """The op forward and forward+backward (bf16 inputs); ``precision``: the kernels' dot
-    precision for the span of the call instead of the backend's choice."""
+# fwd+bwd milliseconds of every timed row, by (shape, name): bench_ops' ratios to the goals.
+TIMES: dict = {}
+
+
+def time_trellis(B, T, H, D, M, ceilings=None, first=False, precision=None) -> str:
+    """The op forward and forward+backward (bf16 inputs), anchored (chunk 64) and with exact
+    writes (the exact chunk kernels, whatever the chunk size), both at the kernels' dot precision
+    (``precision``: that one instead, for the span of the call); ``first``: also chunk 1 (the
+    per-token kernels) and the torch exact chunk form on the GPU."""
     from trellis_lm.ops import trellis_attention
     from trellis_lm.ops.trellis import triton_chunk as tc
 
     if precision is not None:
         with mock.patch.object(tc, "DOT_PRECISION", precision):
-            return time_trellis(B, T, H, D, M, ceilings, sequential)
+            return time_trellis(B, T, H, D, M, ceilings, first)
     x, state = trellis_inputs(B, T, H, D, M)
-    kw = dict(initial_state=state, chunk_size=CHUNK, backend="triton")
-    with torch.no_grad():
-        fwd = bench_ms(lambda: trellis_attention(*x, **kw))
     xg, _ = trellis_inputs(B, T, H, D, M, grad=True)
     do = torch.randn(B, T, H, D, device=DEVICE, dtype=torch.bfloat16)
 
-    def fwd_bwd(chunk_size, **how):
-        o, _ = trellis_attention(*xg, **dict(kw, chunk_size=chunk_size, **how))
-        o.backward(do)
+    def timed(**how):
+        kw = dict(initial_state=state, chunk_size=CHUNK, backend="triton") | how
+        with torch.no_grad():
+            fwd = bench_ms(lambda: trellis_attention(*x, **kw))
+        return fwd, bench_ms(lambda: trellis_attention(*xg, **kw)[0].backward(do))
 
-    both = bench_ms(lambda: fwd_bwd(CHUNK))
-    label = f"trellis ({tc.DOT_PRECISION} dots)"
-    row = f"  {label:23s} fwd {fwd:8.2f} ms | fwd+bwd {both:8.2f} ms"
-    if ceilings is not None:
-        tflops = chunk_form_flops(B, T, H, D, M, CHUNK) / fwd / 1e9
-        gbps = io_bytes(B, T, H, D, M) / fwd / 1e6
-        row += (f"\n    forward: {tflops:6.1f} TFLOP/s ({100 * tflops / ceilings[0]:.1f}% of the measured bf16 matmul"
-                f" ceiling), {gbps:7.1f} GB/s of least traffic ({100 * gbps / ceilings[1]:.1f}% of measured copy"
-                " bandwidth)")
-    if sequential:
-        exact = bench_ms(lambda: fwd_bwd(1))
-        row += f"\n    chunk 1 (the exact recurrence) fwd+bwd {exact:8.2f} ms = {exact / both:.2f}x chunk {CHUNK}"
-        # The same function written as write_gradient="exact": the Triton backend runs it through
-        # the per-token kernels; the torch chunk form (issue 51) on the GPU is the candidate to beat.
-        for backend, chunk_size in (("triton", CHUNK), ("torch", 64), ("torch", 32), ("torch", 16)):
-            ms = bench_ms(lambda: fwd_bwd(chunk_size, write_gradient="exact", backend=backend))
-            row += (f"\n    exact writes, backend {backend}, chunk {chunk_size}: fwd+bwd {ms:8.2f} ms"
-                    f" = {ms / both:.2f}x anchored chunk {CHUNK}")
-    return row
+    shape, rows = (B, T, H, D, M), []
+    for name, how in (("anchored", {}), ("exact", dict(write_gradient="exact"))):
+        fwd, both = timed(**how)
+        TIMES[shape, f"{name} {tc.DOT_PRECISION}"] = both
+        rows.append(f"  trellis {name} ({tc.DOT_PRECISION} dots) fwd {fwd:8.2f} ms | fwd+bwd {both:8.2f} ms")
+        if ceilings is not None:
+            tflops = chunk_form_flops(B, T, H, D, M, CHUNK) / fwd / 1e9
+            gbps = io_bytes(B, T, H, D, M) / fwd / 1e6
+            rows.append(f"    forward: {tflops:6.1f} TFLOP/s of the chunk form's products ({100 * tflops / ceilings[0]:.1f}%"
+                        f" of the measured bf16 matmul ceiling), {gbps:7.1f} GB/s of least traffic"
+                        f" ({100 * gbps / ceilings[1]:.1f}% of measured copy bandwidth)")
+    anchored = TIMES[shape, f"anchored {tc.DOT_PRECISION}"]
+    rows.append(f"    exact fwd+bwd = {TIMES[shape, f'exact {tc.DOT_PRECISION}'] / anchored:.2f}x anchored chunk {CHUNK}")
+    if first:
+        for label, how in (("chunk 1 (the per-token kernels)", dict(chunk_size=1)),
+                           ("exact writes, backend torch, chunk 16", dict(write_gradient="exact", backend="torch",
+                                                                          chunk_size=16))):
+            both = timed(**how)[1]
+            rows.append(f"    {label}: fwd+bwd {both:8.2f} ms = {both / anchored:.2f}x anchored chunk {CHUNK}")
+    return "\n".join(rows)
 
 
 def time_fla_gsa(B, T, H, D, M) -> str:
@@ -239,7 +246,8 @@ def time_fla_gdn(B, T, H, D, M) -> str:
         o = chunk_gated_delta_rule(*xg, **extra)[0]
         o.backward(do)
 
-    return f"  fla chunk_gated_delta   fwd {fwd:8.2f} ms | fwd+bwd {bench_ms(fwd_bwd):8.2f} ms"
+    both = TIMES[(B, T, H, D, M), "fla gated delta"] = bench_ms(fwd_bwd)
+    return f"  fla chunk_gated_delta   fwd {fwd:8.2f} ms | fwd+bwd {both:8.2f} ms"
 
 
 def time_sdpa(B, T, H, D, M) -> str:
@@ -256,7 +264,8 @@ def time_sdpa(B, T, H, D, M) -> str:
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
             F.scaled_dot_product_attention(qg, kg, vg, is_causal=True).backward(do)
 
-    return f"  sdpa flash (causal)     fwd {fwd:8.2f} ms | fwd+bwd {bench_ms(fwd_bwd):8.2f} ms"
+    both = TIMES[(B, T, H, D, M), "sdpa flash"] = bench_ms(fwd_bwd)
+    return f"  sdpa flash (causal)     fwd {fwd:8.2f} ms | fwd+bwd {both:8.2f} ms"
 
 
 def time_family(B, T, H, D, M) -> list[str]:
@@ -313,7 +322,7 @@ def bench_ops(sizes) -> list[str]:
 
     for i, (B, T, H, D, M) in enumerate(sizes):
         shape(B, T, H, D, M, (
-            ("trellis", lambda: time_trellis(B, T, H, D, M, ceilings, sequential=i == 0)),
+            ("trellis", lambda: time_trellis(B, T, H, D, M, ceilings, first=i == 0)),
             ("trellis, bf16 dots", lambda: time_trellis(B, T, H, D, M, precision="bf16")),
             ("sdpa flash", lambda: time_sdpa(B, T, H, D, M)),
         ), "")
@@ -322,9 +331,27 @@ def bench_ops(sizes) -> list[str]:
             print("\n".join(rows[-2:]), flush=True)
     for B, T, H, D, M in sizes:
         shape(B, T, H, D, M, (
-            ("fla chunk_gsa", lambda: time_fla_gsa(B, T, H, D, M)),
             ("fla chunk_gated_delta_rule", lambda: time_fla_gdn(B, T, H, D, M)),
+            ("fla chunk_gsa", lambda: time_fla_gsa(B, T, H, D, M)),
         ), ", fla's kernels")
+    return rows + goal_rows(sizes)
+
+
+def goal_rows(sizes) -> list[str]:
+    """Issue 70's ratios, fwd+bwd, from the rows timed in this run (``-`` where one is missing):
+    exact against anchored (both at each dot precision) and against fla's gated delta rule,
+    and SDPA flash's time over exact's (>= 1: exact is at least as fast)."""
+    def ratio(shape, a, b):
+        return f"{TIMES[shape, a] / TIMES[shape, b]:.2f}" if (shape, a) in TIMES and (shape, b) in TIMES else "-"
+
+    rows = ["goals, fwd+bwd ratios in this run (exact / anchored <= 1.3, exact / fla <= 2, sdpa / exact >= 1 at 4k"
+            " and >= 3 at 32k):"]
+    for shape in sizes:
+        for p in ("tf32x3", "bf16"):
+            rows.append(f"  {shape} {p:6s} dots: exact / anchored {ratio(shape, f'exact {p}', f'anchored {p}')}"
+                        f" | exact / fla gated delta {ratio(shape, f'exact {p}', 'fla gated delta')}"
+                        f" | sdpa / exact {ratio(shape, 'sdpa flash', f'exact {p}')}")
+    print("\n".join(rows), flush=True)
     return rows
 
 
@@ -353,37 +380,43 @@ def warm(what: str, sizes) -> list[str]:
 def tune(B, T, H, D, M) -> list[str]:
     """Launch settings and dot precisions of the chunk kernels at one shape: forward+backward
     time, and the forward's and the input gradients' errors (the largest, norm-relative) against
-    the float64 PyTorch backend, per variant. The settings are the module's own functions and
-    constant, replaced for the span of one variant."""
+    the float64 PyTorch backend, per variant: the anchored kernels' warps, and the exact
+    kernels' warps and chunk (``EXACT_WARPS``, ``EXACT_CHUNK``), each with a dot precision. The
+    settings are the modules' own functions and constants, replaced for the span of one variant."""
+    from contextlib import ExitStack
+
     from trellis_lm.ops import trellis_attention
     from trellis_lm.ops.trellis import triton_chunk as tc
+    from trellis_lm.ops.trellis import triton_exact as te
 
     x, state = trellis_inputs(B, T, H, D, M, grad=True)
     do = torch.randn(B, T, H, D, device=DEVICE, dtype=torch.bfloat16)
     x64 = [t.detach().double().requires_grad_() for t in x]
-    ref, _ = trellis_attention(*x64, initial_state=tuple(t.double() for t in state), chunk_size=CHUNK, backend="torch")
-    ref_grads = torch.autograd.grad(ref, x64, do.double())
-    ref = ref.detach()
-    rows = [f"tuning at {(B, T, H, D, M)}, chunk {CHUNK}: warps / dot precision -> fwd+bwd ms, errors:"]
+    rows = [f"tuning at {(B, T, H, D, M)}, chunk {CHUNK}: variant -> fwd+bwd ms, errors:"]
 
     def rel(a, b):
         return ((a.double() - b).norm() / b.norm()).item()
 
-    def variant(warps, precision):
-        with mock.patch.object(tc, "_warps", lambda *args: warps), mock.patch.object(tc, "DOT_PRECISION", precision):
-            def fwd_bwd():
-                return trellis_attention(*x, initial_state=state, chunk_size=CHUNK, backend="triton")[0]
-
-            both = bench_ms(lambda: fwd_bwd().backward(do))
-            o = fwd_bwd()
+    def variant(write_gradient, precision, patches):
+        kw = dict(initial_state=state, chunk_size=CHUNK, write_gradient=write_gradient)
+        ref = trellis_attention(*x64, **dict(kw, initial_state=tuple(t.double() for t in state)), backend="torch")[0]
+        ref_grads = torch.autograd.grad(ref, x64, do.double())
+        with ExitStack() as stack:
+            stack.enter_context(mock.patch.object(tc, "DOT_PRECISION", precision))
+            for module, name, value in patches:
+                stack.enter_context(mock.patch.object(module, name, value))
+            both = bench_ms(lambda: trellis_attention(*x, **kw, backend="triton")[0].backward(do))
+            o = trellis_attention(*x, **kw, backend="triton")[0]
             grads = torch.autograd.grad(o, x, do)
         grad_err = max(rel(g, e) for g, e in zip(grads, ref_grads))
-        return (f"  warps {warps:2d} {precision:7s}: fwd+bwd {both:8.2f} ms | forward error {rel(o.detach(), ref):.1e}"
-                f" | largest gradient error {grad_err:.1e}")
+        return f"fwd+bwd {both:8.2f} ms | forward error {rel(o.detach(), ref.detach()):.1e} | largest gradient error {grad_err:.1e}"
 
-    variants = ((8, "bf16"), (8, "tf32x3"), (8, "tf32"), (4, "bf16"))
-    for warps, precision in variants:
-        rows.append(guarded(f"  warps {warps} {precision}", lambda: variant(warps, precision)))
+    variants = [(f"anchored warps {w} {p}", "anchored", p, [(tc, "_warps", lambda *args, w=w: w)])
+                for w, p in ((8, "bf16"), (8, "tf32x3"), (8, "tf32"), (4, "bf16"))]
+    variants += [(f"exact warps {w} chunk {c} {p}", "exact", p, [(te, "EXACT_WARPS", w), (te, "EXACT_CHUNK", c)])
+                 for w, c, p in ((8, 64, "tf32x3"), (8, 64, "bf16"), (4, 64, "tf32x3"), (8, 32, "tf32x3"))]
+    for label, write_gradient, precision, patches in variants:
+        rows.append(guarded(f"  {label}", lambda: f"  {label:32s}: " + variant(write_gradient, precision, patches)))
         print(rows[-1], flush=True)
     return rows
 
@@ -574,6 +607,7 @@ def compile_check(head_dims=(64, 128), slots=64, chunk=CHUNK) -> list[str]:
     from triton.compiler import ASTSource
 
     from trellis_lm.ops.trellis import triton_chunk as tc
+    from trellis_lm.ops.trellis import triton_exact as te
 
     # The ptxas triton itself runs for sm_90: triton 3.9 emits PTX 9.4, which only its second bundled
     # ptxas ("ptxas-blackwell") reads; triton 3.6 has one ptxas and no per-arch choice.
@@ -624,13 +658,16 @@ def compile_check(head_dims=(64, 128), slots=64, chunk=CHUNK) -> list[str]:
              dict(BM=BM, BDK=BD, BDV=BD, CF=2, MF=0, PACKED=False, SEG=tc.RECURRENT_SEGMENT), 1),
             ("recur_bwd", tc._recurrent_bwd_kernel,
              dict(SEG=tc.RECURRENT_SEGMENT, BM=BM, BDK=BD, BDV=BD, CF=2, MF=0), 1),
+            ("exact_state", te._exact_state_kernel, dict(te.exact_tiles(False, BT, slots, D), CF=2), 1),
+            ("exact_chain", te._exact_chain_bwd_kernel, dict(te.exact_tiles(True, BT, slots, D, D), CF=2), 1),
         ]
         for name, fn, constexprs, stages in kernels:
             names = fn.arg_names
             signature = {n: ("constexpr" if n in constexprs else arg_type(n)) for n in names}
             src = ASTSource(fn, signature, {(names.index(k),): v for k, v in constexprs.items()})
             start = time.perf_counter()
-            warps = tc._warps("recurrent" if name.startswith("recur") else "chunk", D, D, slots)
+            warps = te.EXACT_WARPS if name.startswith("exact") else tc._warps(
+                "recurrent" if name.startswith("recur") else "chunk", D, D, slots)
             kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                                     options=dict(num_warps=warps, num_stages=stages))
             shared = kernel.metadata.shared

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# One device run of issue 39, in order of what matters: correctness on the GPU (pytest), then
-# decode (eager and with CUDA graphs, against a Llama eager and compiled), op timings (ours at
-# both dot precisions and SDPA at every shape, then fla's), where the time goes (profiles of the
-# op and a decode step), then kernel variants (dot precisions, warps: time and error).
+# One device run (issues 39, 70, 71), in order of what matters: correctness on the GPU (pytest),
+# then op timings (anchored and exact kernels at both dot precisions and SDPA at every shape, then
+# fla's, then the goal ratios), decode (eager and with CUDA graphs, against a Llama eager and
+# compiled), where the time goes (profiles of the op and a decode step), then kernel variants
+# (dot precisions, warps, the exact kernels' chunk: time and error).
 # Shares from the first run (H200, 2026-11-26): pytest took 102 s, decode 70 s eagerly (the
 # compiled Llama adds a compile per context); fla's first calls compile and autotune for
 # minutes: beside the tests, three processes compile what the op phase runs (bench_gpu.py
@@ -19,7 +20,9 @@
 # At most 8 files come back from $OUT: the run writes 7 (summary, warm and one per phase).
 #
 # Runs from the repository root with the machine's own python3 (torch, triton, transformers
-# there); peers (flash-linear-attention, fla-core) come as wheels in .whl/ when present.
+# there); peers (flash-linear-attention, fla-core) come as wheels in .whl/ when present: before
+# the device call, `pip download --no-deps -d .whl fla-core flash-linear-attention` here (pure
+# Python, 1.5 MB; .whl/ is ignored by git) and name .whl in the call's carry.
 set -u
 budget=${1:-560}
 phases=",${2:-pytest,bench_decode,bench_op,profile,tune},"
@@ -87,10 +90,10 @@ if (( ${#warm[@]} )); then
     done
     grep -E "warm .*: [0-9]+ s|failed" "$out/warm.log"
 fi
-phase bench_decode 200 python3 benchmarks/bench_gpu.py --only decode
-show bench_decode tail -8
 phase bench_op 280 python3 benchmarks/bench_gpu.py --only op
 show bench_op sed -n '/# summary/,$p'
+phase bench_decode 200 python3 benchmarks/bench_gpu.py --only decode
+show bench_decode tail -8
 phase profile 70 python3 benchmarks/bench_gpu.py --only profile
 show profile grep -E "wall|failed"
 phase tune 130 python3 benchmarks/bench_gpu.py --only tune

@@ -140,6 +140,8 @@ def trellis_attention(
         gamma: ``[B, T, H]`` inner learning rates, finite and >= 0.
             Gates out of range (or NaN) raise a ``ValueError``; the check reads two numbers
             back from the device, and is skipped inside ``torch.compile``.
+        Non-finite q, k, v or alpha are not checked; how far one reaches (with a chunk form,
+        back to the start of its chunk) is stated in the design page, section 3.
         B = 0 (an empty batch) is allowed and gives an empty ``o`` and the empty state; T, H,
         M, Dk and Dv must be at least 1 (a ``ValueError`` names the one that is 0).
         initial_state: ``None`` (zero memories), a pair ``(m_k [N,H,M,Dk], m_v [N,H,M,Dv])`` at a

@@ -51,6 +51,10 @@ Shared memory, from ahead-of-time compiles for sm_90 with tf32x3 at C = M = 64 (
 available to run them): every kernel fits the H100's 227 KB at D = 64 and D = 128 with the
 ``num_stages`` chosen in ``_stages``; the chain kernels do not fit with 3 stages.
 
+``"exact"`` writes run the kernels of :mod:`.triton_exact` (the exact chunk form, design page
+section 2b), which use the read kernels and the local backward kernels here with the writes ``U``
+they saved (``EXACT=True``); one token, or ``chunk_size=1``, runs the token-by-token kernels.
+
 Float64 inputs and ``compress_fn="identity"`` are not computed by these kernels (identity's chunk
 form needs a triangular solve they lack): the registry of :mod:`.dispatch` refuses both for
 ``backend="triton"`` and gives them to ``"torch"`` under ``"auto"``, and the custom op refuses
@@ -435,23 +439,36 @@ def _value_operands(v_ptr, av0_ptr, hv_ptr, tok0, nrows, resumed, n, j, h, H, M,
 
 
 @triton.jit
-def _key_read(Q, K, SK, AK, Al, mu, Dm, cm, M, CF: tl.constexpr, MF: tl.constexpr, PREC: tl.constexpr):
+def _writes(u_ptr, X, A, Al, tok0, nrows, h, H, M, cm, BT: tl.constexpr, BM: tl.constexpr, CF: tl.constexpr,
+            PREC: tl.constexpr, EXACT: tl.constexpr):
+    """A chunk's ``U`` (one pass): with ``EXACT`` the rows the exact writes' state kernel saved
+    (:mod:`.triton_exact`: each from the memory just before its write, by substitution), else
+    ``vjp_phi`` at the anchor ``A``, all rows at once."""
+    if EXACT:
+        return _load_tok(u_ptr, tok0, nrows, h, H, M, BT, BM)
+    else:
+        return _residual_vjp(_dot(X, tl.trans(A), PREC), Al, cm, M, CF)
+
+
+@triton.jit
+def _key_read(Q, K, SK, UK, mu, Dm, cm, M, MF: tl.constexpr, PREC: tl.constexpr):
     """A chunk's key read (design page, section 2): ``Y = mu * Q SK^T - (D * Q K^T) UK`` and
-    ``H = f(Y)``, with ``UK`` the key writes from the anchor."""
-    UK = _residual_vjp(_dot(K, tl.trans(AK), PREC), Al, cm, M, CF)
+    ``H = f(Y)``."""
     Y = mu[:, None] * _dot(Q, tl.trans(SK), PREC) - _dot(Dm * _dot(Q, tl.trans(K), PREC), UK, PREC)
     return Y, _mix(Y, cm, M, MF)
 
 
 @triton.jit
 def _output_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, al_ptr, lb_ptr, g_ptr, ak0_ptr, av0_ptr, hk_ptr, hv_ptr,
+    q_ptr, k_ptr, v_ptr, al_ptr, lb_ptr, g_ptr, ak0_ptr, av0_ptr, hk_ptr, hv_ptr, uk_ptr, uv_ptr,
     seq_start_ptr, seq_len_ptr, off_ptr, cseq_ptr, cidx_ptr,
     o_ptr,
     H, M, DK, DV, C,
     BT: tl.constexpr, BM: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr,
-    CF: tl.constexpr, MF: tl.constexpr, PREC: tl.constexpr,
+    CF: tl.constexpr, MF: tl.constexpr, PREC: tl.constexpr, EXACT: tl.constexpr,
 ):
+    """Both reads of one chunk slot and head; ``EXACT``: the writes ``U`` come saved in
+    ``uk``/``uv`` (else they are recomputed from the anchors and those pointers are not read)."""
     j = tl.program_id(0)
     h = tl.program_id(1)
     n = tl.load(cseq_ptr + j)
@@ -460,8 +477,9 @@ def _output_fwd_kernel(
             q_ptr, k_ptr, al_ptr, lb_ptr, g_ptr, ak0_ptr, hk_ptr,
             seq_start_ptr, seq_len_ptr, off_ptr, cidx_ptr, n, j, h, H, M, DK, C, BT, BM, BDK)
         SV, AV, V = _value_operands(v_ptr, av0_ptr, hv_ptr, tok0, nrows, resumed, n, j, h, H, M, DV, BT, BM, BDV)
-        _, Hh = _key_read(Q, K, SK, AK, Al, mu, Dm, cm, M, CF, MF, PREC)
-        UV = _residual_vjp(_dot(V, tl.trans(AV), PREC), Al, cm, M, CF)
+        UK = _writes(uk_ptr, K, AK, Al, tok0, nrows, h, H, M, cm, BT, BM, CF, PREC, EXACT)
+        _, Hh = _key_read(Q, K, SK, UK, mu, Dm, cm, M, MF, PREC)
+        UV = _writes(uv_ptr, V, AV, Al, tok0, nrows, h, H, M, cm, BT, BM, CF, PREC, EXACT)
         HU = _dot(Hh, tl.trans(UV), PREC)
         O = mu[:, None] * _dot(Hh, SV, PREC) - _dot(Dm * HU, V, PREC)
         _store_tok(o_ptr, O, tok0, nrows, h, H, DV, BT, BDV)
@@ -547,12 +565,12 @@ def _gate_parts(dD, dmu, E, Dm, mu):
 
 @triton.jit
 def _value_bwd_kernel(
-    q_ptr, k_ptr, v_ptr, al_ptr, lb_ptr, g_ptr, ak0_ptr, av0_ptr, hk_ptr, hv_ptr, do_ptr,
+    q_ptr, k_ptr, v_ptr, al_ptr, lb_ptr, g_ptr, ak0_ptr, av0_ptr, hk_ptr, hv_ptr, uk_ptr, uv_ptr, do_ptr,
     seq_start_ptr, seq_len_ptr, off_ptr, cseq_ptr, cidx_ptr,
     dv_ptr, duv_ptr, pv_ptr, dy_ptr, dg_ptr, dc_ptr,
     H, M, DK, DV, C,
     BT: tl.constexpr, BM: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr,
-    CF: tl.constexpr, MF: tl.constexpr, PREC: tl.constexpr,
+    CF: tl.constexpr, MF: tl.constexpr, PREC: tl.constexpr, EXACT: tl.constexpr,
 ):
     """:mod:`.kernel_mirror`: chunk_local_backward for one chunk and head, its first half: the
     value read back to ``dY``, the gradient at the mixing function's input, which
@@ -566,8 +584,9 @@ def _value_bwd_kernel(
             seq_start_ptr, seq_len_ptr, off_ptr, cidx_ptr, n, j, h, H, M, DK, C, BT, BM, BDK)
         SV, AV, V = _value_operands(v_ptr, av0_ptr, hv_ptr, tok0, nrows, resumed, n, j, h, H, M, DV, BT, BM, BDV)
         dO = _load_tok(do_ptr, tok0, nrows, h, H, DV, BT, BDV)
-        Y, Hh = _key_read(Q, K, SK, AK, Al, mu, Dm, cm, M, CF, MF, PREC)  # the forward, recomputed
-        UV = _residual_vjp(_dot(V, tl.trans(AV), PREC), Al, cm, M, CF)
+        UK = _writes(uk_ptr, K, AK, Al, tok0, nrows, h, H, M, cm, BT, BM, CF, PREC, EXACT)
+        Y, Hh = _key_read(Q, K, SK, UK, mu, Dm, cm, M, MF, PREC)  # the forward, recomputed
+        UV = _writes(uv_ptr, V, AV, Al, tok0, nrows, h, H, M, cm, BT, BM, CF, PREC, EXACT)
         # Value read: O = mu * H SV - (D * H UV^T) V; dY first, so that Y dies early.
         dOV = _dot(dO, tl.trans(V), PREC)
         dHU = -Dm * dOV
@@ -585,12 +604,12 @@ def _value_bwd_kernel(
 
 @triton.jit
 def _key_bwd_kernel(
-    q_ptr, k_ptr, al_ptr, lb_ptr, g_ptr, ak0_ptr, hk_ptr,
+    q_ptr, k_ptr, al_ptr, lb_ptr, g_ptr, ak0_ptr, hk_ptr, uk_ptr,
     seq_start_ptr, seq_len_ptr, off_ptr, cseq_ptr, cidx_ptr,
     dq_ptr, dk_ptr, duk_ptr, pk_ptr, dg_ptr, dc_ptr,
     H, M, DK, C,
     BT: tl.constexpr, BM: tl.constexpr, BDK: tl.constexpr,
-    CF: tl.constexpr, PREC: tl.constexpr,
+    CF: tl.constexpr, PREC: tl.constexpr, EXACT: tl.constexpr,
 ):
     """:mod:`.kernel_mirror`: chunk_local_backward for one chunk and head, its second half: the
     key read, from the ``dY`` that :func:`_value_bwd_kernel` left in ``duk`` (overwritten here
@@ -605,7 +624,7 @@ def _key_bwd_kernel(
             seq_start_ptr, seq_len_ptr, off_ptr, cidx_ptr, n, j, h, H, M, DK, C, BT, BM, BDK)
         dY = _load_tok(duk_ptr, tok0, nrows, h, H, M, BT, BM)
         # Key read: Y = mu * Q SK^T - (D * Q K^T) UK, H = f(Y).
-        UK = _residual_vjp(_dot(K, tl.trans(AK), PREC), Al, cm, M, CF)
+        UK = _writes(uk_ptr, K, AK, Al, tok0, nrows, h, H, M, cm, BT, BM, CF, PREC, EXACT)
         QK = _dot(Q, tl.trans(K), PREC)
         dmu = tl.sum(_dot(Q, tl.trans(SK), PREC) * dY, axis=1)
         PK = mu[:, None] * dY
@@ -1003,8 +1022,8 @@ def _forward_impl(q, k, v, alpha, log_beta, gamma, m_k, m_v, anchor_k, anchor_v,
     batch, length, heads, dk = q.shape
     dv, slots_m = v.shape[-1], alpha.shape[-1]
     cf, mf = _codes(compress_fn, mix_fn)
-    o = torch.empty_like(v)
     if _use_recurrent(length, chunk_size):
+        o = torch.empty_like(v)
         outs = [torch.empty_like(t) for t in (m_k, m_v, anchor_k, anchor_v)]
         if chunk_size > 1:  # one token mid-chunk: the backward rebuilds its chunk start
             recurrent_launch(q, k, v, alpha, log_beta, gamma, m_k, m_v, anchor_k, anchor_v, offset, cu_seqlens,
@@ -1018,16 +1037,73 @@ def _forward_impl(q, k, v, alpha, log_beta, gamma, m_k, m_v, anchor_k, anchor_v,
     plan = make_plan(offset, batch, length, chunk_size, cu_seqlens)
     (h_k, mk_out, ak_out), (h_v, mv_out, av_out) = _both_state_passes(
         k, v, alpha, log_beta, gamma, (m_k, anchor_k), (m_v, anchor_v), plan, chunk_size, cf)
-    _output_fwd_kernel[(plan.slots, heads)](
-        q, k, v, alpha, log_beta, gamma, anchor_k, anchor_v, h_k, h_v,
-        plan.seq_start, plan.seq_len, plan.offset, plan.chunk_seq, plan.chunk_idx,
-        o,
-        heads, slots_m, dk, dv, chunk_size,
-        BT=_row_tile(chunk_size, length), BM=_pow2(slots_m), BDK=_pow2(dk), BDV=_pow2(dv), CF=cf, MF=mf,
-        PREC=_kernel_precision(),
-        num_warps=_warps("chunk"), num_stages=_stages("output"),
-    )
+    o = read_launch(q, k, v, alpha, log_beta, gamma, (anchor_k, anchor_v), (h_k, h_v), None, plan, chunk_size, cf, mf)
     return o, mk_out, mv_out, ak_out, av_out, h_k, h_v
+
+
+def read_launch(q, k, v, alpha, log_beta, gamma, anchors, starts, writes, plan, chunk_size, cf, mf):
+    """``o``: both reads of every chunk of ``plan`` (:func:`_output_fwd_kernel`), from the chunk-start
+    memories ``starts = (h_k, h_v)``; ``writes = (u_k, u_v)``, the exact writes' saved ``U``, or
+    ``None`` to recompute them from ``anchors`` (the given anchors of a resumed first chunk)."""
+    length, heads, dk = q.shape[1:]
+    dv, slots_m = v.shape[-1], alpha.shape[-1]
+    o = torch.empty_like(v)
+    if plan.slots * heads:
+        _output_fwd_kernel[(plan.slots, heads)](
+            q, k, v, alpha, log_beta, gamma, *anchors, *starts, *(writes or starts),
+            plan.seq_start, plan.seq_len, plan.offset, plan.chunk_seq, plan.chunk_idx,
+            o,
+            heads, slots_m, dk, dv, chunk_size,
+            BT=_row_tile(chunk_size, length), BM=_pow2(slots_m), BDK=_pow2(dk), BDV=_pow2(dv), CF=cf, MF=mf,
+            PREC=_kernel_precision(), EXACT=writes is not None,
+            num_warps=_warps("chunk"), num_stages=_stages("output"),
+        )
+    return o
+
+
+def local_backward(q, k, v, alpha, log_beta, gamma, anchors, starts, writes, d_o, plan, chunk_size, cf, mf):
+    """The gradients that need no later chunk (:func:`_value_bwd_kernel`, then :func:`_key_bwd_kernel`),
+    arguments as :func:`read_launch`'s. Returns ``(dq, dk, dv, du_k, du_v, p_k, p_v, dgamma, dc)``:
+    the reads' parts of the input gradients, of ``dU`` and of the gates (``dc``: of the in-chunk
+    cumulative log decays), and ``p_*``, what the chains' memory gradients add at each chunk start."""
+    length, heads, dk = q.shape[1:]
+    dv, slots_m = v.shape[-1], alpha.shape[-1]
+    dq, dk_, dv_ = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    du_k, du_v, p_k, p_v = (torch.empty_like(alpha) for _ in range(4))
+    d_gamma, dc = torch.empty_like(gamma), torch.empty_like(gamma)
+    if plan.slots * heads:
+        tiles = dict(BT=_row_tile(chunk_size, length), BM=_pow2(slots_m), BDK=_pow2(dk), CF=cf, PREC=_kernel_precision(),
+                     EXACT=writes is not None, num_warps=_warps("chunk"), num_stages=_stages("local"))
+        chunks = (plan.seq_start, plan.seq_len, plan.offset, plan.chunk_seq, plan.chunk_idx)
+        u_k, u_v = writes or starts
+        _value_bwd_kernel[(plan.slots, heads)](
+            q, k, v, alpha, log_beta, gamma, *anchors, *starts, u_k, u_v, d_o, *chunks,
+            dv_, du_v, p_v, du_k, d_gamma, dc,
+            heads, slots_m, dk, dv, chunk_size, BDV=_pow2(dv), MF=mf, **tiles,
+        )
+        _key_bwd_kernel[(plan.slots, heads)](
+            q, k, alpha, log_beta, gamma, anchors[0], starts[0], u_k, *chunks,
+            dq, dk_, du_k, p_k, d_gamma, dc,
+            heads, slots_m, dk, chunk_size, **tiles,
+        )
+    return dq, dk_, dv_, du_k, du_v, p_k, p_v, d_gamma, dc
+
+
+def gates_backward(d_gamma, dc, chain_parts, alpha, log_beta, plan, chunk_size):
+    """``(dalpha, dlog_beta, dgamma)``: the reads' parts (``d_gamma``, ``dc``) and both chains'
+    ``chain_parts = ((dal_k, dg_k, dc_k), (dal_v, dg_v, dc_v))`` summed (:func:`_gates_bwd_kernel`)."""
+    (dal_k, dg_k, dc_k), (dal_v, dg_v, dc_v) = chain_parts
+    heads, slots_m = alpha.shape[-2:]
+    d_alpha, d_lb, d_gamma_all = torch.empty_like(alpha), torch.empty_like(log_beta), torch.empty_like(d_gamma)
+    if plan.slots * heads:
+        _gates_bwd_kernel[(plan.slots, heads)](
+            d_gamma, dc, dg_k, dc_k, dg_v, dc_v, dal_k, dal_v,
+            plan.seq_start, plan.seq_len, plan.offset, plan.chunk_seq, plan.chunk_idx,
+            d_gamma_all, d_lb, d_alpha,
+            heads, slots_m, chunk_size, BT=_row_tile(chunk_size, alpha.shape[1]), BM=_pow2(slots_m),
+            num_warps=_warps("chunk"),
+        )
+    return d_alpha, d_lb, d_gamma_all
 
 
 def _backward_impl(q, k, v, alpha, log_beta, gamma, m_k, m_v, anchor_k, anchor_v, offset, cu_seqlens,
@@ -1044,27 +1120,9 @@ def _backward_impl(q, k, v, alpha, log_beta, gamma, m_k, m_v, anchor_k, anchor_v
     if h_k.numel() == 0 and plan.slots > 0:  # one token mid-chunk: rebuild its chunk start
         (h_k, _, _), (h_v, _, _) = _both_state_passes(
             k, v, alpha, log_beta, gamma, (m_k, anchor_k), (m_v, anchor_v), plan, chunk_size, cf)
-    BT, BM, BDK, BDV = _row_tile(chunk_size, length), _pow2(slots_m), _pow2(dk), _pow2(dv)
-    dq, dk_, dv_ = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    du_k, du_v, p_k, p_v = (torch.empty_like(alpha) for _ in range(4))
-    d_gamma, dc = torch.empty_like(gamma), torch.empty_like(gamma)
-    warps = _warps("chunk")
-    if plan.slots * heads:
-        chunks = (plan.seq_start, plan.seq_len, plan.offset, plan.chunk_seq, plan.chunk_idx)
-        _value_bwd_kernel[(plan.slots, heads)](
-            q, k, v, alpha, log_beta, gamma, anchor_k, anchor_v, h_k, h_v, d_o, *chunks,
-            dv_, du_v, p_v, du_k, d_gamma, dc,
-            heads, slots_m, dk, dv, chunk_size,
-            BT=BT, BM=BM, BDK=BDK, BDV=BDV, CF=cf, MF=mf, PREC=_kernel_precision(), num_warps=warps,
-            num_stages=_stages("local"),
-        )
-        _key_bwd_kernel[(plan.slots, heads)](
-            q, k, alpha, log_beta, gamma, anchor_k, h_k, *chunks,
-            dq, dk_, du_k, p_k, d_gamma, dc,
-            heads, slots_m, dk, chunk_size,
-            BT=BT, BM=BM, BDK=BDK, CF=cf, PREC=_kernel_precision(), num_warps=warps,
-            num_stages=_stages("local"),
-        )
+    dq, dk_, dv_, du_k, du_v, p_k, p_v, d_gamma, dc = local_backward(
+        q, k, v, alpha, log_beta, gamma, (anchor_k, anchor_v), (h_k, h_v), None, d_o, plan, chunk_size, cf, mf)
+    BT, BM = _row_tile(chunk_size, length), _pow2(slots_m)
 
     def chain(x, a0, hs, du, p, r, dm_fin, da_fin, dx):
         """One pass's chain: its parts of (dalpha, dgamma, dc) and the gradients of its initial
@@ -1078,22 +1136,15 @@ def _backward_impl(q, k, v, alpha, log_beta, gamma, m_k, m_v, anchor_k, anchor_v
                 plan.seq_start, plan.seq_len, plan.offset, plan.chunk_base,
                 dx, *parts, *d_init,
                 heads, slots_m, dim, r_dim, chunk_size,
-                BT=BT, BM=BM, BD=_pow2(dim), BDR=_pow2(r_dim), CF=cf, PREC=_kernel_precision(), num_warps=warps,
-                num_stages=_stages("chain", BT, BM, _pow2(dim), _pow2(r_dim)),
+                BT=BT, BM=BM, BD=_pow2(dim), BDR=_pow2(r_dim), CF=cf, PREC=_kernel_precision(),
+                num_warps=_warps("chunk"), num_stages=_stages("chain", BT, BM, _pow2(dim), _pow2(r_dim)),
             )
         return parts, d_init
 
-    (dal_k, dg_k, dc_k), keys, (dal_v, dg_v, dc_v), values = _side_by_side(
+    key_parts, keys, value_parts, values = _side_by_side(
         q, lambda: chain(k, anchor_k, h_k, du_k, p_k, q, d_mk, d_ak, dk_),
         lambda: chain(v, anchor_v, h_v, du_v, p_v, d_o, d_mv, d_av, dv_))
-    d_alpha, d_lb, d_gamma_all = torch.empty_like(alpha), torch.empty_like(log_beta), torch.empty_like(gamma)
-    if plan.slots * heads:
-        _gates_bwd_kernel[(plan.slots, heads)](
-            d_gamma, dc, dg_k, dc_k, dg_v, dc_v, dal_k, dal_v,
-            plan.seq_start, plan.seq_len, plan.offset, plan.chunk_seq, plan.chunk_idx,
-            d_gamma_all, d_lb, d_alpha,
-            heads, slots_m, chunk_size, BT=BT, BM=BM, num_warps=warps,
-        )
+    d_alpha, d_lb, d_gamma_all = gates_backward(d_gamma, dc, (key_parts, value_parts), alpha, log_beta, plan, chunk_size)
     return dq, dk_, dv_, d_alpha, d_lb, d_gamma_all, keys[0], values[0], keys[1], values[1]
 
 
@@ -1188,22 +1239,29 @@ def triton_forward(q, k, v, alpha, log_beta, gamma, state: TrellisState, chunk_s
     """Backend ``"triton"``; arguments as validated by :func:`trellis_lm.ops.trellis_attention`,
     whose registry sends it only what the kernels compute (float32 or lower, not identity).
 
-    ``"exact"`` writes are the recurrence of ``chunk_size=1``, whatever C: they run the per-token
-    kernels (forward and backward), and the state they hand back keeps the call's C in its
-    offset, with anchors equal to its memories (design page, section 3)."""
+    ``"exact"`` writes (the recurrence of ``chunk_size=1``, whatever C) run the exact chunk
+    kernels of :mod:`.triton_exact` in their own layout, except for one token or ``chunk_size=1``,
+    which run the per-token kernels; the state they hand back keeps the call's C in its offset,
+    with anchors equal to its memories (design page, section 3)."""
     _check_device(q)
     f32 = lambda t: t.to(torch.float32).contiguous()  # noqa: E731
     offset = state.offset.to(torch.long).contiguous()
-    exact = write_gradient == "exact"
     lengths = torch.full_like(offset, q.shape[1]) if cu_seqlens is None else cu_seqlens[1:] - cu_seqlens[:-1]
     lengths = lengths.to(offset.device)
-    anchors = (state.m_k, state.m_v) if exact else (state.anchor_k, state.anchor_v)
-    o, m_k, m_v, a_k, a_v, _, _ = _fwd_op(
-        *(f32(t) for t in (q, k, v, alpha, log_beta, gamma)),
-        *(f32(t) for t in (state.m_k, state.m_v, *anchors)),
-        torch.zeros_like(offset) if exact else offset, cu_seqlens, 1 if exact else chunk_size, compress_fn, mix_fn,
-    )
-    if exact:  # anchors follow the memories, but a sequence with no tokens hands its state back untouched
-        empty = (lengths == 0)[:, None, None, None]
-        a_k, a_v = torch.where(empty, state.anchor_k, m_k), torch.where(empty, state.anchor_v, m_v)
+    inputs = [f32(t) for t in (q, k, v, alpha, log_beta, gamma)]
+    if write_gradient == "anchored":
+        memories = [f32(t) for t in (state.m_k, state.m_v, state.anchor_k, state.anchor_v)]
+        o, m_k, m_v, a_k, a_v, _, _ = _fwd_op(*inputs, *memories, offset, cu_seqlens, chunk_size, compress_fn, mix_fn)
+        return o, TrellisState(m_k, m_v, a_k, a_v, (offset + lengths) % chunk_size)
+    memories = [f32(t) for t in (state.m_k, state.m_v)]
+    if _use_recurrent(q.shape[1], chunk_size):  # each token its own anchor: the per-token kernels at C = 1
+        o, m_k, m_v, _, _, _, _ = _fwd_op(*inputs, *memories, *memories, torch.zeros_like(offset), cu_seqlens, 1,
+                                          compress_fn, mix_fn)
+    else:
+        from .triton_exact import exact_forward
+
+        o, m_k, m_v, *_ = exact_forward(*inputs, *memories, cu_seqlens, compress_fn, mix_fn)
+    # Anchors follow the memories, but a sequence with no tokens hands its state back untouched.
+    empty = (lengths == 0)[:, None, None, None]
+    a_k, a_v = torch.where(empty, state.anchor_k, m_k), torch.where(empty, state.anchor_v, m_v)
     return o, TrellisState(m_k, m_v, a_k, a_v, (offset + lengths) % chunk_size)
