@@ -179,14 +179,13 @@ def _substitute(name: str, z: torch.Tensor, lower: torch.Tensor, alpha: torch.Te
         # push[i][r] = Lm[..., r, i], zero for r <= i (Lm is strictly lower).
         push = lower[..., lo:hi, lo:hi].permute(3, 2, 0, 1)[..., None].contiguous().unbind(0)
         targets = alpha[:, lo:hi].transpose(0, 1).contiguous()  # [b, NH, M]
-        # The loop is bound by per-call overhead (a token's operands are a few thousand numbers):
-        # views made in one call each, u_r kept as computed and stacked once, and u_r's term added
-        # to every read-out of the block: the rows up to r take exact zeros, and one call on the
-        # whole block costs less than slicing out the later rows (a slice is a call too).
+        # Views made in one call each, u_r kept as computed and stacked once, and u_r's term added
+        # to the block's later read-outs only (at 128 (row, head) pairs of 32 slots, adding it to
+        # every row cost twice the slices' calls).
         rows, row_targets, us = reads.unbind(0), targets.unbind(0), []
         for r in range(hi - lo - 1):
             us.append(residual(rows[r], row_targets[r]))
-            reads.addcmul_(push[r], us[r], value=-1)
+            reads[r + 1:].addcmul_(push[r][r + 1:], us[r], value=-1)
         us.append(residual(rows[-1], row_targets[-1]))
         z[..., lo:hi, :] = reads.permute(1, 2, 0, 3)
         u[..., lo:hi, :] = torch.stack(us).permute(1, 2, 0, 3)
@@ -198,11 +197,11 @@ def _unsubstitute(name: str, z_hat, r, a, b, u, lower, grad_u, out_z, out_alpha)
     ``z_j`` depends on ``u_r`` (r < j) through ``-Lm[j, r] u_r``, so the gradient reaching ``u_r``
     is ``g_r = grad_u_r - sum_{j>r} Lm[j, r] dz_j``, and ``dz_r = J_r^T g_r`` with ``J_r`` the
     Jacobian of ``u_r`` in ``z_r``. ``J_r^T g = a cen(g) - b red(g z_hat) - r z_hat red(g u)``
-    (:func:`_residual_vjp2_terms`) is a scaled ``g`` minus a rank-3 (``l2norm``: 2) correction,
-    so each token costs two small products: ``k = g [1 / M | s z_hat | s u]`` and
-    ``dz = a g - k [a 1; b; r z_hat]`` (``s`` = 1 / M for ``layernorm``, 1 for ``l2norm``).
-    Blocks as in :func:`_substitute`, last first: a block's ``g`` takes the terms of all later
-    blocks in one batched product.
+    (:func:`_residual_vjp2_terms`): a scaled ``g`` less three (``l2norm``: two) rows, each
+    weighted by one reduction of ``g``. Each token costs a handful of row-wise operations on
+    ``[P NH, M]`` vectors (dot products by ``vecdot``: small batched matrix products cost
+    several times more per call on a CPU). Blocks as in :func:`_substitute`, last first: a
+    block's ``g`` takes the terms of all later blocks in one batched product.
 
     Args (all ``[P NH, L, *]``; ``r`` and ``a`` ``[..., 1]``): the residual parts ``z_hat``,
     ``r``, ``a``, ``b``, the forward's ``u`` and ``lower`` (``Lm``); ``grad_u`` (the gradient at
@@ -212,35 +211,30 @@ def _unsubstitute(name: str, z_hat, r, a, b, u, lower, grad_u, out_z, out_alpha)
     width, slots = u.shape[-2:]
     centre = name == "layernorm"
     scale = 1 / slots if centre else 1.0
-    # Token-major, the k vectors of a token on a middle axis: each built by one strided copy.
-    columns, rows = [z_hat, u], [b, r * z_hat]
-    if centre:
-        columns.insert(0, torch.ones_like(u))
-        rows.insert(0, a.expand(u.shape))
-    project = torch.stack([x.transpose(0, 1) for x in columns], 2)  # [L, P NH, k, M]
-    if scale != 1.0:
-        project.mul_(scale)
-    rebuild = torch.stack([x.transpose(0, 1) for x in rows], 2)  # [L, P NH, k, M]
-    scales = a.transpose(0, 1).contiguous()  # [L, P NH, 1]
+    # Token-major, each token's operands contiguous [P NH, M] (or [P NH, 1]) rows.
+    major = lambda x: x.transpose(0, 1).contiguous()  # noqa: E731
+    z_hats, us = major(z_hat * scale), major(u * scale)  # red(g x) = vecdot(g, x * scale)
+    r_z_hats, bs, scales = major(r * z_hat), major(b), major(a)
     for lo in reversed(range(0, width, SUBSTITUTION_BLOCK)):
         hi = min(width, lo + SUBSTITUTION_BLOCK)
         block = grad_u[:, lo:hi]
         if hi < width:
             block = torch.baddbmm(block, _t(lower[:, hi:, lo:hi]), out_z[:, hi:], alpha=-1)
         grads = block.transpose(0, 1).contiguous()  # [b, P NH, M]
-        # pull[j][i] = Lm[:, j, i], zero for i >= j; per-token views made in one call each, and
-        # dz_t's term taken from every row of the block (as in _substitute).
+        # pull[j][i] = Lm[:, j, i] for the block's rows i < j (j's dz reaches only earlier rows).
         pull = lower[:, lo:hi, lo:hi].permute(1, 2, 0)[..., None].contiguous().unbind(0)
         dz = torch.empty_like(grads)
-        g_rows, dz_rows = grads[:, :, None].unbind(0), dz[:, :, None].unbind(0)  # [P NH, 1, M] each
-        dz_terms = dz.unbind(0)  # [P NH, M] each
-        projections, rebuilds = _t(project[lo:hi]).unbind(0), rebuild[lo:hi].unbind(0)
-        row_scales = scales[lo:hi, :, None].unbind(0)
         for t in range(hi - lo - 1, -1, -1):
-            coefficients = torch.bmm(g_rows[t], projections[t])  # [P NH, 1, k]
-            torch.baddbmm(g_rows[t] * row_scales[t], coefficients, rebuilds[t], alpha=-1, out=dz_rows[t])
+            g, k = grads[t], lo + t
+            out = dz[t]
+            if centre:  # cen(g) = g - mean(g)
+                torch.sub(g, g.mean(-1, keepdim=True), out=out)
+                out.mul_(scales[k])
+            else:
+                torch.mul(g, scales[k], out=out)
+            out.addcmul_(bs[k], _dot(g, z_hats[k]), value=-1).addcmul_(r_z_hats[k], _dot(g, us[k]), value=-1)
             if t:
-                grads.addcmul_(pull[t], dz_terms[t], value=-1)
+                grads[:t].addcmul_(pull[t][:t], out, value=-1)
         out_z[:, lo:hi] = dz.transpose(0, 1)
         grad_u[:, lo:hi] = grads.transpose(0, 1)
     _alpha_vjp(name, z_hat, r, grad_u, out_alpha)
