@@ -104,8 +104,8 @@ def test_compiled_rows_give_the_numbers_of_eager_ones(recwarn, monkeypatch):
     layer: the Trellis and Lattice layers' rows of single tokens and held rows of drafts run
     through the compiled functions (counted), in batches of one row and of several, with and
     without room for drafts; the KVM layer's eagerly. Every kept token's logits equal the model's
-    on the sequence alone. What ``compile_rows`` compiles (about 40 s a kind on CI's cores) serves
-    batches of any size: no step compiles again."""
+    on the sequence alone. What ``compile_rows`` compiles (about a minute for both kinds on CI's
+    cores) serves batches of any size: no step compiles again."""
     torch._dynamo.reset()  # compile here, whatever this process compiled before
     graphs = torch._dynamo.utils.counters["stats"]
     before = graphs["unique_graphs"]
@@ -120,7 +120,7 @@ def test_compiled_rows_give_the_numbers_of_eager_ones(recwarn, monkeypatch):
                 for rows, length in ((3, 1), (70, 1), (3, 4), (17, 4)):
                     advanced_compiled(mixer, torch.zeros(rows, length, model.config.hidden_size, dtype=torch.float64),
                                       fresh_entry(mixer, layout, rows), each=length > 1)
-    assert graphs["unique_graphs"] - before == 8  # one batch of one row and one of several, a kind
+    assert graphs["unique_graphs"] - before == 8  # a kind's rows of one token and held rows, one row and several
     compiled = graphs["unique_graphs"]
     prompts = [random_tokens(1, n, seed=n)[0] for n in (23, 9, 17, 30)]
     # (pending, plan, the rows each compilable layer runs compiled: (held rows, several rows))
