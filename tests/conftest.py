@@ -2,6 +2,8 @@
 
 import importlib.util
 import os
+import random
+import zlib
 
 # Deterministic cuBLAS needs its workspace size fixed before the first product (tests that
 # switch on deterministic kernels); it changes nothing on a CPU.
@@ -14,6 +16,7 @@ if "PYTEST_XDIST_WORKER_COUNT" in os.environ and "OMP_NUM_THREADS" not in os.env
     share = (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
     os.environ["OMP_NUM_THREADS"] = str(max(1, share))
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
@@ -26,3 +29,15 @@ if not torch.cuda.is_available():
 # they are not collected; tests/test_serving_slots.py checks the plugin's logic without vLLM.
 if importlib.util.find_spec("vllm") is None:
     collect_ignore = ["vllm_serving"]
+
+
+@pytest.fixture(autouse=True)
+def seeded_from_the_node_id(request: pytest.FixtureRequest) -> None:
+    """Seed torch's and Python's global generators from the test's node id before it runs, so
+    that a draw without a generator of its own (``torch.randn(...)``, a helper's default) is the
+    same whichever tests ran before it in the process (``-n auto`` hands tests to its workers in
+    any order): a failure is reproduced by running its node id alone. CRC-32 of the id, not
+    ``hash()``, which Python salts per process."""
+    seed = zlib.crc32(request.node.nodeid.encode())
+    torch.manual_seed(seed)
+    random.seed(seed)

@@ -8,9 +8,15 @@ import torch.nn.functional as F
 from trellis_lm.ops import TrellisState
 
 
+def _generator(seed):
+    """A generator of its own for ``seed``; ``None``: the global one, which tests/conftest.py seeds
+    from each test's node id (tests/test_triton.py draws so)."""
+    return None if seed is None else torch.Generator().manual_seed(seed)
+
+
 def make_inputs(B, T, H, Dk, Dv, M, *, dtype=torch.float64, seed=None, requires_grad=False):
-    """``(q, k, v, alpha, log_beta, gamma)`` with fresh random values (seeded when asked)."""
-    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    """``(q, k, v, alpha, log_beta, gamma)`` with fresh random values, drawn from ``seed``'s generator."""
+    gen = _generator(seed)
 
     def rand(*shape):
         return torch.randn(*shape, generator=gen, dtype=dtype)
@@ -26,10 +32,13 @@ def make_inputs(B, T, H, Dk, Dv, M, *, dtype=torch.float64, seed=None, requires_
     return tuple(t.detach().requires_grad_(requires_grad) for t in tensors)
 
 
-def make_state(N, H, Dk, Dv, M, *, chunk_size, dtype=torch.float64, requires_grad=False) -> TrellisState:
-    """A mid-sequence state: memories and anchors that differ, random offsets in [0, C)."""
-    tensors = [torch.randn(N, H, M, d, dtype=dtype).requires_grad_(requires_grad) for d in (Dk, Dv, Dk, Dv)]
-    return TrellisState(*tensors, offset=torch.randint(0, chunk_size, (N,)))
+def make_state(N, H, Dk, Dv, M, *, chunk_size, dtype=torch.float64, seed=None, requires_grad=False) -> TrellisState:
+    """A mid-sequence state: memories and anchors that differ, random offsets in [0, C), drawn
+    from ``seed``'s generator."""
+    gen = _generator(seed)
+    tensors = [torch.randn(N, H, M, d, generator=gen, dtype=dtype).requires_grad_(requires_grad)
+               for d in (Dk, Dv, Dk, Dv)]
+    return TrellisState(*tensors, offset=torch.randint(0, chunk_size, (N,), generator=gen))
 
 
 def make_kvm_inputs(B, T, H, Dk, Dv, *, dtype=torch.float64, seed=0, requires_grad=False):

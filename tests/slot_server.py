@@ -1,12 +1,14 @@
 """A small server loop that plays vLLM's part for the plugin's slot logic
 (trellis_lm.integrations.vllm.slots): a flat batch per step (decodes first, then prefill chunks
 of different lengths), each sequence in its own slot of tensors that hold garbage from earlier
-sequences. Used by tests/test_serving_slots.py (CPU, float64) and tests/test_on_cuda.py."""
+sequences. Used by tests/test_serving_slots.py (CPU, float64) and tests/test_on_cuda.py; and
+:class:`CompiledRuns`, which counts the rows that ran compiled (there and in tests/vllm_serving)."""
 
 from __future__ import annotations
 
 import torch
 
+from trellis_lm import compiled_decode
 from trellis_lm.integrations.vllm.slots import SlotLayout, run_on_slots
 
 
@@ -32,11 +34,13 @@ def serve(model, prompts, slot_of, step_tokens, slots=8, pending=0, compiled=Fal
     weight = model.model.embed_tokens.weight
     dtype, device = weight.dtype, weight.device
     layers = []
+    garbage = torch.Generator().manual_seed(5)
     for layer in model.model.layers:
         layout = SlotLayout(type(layer.self_attn), model.config, dtype, pending)
         tensors = layout.allocate(slots, device)
         for t in tensors:  # what an earlier sequence left behind
-            t.copy_(torch.randn(t.shape, dtype=torch.float64).to(t.dtype) if t.is_floating_point() else 5)
+            left = torch.randn(t.shape, generator=garbage, dtype=torch.float64) if t.is_floating_point() else 5
+            t.copy_(left)
         layers.append((layout, tensors))
     done = [0] * len(prompts)
     logits = [[] for _ in prompts]
@@ -62,3 +66,22 @@ def serve(model, prompts, slot_of, step_tokens, slots=8, pending=0, compiled=Fal
                 logits[i].append(out[starts[j]: starts[j] + kept])
                 done[i] += kept
     return [torch.cat(parts) for parts in logits]
+
+
+class CompiledRuns:
+    """Every call of the compiled functions that ``advanced_compiled`` runs (``compiled_decode.
+    _compiled_mixer``), as ``(kind, each, several rows)``: a row that ran compiled, not eagerly."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.runs: list[tuple[str, bool, bool]] = []
+        compiled_function = compiled_decode._compiled_mixer
+
+        def counted(each: bool):
+            function = compiled_function(each)
+
+            def run(mixer, x, entry):
+                self.runs.append((mixer.kind, each, x.shape[0] > 1))
+                return function(mixer, x, entry)
+            return run
+
+        monkeypatch.setattr(compiled_decode, "_compiled_mixer", counted)

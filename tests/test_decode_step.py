@@ -18,10 +18,11 @@ from op_inputs import make_inputs, make_kvm_inputs, make_state
 from tiny_models import SCHEDULES, random_tokens, tiny_model
 
 from trellis_lm.cache_trellis import CACHE_ARG
+from trellis_lm.mixers import MemoryMixer
 from trellis_lm.projection_stacks import LinearStack, stacked_projections
 from trellis_lm.ops import (
-    COMPRESS_FNS, LATTICE_VARIANTS, MIX_FNS, kvm_attention, kvm_step, lattice_attention, lattice_step,
-    trellis_attention, trellis_step,
+    COMPRESS_FNS, LATTICE_VARIANTS, MIX_FNS, WRITE_GRADIENTS, kvm_attention, kvm_step, lattice_attention,
+    lattice_step, trellis_attention, trellis_step,
 )
 from trellis_lm.ops.registry import Backend, BackendRegistry
 
@@ -31,15 +32,17 @@ def assert_states_equal(got, want):
         torch.testing.assert_close(got.tensors()[name], tensor, rtol=1e-12, atol=1e-12, msg=name)
 
 
+@pytest.mark.parametrize("write_gradient", WRITE_GRADIENTS)
 @pytest.mark.parametrize("compress_fn", COMPRESS_FNS)
 @pytest.mark.parametrize("mix_fn", MIX_FNS)
-def test_trellis_step_is_the_op_s_next_token(compress_fn, mix_fn):
-    # 4 rows at offsets 0 (a chunk start: the anchors move), 1, C - 1 and 2; H, D, M not powers of two.
+def test_trellis_step_is_the_op_s_next_token(compress_fn, mix_fn, write_gradient):
+    # 4 rows at offsets 0 (a chunk start: the anchors move), 1, C - 1 and 2; H, D, M not powers of
+    # two; anchors that differ from the memories (which exact writes do not read).
     rows, heads, dk, dv, slots, chunk = 4, 3, 5, 7, 6, 4
-    state = make_state(rows, heads, dk, dv, slots, chunk_size=chunk)
+    state = make_state(rows, heads, dk, dv, slots, chunk_size=chunk, seed=2)
     state.offset = torch.tensor([0, 1, chunk - 1, 2])
     inputs = make_inputs(rows, 1, heads, dk, dv, slots, seed=1)
-    settings = dict(chunk_size=chunk, compress_fn=compress_fn, mix_fn=mix_fn)
+    settings = dict(chunk_size=chunk, compress_fn=compress_fn, mix_fn=mix_fn, write_gradient=write_gradient)
     want_o, want_state = trellis_attention(*inputs, initial_state=state, output_final_state=True, backend="reference",
                                            **settings)
     o, final = trellis_step(*inputs, state=state, **settings)
@@ -164,10 +167,31 @@ def test_the_unchecked_step_runs_only_where_its_contract_holds():
     model = tiny_model()
     mixer = model.model.layers[0].self_attn
     state = mixer.fresh_state(2).map(torch.clone)
-    inputs = make_inputs(2, 1, 2, 8, 8, 6, dtype=torch.float32)
+    inputs = make_inputs(2, 1, 2, 8, 8, 6, dtype=torch.float32, seed=0)
     assert mixer._decode_step(inputs, state)
-    assert not mixer._decode_step(make_inputs(2, 2, 2, 8, 8, 6, dtype=torch.float32), state)  # two tokens
+    assert not mixer._decode_step(make_inputs(2, 2, 2, 8, 8, 6, dtype=torch.float32, seed=0), state)  # two tokens
     assert not mixer._decode_step(inputs, None)  # no carried state: the op starts one
     assert not mixer._decode_step((inputs[0].bfloat16(), *inputs[1:]), state)  # not in the state's dtype
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert not mixer._decode_step(inputs, state)
+
+
+@pytest.mark.parametrize("write_gradient", WRITE_GRADIENTS)
+def test_a_models_decode_steps_give_the_checked_ops_logits(write_gradient, monkeypatch):
+    """A Trellis model's decode steps through the unchecked step (``step_op``, with the model's
+    settings: exact writes by default) against the same steps through the checked op: the same
+    logits over more than a chunk of steps (chunks of 4), so a setting the step dropped would show."""
+    model = tiny_model(dtype=torch.float64, write_gradient=write_gradient)
+    ids = random_tokens(2, 5)
+    steps = []
+    step_op = type(model.model.layers[0].self_attn).step_op
+    monkeypatch.setattr(type(model.model.layers[0].self_attn), "step_op",
+                        staticmethod(lambda *args, **kwargs: steps.append(kwargs) or step_op(*args, **kwargs)))
+    _, lean = decode_by_hand(model, ids, 9)
+    assert len(steps) == 9 * len(model.model.layers)  # every step after the prompt's
+    monkeypatch.setattr(MemoryMixer, "_decode_step", lambda self, inputs, state: False)
+    steps.clear()
+    _, checked = decode_by_hand(model, ids, 9)
+    assert not steps
+    for got, want in zip(lean, checked):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)

@@ -15,25 +15,31 @@ TOL = dict(rtol=1e-10, atol=1e-10)
 GRAD_TOL = dict(rtol=1e-9, atol=1e-10)
 
 
-def make_inputs(B, T, H, M, D, *, dtype=torch.float64, requires_grad=False, gamma_scale=1.0):
+def make_inputs(B, T, H, M, D, *, dtype=torch.float64, seed, requires_grad=False, gamma_scale=1.0):
     """``(q, k, v, gamma)`` shaped like the layer's: unit q, k (over M) and v (over D), gamma in (0, 1)."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen, dtype=dtype)
+
     tensors = (
-        F.normalize(torch.randn(B, T, H, M, dtype=dtype), dim=-1),
-        F.normalize(torch.randn(B, T, H, M, dtype=dtype), dim=-1),
-        F.normalize(torch.randn(B, T, H, D, dtype=dtype), dim=-1),
-        gamma_scale * torch.sigmoid(torch.randn(B, T, H, dtype=dtype)),
+        F.normalize(rand(B, T, H, M), dim=-1),
+        F.normalize(rand(B, T, H, M), dim=-1),
+        F.normalize(rand(B, T, H, D), dim=-1),
+        gamma_scale * torch.sigmoid(rand(B, T, H)),
     )
     return tuple(t.detach().requires_grad_(requires_grad) for t in tensors)
 
 
-def mid_chunk_state(N, H, M, D, *, chunk_size, requires_grad=False) -> LatticeState:
+def mid_chunk_state(N, H, M, D, *, chunk_size, seed, requires_grad=False) -> LatticeState:
     """A state as an earlier call leaves it: unit anchor rows, an accumulation that differs from
     them, random offsets in [0, C)."""
-    anchor = F.normalize(torch.randn(N, H, M, D, dtype=torch.float64), dim=-1)
-    memory = anchor + 0.3 * torch.randn(N, H, M, D, dtype=torch.float64)
+    gen = torch.Generator().manual_seed(seed)
+    anchor = F.normalize(torch.randn(N, H, M, D, generator=gen, dtype=torch.float64), dim=-1)
+    memory = anchor + 0.3 * torch.randn(N, H, M, D, generator=gen, dtype=torch.float64)
     return LatticeState(
         memory.requires_grad_(requires_grad), anchor.requires_grad_(requires_grad),
-        torch.randint(0, chunk_size, (N,)),
+        torch.randint(0, chunk_size, (N,), generator=gen),
     )
 
 
@@ -75,7 +81,7 @@ def naive(q, k, v, gamma, s0, C, variant):
 @pytest.mark.parametrize("variant", LATTICE_VARIANTS)
 @pytest.mark.parametrize("C", [1, 3])
 def test_reference_matches_the_design_page_statement(variant, C):
-    x = make_inputs(2, 7, 2, 4, 3)
+    x = make_inputs(2, 7, 2, 4, 3, seed=0)
     s0 = torch.randn(2, 2, 4, 3, dtype=torch.float64)
     o, _ = lattice_attention(*x, initial_state=s0, chunk_size=C, variant=variant, backend="reference")
     torch.testing.assert_close(o, naive(*x, s0, C, variant), **TOL)
@@ -89,7 +95,7 @@ def test_reference_matches_the_design_page_statement(variant, C):
 @pytest.mark.parametrize("variant", LATTICE_VARIANTS)
 @pytest.mark.parametrize("C", [1, 3, 16, 64])
 def test_torch_matches_reference(C, variant, M, D):
-    x = make_inputs(2, 37, 2, M, D)  # 37 is not a multiple of any C > 1
+    x = make_inputs(2, 37, 2, M, D, seed=0)  # 37 is not a multiple of any C > 1
     s0 = torch.randn(2, 2, M, D, dtype=torch.float64)
     kw = dict(initial_state=s0, chunk_size=C, variant=variant)
     o_ref, s_ref = run("reference", x, **kw)
@@ -108,8 +114,8 @@ def test_torch_matches_reference(C, variant, M, D):
     (1, 33, 2, 6, 6, 32),
 ])
 def test_odd_sizes_from_a_mid_chunk_state(variant, B, T, H, M, D, C):
-    x = make_inputs(B, T, H, M, D)
-    state = mid_chunk_state(B, H, M, D, chunk_size=C)
+    x = make_inputs(B, T, H, M, D, seed=0)
+    state = mid_chunk_state(B, H, M, D, chunk_size=C, seed=1)
     kw = dict(initial_state=state, chunk_size=C, variant=variant)
     o_ref, s_ref = run("reference", x, **kw)
     o, s = run("torch", x, **kw)
@@ -124,8 +130,8 @@ def test_odd_sizes_from_a_mid_chunk_state(variant, B, T, H, M, D, C):
 @pytest.mark.parametrize("C", [1, 64])
 def test_chunk_form_with_a_single_token(C, variant):
     """T == 1 without cu_seqlens runs the step; packed, it runs the chunk form (one real cell)."""
-    x = make_inputs(1, 1, 3, 6, 5)
-    state = mid_chunk_state(2, 3, 6, 5, chunk_size=C)
+    x = make_inputs(1, 1, 3, 6, 5, seed=0)
+    state = mid_chunk_state(2, 3, 6, 5, chunk_size=C, seed=1)
     kw = dict(initial_state=state, chunk_size=C, variant=variant, cu_seqlens=torch.tensor([0, 0, 1]))
     o_ref, s_ref = run("reference", x, **kw)
     o, s = run("torch", x, **kw)
@@ -135,7 +141,7 @@ def test_chunk_form_with_a_single_token(C, variant):
 
 def test_chunk_size_and_variant_change_the_function():
     """Guards the comparisons above: a backend that ignored chunk_size or variant would be caught."""
-    x = make_inputs(1, 12, 1, 4, 4)
+    x = make_inputs(1, 12, 1, 4, 4, seed=0)
     s0 = torch.randn(1, 1, 4, 4, dtype=torch.float64)
     o1, _ = run("reference", x, initial_state=s0, chunk_size=1)
     o4, _ = run("reference", x, initial_state=s0, chunk_size=4)
@@ -148,8 +154,8 @@ def test_chunk_size_and_variant_change_the_function():
 @pytest.mark.parametrize("variant", LATTICE_VARIANTS)
 def test_cost_follows_the_tokens_not_the_chunk_size(variant):
     # 5 tokens in a chunk of 10**9: the blocks are 5 wide (a C-wide grid would ask for terabytes).
-    x = make_inputs(2, 5, 2, 6, 4)
-    state = mid_chunk_state(2, 2, 6, 4, chunk_size=3)
+    x = make_inputs(2, 5, 2, 6, 4, seed=0)
+    state = mid_chunk_state(2, 2, 6, 4, chunk_size=3, seed=1)
     state.offset = torch.tensor([3, 10**9 - 2])  # the second row crosses a chunk boundary
     o, final = run("torch", x, initial_state=state, chunk_size=10**9, variant=variant)
     o_ref, final_ref = run("reference", x, initial_state=state, chunk_size=10**9, variant=variant)
@@ -158,7 +164,7 @@ def test_cost_follows_the_tokens_not_the_chunk_size(variant):
 
 
 def test_initial_memory_rows_are_normalised_by_the_op():
-    x = make_inputs(2, 9, 2, 5, 3)
+    x = make_inputs(2, 9, 2, 5, 3, seed=0)
     s0 = torch.randn(2, 2, 5, 3, dtype=torch.float64)
     scale = torch.rand(2, 2, 5, 1, dtype=torch.float64) * 10 + 0.1
     for backend in BACKENDS:
@@ -175,7 +181,7 @@ def test_initial_memory_rows_are_normalised_by_the_op():
 def test_read_slots_stay_on_the_sphere(backend):
     """q = e_i reads slot i of S: a unit vector after every token, even with large steps."""
     M, D, T = 5, 4, 40
-    q, k, v, gamma = make_inputs(2, T, 2, M, D, gamma_scale=5.0)
+    q, k, v, gamma = make_inputs(2, T, 2, M, D, gamma_scale=5.0, seed=0)
     q = F.one_hot(torch.arange(T) % M, M).to(torch.float64)[None, :, None, :].expand(2, T, 2, M)
     o, s = run(backend, (q, k, v, gamma), initial_state=torch.randn(2, 2, M, D, dtype=torch.float64), chunk_size=8)
     torch.testing.assert_close(o.norm(dim=-1), torch.ones(2, T, 2, dtype=torch.float64), rtol=0, atol=1e-12)
@@ -191,8 +197,8 @@ def test_read_slots_stay_on_the_sphere(backend):
 @pytest.mark.parametrize("C", [1, 4, 5])
 def test_resume_at_every_split(backend, C):
     T = 13
-    x = make_inputs(2, T, 2, 4, 3)
-    state = mid_chunk_state(2, 2, 4, 3, chunk_size=C)
+    x = make_inputs(2, T, 2, 4, 3, seed=0)
+    state = mid_chunk_state(2, 2, 4, 3, chunk_size=C, seed=1)
     o_all, s_all = run("reference", x, initial_state=state, chunk_size=C)
     for split in range(1, T):
         o1, s1 = run(backend, [t[:, :split] for t in x], initial_state=state, chunk_size=C)
@@ -205,8 +211,8 @@ def test_resume_at_every_split(backend, C):
 @pytest.mark.parametrize("C", [1, 3, 8])
 def test_varlen_equals_each_sequence_alone(backend, C):
     lengths = [5, 0, 9, 1, 3]
-    x = make_inputs(1, sum(lengths), 2, 4, 3)
-    state = mid_chunk_state(len(lengths), 2, 4, 3, chunk_size=C)
+    x = make_inputs(1, sum(lengths), 2, 4, 3, seed=0)
+    state = mid_chunk_state(len(lengths), 2, 4, 3, chunk_size=C, seed=1)
     cu = torch.tensor([0] + lengths).cumsum(0)
     o, s = run(backend, x, initial_state=state, chunk_size=C, cu_seqlens=cu)
     for n, (start, end) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
@@ -240,7 +246,7 @@ def _grads(backend, x, initial_state, C, variant, cu_seqlens=None):
 @pytest.mark.parametrize("variant", LATTICE_VARIANTS)
 @pytest.mark.parametrize("C", [1, 4, 16])
 def test_gradients_match_reference_from_a_memory_tensor(C, variant):
-    x = make_inputs(2, 11, 2, 5, 3, requires_grad=True)
+    x = make_inputs(2, 11, 2, 5, 3, requires_grad=True, seed=0)
     s0 = torch.randn(2, 2, 5, 3, dtype=torch.float64, requires_grad=True)
     expected = _grads("reference", x, s0, C, variant)
     got = _grads("torch", x, s0, C, variant)
@@ -253,8 +259,8 @@ def test_gradients_match_reference_from_a_memory_tensor(C, variant):
 @pytest.mark.parametrize("C", [1, 5])
 def test_gradients_match_reference_from_a_mid_chunk_state(C, variant):
     """Through the carried anchor: the first chunk's writes are taken there."""
-    x = make_inputs(2, 9, 2, 3, 4, requires_grad=True)
-    state = mid_chunk_state(2, 2, 3, 4, chunk_size=C, requires_grad=True)
+    x = make_inputs(2, 9, 2, 3, 4, requires_grad=True, seed=0)
+    state = mid_chunk_state(2, 2, 3, 4, chunk_size=C, requires_grad=True, seed=1)
     if C > 1:
         state.offset.copy_(torch.tensor([2, 0]))  # one row mid-chunk, one at a chunk start
     expected = _grads("reference", x, state, C, variant)
@@ -274,8 +280,8 @@ def test_reads_in_many_blocks_match_reference(monkeypatch, C, mid_chunk, variant
     and gradients (inputs and the carried state) must not depend on the blocks."""
     from trellis_lm.ops.lattice import chunked
 
-    x = make_inputs(2, 11, 3, 5, 3, requires_grad=True)
-    state = mid_chunk_state(2, 3, 5, 3, chunk_size=C, requires_grad=True)
+    x = make_inputs(2, 11, 3, 5, 3, requires_grad=True, seed=0)
+    state = mid_chunk_state(2, 3, 5, 3, chunk_size=C, requires_grad=True, seed=1)
     if not mid_chunk:
         state.offset.zero_()
     expected = _grads("reference", x, state, C, variant)
@@ -292,8 +298,8 @@ def test_reads_in_many_blocks_match_reference(monkeypatch, C, mid_chunk, variant
 
 def test_varlen_gradients_match_reference():
     lengths = [4, 0, 7]
-    x = make_inputs(1, sum(lengths), 2, 3, 3, requires_grad=True)
-    state = mid_chunk_state(3, 2, 3, 3, chunk_size=3, requires_grad=True)
+    x = make_inputs(1, sum(lengths), 2, 3, 3, requires_grad=True, seed=0)
+    state = mid_chunk_state(3, 2, 3, 3, chunk_size=3, requires_grad=True, seed=1)
     cu = torch.tensor([0] + lengths).cumsum(0)
     got = _grads("torch", x, state, 3, "dec", cu)
     expected = _grads("reference", x, state, 3, "dec", cu)
@@ -319,8 +325,8 @@ def test_single_token_step_matches_reference(variant):
     assert picked("torch", 1, False) is step_forward
     assert picked("auto", 2, False) is BACKENDS["torch"].forward
     assert picked("auto", 1, True) is BACKENDS["torch"].forward
-    x = make_inputs(3, 1, 2, 5, 3, requires_grad=True)
-    state = mid_chunk_state(3, 2, 5, 3, chunk_size=4, requires_grad=True)
+    x = make_inputs(3, 1, 2, 5, 3, requires_grad=True, seed=0)
+    state = mid_chunk_state(3, 2, 5, 3, chunk_size=4, requires_grad=True, seed=1)
     state.offset.copy_(torch.tensor([0, 2, 3]))
     for backend in ("auto", "torch"):
         o, final = run(backend, x, initial_state=state, chunk_size=4, variant=variant)
@@ -335,7 +341,7 @@ def test_single_token_step_matches_reference(variant):
 
 
 def test_decoding_token_by_token_equals_one_call():
-    x = make_inputs(2, 11, 2, 4, 6)
+    x = make_inputs(2, 11, 2, 4, 6, seed=0)
     s0 = torch.randn(2, 2, 4, 6, dtype=torch.float64)
     o_all, s_all = run("torch", x, initial_state=s0, chunk_size=4)
     state, outs = s0, []
@@ -353,7 +359,7 @@ def test_decoding_token_by_token_equals_one_call():
 @pytest.mark.parametrize("backend", list(BACKENDS))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_low_precision_inputs_keep_float32_state(backend, dtype):
-    x = [t.to(dtype) for t in make_inputs(2, 20, 2, 8, 8)]
+    x = [t.to(dtype) for t in make_inputs(2, 20, 2, 8, 8, seed=0)]
     s0 = torch.randn(2, 2, 8, 8)
     o, s = run(backend, x, initial_state=s0.to(dtype), chunk_size=8)
     assert o.dtype == dtype and s.memory.dtype == torch.float32 and s.anchor.dtype == torch.float32
@@ -368,7 +374,7 @@ def test_low_precision_inputs_keep_float32_state(backend, dtype):
 
 
 def _call(**changes):
-    x = dict(zip(["q", "k", "v", "gamma"], make_inputs(2, 5, 2, 6, 4)))
+    x = dict(zip(["q", "k", "v", "gamma"], make_inputs(2, 5, 2, 6, 4, seed=0)))
     kw = dict(chunk_size=4, initial_state=torch.randn(2, 2, 6, 4, dtype=torch.float64))
     for key, value in changes.items():
         (x if key in x else kw)[key] = value(x) if callable(value) and key in x else value
@@ -455,9 +461,9 @@ def test_check_values_false_skips_only_the_value_checks(monkeypatch, seeded):
     from trellis_lm.ops import checks
     from trellis_lm.ops.lattice import dispatch
 
-    x = make_inputs(2, 1, 2, 6, 4)
+    x = make_inputs(2, 1, 2, 6, 4, seed=0)
     bad_gamma = _one(x[3], -1.0)
-    state = mid_chunk_state(2, 2, 6, 4, chunk_size=4)
+    state = mid_chunk_state(2, 2, 6, 4, chunk_size=4, seed=1)
     with pytest.raises(ValueError, match="gamma must be finite and >= 0"):
         lattice_attention(*x[:3], bad_gamma, initial_state=state, chunk_size=4)
     with pytest.raises(ValueError, match="gamma must have shape"):
@@ -473,7 +479,7 @@ def test_check_values_false_skips_only_the_value_checks(monkeypatch, seeded):
 
 
 def test_bad_cu_seqlens_and_state_counts():
-    x = make_inputs(1, 6, 2, 3, 3)
+    x = make_inputs(1, 6, 2, 3, 3, seed=0)
     s0 = torch.randn(2, 2, 3, 3, dtype=torch.float64)
     with pytest.raises(ValueError, match="cu_seqlens must rise from 0 to T = 6"):
         lattice_attention(*x, initial_state=s0, cu_seqlens=torch.tensor([0, 2, 5]))

@@ -89,18 +89,54 @@ def test_what_the_rollback_keeps_is_bounded_by_the_window():
     assert sum(lengths) == 5 and all(r.x.shape[1] == 1 for c in cache._calls for r in c.layers.values())
 
 
+class Verifications:
+    """What happens to the cache of ``model``'s own calls in a ``generate`` call with drafts:
+    :meth:`of` that cache gives how many calls continued it and how many tokens crops took back
+    from it (rejected drafts). Counts every cache while installed (``monkeypatch``)."""
+
+    def __init__(self, model, monkeypatch) -> None:
+        self.calls: dict[int, int] = {}
+        self.taken_back: dict[int, int] = {}
+
+        def count_call(module, args, kwargs):
+            cache = kwargs.get("cache") or kwargs.get("past_key_values")
+            self.calls[id(cache)] = self.calls.get(id(cache), 0) + 1
+
+        def crop(cache, max_length):
+            before = cache.get_seq_length()
+            real_crop(cache, max_length)
+            self.taken_back[id(cache)] = self.taken_back.get(id(cache), 0) + before - cache.get_seq_length()
+
+        real_crop = TrellisCache.crop
+        monkeypatch.setattr(TrellisCache, "crop", crop)
+        self.hook = model.register_forward_pre_hook(count_call, with_kwargs=True)
+
+    def of(self, cache: TrellisCache) -> tuple[int, int]:
+        return self.calls.get(id(cache), 0), self.taken_back.get(id(cache), 0)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("schedule", SCHEDULES)
-def test_assisted_and_prompt_lookup_decoding_give_the_greedy_tokens(schedule, dtype):
+def test_assisted_and_prompt_lookup_decoding_give_the_greedy_tokens(schedule, dtype, monkeypatch):
     # (An EOS id is set: transformers 5.10's prompt lookup fails without one.)
     model = tiny_model(seed=5, schedule=schedule, dtype=dtype)
     draft = tiny_model(seed=6, schedule="trellis", dtype=dtype)
     # A prompt that repeats itself, so prompt lookup finds drafts (some accepted, some not).
     ids = torch.cat([random_tokens(1, 6, seed=7)] * 3 + [random_tokens(1, 3, seed=8)], dim=1)
     greedy = model.generate(ids, max_new_tokens=24, do_sample=False)
+    verifications = Verifications(model, monkeypatch)
     for speculative in (dict(prompt_lookup_num_tokens=4), dict(assistant_model=draft), dict(assistant_model=model)):
-        # (The model as its own draft: every draft is accepted, the rollback takes back none.)
-        assert_greedy_tokens(model.generate(ids, max_new_tokens=24, do_sample=False, **speculative), greedy, speculative)
+        out = model.generate(ids, max_new_tokens=24, do_sample=False, return_dict_in_generate=True, **speculative)
+        assert_greedy_tokens(out.sequences, greedy, speculative)
+        # A call that gives more than one token accepted drafts; a crop took rejected ones back.
+        calls, taken_back = verifications.of(cache_of(out))
+        accepted = calls < out.sequences.shape[1] - ids.shape[1]
+        if speculative.get("assistant_model") is model:  # every draft accepted, none taken back
+            assert accepted and taken_back == 0, speculative
+        elif "prompt_lookup_num_tokens" in speculative:  # some accepted, some not
+            assert accepted and taken_back > 0, speculative
+        else:  # another model's drafts: mostly rejected
+            assert taken_back > 0, speculative
 
 
 def test_sampling_with_an_assistant_runs():

@@ -14,12 +14,12 @@ import sys
 import pytest
 import torch
 
-from tests.slot_server import serve
+from tests.slot_server import CompiledRuns, serve
 from tests.tiny_models import random_tokens, tiny_model
 from trellis_lm.cache_entries import MemoryEntry
-from trellis_lm.integrations.vllm import slots as slots_module
 from trellis_lm.compiled_decode import advanced_compiled
-from trellis_lm.integrations.vllm.slots import SlotLayout, compile_rows, fresh_entry, run_on_slots
+from trellis_lm.integrations.vllm import slots as slots_module
+from trellis_lm.integrations.vllm.slots import SlotLayout, compile_rows, compiles_rows, fresh_entry, run_on_slots
 from trellis_lm.mixers import MIXERS, MemoryMixer
 
 
@@ -99,41 +99,68 @@ def test_a_run_of_slots_continues_from_views_at_the_kept_position(schedule, monk
     assert {1, 2, 3} <= set(positions)  # kept drafts, read where they left the state
 
 
-# Compiling takes about a minute a kind on CI's cores: Lattice's with -m slow.
-@pytest.mark.parametrize("schedule", ["trellis", pytest.param("lattice", marks=pytest.mark.slow)])
-def test_compiled_rows_give_the_numbers_of_eager_ones(schedule, recwarn):
-    """``compiled=True`` (the plugin under ``compile_decode``): rows of single tokens and held
-    rows of drafts run through torch.compile, for batches of one row and of several, with and
-    without room for drafts; every kept token's logits equal the model's on the sequence alone.
-    What ``compile_rows`` compiles serves batches of any size: no step compiles again."""
+def test_compiled_rows_give_the_numbers_of_eager_ones(recwarn, monkeypatch):
+    """``compiled=True`` (the plugin under ``compile_decode``) on a Trellis, a Lattice and a KVM
+    layer: the Trellis and Lattice layers' rows of single tokens and held rows of drafts run
+    through the compiled functions (counted), in batches of one row and of several, with and
+    without room for drafts; the KVM layer's eagerly. Every kept token's logits equal the model's
+    on the sequence alone. What ``compile_rows`` compiles (about a minute for both kinds on CI's
+    cores) serves batches of any size: no step compiles again."""
     torch._dynamo.reset()  # compile here, whatever this process compiled before
     graphs = torch._dynamo.utils.counters["stats"]
     before = graphs["unique_graphs"]
-    model = tiny_model(schedule=schedule, dtype=torch.float64).eval()
-    mixer = model.model.layers[0].self_attn
-    layout = SlotLayout(type(mixer), model.config, torch.float64, pending=4)
+    model = tiny_model(mixer_types=["trellis", "lattice", "kvm"], num_hidden_layers=3, dtype=torch.float64).eval()
+    compiled_runs = CompiledRuns(monkeypatch).runs
     with torch.no_grad():
-        compile_rows(mixer, layout, model.model.embed_tokens.weight)
-        compiled = graphs["unique_graphs"]
-        for rows, length in ((3, 1), (70, 1), (3, 4), (17, 4)):  # past FEW_ROWS of the projections' stack
-            advanced_compiled(mixer, torch.zeros(rows, length, model.config.hidden_size, dtype=torch.float64),
-                              fresh_entry(mixer, layout, rows), each=length > 1)
+        for layer in model.model.layers:
+            mixer = layer.self_attn
+            layout = SlotLayout(type(mixer), model.config, torch.float64, pending=4)
+            compile_rows(mixer, layout, model.model.embed_tokens.weight)
+            if mixer.compilable:  # past FEW_ROWS of the projections' stack
+                for rows, length in ((3, 1), (70, 1), (3, 4), (17, 4)):
+                    advanced_compiled(mixer, torch.zeros(rows, length, model.config.hidden_size, dtype=torch.float64),
+                                      fresh_entry(mixer, layout, rows), each=length > 1)
+    assert graphs["unique_graphs"] - before == 8  # a kind's rows of one token and held rows, one row and several
+    compiled = graphs["unique_graphs"]
     prompts = [random_tokens(1, n, seed=n)[0] for n in (23, 9, 17, 30)]
-    plans = [(0, lambda i, step: 6 if step == 0 else 1),
-             (4, lambda i, step: 7 if i == 0 and step < 2 else DRAFTS[(i + step) % len(DRAFTS)])]
-    for pending, plan in plans:
+    # (pending, plan, the rows each compilable layer runs compiled: (held rows, several rows))
+    plans = [(0, lambda i, step: 6 if step == 0 else 1, {(False, False), (False, True)}),
+             (4, lambda i, step: 7 if i == 0 and step < 2 else DRAFTS[(i + step) % len(DRAFTS)],
+              {(False, False), (True, False), (True, True)})]  # one single token a step at most
+    for pending, plan, rows in plans:
+        compiled_runs.clear()
         got = serve(model, prompts, slot_of=[6, 1, 3, 0], step_tokens=plan, pending=pending, compiled=True)
         for prompt, logits in zip(prompts, got):
             torch.testing.assert_close(logits, model(prompt[None]).logits[0], rtol=1e-12, atol=1e-12)
-    assert compiled - before == 4 and graphs["unique_graphs"] == compiled
+        assert set(compiled_runs) == {(kind, *row) for kind in ("trellis", "lattice") for row in rows}
+    assert graphs["unique_graphs"] == compiled
     assert not [w for w in recwarn if "recompile limit" in str(w.message)]
+
+
+def test_rows_compile_for_trellis_and_lattice_layers_on_a_cpu_only():
+    """What the plugin compiles under ``compile_decode``: Trellis and Lattice rows on a CPU;
+    KVM's rows never, and on a GPU (any device but a CPU) nothing."""
+    model = tiny_model(schedule="kvm-hybrid")
+    graphs = torch._dynamo.utils.counters["stats"]
+    before = graphs["unique_graphs"]
+    for layer in model.model.layers:
+        mixer = layer.self_attn
+        if not isinstance(mixer, MemoryMixer):
+            continue
+        assert compiles_rows(mixer, torch.device("cpu")) == (mixer.kind in ("trellis", "lattice")), mixer.kind
+        assert not compiles_rows(mixer, torch.device("cuda"))
+        layout = SlotLayout(type(mixer), model.config, torch.float32, pending=4)
+        compile_rows(mixer, layout, torch.empty(0, model.config.hidden_size, device="meta"))
+        if not compiles_rows(mixer, torch.device("cpu")):
+            compile_rows(mixer, layout, model.model.embed_tokens.weight)
+    assert graphs["unique_graphs"] == before
 
 
 def test_a_slot_asked_for_more_than_it_holds_is_an_error():
     model = tiny_model(schedule="trellis")
     layout = SlotLayout(type(model.model.layers[0].self_attn), model.config, torch.float32, pending=3)
     tensors = layout.allocate(2)
-    x = torch.randn(5, model.config.hidden_size)
+    x = torch.randn(5, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
     mixer = model.model.layers[0].self_attn
     with torch.no_grad():
         run_on_slots(mixer, layout, tensors, x[:3], torch.tensor([0, 3]), torch.tensor([0]), torch.tensor([1]))
@@ -191,7 +218,7 @@ def test_run_on_slots_refuses_starts_and_counts_it_would_misread(starts, compute
     layout = SlotLayout(type(mixer), model.config, torch.float64)
     tensors = layout.allocate(4)
     before = [t.clone() for t in tensors]
-    x = torch.randn(6, model.config.hidden_size, dtype=torch.float64)
+    x = torch.randn(6, model.config.hidden_size, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     with pytest.raises(ValueError, match=r"starts must rise strictly from >= 0 to <= 6 tokens .* computed must be >= 0"):
         run_on_slots(mixer, layout, tensors, x, torch.tensor(starts), torch.tensor(computed), torch.tensor([0, 1, 2]))
     assert all(torch.equal(a, b) for a, b in zip(tensors, before))
@@ -232,7 +259,8 @@ def test_advance_each_gives_the_entry_after_every_token(schedule, overrides, tok
     token t the entry ``advance`` leaves after the first t (mid-chunk: 6 tokens before, chunks of 4)."""
     model = tiny_model(schedule=schedule, dtype=torch.float64, **overrides)
     mixer = model.model.layers[0].self_attn
-    x = torch.randn(2, 6 + tokens, model.config.hidden_size, dtype=torch.float64)
+    x = torch.randn(2, 6 + tokens, model.config.hidden_size, generator=torch.Generator().manual_seed(tokens),
+                    dtype=torch.float64)
     with torch.no_grad():
         _, before = mixer.advance(x[:, :6], None, MemoryEntry(None, None, None))
         y, entries = mixer.advance_each(x[:, 6:], before)

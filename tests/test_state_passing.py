@@ -286,8 +286,9 @@ def test_a_state_file_that_is_not_what_save_wrote_is_refused_by_name(tmp_path):
 
 def test_a_state_file_has_the_cache_file_s_header_and_checks(tmp_path):
     """One file format (issue 54): the states' file records its format, version and layer kinds as
-    a cache file does; a cache file, or a file that records other kinds, is refused by name; a file
-    written before the header existed (no format) is still read, checked by its tensors."""
+    a cache file does; a cache file, or a file that records other kinds, is refused by name, and a
+    states file by ``TrellisCache.load``; a file written before the header existed (no format) is
+    still read, checked by its tensors."""
     model, path = saved_states(tmp_path)
     with safe_open(str(path), framework="pt") as f:
         metadata, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
@@ -300,6 +301,9 @@ def test_a_state_file_has_the_cache_file_s_header_and_checks(tmp_path):
     cache.save(tmp_path / "cache.safetensors")
     with pytest.raises(ValueError, match=r"is not a file of carried training states \(metadata format: 'trellis-cache'\)"):
         StatePassing().load(tmp_path / "cache.safetensors", model)
+    for config in (None, model.config):
+        with pytest.raises(ValueError, match=r"is not a Trellis cache file \(metadata format: 'trellis-carried-states'\)"):
+            TrellisCache.load(path, config=config)
 
     def written(name, **changes):
         save_file(tensors, str(tmp_path / name), metadata={**metadata, **changes})
@@ -314,6 +318,8 @@ def test_a_state_file_has_the_cache_file_s_header_and_checks(tmp_path):
 
     legacy = {"probability": metadata["probability"], "signature": metadata["signature"]}
     save_file(tensors, str(tmp_path / "legacy.safetensors"), metadata=legacy)
+    with pytest.raises(ValueError, match=r"is not a Trellis cache file \(metadata format: None\)"):
+        TrellisCache.load(tmp_path / "legacy.safetensors")
     passing = StatePassing()
     passing.load(tmp_path / "legacy.safetensors", model)
     assert sorted(passing.carried) == [0, 1]

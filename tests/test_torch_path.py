@@ -12,7 +12,7 @@ from op_inputs import make_inputs, make_state
 from tiny_models import random_tokens, tiny_model
 from transformers_names import cache_of
 from trellis_lm.mixers.base import FUSE_MIN_TOKENS
-from trellis_lm.ops import trellis_attention
+from trellis_lm.ops import WRITE_GRADIENTS, trellis_attention
 from trellis_lm.ops.trellis.compress_mix import COMPRESS_FNS, MIX_FNS
 
 
@@ -64,15 +64,17 @@ def test_wrapped_projection_is_not_fused():
     assert not torch.allclose(before, after)
 
 
-def test_chunk_form_at_chunk_size_one_and_odd_group_sizes(monkeypatch):
+@pytest.mark.parametrize("write_gradient", WRITE_GRADIENTS)
+def test_chunk_form_at_chunk_size_one_and_odd_group_sizes(monkeypatch, write_gradient):
     """Read-outs batched over groups of chunks: group boundaries anywhere give the same numbers."""
     import trellis_lm.ops.trellis.chunked as chunked
 
     x = make_inputs(2, 23, 2, 4, 4, 5, seed=1)
-    state = make_state(2, 2, 4, 4, 5, chunk_size=3)
-    ref, s_ref = trellis_attention(*x, initial_state=state, chunk_size=3, backend="reference", output_final_state=True)
+    state = make_state(2, 2, 4, 4, 5, chunk_size=3, seed=2)
+    kw = dict(initial_state=state, chunk_size=3, write_gradient=write_gradient, output_final_state=True)
+    ref, s_ref = trellis_attention(*x, backend="reference", **kw)
     monkeypatch.setattr(chunked, "GROUP_ELEMENTS", 1)  # one chunk per group
-    o, s = trellis_attention(*x, initial_state=state, chunk_size=3, backend="torch", output_final_state=True)
+    o, s = trellis_attention(*x, backend="torch", **kw)
     torch.testing.assert_close(o, ref, rtol=1e-9, atol=1e-9)
     for name, t in s.tensors().items():
         torch.testing.assert_close(t, s_ref.tensors()[name], rtol=1e-9, atol=1e-9)
@@ -97,18 +99,19 @@ def test_short_inputs_run_the_projections_one_by_one(monkeypatch):
     torch.testing.assert_close(last[:, -1], full[:, -1], rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("write_gradient", WRITE_GRADIENTS)
 @pytest.mark.parametrize("cf,mf", list(itertools.product(COMPRESS_FNS, MIX_FNS)))
-def test_decode_step_without_autograd_matches_reference(cf, mf):
+def test_decode_step_without_autograd_matches_reference(cf, mf, write_gradient):
     """The step as decoding runs it (no autograd: the fused layer-norm VJP), odd sizes, rows at a
     chunk start (anchors replaced) and mid-chunk, without the value checks."""
     x = make_inputs(3, 1, 3, 5, 7, 9, seed=2)
-    state = make_state(3, 3, 5, 7, 9, chunk_size=4)
+    state = make_state(3, 3, 5, 7, 9, chunk_size=4, seed=3)
     state.offset.copy_(torch.tensor([0, 2, 3]))
+    kw = dict(initial_state=state, chunk_size=4, compress_fn=cf, mix_fn=mf, write_gradient=write_gradient,
+              output_final_state=True)
     with torch.no_grad():
-        o, s = trellis_attention(*x, initial_state=state, chunk_size=4, compress_fn=cf, mix_fn=mf,
-                                 output_final_state=True, check_values=False)
-        ref, s_ref = trellis_attention(*x, initial_state=state, chunk_size=4, compress_fn=cf, mix_fn=mf,
-                                       output_final_state=True, backend="reference")
+        o, s = trellis_attention(*x, check_values=False, **kw)
+        ref, s_ref = trellis_attention(*x, backend="reference", **kw)
     torch.testing.assert_close(o, ref, rtol=1e-12, atol=1e-12)
     for name, t in s.tensors().items():
         torch.testing.assert_close(t, s_ref.tensors()[name], rtol=1e-12, atol=1e-12)
@@ -117,7 +120,7 @@ def test_decode_step_without_autograd_matches_reference(cf, mf):
 def test_check_values_false_skips_only_the_range_checks():
     """``check_values=False`` reads no gate or offset back; shapes are still checked, and the
     default still rejects a bad gate on a single token."""
-    q, k, v, alpha, log_beta, gamma = make_inputs(2, 1, 2, 4, 4, 5)
+    q, k, v, alpha, log_beta, gamma = make_inputs(2, 1, 2, 4, 4, 5, seed=0)
     bad_gamma = gamma.clone()
     bad_gamma[1, 0, 0] = -1.0
     with pytest.raises(ValueError, match="gamma must be finite and >= 0"):
@@ -170,19 +173,21 @@ def test_cached_conv_tails_do_not_keep_the_prefill_alive():
 
 def _op_calls():
     """One small call of each op on float32 inputs that require grad: ``{name: call}``, each call
-    returning the output (T = 11, a chunk size that does not divide it)."""
+    returning the output (T = 11, a chunk size that does not divide it); Trellis with both write
+    gradients (exact: the models' default)."""
     from op_inputs import make_kvm_inputs
     from test_lattice_ops import make_inputs as lattice_inputs, mid_chunk_state
     from trellis_lm.ops import kvm_attention, lattice_attention
 
-    torch.manual_seed(0)
     f32 = dict(dtype=torch.float32)
-    trellis_x = make_inputs(2, 11, 2, 6, 5, 7, requires_grad=True, **f32)
-    lattice_x = tuple(t.float().detach().requires_grad_() for t in lattice_inputs(2, 11, 2, 6, 5))
-    lattice_s = mid_chunk_state(2, 2, 6, 5, chunk_size=4).map(lambda t: t.float() if t.is_floating_point() else t)
+    trellis_x = make_inputs(2, 11, 2, 6, 5, 7, requires_grad=True, seed=0, **f32)
+    lattice_x = tuple(t.float().detach().requires_grad_() for t in lattice_inputs(2, 11, 2, 6, 5, seed=0))
+    lattice_s = mid_chunk_state(2, 2, 6, 5, chunk_size=4, seed=1).map(lambda t: t.float() if t.is_floating_point() else t)
     kvm_x, kvm_p = make_kvm_inputs(1, 11, 2, 8, 8, requires_grad=True, **f32)
     return {
-        "trellis": (trellis_x, lambda: trellis_attention(*trellis_x, chunk_size=4, backend="torch")[0]),
+        **{name: (trellis_x, lambda wg=wg: trellis_attention(*trellis_x, chunk_size=4, write_gradient=wg,
+                                                              backend="torch")[0])
+           for name, wg in (("trellis", "exact"), ("trellis-anchored", "anchored"))},
         "lattice": (lattice_x, lambda: lattice_attention(*lattice_x, initial_state=lattice_s, chunk_size=4,
                                                          backend="torch")[0]),
         "kvm": (kvm_x, lambda: kvm_attention(*kvm_x, **kvm_p, chunk_size=4, window_chunks=1, rope_dims=4,
@@ -190,7 +195,7 @@ def _op_calls():
     }
 
 
-@pytest.mark.parametrize("op", ["trellis", "lattice", "kvm"])
+@pytest.mark.parametrize("op", ["trellis", "trellis-anchored", "lattice", "kvm"])
 def test_ops_compute_in_float32_inside_a_bf16_autocast_region(op):
     """A bf16 Trainer step runs the model in a CPU autocast region: the ops must still compute
     (and keep their states) in float32, forward and backward, as outside it."""

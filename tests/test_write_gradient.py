@@ -59,15 +59,19 @@ def test_prefill_then_decode_equals_one_forward(write_gradient):
 
 
 def test_exact_models_do_not_depend_on_the_chunk_size():
-    """The same weights at C = 1, 3, 4 and 16 give the same logits, and decode the same way
-    from a cache made at another C's offsets (C only lays the tokens out)."""
+    """The same weights at C = 1, 3, 4 and 16 give the same logits (C only lays the tokens out).
+    A cache still records its model's C (its offsets count within C's chunks), and a model at
+    another C refuses it rather than continue from offsets laid out for another chunk."""
     model = tiny_model(seed=4, dtype=torch.float64)
     ids = random_tokens(2, 23, seed=5)
     expected = model(ids).logits
     for chunk in (1, 3, 16):
         model.config.chunk_size = chunk
         torch.testing.assert_close(model(ids).logits, expected, rtol=1e-9, atol=1e-9)
+    cache = getattr(model(ids, use_cache=True), CACHE_ARG)  # made at C = 16
     model.config.chunk_size = 4
+    with pytest.raises(ValueError, match="made by a model with chunk_size=16, this model has chunk_size=4"):
+        model(ids[:, :1], use_cache=True, **{CACHE_ARG: cache})
     model.config.write_gradient = "anchored"
     assert (model(ids).logits - expected).abs().max() > 1e-4  # the anchored function at C = 4 differs
 

@@ -30,6 +30,7 @@ from vllm import LLM, SamplingParams  # noqa: E402
 from vllm.distributed.parallel_state import cleanup_dist_env_and_memory  # noqa: E402
 from vllm.exceptions import VLLMValidationError  # noqa: E402
 
+from tests.slot_server import CompiledRuns  # noqa: E402
 from tests.tiny_models import random_tokens, tiny_model  # noqa: E402
 
 # Prompt lengths submitted together: 1 to 2,000 tokens, crossing the ops' chunks (5, and
@@ -176,19 +177,29 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2,
     pytest.param("kvm", {}, 48, False, marks=pytest.mark.slow),
     pytest.param("hybrid", {}, 48, False, marks=pytest.mark.slow),
 ])
-def test_speculative_decoding_gives_the_tokens_of_generate(tmp_path, schedule, options, new_tokens, compile_decode):
+def test_speculative_decoding_gives_the_tokens_of_generate(tmp_path, monkeypatch, schedule, options, new_tokens,
+                                                           compile_decode):
     """n-gram drafts of 3 tokens verified in one step: drafts accepted in full, in part
     (mid-chunk of the ops: chunks of 5, KVM's of 3) and not at all; the greedy tokens equal
-    ``generate``'s without speculation."""
+    ``generate``'s without speculation. Under ``compile_decode`` the Trellis and Lattice layers'
+    rows of one token and of drafts are compiled as the model loads (four graphs a kind: rows of
+    one token and draft rows, a batch of one row and of several), and run compiled (counted),
+    never compiling in a request's step."""
     model = copying_checkpoint(tmp_path, schedule, compile_decode)
-    compiled = torch._dynamo.utils.counters["stats"]
-    before = compiled["unique_graphs"]
+    compiled_runs = CompiledRuns(monkeypatch).runs
+    graphs = torch._dynamo.utils.counters["stats"]
+    torch._dynamo.reset()  # compiled by this engine, whatever this process compiled before
+    before = graphs["unique_graphs"]
     llm = engine(tmp_path, speculative_config=NGRAM, enable_prefix_caching=False, **options)
-    loaded = compiled["unique_graphs"]
+    loaded = graphs["unique_graphs"]
+    compiled_kinds = {"trellis", "lattice"} & set(model.config.layer_kinds) if compile_decode else set()
+    assert loaded - before == 4 * len(compiled_kinds)
+    compiled_runs.clear()
     batch = [p for p in prompts() if len(p) < 400]
     got = served(llm, batch, max_tokens=new_tokens)
-    # Compiled as the model loaded (or found compiled by an earlier test), never in a request's step.
-    assert compiled["unique_graphs"] == loaded and (loaded > before or not compile_decode or before > 0)
+    assert graphs["unique_graphs"] == loaded
+    assert {(kind, each) for kind, each, _ in compiled_runs} == {(kind, each) for kind in compiled_kinds
+                                                                for each in (False, True)}
     drafted, accepted = counter(llm, "vllm:spec_decode_num_draft_tokens"), counter(llm, "vllm:spec_decode_num_accepted_tokens")
     # All-KVM copies these prompts exactly (its window holds the recent tokens as they were):
     # every draft is accepted, and its layers meet rejected drafts in kvm-hybrid instead.
@@ -196,6 +207,18 @@ def test_speculative_decoding_gives_the_tokens_of_generate(tmp_path, schedule, o
     if "num_gpu_blocks_override" in options:
         assert counter(llm, "vllm:num_preemptions") > 0
     assert got == [reference(model, p, new_tokens) for p in batch]
+
+
+def test_a_cpu_engine_keeps_freed_memory_from_the_model_s_load(tmp_path, monkeypatch):
+    """The plugin raises glibc's malloc thresholds (``allocator.keep_freed_memory``; its effect:
+    tests/test_serving_slots.py) when a CPU engine builds the model: once in this process."""
+    from trellis_lm.integrations.vllm import model as plugin_model
+
+    calls = []
+    monkeypatch.setattr(plugin_model, "keep_freed_memory", lambda: calls.append(True) or True)
+    save_checkpoint(tmp_path, "trellis")
+    engine(tmp_path, max_model_len=64, max_num_batched_tokens=64)
+    assert calls == [True]
 
 
 def heads_served(model) -> list[int]:
@@ -223,9 +246,13 @@ def test_two_tensor_parallel_ranks_give_the_tokens_of_one(tmp_path, monkeypatch,
 def test_what_the_plugin_does_not_serve_is_refused_when_the_engine_is_configured(tmp_path):
     """Clear errors at LLM(...), not wrong tokens later (docs/serving.md): speculative decoding
     with prefix caching (vLLM would copy per-draft states the plugin does not keep) or with a
-    draft model (vLLM 0.32 fails to configure the draft beside a recurrent-state model), pipeline
-    parallelism, and tensor parallelism over a number of ranks that does not divide the heads."""
+    draft model (vLLM 0.32 fails to configure the draft beside a recurrent-state model), a model
+    without attention layers given two block sizes under prefix caching (its states would be kept
+    where no prompt chunk ends), pipeline parallelism, and tensor parallelism over a number of
+    ranks that does not divide the heads."""
     save_checkpoint(tmp_path, "trellis")
+    with pytest.raises(Exception, match="block_size = 32 and mamba_block_size = 64: a model without attention layers"):
+        engine(tmp_path, block_size=32, mamba_block_size=64)
     with pytest.raises(Exception, match="speculative decoding with prefix caching is not supported"):
         engine(tmp_path, speculative_config=NGRAM)
     with pytest.raises(Exception, match="speculative decoding with a draft model is not supported"):

@@ -225,8 +225,8 @@ def run_on_slots(
         slots: ``[R]`` each sequence's slot.
         compiled: run the rows of single tokens and the held rows through ``torch.compile``
             (:func:`~trellis_lm.compiled_decode.advanced_compiled`: the mixer's own functions,
-            for a ``compilable`` mixer on a CPU); held rows are then padded to
-            ``layout.pending`` tokens, one shape to compile.
+            where :func:`compiles_rows`); held rows are then padded to ``layout.pending``
+            tokens, one shape to compile.
 
     Returns:
         ``[N, D]`` the mixer's output.
@@ -243,7 +243,7 @@ def run_on_slots(
         )
     single = lengths == 1
     held = ~single & (lengths <= layout.pending)
-    compiled = compiled and mixer.compilable and x.device.type == "cpu"
+    compiled = compiled and compiles_rows(mixer, x.device)
     batches = [(single.nonzero()[:, 0], 0), (held.nonzero()[:, 0], layout.pending if compiled else 0),
                *((rows, 0) for rows in _similar_lengths((~single & ~held).nonzero()[:, 0], lengths))]
     for rows, padded_to in batches:
@@ -254,12 +254,20 @@ def run_on_slots(
     return out
 
 
+def compiles_rows(mixer: MemoryMixer, device: torch.device) -> bool:
+    """Whether :func:`run_on_slots` with ``compiled=True`` runs ``mixer``'s rows of single tokens
+    and held rows on ``device`` compiled: for a ``compilable`` mixer (Trellis and Lattice, not KVM)
+    on a CPU. On a GPU they run eagerly (the ops' own kernels): nothing is compiled there."""
+    return mixer.compilable and device.type == "cpu"
+
+
 def compile_rows(mixer: MemoryMixer, layout: SlotLayout, like: torch.Tensor) -> None:
     """Compile what :func:`run_on_slots` runs compiled for ``mixer`` (``compiled=True``): rows of
     a single token and, with ``layout.pending``, held rows, in a batch of one row and of several
     (torch.compile's two shapes of a batch); inputs of ``like``'s dtype and device. What a server
-    calls as it loads the model, so that no step of a request compiles."""
-    if not (mixer.compilable and like.device.type == "cpu"):
+    calls as it loads the model, so that no step of a request compiles (nothing where
+    :func:`compiles_rows` says no)."""
+    if not compiles_rows(mixer, like.device):
         return
     with torch.no_grad():
         for rows in (1, 2):
