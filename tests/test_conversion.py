@@ -451,7 +451,7 @@ def test_cli_reports_errors_with_exit_status_2(tmp_path, capsys):
     assert run_cli(tmp_path / "teacher", tmp_path / "out", "--set", "head_dim=4") == 2
     assert "mismatched head dims" in capsys.readouterr().err
     assert run_cli(tmp_path / "teacher", tmp_path / "out", "--distill") == 2
-    assert "--distill needs training texts" in capsys.readouterr().err
+    assert "argument --data: no training texts given" in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------- stage 1: cached teacher, held-out stop
@@ -643,7 +643,7 @@ def test_convert_refuses_distillation_options_it_cannot_honour_before_converting
         ((*small, "--heldout-blocks", 2), "argument --heldout-blocks: held-out blocks measure stage 1"),
         ((*small, *distill, "--work-dir", tmp_path / "a-file"), "argument --work-dir: .*a-file is a file"),
         ((*small, *distill, "--keep-attention", f"auto:{layers + 1}"),
-         rf"argument --keep-attention: auto:{layers + 1} keeps more layers than the teacher's {layers}"),
+         rf"argument --keep-attention: keeping {layers + 1} layers as attention is more than the teacher's {layers}"),
         ((*small, *distill, "--state-passing", 0, "--state-passing-from", 0.5),
          "argument --state-passing-from: state passing is off"),
     ]:

@@ -8,13 +8,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
+import numbers
 import re
 import sys
 from collections.abc import Callable, Iterator, Sequence
+from contextvars import ContextVar
 from pathlib import Path
-from typing import Any, Optional, TypeVar, Union
-
-T = TypeVar("T")
+from typing import Any, Optional, Union
 
 BAD_ARGUMENTS = 2  # exit status; argparse's own for a command line it cannot parse
 # What the Hub accepts as a repository id: "name" or "namespace/name". A path that does not exist
@@ -91,42 +91,105 @@ def blame(argument: str, *errors: type[BaseException]) -> Iterator[None]:
         raise CommandLineError(f"argument {argument}: {first_line(error)}") from None
 
 
-def _checked(parse: Callable[[str], T], accept: Callable[[T], bool], expected: str) -> Callable[[str], T]:
-    def checked(text: str) -> T:
+class ArgumentType:
+    """An argparse ``type`` that names what it expected, and checks a value given from Python
+    the same way (:meth:`problem`): a function that a command also calls refuses what the
+    command's parser refuses, in the same words.
+
+    Args:
+        parse: ``int`` or ``float``, what the command line's text is read as.
+        accept: whether a parsed value is in range.
+        expected: what is accepted, in words ("an integer >= 1").
+    """
+
+    def __init__(self, parse: Callable[[str], Any], accept: Callable[[Any], bool], expected: str) -> None:
+        self.parse, self.accept, self.expected = parse, accept, expected
+
+    def __call__(self, text: str) -> Any:
         try:
-            value = parse(text)
-            if accept(value):
+            value = self.parse(text)
+            if self.accept(value):
                 return value
         except ValueError:
             pass
         # ArgumentTypeError's text is argparse's whole message; a ValueError would only say "invalid".
-        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected {self.expected}, got {text!r}")
 
-    return checked
+    def problem(self, value: Any) -> Optional[str]:
+        """Why ``value`` (from Python) is not a value this type gives, or ``None``: a string or a
+        bool where a number is expected (``"0.01"`` would fail only once used), a float where an
+        integer is, or a number out of range."""
+        kind = numbers.Integral if self.parse is int else numbers.Real
+        if isinstance(value, bool) or not isinstance(value, kind) or not self.accept(self.parse(value)):
+            return f"expected {self.expected}, got {value!r}"
+        return None
 
 
-def int_at_least(minimum: int) -> Callable[[str], int]:
+def int_at_least(minimum: int) -> ArgumentType:
     """An argparse ``type``: an integer >= ``minimum``."""
-    return _checked(int, lambda value: value >= minimum, f"an integer >= {minimum}")
+    return ArgumentType(int, lambda value: value >= minimum, f"an integer >= {minimum}")
 
 
-def float_above(minimum: float, maximum: Optional[float] = None) -> Callable[[str], float]:
+def float_above(minimum: float, maximum: Optional[float] = None) -> ArgumentType:
     """An argparse ``type``: a finite number > ``minimum`` (and <= ``maximum`` when given)."""
     expected = f"a number > {minimum:g}" if maximum is None else f"a number in ({minimum:g}, {maximum:g}]"
-    return _checked(
+    return ArgumentType(
         float, lambda value: math.isfinite(value) and value > minimum and (maximum is None or value <= maximum),
         expected,
     )
 
 
-def probability(text: str) -> float:
-    """An argparse ``type``: a number in [0, 1]."""
-    return _checked(float, lambda value: 0 <= value <= 1, "a number in [0, 1]")(text)
+# argparse ``type``s: a number in [0, 1], and in [0, 1).
+probability = ArgumentType(float, lambda value: 0 <= value <= 1, "a number in [0, 1]")
+fraction = ArgumentType(float, lambda value: 0 <= value < 1, "a number in [0, 1)")
+any_integer = ArgumentType(int, lambda value: True, "an integer")
 
 
-def fraction(text: str) -> float:
-    """An argparse ``type``: a number in [0, 1)."""
-    return _checked(float, lambda value: 0 <= value < 1, "a number in [0, 1)")(text)
+def flag_problem(value: Any) -> Optional[str]:
+    """Why ``value`` (from Python) is not a flag's value, or ``None``: ``"no"`` or ``1`` would be
+    read as true, silently."""
+    return None if isinstance(value, bool) else f"expected True or False, got {value!r}"
+
+
+# How errors name the arguments of a function that a command also calls: as a Python caller
+# passes them, or, within `command_words`, as the command's options.
+_OPTION: ContextVar[Optional[Callable[[str], str]]] = ContextVar("trellis_lm_option", default=None)
+
+
+@contextlib.contextmanager
+def command_words(option: Callable[[str], str]) -> Iterator[None]:
+    """Within the block, :func:`named`, :func:`argument` and :func:`passing` name an argument
+    as the command line sets it: ``option(name)`` is the option (or positional argument) that
+    sets the Python argument ``name``."""
+    token = _OPTION.set(option)
+    try:
+        yield
+    finally:
+        _OPTION.reset(token)
+
+
+def named(name: str) -> str:
+    """The argument ``name`` (a function's ``"dst"`` or a field's ``"DistillOptions.work_dir"``)
+    as a message mentions it: itself, or the option that sets it (``--work-dir``) in
+    :func:`command_words`."""
+    option = _OPTION.get()
+    return name if option is None else option(name.rpartition(".")[2])
+
+
+def argument(name: str) -> str:
+    """The subject of an error about the argument ``name`` (see :func:`named`):
+    ``DistillOptions.work_dir`` or ``argument dst``; ``argument --work-dir`` in :func:`command_words`."""
+    return name if "." in name and _OPTION.get() is None else f"argument {named(name)}"
+
+
+def passing(name: str, value: Any = True) -> str:
+    """How an error tells its reader to pass ``value`` for the argument ``name``:
+    ``overwrite=True``, ``heldout_blocks=N``; ``--overwrite``, ``--heldout-blocks N`` in
+    :func:`command_words` (``True``: a flag)."""
+    option = _OPTION.get()
+    if option is None:
+        return f"{name}={value}"
+    return option(name) if value is True else f"{option(name)} {value}"
 
 
 def checkpoint_problem(text: str) -> Optional[str]:

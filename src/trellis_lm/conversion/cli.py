@@ -31,7 +31,7 @@ import dataclasses
 import json
 from typing import Any, Optional
 
-from ..arguments import float_above, fraction, int_at_least, probability, report_error
+from ..arguments import command_words, float_above, fraction, int_at_least, probability, report_error
 from ..mixers import DEFAULT_KIND
 from ..state_passing import DEFAULT_PROBABILITY, DEFAULT_START_FRACTION
 from .layer_choice import parse_auto
@@ -113,22 +113,34 @@ def run_convert(args: argparse.Namespace) -> int:
     """Run the command parsed by :func:`add_convert_arguments` (:func:`~.pipeline.convert_and_distill`
     with its arguments); returns the exit status."""
     try:
-        overrides = dict(_parse_field(item) for item in args.set)
-        auto_kept = parse_auto(args.keep_attention) if _is_auto(args.keep_attention) else None
-        if auto_kept is not None and not args.distill:
-            raise ValueError("argument --keep-attention: auto:K chooses the layers after stage 1 and needs --distill")
-        if args.heldout_blocks and not args.distill:
-            raise ValueError("argument --heldout-blocks: held-out blocks measure stage 1, which runs with --distill")
-        conversion = ConversionOptions(
-            num_slots=args.num_slots, chunk_size=args.chunk_size, seed=args.seed, mixer=args.mixer,
-            keep_attention=None if auto_kept is not None else parse_layer_list(args.keep_attention),
-            attention_every=args.attention_every, overrides=overrides,
-        )
-        distill = _distill_options(args, auto_kept) if args.distill else None
-        convert_and_distill(args.src, args.dst, conversion, distill, overwrite=args.overwrite)
+        with command_words(option):
+            overrides = dict(_parse_field(item) for item in args.set)
+            auto_kept = parse_auto(args.keep_attention) if _is_auto(args.keep_attention) else None
+            if auto_kept is not None and not args.distill:
+                raise ValueError("argument --keep-attention: auto:K chooses the layers after stage 1 and needs --distill")
+            if args.heldout_blocks and not args.distill:
+                raise ValueError("argument --heldout-blocks: held-out blocks measure stage 1, which runs with --distill")
+            conversion = ConversionOptions(
+                num_slots=args.num_slots, chunk_size=args.chunk_size, seed=args.seed, mixer=args.mixer,
+                keep_attention=None if auto_kept is not None else parse_layer_list(args.keep_attention),
+                attention_every=args.attention_every, overrides=overrides,
+            )
+            distill = _distill_options(args, auto_kept) if args.distill else None
+            convert_and_distill(args.src, args.dst, conversion, distill, overwrite=args.overwrite)
     except ValueError as error:
         return report_error("trellis-lm convert", str(error))
     return 0
+
+
+# The arguments whose option is not spelt after their name.
+_OPTIONS = {"src": "src", "dst": "dst", "keep_dearest": "--keep-attention", "overrides": "--set"}
+
+
+def option(name: str) -> str:
+    """The option (or positional argument) of this command that sets the argument ``name`` of
+    :func:`~.pipeline.convert_and_distill` or of its options (the errors' words,
+    :func:`~trellis_lm.arguments.command_words`)."""
+    return _OPTIONS.get(name, "--" + name.replace("_", "-"))
 
 
 def _distill_options(args: argparse.Namespace, auto_kept: Optional[int]) -> DistillOptions:

@@ -1,7 +1,11 @@
-"""Distillation data: texts, token tensors or datasets, as rows of token ids, and their batches."""
+"""Distillation data: texts read from files, token tensors or datasets, as rows of token ids,
+and their batches."""
 
 from __future__ import annotations
 
+import json
+import os
+from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
 import torch
@@ -9,7 +13,73 @@ from torch import nn
 from torch.utils.data import Dataset
 from transformers import PreTrainedTokenizerBase
 
+from ..arguments import argument
+
 TrainData = Union[Sequence[str], torch.Tensor, Dataset]
+PathLike = Union[str, os.PathLike]
+TEXT_SUFFIXES = (".txt", ".jsonl")
+
+
+def read_texts(paths: Union[PathLike, Sequence[PathLike]], name: str = "paths") -> list[str]:
+    """Texts from ``.txt`` files (one text each), ``.jsonl`` files (a ``"text"`` string per line)
+    and folders of them (every such file below, in sorted order); a single path is one path.
+
+    Raises:
+        ValueError: naming the argument ``name`` (:func:`~trellis_lm.arguments.argument`), the file
+            and, in a ``.jsonl`` file, the line: no path given, a path that does not exist or
+            is of another kind, bytes that are not UTF-8, a line that is not JSON or has no
+            ``"text"`` string, no text at all.
+    """
+    paths = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
+    if not paths:
+        raise ValueError(f"{argument(name)}: no training texts given: expected .txt or .jsonl files, or folders "
+                         "of them")
+    files: list[Path] = []
+    for path in map(Path, paths):
+        if not path.exists():
+            raise ValueError(f"{argument(name)}: {path}: no such file or folder")
+        if path.is_dir():
+            files.extend(sorted(p for p in path.rglob("*") if p.suffix in TEXT_SUFFIXES and p.is_file()))
+        elif path.suffix in TEXT_SUFFIXES:
+            files.append(path)
+        else:
+            raise ValueError(f"{argument(name)}: {path}: expected a .txt or .jsonl file, or a folder of them")
+    texts = [text for file in files for text in _file_texts(file, name)]
+    if not texts:
+        raise ValueError(f"{argument(name)}: {' '.join(map(str, paths))}: no texts found")
+    return texts
+
+
+def _file_texts(file: Path, name: str) -> list[str]:
+    """The texts of one ``.txt`` or ``.jsonl`` file; errors name the file and its line."""
+    data = file.read_bytes()
+    if file.suffix == ".txt":
+        return [_decoded(data, file, 1, name)]
+    texts = []
+    for number, line in enumerate(data.split(b"\n"), 1):
+        text = _decoded(line, file, number, name)
+        if not text.strip():
+            continue
+        try:
+            record = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{argument(name)}: {file} line {number} is not JSON ({error.msg}): expected one "
+                             '{"text": "..."} object per line') from None
+        if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+            raise ValueError(f'{argument(name)}: {file} line {number} has no "text" string: expected one '
+                             '{"text": "..."} object per line')
+        texts.append(record["text"])
+    return texts
+
+
+def _decoded(data: bytes, file: Path, first_line: int, name: str) -> str:
+    """``data`` (from line ``first_line`` of ``file``) as UTF-8 text, or an error naming the line."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = first_line + data[: error.start].count(b"\n")
+        raise ValueError(f"{argument(name)}: {file} line {line} is not UTF-8 text (byte {data[error.start]:#04x}): "
+                         "expected UTF-8 files") from None
 
 
 class TokenBlocks(Dataset):
@@ -57,4 +127,4 @@ def pad_batch(features: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
     }
 
 
-__all__ = ["TokenBlocks", "TrainData", "as_dataset", "pad_batch"]
+__all__ = ["TokenBlocks", "TrainData", "as_dataset", "pad_batch", "read_texts"]
