@@ -6,6 +6,7 @@ import io
 import json
 from dataclasses import fields
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -17,9 +18,9 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from tiny_models import tiny_model
 from trellis_lm import TrellisForCausalLM, train_tokenizer
-from trellis_lm.arguments import Parser
+from trellis_lm.arguments import Parser, config_fields
 from trellis_lm.cli import SEPARATOR, main
-from trellis_lm.training import PretrainArguments, sample_chats
+from trellis_lm.training import SMALL_MODEL, PretrainArguments, new_model_config, sample_chats
 
 TINY_OVERRIDES = "hidden_size=32,num_hidden_layers=1,num_heads=2,head_dim=8,num_slots=4,chunk_size=4,intermediate_size=48"
 QUIET_TRAINING = ["--report_to", "none", "--disable_tqdm", "true", "--use_cpu", "--logging_steps", "1"]
@@ -254,6 +255,15 @@ BAD_ARGUMENTS = [
     (["train", "finetune", "--resume_from_checkpoint", "{tmp}/notes.txt"], "--resume_from_checkpoint"),
     (["train", "finetune", "--data_files", "{tmp}/notes.txt"], "--data_files"),
     (["train", "finetune", "--data_files", "{tmp}/texts.jsonl"], "--data_files"),
+    # Issue 72: a 31-line traceback once the tokenizer was trained, exit 1, an empty output folder left.
+    (["train", "pretrain", "--config_overrides", "hidden_size=32,write_gradient=Exact"], "--config_overrides"),
+    (["train", "pretrain", "--config_overrides", "write_gradient="], "--config_overrides"),
+    (["train", "pretrain", "--config_overrides", "wrte_gradient=exact"], "--config_overrides"),
+    (["train", "pretrain", "--config_overrides", "use_forget_gate=yes"], "--config_overrides"),
+    (["train", "finetune", "--config_overrides", "chunk_size=4,num_slots"], "--config_overrides"),
+    (["train", "finetune", "--config_overrides", "chunk_size=4,chunk_size=8"], "--config_overrides"),
+    (["train", "finetune", "--config_overrides", ""], "--config_overrides"),
+    (["train", "finetune", "--model", "{ckpt}", "--config_overrides", "chunk_size=4"], "--config_overrides"),
     (["eval", "{tmp}/missing"], "argument model"),
     (["eval", "{ckpt}", "--batch-size", "0"], "--batch-size"),
     (["eval", "{ckpt}", "--batch-size", "auto:x"], "--batch-size"),
@@ -280,6 +290,9 @@ BAD_ARGUMENTS = [
     (["convert", "{llama}", "{tmp}/out", "--num_slots", "0"], "--num-slots"),
     (["convert", "{llama}", "{tmp}/out", "--distill", "--data", "{tmp}/missing.txt"], "--data"),
     (["convert", "{llama}", "{tmp}/out", "--distill", "--lora-rank", "-1"], "--lora-rank"),
+    (["convert", "{llama}", "{tmp}/out", "--set", "wrte_gradient=exact"], "argument --set"),
+    (["convert", "{llama}", "{tmp}/out", "--set", "write_gradient=Exact"], "TrellisConfig.write_gradient"),
+    (["convert", "{llama}", "{tmp}/out", "--set", "write_gradient"], "argument --set"),
 ]
 
 
@@ -298,6 +311,23 @@ def test_bad_arguments_exit_2_with_one_line_and_write_nothing(capsys, monkeypatc
     assert exit_status(argv) == 2
     assert_one_line_naming(capsys.readouterr().err, argument)
     assert files_under(tmp_path) == before
+
+
+def test_config_fields_are_json_values_and_a_value_may_hold_commas():
+    """What ``--config_overrides`` and ``convert --set`` read (issue 72: ``--config_overrides``
+    failed after the tokenizer was trained; ``--set`` checked its values)."""
+    text = 'num_hidden_layers=2,mixer_types=["trellis", "attention"],compress_fn=l2norm,rms_norm_eps=1e-5,use_cache=false'
+    assert config_fields([text, "kvm_rope_dims=null"], "--x") == {
+        "num_hidden_layers": 2, "mixer_types": ["trellis", "attention"], "compress_fn": "l2norm", "rms_norm_eps": 1e-5,
+        "use_cache": False, "kvm_rope_dims": None}
+    config = new_model_config(PretrainArguments(config_overrides=text), vocab_size=300)
+    assert (config.mixer_types, config.compress_fn, config.use_cache, config.hidden_size) == (
+        ["trellis", "attention"], "l2norm", False, SMALL_MODEL["hidden_size"])
+    for bad, match in [("=3", "'=3' is not FIELD=VALUE"), ("chunk_size=4,=3", "got '4,=3'"),
+                       ("chunk_size=4,chunk_size=4", "chunk_size is given twice"),
+                       ("chunk_size=4.0", "TrellisConfig.chunk_size must be"), ("num_slot=4", "did you mean 'num_slots'")]:
+        with pytest.raises(ValueError, match=f"^--config_overrides: .*{re.escape(match)}"):
+            new_model_config(PretrainArguments(config_overrides=bad), vocab_size=300)
 
 
 @pytest.mark.parametrize(

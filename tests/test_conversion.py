@@ -244,7 +244,7 @@ def test_rejects_unsupported_architectures_and_options(tmp_path, config, message
     [
         ({"head_dim": 4}, "cannot set head_dim=4.*mismatched head dims"),
         ({"hidden_size": 64}, "cannot set hidden_size=64"),
-        ({"num_slot": 4}, "unknown TrellisConfig field"),
+        ({"num_slot": 4}, "'num_slot' is not a TrellisConfig field"),
         ({"compress_fn": "cube"}, "compress_fn must be one of"),
     ],
 )

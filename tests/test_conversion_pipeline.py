@@ -100,6 +100,7 @@ def test_the_command_s_defaults_are_the_function_s():
         if field.name != "overrides":
             assert getattr(args, field.name) == field.default, field.name
     assert args.set == [] and ConversionOptions().overrides == {}
+    assert parser.parse_args(["s", "d", "--data", "a", "b", "--data", "c"]).data == ["a", "b", "c"]  # none dropped
     assert args.overwrite is inspect.signature(convert_and_distill).parameters["overwrite"].default
 
 

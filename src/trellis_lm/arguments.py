@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import math
 import numbers
 import re
@@ -190,6 +191,32 @@ def passing(name: str, value: Any = True) -> str:
     if option is None:
         return f"{name}={value}"
     return option(name) if value is True else f"{option(name)} {value}"
+
+
+# A comma that starts another FIELD=VALUE (a value may hold commas: a JSON list).
+_NEXT_FIELD = re.compile(r",(?=\s*[A-Za-z_]\w*\s*=)")
+
+
+def config_fields(items: Sequence[str], option: str) -> dict[str, Any]:
+    """``FIELD=VALUE`` items (``--set compress_fn=l2norm``; one string may hold several, separated
+    by commas: ``hidden_size=256,mixer_types=["trellis","attention"]``) as ``{field: value}``, each
+    value read as JSON where it parses (``true``, ``0.5``, ``null``, a list), else as the string.
+    Which fields exist and what they hold is the configuration's to check. Raises a
+    ``ValueError`` starting with ``option`` for an item without a field name or ``=``, or a field
+    given twice."""
+    fields: dict[str, Any] = {}
+    for item in (part for text in items for part in _NEXT_FIELD.split(text)):
+        name, equals, value = item.partition("=")
+        name = name.strip()
+        if not equals or not name.isidentifier():
+            raise ValueError(f"{option}: {item!r} is not FIELD=VALUE")
+        if name in fields:
+            raise ValueError(f"{option}: {name} is given twice")
+        try:
+            fields[name] = json.loads(value)
+        except json.JSONDecodeError:
+            fields[name] = value
+    return fields
 
 
 def checkpoint_problem(text: str) -> Optional[str]:

@@ -6,6 +6,8 @@ flat sibling modules (see :mod:`.remote_code`).
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import math
 import os
 from collections.abc import Iterable, Mapping
@@ -205,6 +207,18 @@ class TrellisConfig(PreTrainedConfig):
     def from_json_file(cls, json_file: str | os.PathLike) -> "TrellisConfig":
         """A saved ``config.json`` file, read as :meth:`from_dict` reads its fields."""
         return cls.from_dict(cls._dict_from_json_file(json_file))
+
+    @classmethod
+    def check_field_names(cls, names: Iterable[str]) -> None:
+        """Raise a ``ValueError`` naming the first of ``names`` that is not a field of this class
+        (transformers' own settings, which every config holds, are not its fields either), with
+        the field it may be a misspelling of."""
+        fields = {f.name for f in dataclasses.fields(cls)} - {f.name for f in dataclasses.fields(PreTrainedConfig)}
+        for name in names:
+            if name not in fields:
+                close = difflib.get_close_matches(name, sorted(fields), n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else " (TrellisConfig's docstring lists its fields)"
+                raise ValueError(f"{name!r} is not a TrellisConfig field{hint}")
 
     def __post_init__(self, **kwargs: Any) -> None:
         given = kwargs.pop("layer_types", None)

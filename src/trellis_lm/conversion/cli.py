@@ -28,10 +28,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-from typing import Any, Optional
+from typing import Optional
 
-from ..arguments import command_words, float_above, fraction, int_at_least, probability, report_error
+from ..arguments import command_words, config_fields, float_above, fraction, int_at_least, probability, report_error
 from ..mixers import DEFAULT_KIND
 from ..state_passing import DEFAULT_PROBABILITY, DEFAULT_START_FRACTION
 from .layer_choice import parse_auto
@@ -65,8 +64,9 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
 
     distill = parser.add_argument_group("distillation (with --distill)")
     distill.add_argument("--distill", action="store_true", help="run stage 1 (layer-wise) and stage 2 (logits)")
-    distill.add_argument("--data", nargs="+", default=[], metavar="PATH",
-                         help=".txt files (one text each), .jsonl files (a 'text' field per line) or folders of them")
+    distill.add_argument("--data", nargs="+", action="extend", default=[], metavar="PATH",
+                         help=".txt files (one text each), .jsonl files (a 'text' field per line) or folders of them; "
+                              "repeatable")
     distill.add_argument("--work-dir", default=None, help="checkpoints of both stages (default: DST-distill)")
     distill.add_argument("--block-size", type=positive, default=1024, help="tokens per training row (default 1024)")
     distill.add_argument("--batch-size", type=positive, default=8, help="rows per device and step (default 8)")
@@ -114,7 +114,7 @@ def run_convert(args: argparse.Namespace) -> int:
     with its arguments); returns the exit status."""
     try:
         with command_words(option):
-            overrides = dict(_parse_field(item) for item in args.set)
+            overrides = config_fields(args.set, "argument --set")
             auto_kept = parse_auto(args.keep_attention) if _is_auto(args.keep_attention) else None
             if auto_kept is not None and not args.distill:
                 raise ValueError("argument --keep-attention: auto:K chooses the layers after stage 1 and needs --distill")
@@ -163,16 +163,6 @@ def parse_layer_list(text: Optional[str]) -> Optional[list[int]]:
         return [int(item) for item in items]
     except ValueError:
         raise ValueError(f"--keep-attention {text!r}: expected comma-separated layer indices, e.g. 3,7,11") from None
-
-
-def _parse_field(item: str) -> tuple[str, Any]:
-    name, sep, value = item.partition("=")
-    if not sep:
-        raise ValueError(f"--set {item!r}: expected FIELD=VALUE")
-    try:
-        return name, json.loads(value)
-    except json.JSONDecodeError:
-        return name, value
 
 
 __all__ = ["add_convert_arguments", "parse_layer_list", "run_convert"]

@@ -33,6 +33,7 @@ from transformers.trainer_utils import get_last_checkpoint
 from ..arguments import (
     ArgumentType, any_integer, argument, flag_problem, float_above, fraction, int_at_least, named, passing, probability,
 )
+from ..configuration_trellis import TrellisConfig
 from ..mixers import DEFAULT_KIND
 from ..modeling_trellis import TrellisForCausalLM
 from ..state_passing import DEFAULT_PROBABILITY
@@ -69,6 +70,10 @@ class ConversionOptions:
         if own:
             raise ValueError(f"{argument('ConversionOptions.overrides')}: {own[0]} has its own argument, "
                              f"{named('ConversionOptions.' + own[0])}, not a further config field")
+        try:
+            TrellisConfig.check_field_names(self.overrides)
+        except ValueError as error:
+            raise ValueError(f"{argument('ConversionOptions.overrides')}: {error}") from None
 
     def options(self) -> dict[str, Any]:
         """The conversion's arguments besides the kept layers (the same when a hybrid is converted again)."""
