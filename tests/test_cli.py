@@ -97,6 +97,28 @@ def test_generate(capsys, checkpoint):
     assert capsys.readouterr().out.splitlines() == lines
 
 
+def test_a_prompt_of_no_tokens_is_one_line_naming_it(capsys, checkpoint, tmp_path):
+    """Issue 72: ``generate MODEL ""`` with a tokenizer that adds no BOS token: exit 1 and the
+    model's traceback. Refused before the model loads; a prompt that is not empty once templated
+    (``--chat``) or tokenized (a BOS token) is generated from."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    backend = tokenizer.backend_tokenizer
+    backend.post_processor = None  # no BOS token: "" holds no tokens
+    folder = tmp_path / "no-bos"
+    AutoModelForCausalLM.from_pretrained(checkpoint).save_pretrained(folder)
+    PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token,
+                            pad_token=tokenizer.pad_token).save_pretrained(folder)
+    for prompts, number in [([""], 1), (["hello", ""], 2)]:
+        capsys.readouterr()
+        assert main(["generate", str(folder), *prompts]) == 2
+        assert capsys.readouterr().err == (f"trellis-lm generate: error: argument prompts: prompt {number} ('') holds "
+                                           "no tokens: expected text to continue\n")
+    assert main(["generate", str(folder), "", "--chat", "--max-new-tokens", "1"]) == 0
+    assert main(["generate", str(checkpoint), "", "--max-new-tokens", "1"]) == 0
+
+
 def test_options_take_hyphens_or_underscores():
     parser = Parser(prog="p")
     parser.add_argument("--max-new-tokens", type=int)

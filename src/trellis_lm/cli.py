@@ -101,9 +101,7 @@ def _generate(args: argparse.Namespace) -> int:
         set_seed(args.seed)
     # A Hub id is only known to be wrong when it fails to load (not found, no network, ...).
     with blame("model", OSError, ValueError):
-        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=args.dtype)
         tokenizer = AutoTokenizer.from_pretrained(args.model)
-    model = model.to(device).eval()
     tokenizer.padding_side = "left"  # new tokens are appended on the right
     if args.chat:
         from .training import ensure_chat_template
@@ -114,6 +112,13 @@ def _generate(args: argparse.Namespace) -> int:
         inputs = tokenizer(texts, add_special_tokens=False, padding=True, return_tensors="pt")
     else:
         inputs = tokenizer(prompts, padding=True, return_tensors="pt")
+    empty = [index for index, count in enumerate(inputs["attention_mask"].sum(dim=1).tolist()) if not count]
+    if empty:
+        raise CommandLineError(f"argument prompts: prompt {empty[0] + 1} ({prompts[empty[0]]!r}) holds no tokens: "
+                               "expected text to continue")
+    with blame("model", OSError, ValueError):
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=args.dtype)
+    model = model.to(device).eval()
     sampling = {name: value for name in ("temperature", "top_p", "top_k") if (value := getattr(args, name)) is not None}
     output = model.generate(
         **inputs.to(device), max_new_tokens=args.max_new_tokens, do_sample=args.do_sample, num_beams=args.num_beams,
