@@ -38,6 +38,7 @@ from tiny_models import VOCAB, random_tokens, tiny_model
 from trellis_lm import TrellisForCausalLM
 from trellis_lm.conversion import (
     NEW_MIXER_PARAMETERS,
+    conversion_costs,
     convert_llama_to_trellis,
     distill_layerwise,
     distill_logits,
@@ -604,6 +605,36 @@ def test_stage_arguments_that_would_be_ignored_or_cannot_work_are_refused(llm_li
     with pytest.raises(ValueError, match=r"memory_bytes must be an integer >= 0"):
         TeacherActivations(teacher, TokenBlocks(list(data)), [0, 1], tmp_path / "acts", memory_bytes=-1)
     assert not (tmp_path / "acts").exists() and not list((tmp_path / "run").glob("*"))
+
+
+def test_ids_that_are_not_token_ids_are_refused_where_they_come_in(llm_like_teacher, tmp_path):
+    """Issue 72: held-out ids as floats, or past the vocabulary, failed 24 frames inside the
+    embedding (floats as training data were truncated silently). Each argument is checked as it
+    comes in, by name, before a model runs or anything is written."""
+    teacher, folder = llm_like_teacher
+    student = convert_llama_to_trellis(folder, tmp_path / "s", **SMALL_MEMORY)
+    vocab = student.config.vocab_size
+    data, args = random_tokens(8, 16, seed=1), quick_args(tmp_path / "run", max_steps=1)
+    ids = random_tokens(2, 16, seed=2)
+    past = ids.clone()
+    past[1, 7] = vocab
+    negative = ids.clone()
+    negative[0, 0] = -1
+    bad = [(ids.float(), "must be a tensor of integer token ids, got torch.float32"),
+           (ids.bool(), "must be a tensor of integer token ids, got torch.bool"),
+           (past, rf"holds token ids in \[\d+, {vocab}\], but the models' vocabulary is \[0, {vocab}\)"),
+           (negative, r"holds token ids in \[-1, \d+\]")]
+    for stage in (distill_layerwise, distill_logits):
+        for value, match in bad:
+            with pytest.raises(ValueError, match=f"^heldout {match}"):
+                stage(student, teacher, data, args, heldout=value)
+            with pytest.raises(ValueError, match=f"^train_data {match}"):
+                stage(student, teacher, value, args)
+    for measure in (layerwise_errors, logit_kl, conversion_costs):
+        for value, match in bad:
+            with pytest.raises(ValueError, match=f"^input_ids {match}"):
+                measure(student, teacher, value)
+    assert not list((tmp_path / "run").glob("*"))
 
 
 def test_teacher_activation_files_that_are_not_the_block_s_are_computed_again(llm_like_teacher, tmp_path):

@@ -105,6 +105,19 @@ class TokenBlocks(Dataset):
         return {"input_ids": self.rows[index]}
 
 
+def check_token_ids(name: str, ids: torch.Tensor, *models: Any) -> None:
+    """Refuse ``ids`` (the argument ``name``) unless they are integer token ids of every one of
+    ``models``' vocabularies (``config.vocab_size``): floats would be truncated, an id past a
+    vocabulary fails inside an embedding. Raises a ``ValueError`` naming ``name``."""
+    if not isinstance(ids, torch.Tensor) or ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise ValueError(f"{name} must be a tensor of integer token ids, got "
+                         f"{ids.dtype if isinstance(ids, torch.Tensor) else type(ids).__name__}")
+    vocab = min(model.config.vocab_size for model in models)
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+        raise ValueError(f"{name} holds token ids in [{int(ids.min())}, {int(ids.max())}], but the models' vocabulary "
+                         f"is [0, {vocab})")
+
+
 def as_dataset(data: TrainData, tokenizer: Optional[PreTrainedTokenizerBase], block_size: int) -> Dataset:
     """A map-style dataset of ``{"input_ids"[, "attention_mask"]}`` items from any accepted form."""
     if isinstance(data, torch.Tensor):
@@ -127,4 +140,4 @@ def pad_batch(features: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
     }
 
 
-__all__ = ["TokenBlocks", "TrainData", "as_dataset", "pad_batch", "read_texts"]
+__all__ = ["TokenBlocks", "TrainData", "as_dataset", "check_token_ids", "pad_batch", "read_texts"]
