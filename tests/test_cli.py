@@ -53,13 +53,40 @@ def help_text(capsys, *argv: str) -> str:
     return capsys.readouterr().out
 
 
-def test_console_script_help():
+def test_console_script_help(checkpoint):
     script = Path(sys.executable).with_name("trellis-lm")
     command = [str(script)] if script.exists() else [sys.executable, "-m", "trellis_lm"]
     run = subprocess.run([*command, "--help"], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     for name in ("generate", "train", "eval", "bench", "convert"):
         assert name in run.stdout
+    # A command that runs has the model registered with transformers (the script defers it).
+    run = subprocess.run([*command, "generate", str(checkpoint), "hello", "--max-new-tokens", "2"], capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.startswith("hello"), run.stderr[-2000:]
+
+
+# What the command's script runs: its entry point, then which of the heavy packages it imported.
+ENTRY_POINT = """import sys, trellis_lm_command
+try:
+    status = trellis_lm_command.main(sys.argv[1:])
+except SystemExit as exit:
+    status = exit.code
+print(status, sorted({name.split(".")[0] for name in sys.modules} & {"torch", "transformers"}))"""
+
+
+@pytest.mark.parametrize("argv, status", [
+    (["--help"], 0), (["--version"], 0), (["generate", "--help"], 0), (["eval", "--help"], 0), (["bogus"], 2), ([], 2),
+    (["generate", "{tmp}/missing", "hi"], 2), (["generate", "{tmp}", "hi", "--max-new-tokens", "0"], 2),
+    (["eval", "{tmp}", "--batch-size", "x"], 2), (["train"], 2), (["train", "distill"], 2),
+])
+def test_help_and_a_refused_command_line_answer_without_the_model_stack(tmp_path, argv, status):
+    """Issue 72: ``trellis-lm --help`` and an argument error took as long as importing the whole
+    model stack (``import trellis_lm``: over twice torch + transformers). From the command's entry
+    point, neither imports torch or transformers (what it costs is not asserted: a timing)."""
+    argv = [a.format(tmp=tmp_path) for a in argv]
+    run = subprocess.run([sys.executable, "-c", ENTRY_POINT, *argv], capture_output=True, text=True, timeout=120)
+    assert run.stdout.splitlines()[-1] == f"{status} []", run.stderr[-2000:]
 
 
 @pytest.mark.parametrize(

@@ -111,7 +111,7 @@ def test_the_wheel_ships_the_package_its_data_and_its_entry_points(wheel):
     assert package <= names, sorted(package - names)
     assert any(name.startswith("trellis_lm/eval/tasks/") and name.endswith(".jsonl") for name in names)
     assert not any(name.startswith(("tests/", "studies/", "examples/", "benchmarks/", "docs/")) for name in names)
-    assert "trellis-lm = trellis_lm.cli:main" in entry_points
+    assert "trellis-lm = trellis_lm_command:main" in entry_points and "trellis_lm_command.py" in names
     assert "trellis_lm = trellis_lm.integrations.vllm:register" in entry_points
     requires = metadata.get_all("Requires-Dist")
     assert {"torch", "transformers", "accelerate", "peft", "lm-eval"} <= {re.split(r"[<>=!~; ]", r)[0] for r in requires}
