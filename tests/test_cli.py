@@ -304,6 +304,7 @@ BAD_ARGUMENTS = [
     (["train", "finetune", "--resume_from_checkpoint", "{tmp}/notes.txt"], "--resume_from_checkpoint"),
     (["train", "finetune", "--data_files", "{tmp}/notes.txt"], "--data_files"),
     (["train", "finetune", "--data_files", "{tmp}/texts.jsonl"], "--data_files"),
+    (["train", "finetune", "--data_files", "{tmp}/latin1.jsonl"], "--data_files"),  # issue 72: a decoder's traceback
     # Issue 72: a 31-line traceback once the tokenizer was trained, exit 1, an empty output folder left.
     (["train", "pretrain", "--config_overrides", "hidden_size=32,write_gradient=Exact"], "--config_overrides"),
     (["train", "pretrain", "--config_overrides", "write_gradient="], "--config_overrides"),
@@ -353,6 +354,7 @@ def test_bad_arguments_exit_2_with_one_line_and_write_nothing(capsys, monkeypatc
     (tmp_path / "notes.txt").write_text("not a checkpoint")
     (tmp_path / "model.gguf").write_bytes(b"GGUF")
     (tmp_path / "texts.jsonl").write_text('{"text": "JSON, but no chat"}\n')
+    (tmp_path / "latin1.jsonl").write_bytes('{"messages": []}\n{"messages": ["caf\xe9"]}\n'.encode("latin-1"))
     monkeypatch.chdir(tmp_path)  # a command's default outputs (outputs/..., DST-distill) would land here
     monkeypatch.setattr(sys, "stdin", io.StringIO(""))
     before = files_under(tmp_path)

@@ -180,42 +180,30 @@ def test_slot_layout_follows_the_mixers_declaration():
     assert exact.stand_ins == {"anchor_k": "m_k", "anchor_v": "m_v"} and anchored.stand_ins == {}
 
 
-@pytest.mark.parametrize("starts, computed", [
-    ([0, 3, 2, 6], [0, 0, 0]),  # decreasing: the second sequence would be skipped, its tokens read by the third
-    ([0, 3, 3, 6], [0, 0, 0]),  # duplicate: a sequence of no tokens
-    ([0, 3, 6, 9], [0, 0, 0]),  # past the tokens
-    ([0, 3, 5, 6], [0, -2, 0]),  # a negative computed count would start the sequence afresh
-])
-def test_run_on_slots_refuses_starts_and_counts_it_would_misread(starts, computed):
+@pytest.mark.parametrize("starts, computed, slots, match", [
     # Issue 50: these were accepted without a word.
-    model = tiny_model(schedule="trellis", dtype=torch.float64)
-    mixer = model.model.layers[0].self_attn
-    layout = SlotLayout(type(mixer), model.config, torch.float64)
-    tensors = layout.allocate(4)
-    before = [t.clone() for t in tensors]
-    x = torch.randn(6, model.config.hidden_size, dtype=torch.float64)
-    with pytest.raises(ValueError, match=r"starts must rise strictly from >= 0 to <= 6 tokens .* computed must be >= 0"):
-        run_on_slots(mixer, layout, tensors, x, torch.tensor(starts), torch.tensor(computed), torch.tensor([0, 1, 2]))
-    assert all(torch.equal(a, b) for a, b in zip(tensors, before))
-
-
-@pytest.mark.parametrize("slots, match", [
-    ([2, 0, 2], r"sequences 0 and 2 are both given slot 2: each sequence needs a slot of its own"),
-    ([1, 1, 3], r"sequences 0 and 1 are both given slot 1"),
-    ([0, 4, 1], r"slots must lie in \[0, 4\) \(the slots the tensors hold\), got \[0, 4, 1\]"),
-    ([0, -1, 1], r"slots must lie in \[0, 4\)"),
-    ([0, 1], r"starts must be \[R \+ 1\], computed and slots \[R\]; got \[4\], \[3\], \[2\]"),
-])
-def test_run_on_slots_refuses_slots_that_sequences_would_share_or_miss(slots, match):
+    ([0, 3, 2, 6], [0, 0, 0], [0, 1, 2], "starts must rise"),  # decreasing: the second sequence skipped, its tokens read by the third
+    ([0, 3, 3, 6], [0, 0, 0], [0, 1, 2], "starts must rise"),  # duplicate: a sequence of no tokens
+    ([0, 3, 6, 9], [0, 0, 0], [0, 1, 2], "starts must rise"),  # past the tokens
+    ([0, 3, 5, 6], [0, -2, 0], [0, 1, 2], "starts must rise"),  # a negative computed count would start it afresh
     # Issue 72: two sequences on one slot were accepted, their states overwriting each other.
+    ([0, 3, 5, 6], [0, 0, 0], [2, 0, 2], "sequences 0 and 2 are both given slot 2: each sequence needs a slot of its own"),
+    ([0, 3, 5, 6], [0, 0, 0], [1, 1, 3], "sequences 0 and 1 are both given slot 1"),
+    ([0, 3, 5, 6], [0, 0, 0], [0, 4, 1], r"slots must lie in \[0, 4\) \(the slots the tensors hold\), got \[0, 4, 1\]"),
+    ([0, 3, 5, 6], [0, 0, 0], [0, -1, 1], r"slots must lie in \[0, 4\)"),
+    ([0, 3, 5, 6], [0, 0, 0], [0, 1], r"starts must be \[R \+ 1\], computed and slots \[R\]; got \[4\], \[3\], \[2\]"),
+])
+def test_run_on_slots_refuses_a_batch_it_would_misread(starts, computed, slots, match):
     model = tiny_model(schedule="trellis", dtype=torch.float64)
     mixer = model.model.layers[0].self_attn
     layout = SlotLayout(type(mixer), model.config, torch.float64)
     tensors = layout.allocate(4)
     before = [t.clone() for t in tensors]
     x = torch.randn(6, model.config.hidden_size, dtype=torch.float64)
+    if match == "starts must rise":
+        match = r"starts must rise strictly from >= 0 to <= 6 tokens .* computed must be >= 0"
     with pytest.raises(ValueError, match=match):
-        run_on_slots(mixer, layout, tensors, x, torch.tensor([0, 3, 5, 6]), torch.tensor([0, 0, 0]), torch.tensor(slots))
+        run_on_slots(mixer, layout, tensors, x, torch.tensor(starts), torch.tensor(computed), torch.tensor(slots))
     assert all(torch.equal(a, b) for a, b in zip(tensors, before))
 
 

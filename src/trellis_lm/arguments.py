@@ -219,6 +219,33 @@ def config_fields(items: Sequence[str], option: str) -> dict[str, Any]:
     return fields
 
 
+def utf8_text(data: bytes, path: Any, subject: str, first_line: int = 1) -> str:
+    """``data`` (read from ``path``, from its line ``first_line`` on) as UTF-8 text; other bytes are
+    a ``ValueError`` starting with ``subject`` that names the file and the line."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = first_line + data[: error.start].count(b"\n")
+        raise ValueError(f"{subject}: {path} line {line} is not UTF-8 text (byte {data[error.start]:#04x}): "
+                         "expected UTF-8 files") from None
+
+
+def json_lines(path: Path, subject: str, expected: str) -> Iterator[tuple[int, Any]]:
+    """Each line of the JSONL file ``path`` that is not blank, as ``(its number, its JSON value)``;
+    a line that is not UTF-8 or not JSON is a ``ValueError`` starting with ``subject`` that names
+    the file and the line (``expected``: what a line holds, e.g. ``{"text": "..."}``)."""
+    for number, line in enumerate(path.read_bytes().split(b"\n"), 1):
+        text = utf8_text(line, path, subject, number)
+        if not text.strip():
+            continue
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{subject}: {path} line {number} is not JSON ({error.msg}): expected one {expected} "
+                             "object per line") from None
+        yield number, value
+
+
 def checkpoint_problem(text: str) -> Optional[str]:
     """Why ``text`` cannot be a checkpoint folder or Hub id, as far as the disk tells (``None``:
     it may be one; a Hub id is only checked when it is loaded).

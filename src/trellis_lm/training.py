@@ -42,7 +42,7 @@ from transformers import (
 )
 from transformers.trainer_utils import get_last_checkpoint
 
-from .arguments import config_fields, first_line
+from .arguments import config_fields, first_line, json_lines
 from .configuration_trellis import TrellisConfig
 from .model_card_trellis import TrainingRun, write_model_card
 from .modeling_trellis import TrellisForCausalLM
@@ -400,17 +400,9 @@ def check_recipe_arguments(args: ModelArguments, training_args: TrainingArgument
 
 def _check_chat_file(path: Path) -> None:
     """Every line of a fine-tuning file is blank or a JSON object with a list of ``messages``."""
-    with path.open(encoding="utf-8") as lines:
-        for number, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                chat = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"--data_files: {path} line {number} is not JSON ({error.msg}): expected one "
-                                 '{"messages": [...]} object per line') from None
-            if not isinstance(chat, dict) or not isinstance(chat.get("messages"), list):
-                raise ValueError(f"--data_files: {path} line {number} is not a {{\"messages\": [...]}} object")
+    for number, chat in json_lines(path, "--data_files", '{"messages": [...]}'):
+        if not isinstance(chat, dict) or not isinstance(chat.get("messages"), list):
+            raise ValueError(f"--data_files: {path} line {number} is not a {{\"messages\": [...]}} object")
 
 
 def _passing_start(args: ModelArguments) -> float:

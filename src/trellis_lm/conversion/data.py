@@ -3,7 +3,6 @@ and their batches."""
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
@@ -13,7 +12,7 @@ from torch import nn
 from torch.utils.data import Dataset
 from transformers import PreTrainedTokenizerBase
 
-from ..arguments import argument
+from ..arguments import argument, json_lines, utf8_text
 
 TrainData = Union[Sequence[str], torch.Tensor, Dataset]
 PathLike = Union[str, os.PathLike]
@@ -52,34 +51,15 @@ def read_texts(paths: Union[PathLike, Sequence[PathLike]], name: str = "paths") 
 
 def _file_texts(file: Path, name: str) -> list[str]:
     """The texts of one ``.txt`` or ``.jsonl`` file; errors name the file and its line."""
-    data = file.read_bytes()
     if file.suffix == ".txt":
-        return [_decoded(data, file, 1, name)]
+        return [utf8_text(file.read_bytes(), file, argument(name))]
     texts = []
-    for number, line in enumerate(data.split(b"\n"), 1):
-        text = _decoded(line, file, number, name)
-        if not text.strip():
-            continue
-        try:
-            record = json.loads(text)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"{argument(name)}: {file} line {number} is not JSON ({error.msg}): expected one "
-                             '{"text": "..."} object per line') from None
+    for number, record in json_lines(file, argument(name), '{"text": "..."}'):
         if not isinstance(record, dict) or not isinstance(record.get("text"), str):
             raise ValueError(f'{argument(name)}: {file} line {number} has no "text" string: expected one '
                              '{"text": "..."} object per line')
         texts.append(record["text"])
     return texts
-
-
-def _decoded(data: bytes, file: Path, first_line: int, name: str) -> str:
-    """``data`` (from line ``first_line`` of ``file``) as UTF-8 text, or an error naming the line."""
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as error:
-        line = first_line + data[: error.start].count(b"\n")
-        raise ValueError(f"{argument(name)}: {file} line {line} is not UTF-8 text (byte {data[error.start]:#04x}): "
-                         "expected UTF-8 files") from None
 
 
 class TokenBlocks(Dataset):
