@@ -60,7 +60,7 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
                         help="keep every N-th layer as softmax attention: layers N-1, 2N-1, ... (N=1 keeps all)")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                         help="another TrellisConfig field, e.g. --set compress_fn=l2norm (value read as JSON "
-                             "when it parses, else as a string); repeatable")
+                             "when it parses, else as a string); repeatable, or several separated by commas")
 
     distill = parser.add_argument_group("distillation (with --distill)")
     distill.add_argument("--distill", action="store_true", help="run stage 1 (layer-wise) and stage 2 (logits)")
