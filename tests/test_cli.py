@@ -391,8 +391,8 @@ def test_a_hub_id_that_does_not_load_exits_2_with_one_line(capsys, monkeypatch, 
         raise OSError("org/name is not a local folder and is not a valid model identifier\n"
                       "If this is a private repository, make sure to pass a token")
 
-    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", not_found)
-    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", not_found)
+    for auto_class in (transformers.AutoConfig, transformers.AutoModelForCausalLM, transformers.AutoTokenizer):
+        monkeypatch.setattr(auto_class, "from_pretrained", not_found)
     monkeypatch.chdir(tmp_path)
     assert exit_status(argv) == 2
     err = capsys.readouterr().err
