@@ -26,9 +26,10 @@ def serve(model, prompts, slot_of, step_tokens, slots=8, pending=0, compiled=Fal
     server would: each step gives a sequence ``step_tokens(i, step)`` tokens, sequences ordered
     decodes (one token) first.
 
-    ``step_tokens`` returns a number of tokens, or ``(kept, rejected)``: the sequence's next
-    ``kept`` tokens, then ``rejected`` random ones (a draft the server rejects: it counts only
-    the kept ones as taken in, and only their logits are returned). ``compiled``: see
+    ``step_tokens`` returns a number of tokens (0: the sequence waits, e.g. for its slot), or
+    ``(kept, rejected)``: the sequence's next ``kept`` tokens, then ``rejected`` random ones (a
+    draft the server rejects: it counts only the kept ones as taken in, and only their logits
+    are returned). ``compiled``: see
     ``run_on_slots``.
     """
     weight = model.model.embed_tokens.weight
@@ -51,7 +52,8 @@ def serve(model, prompts, slot_of, step_tokens, slots=8, pending=0, compiled=Fal
             if not rows:
                 break
             plan = {i: step_tokens(i, step) for i in rows}
-            plan = {i: (n, 0) if isinstance(n, int) else n for i, n in plan.items()}
+            plan = {i: (n, 0) if isinstance(n, int) else n for i, n in plan.items() if n}  # 0: not this step
+            rows = list(plan)
             pieces = {i: torch.cat([prompts[i][done[i]: done[i] + kept],
                                     torch.randint(3, model.config.vocab_size, (rejected,), generator=noise).to(device)])
                       for i, (kept, rejected) in plan.items()}

@@ -6,6 +6,7 @@ import io
 import json
 from dataclasses import fields
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -17,9 +18,9 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from tiny_models import tiny_model
 from trellis_lm import TrellisForCausalLM, train_tokenizer
-from trellis_lm.arguments import Parser
+from trellis_lm.arguments import Parser, config_fields
 from trellis_lm.cli import SEPARATOR, main
-from trellis_lm.training import PretrainArguments, sample_chats
+from trellis_lm.training import SMALL_MODEL, PretrainArguments, new_model_config, sample_chats
 
 TINY_OVERRIDES = "hidden_size=32,num_hidden_layers=1,num_heads=2,head_dim=8,num_slots=4,chunk_size=4,intermediate_size=48"
 QUIET_TRAINING = ["--report_to", "none", "--disable_tqdm", "true", "--use_cpu", "--logging_steps", "1"]
@@ -52,13 +53,40 @@ def help_text(capsys, *argv: str) -> str:
     return capsys.readouterr().out
 
 
-def test_console_script_help():
+def test_console_script_help(checkpoint):
     script = Path(sys.executable).with_name("trellis-lm")
     command = [str(script)] if script.exists() else [sys.executable, "-m", "trellis_lm"]
     run = subprocess.run([*command, "--help"], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     for name in ("generate", "train", "eval", "bench", "convert"):
         assert name in run.stdout
+    # A command that runs has the model registered with transformers (the script defers it).
+    run = subprocess.run([*command, "generate", str(checkpoint), "hello", "--max-new-tokens", "2"], capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.startswith("hello"), run.stderr[-2000:]
+
+
+# What the command's script runs: its entry point, then which of the heavy packages it imported.
+ENTRY_POINT = """import sys, trellis_lm_command
+try:
+    status = trellis_lm_command.main(sys.argv[1:])
+except SystemExit as exit:
+    status = exit.code
+print(status, sorted({name.split(".")[0] for name in sys.modules} & {"torch", "transformers"}))"""
+
+
+@pytest.mark.parametrize("argv, status", [
+    (["--help"], 0), (["--version"], 0), (["generate", "--help"], 0), (["eval", "--help"], 0), (["bogus"], 2), ([], 2),
+    (["generate", "{tmp}/missing", "hi"], 2), (["generate", "{tmp}", "hi", "--max-new-tokens", "0"], 2),
+    (["eval", "{tmp}", "--batch-size", "x"], 2), (["train"], 2), (["train", "distill"], 2),
+])
+def test_help_and_a_refused_command_line_answer_without_the_model_stack(tmp_path, argv, status):
+    """Issue 72: ``trellis-lm --help`` and an argument error took as long as importing the whole
+    model stack (``import trellis_lm``: over twice torch + transformers). From the command's entry
+    point, neither imports torch or transformers (what it costs is not asserted: a timing)."""
+    argv = [a.format(tmp=tmp_path) for a in argv]
+    run = subprocess.run([sys.executable, "-c", ENTRY_POINT, *argv], capture_output=True, text=True, timeout=120)
+    assert run.stdout.splitlines()[-1] == f"{status} []", run.stderr[-2000:]
 
 
 @pytest.mark.parametrize(
@@ -94,6 +122,28 @@ def test_generate(capsys, checkpoint):
     # The same options spelled with underscores, as the train recipes spell theirs.
     assert main(["generate", str(checkpoint), "hello", "the memory", "--max_new_tokens", "4", "--num_beams=1"]) == 0
     assert capsys.readouterr().out.splitlines() == lines
+
+
+def test_a_prompt_of_no_tokens_is_one_line_naming_it(capsys, checkpoint, tmp_path):
+    """Issue 72: ``generate MODEL ""`` with a tokenizer that adds no BOS token: exit 1 and the
+    model's traceback. Refused before the model loads; a prompt that is not empty once templated
+    (``--chat``) or tokenized (a BOS token) is generated from."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    backend = tokenizer.backend_tokenizer
+    backend.post_processor = None  # no BOS token: "" holds no tokens
+    folder = tmp_path / "no-bos"
+    AutoModelForCausalLM.from_pretrained(checkpoint).save_pretrained(folder)
+    PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token,
+                            pad_token=tokenizer.pad_token).save_pretrained(folder)
+    for prompts, number in [([""], 1), (["hello", ""], 2)]:
+        capsys.readouterr()
+        assert main(["generate", str(folder), *prompts]) == 2
+        assert capsys.readouterr().err == (f"trellis-lm generate: error: argument prompts: prompt {number} ('') holds "
+                                           "no tokens: expected text to continue\n")
+    assert main(["generate", str(folder), "", "--chat", "--max-new-tokens", "1"]) == 0
+    assert main(["generate", str(checkpoint), "", "--max-new-tokens", "1"]) == 0
 
 
 def test_options_take_hyphens_or_underscores():
@@ -254,6 +304,16 @@ BAD_ARGUMENTS = [
     (["train", "finetune", "--resume_from_checkpoint", "{tmp}/notes.txt"], "--resume_from_checkpoint"),
     (["train", "finetune", "--data_files", "{tmp}/notes.txt"], "--data_files"),
     (["train", "finetune", "--data_files", "{tmp}/texts.jsonl"], "--data_files"),
+    (["train", "finetune", "--data_files", "{tmp}/latin1.jsonl"], "--data_files"),  # issue 72: a decoder's traceback
+    # Issue 72: a 31-line traceback once the tokenizer was trained, exit 1, an empty output folder left.
+    (["train", "pretrain", "--config_overrides", "hidden_size=32,write_gradient=Exact"], "--config_overrides"),
+    (["train", "pretrain", "--config_overrides", "write_gradient="], "--config_overrides"),
+    (["train", "pretrain", "--config_overrides", "wrte_gradient=exact"], "--config_overrides"),
+    (["train", "pretrain", "--config_overrides", "use_forget_gate=yes"], "--config_overrides"),
+    (["train", "finetune", "--config_overrides", "chunk_size=4,num_slots"], "--config_overrides"),
+    (["train", "finetune", "--config_overrides", "chunk_size=4,chunk_size=8"], "--config_overrides"),
+    (["train", "finetune", "--config_overrides", ""], "--config_overrides"),
+    (["train", "finetune", "--model", "{ckpt}", "--config_overrides", "chunk_size=4"], "--config_overrides"),
     (["eval", "{tmp}/missing"], "argument model"),
     (["eval", "{ckpt}", "--batch-size", "0"], "--batch-size"),
     (["eval", "{ckpt}", "--batch-size", "auto:x"], "--batch-size"),
@@ -280,6 +340,9 @@ BAD_ARGUMENTS = [
     (["convert", "{llama}", "{tmp}/out", "--num_slots", "0"], "--num-slots"),
     (["convert", "{llama}", "{tmp}/out", "--distill", "--data", "{tmp}/missing.txt"], "--data"),
     (["convert", "{llama}", "{tmp}/out", "--distill", "--lora-rank", "-1"], "--lora-rank"),
+    (["convert", "{llama}", "{tmp}/out", "--set", "wrte_gradient=exact"], "argument --set"),
+    (["convert", "{llama}", "{tmp}/out", "--set", "write_gradient=Exact"], "TrellisConfig.write_gradient"),
+    (["convert", "{llama}", "{tmp}/out", "--set", "write_gradient"], "argument --set"),
 ]
 
 
@@ -291,6 +354,7 @@ def test_bad_arguments_exit_2_with_one_line_and_write_nothing(capsys, monkeypatc
     (tmp_path / "notes.txt").write_text("not a checkpoint")
     (tmp_path / "model.gguf").write_bytes(b"GGUF")
     (tmp_path / "texts.jsonl").write_text('{"text": "JSON, but no chat"}\n')
+    (tmp_path / "latin1.jsonl").write_bytes('{"messages": []}\n{"messages": ["caf\xe9"]}\n'.encode("latin-1"))
     monkeypatch.chdir(tmp_path)  # a command's default outputs (outputs/..., DST-distill) would land here
     monkeypatch.setattr(sys, "stdin", io.StringIO(""))
     before = files_under(tmp_path)
@@ -298,6 +362,23 @@ def test_bad_arguments_exit_2_with_one_line_and_write_nothing(capsys, monkeypatc
     assert exit_status(argv) == 2
     assert_one_line_naming(capsys.readouterr().err, argument)
     assert files_under(tmp_path) == before
+
+
+def test_config_fields_are_json_values_and_a_value_may_hold_commas():
+    """What ``--config_overrides`` and ``convert --set`` read (issue 72: ``--config_overrides``
+    failed after the tokenizer was trained; ``--set`` checked its values)."""
+    text = 'num_hidden_layers=2,mixer_types=["trellis", "attention"],compress_fn=l2norm,rms_norm_eps=1e-5,use_cache=false'
+    assert config_fields([text, "kvm_rope_dims=null"], "--x") == {
+        "num_hidden_layers": 2, "mixer_types": ["trellis", "attention"], "compress_fn": "l2norm", "rms_norm_eps": 1e-5,
+        "use_cache": False, "kvm_rope_dims": None}
+    config = new_model_config(PretrainArguments(config_overrides=text), vocab_size=300)
+    assert (config.mixer_types, config.compress_fn, config.use_cache, config.hidden_size) == (
+        ["trellis", "attention"], "l2norm", False, SMALL_MODEL["hidden_size"])
+    for bad, match in [("=3", "'=3' is not FIELD=VALUE"), ("chunk_size=4,=3", "got '4,=3'"),
+                       ("chunk_size=4,chunk_size=4", "chunk_size is given twice"),
+                       ("chunk_size=4.0", "TrellisConfig.chunk_size must be"), ("num_slot=4", "did you mean 'num_slots'")]:
+        with pytest.raises(ValueError, match=f"^--config_overrides: .*{re.escape(match)}"):
+            new_model_config(PretrainArguments(config_overrides=bad), vocab_size=300)
 
 
 @pytest.mark.parametrize(
@@ -310,8 +391,8 @@ def test_a_hub_id_that_does_not_load_exits_2_with_one_line(capsys, monkeypatch, 
         raise OSError("org/name is not a local folder and is not a valid model identifier\n"
                       "If this is a private repository, make sure to pass a token")
 
-    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", not_found)
-    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", not_found)
+    for auto_class in (transformers.AutoConfig, transformers.AutoModelForCausalLM, transformers.AutoTokenizer):
+        monkeypatch.setattr(auto_class, "from_pretrained", not_found)
     monkeypatch.chdir(tmp_path)
     assert exit_status(argv) == 2
     err = capsys.readouterr().err

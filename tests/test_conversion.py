@@ -38,6 +38,7 @@ from tiny_models import VOCAB, random_tokens, tiny_model
 from trellis_lm import TrellisForCausalLM
 from trellis_lm.conversion import (
     NEW_MIXER_PARAMETERS,
+    conversion_costs,
     convert_llama_to_trellis,
     distill_layerwise,
     distill_logits,
@@ -244,7 +245,7 @@ def test_rejects_unsupported_architectures_and_options(tmp_path, config, message
     [
         ({"head_dim": 4}, "cannot set head_dim=4.*mismatched head dims"),
         ({"hidden_size": 64}, "cannot set hidden_size=64"),
-        ({"num_slot": 4}, "unknown TrellisConfig field"),
+        ({"num_slot": 4}, "'num_slot' is not a TrellisConfig field"),
         ({"compress_fn": "cube"}, "compress_fn must be one of"),
     ],
 )
@@ -451,7 +452,7 @@ def test_cli_reports_errors_with_exit_status_2(tmp_path, capsys):
     assert run_cli(tmp_path / "teacher", tmp_path / "out", "--set", "head_dim=4") == 2
     assert "mismatched head dims" in capsys.readouterr().err
     assert run_cli(tmp_path / "teacher", tmp_path / "out", "--distill") == 2
-    assert "--distill needs training texts" in capsys.readouterr().err
+    assert "argument --data: no training texts given" in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------- stage 1: cached teacher, held-out stop
@@ -606,6 +607,36 @@ def test_stage_arguments_that_would_be_ignored_or_cannot_work_are_refused(llm_li
     assert not (tmp_path / "acts").exists() and not list((tmp_path / "run").glob("*"))
 
 
+def test_ids_that_are_not_token_ids_are_refused_where_they_come_in(llm_like_teacher, tmp_path):
+    """Issue 72: held-out ids as floats, or past the vocabulary, failed 24 frames inside the
+    embedding (floats as training data were truncated silently). Each argument is checked as it
+    comes in, by name, before a model runs or anything is written."""
+    teacher, folder = llm_like_teacher
+    student = convert_llama_to_trellis(folder, tmp_path / "s", **SMALL_MEMORY)
+    vocab = student.config.vocab_size
+    data, args = random_tokens(8, 16, seed=1), quick_args(tmp_path / "run", max_steps=1)
+    ids = random_tokens(2, 16, seed=2)
+    past = ids.clone()
+    past[1, 7] = vocab
+    negative = ids.clone()
+    negative[0, 0] = -1
+    bad = [(ids.float(), "must be a tensor of integer token ids, got torch.float32"),
+           (ids.bool(), "must be a tensor of integer token ids, got torch.bool"),
+           (past, rf"holds token ids in \[\d+, {vocab}\], but the models' vocabulary is \[0, {vocab}\)"),
+           (negative, r"holds token ids in \[-1, \d+\]")]
+    for stage in (distill_layerwise, distill_logits):
+        for value, match in bad:
+            with pytest.raises(ValueError, match=f"^heldout {match}"):
+                stage(student, teacher, data, args, heldout=value)
+            with pytest.raises(ValueError, match=f"^train_data {match}"):
+                stage(student, teacher, value, args)
+    for measure in (layerwise_errors, logit_kl, conversion_costs):
+        for value, match in bad:
+            with pytest.raises(ValueError, match=f"^input_ids {match}"):
+                measure(student, teacher, value)
+    assert not list((tmp_path / "run").glob("*"))
+
+
 def test_teacher_activation_files_that_are_not_the_block_s_are_computed_again(llm_like_teacher, tmp_path):
     # A truncated, empty or swapped block file is never trained on: each block's file records its
     # run and its tokens, and one that safetensors cannot read whole or that is another's is redone.
@@ -643,7 +674,7 @@ def test_convert_refuses_distillation_options_it_cannot_honour_before_converting
         ((*small, "--heldout-blocks", 2), "argument --heldout-blocks: held-out blocks measure stage 1"),
         ((*small, *distill, "--work-dir", tmp_path / "a-file"), "argument --work-dir: .*a-file is a file"),
         ((*small, *distill, "--keep-attention", f"auto:{layers + 1}"),
-         rf"argument --keep-attention: auto:{layers + 1} keeps more layers than the teacher's {layers}"),
+         rf"argument --keep-attention: keeping {layers + 1} layers as attention is more than the teacher's {layers}"),
         ((*small, *distill, "--state-passing", 0, "--state-passing-from", 0.5),
          "argument --state-passing-from: state passing is off"),
     ]:

@@ -79,6 +79,27 @@ def test_the_readme_gives_the_commands_tested_here():
         assert command in README, command
 
 
+# "pip install trellis-lm", "pip install 'trellis-lm[real]'", ...: the package is not on the index.
+_FROM_THE_INDEX = re.compile(r"pip install(?: +-[-\w=]+)*(?: +[\w.=<>-]+)*? +['\"]?trellis[-_]lm(\[[\w,-]*\])?['\"]?"
+                             r"(?=[\s)`'\"]|$)")
+
+
+def test_no_text_installs_the_package_from_the_index():
+    """Issue 72: three install commands for a package that is not on the index remained (docs, a
+    GGUF error, the vLLM plugin's docstring). Every one says how to install from the clone."""
+    for command in ("pip install 'trellis-lm[real]'", "pip install trellis_lm", "pip install -U gguf trellis-lm"):
+        assert _FROM_THE_INDEX.search(command), command
+    for command in ("pip install '.[real]'", "pip install dist/trellis_lm-0.1.0-py3-none-any.whl",
+                    "pip install gguf (or, in a clone of trellis-lm, pip install '.[real]')"):
+        assert not _FROM_THE_INDEX.search(command), command
+    texts = [ROOT / "README.md", *(ROOT / folder for folder in ("src", "docs", "examples", "benchmarks", "studies"))]
+    files = [path for text in texts for path in ([text] if text.is_file() else text.rglob("*"))
+             if path.suffix in (".py", ".md", ".sh", ".toml") and "egg-info" not in str(path)]
+    found = [f"{path.relative_to(ROOT)}: {match.group(0)}" for path in files
+             for match in _FROM_THE_INDEX.finditer(path.read_text(encoding="utf-8"))]
+    assert not found, found
+
+
 def test_the_wheel_ships_the_package_its_data_and_its_entry_points(wheel):
     with zipfile.ZipFile(wheel) as archive:
         names = set(archive.namelist())
@@ -90,7 +111,7 @@ def test_the_wheel_ships_the_package_its_data_and_its_entry_points(wheel):
     assert package <= names, sorted(package - names)
     assert any(name.startswith("trellis_lm/eval/tasks/") and name.endswith(".jsonl") for name in names)
     assert not any(name.startswith(("tests/", "studies/", "examples/", "benchmarks/", "docs/")) for name in names)
-    assert "trellis-lm = trellis_lm.cli:main" in entry_points
+    assert "trellis-lm = trellis_lm_command:main" in entry_points and "trellis_lm_command.py" in names
     assert "trellis_lm = trellis_lm.integrations.vllm:register" in entry_points
     requires = metadata.get_all("Requires-Dist")
     assert {"torch", "transformers", "accelerate", "peft", "lm-eval"} <= {re.split(r"[<>=!~; ]", r)[0] for r in requires}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 import sys
 
 import pytest
@@ -41,7 +42,8 @@ def test_a_finished_sequences_slot_serves_the_next_one_from_its_start():
     whatever the last sequence left in it."""
     model = tiny_model(schedule="trellis", dtype=torch.float64)
     first, second = random_tokens(1, 9, seed=1)[0], random_tokens(1, 6, seed=2)[0]
-    got = serve(model, [first, second], slot_of=[4, 4], step_tokens=lambda i, step: 9 if i == 0 else 2)
+    # The second starts once the first is done (a slot serves one sequence at a time).
+    got = serve(model, [first, second], slot_of=[4, 4], step_tokens=lambda i, step: 9 if i == 0 else 2 * (step > 0))
     torch.testing.assert_close(got[1], model(second[None]).logits[0], rtol=1e-12, atol=1e-12)
 
 
@@ -205,23 +207,52 @@ def test_slot_layout_follows_the_mixers_declaration():
     assert exact.stand_ins == {"anchor_k": "m_k", "anchor_v": "m_v"} and anchored.stand_ins == {}
 
 
-@pytest.mark.parametrize("starts, computed", [
-    ([0, 3, 2, 6], [0, 0, 0]),  # decreasing: the second sequence would be skipped, its tokens read by the third
-    ([0, 3, 3, 6], [0, 0, 0]),  # duplicate: a sequence of no tokens
-    ([0, 3, 6, 9], [0, 0, 0]),  # past the tokens
-    ([0, 3, 5, 6], [0, -2, 0]),  # a negative computed count would start the sequence afresh
-])
-def test_run_on_slots_refuses_starts_and_counts_it_would_misread(starts, computed):
+@pytest.mark.parametrize("starts, computed, slots, match", [
     # Issue 50: these were accepted without a word.
+    ([0, 3, 2, 6], [0, 0, 0], [0, 1, 2], "starts must rise"),  # decreasing: the second sequence skipped, its tokens read by the third
+    ([0, 3, 3, 6], [0, 0, 0], [0, 1, 2], "starts must rise"),  # duplicate: a sequence of no tokens
+    ([0, 3, 6, 9], [0, 0, 0], [0, 1, 2], "starts must rise"),  # past the tokens
+    ([0, 3, 5, 6], [0, -2, 0], [0, 1, 2], "starts must rise"),  # a negative computed count would start it afresh
+    # Issue 72: two sequences on one slot were accepted, their states overwriting each other.
+    ([0, 3, 5, 6], [0, 0, 0], [2, 0, 2], "sequences 0 and 2 are both given slot 2: each sequence needs a slot of its own"),
+    ([0, 3, 5, 6], [0, 0, 0], [1, 1, 3], "sequences 0 and 1 are both given slot 1"),
+    ([0, 3, 5, 6], [0, 0, 0], [0, 4, 1], r"slots must lie in \[0, 4\) \(the slots the tensors hold\), got \[0, 4, 1\]"),
+    ([0, 3, 5, 6], [0, 0, 0], [0, -1, 1], r"slots must lie in \[0, 4\)"),
+    ([0, 3, 5, 6], [0, 0, 0], [0, 1], r"starts must be \[R \+ 1\], computed and slots \[R\]; got \[4\], \[3\], \[2\]"),
+])
+def test_run_on_slots_refuses_a_batch_it_would_misread(starts, computed, slots, match):
     model = tiny_model(schedule="trellis", dtype=torch.float64)
     mixer = model.model.layers[0].self_attn
     layout = SlotLayout(type(mixer), model.config, torch.float64)
     tensors = layout.allocate(4)
     before = [t.clone() for t in tensors]
     x = torch.randn(6, model.config.hidden_size, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
-    with pytest.raises(ValueError, match=r"starts must rise strictly from >= 0 to <= 6 tokens .* computed must be >= 0"):
-        run_on_slots(mixer, layout, tensors, x, torch.tensor(starts), torch.tensor(computed), torch.tensor([0, 1, 2]))
+    if match == "starts must rise":
+        match = r"starts must rise strictly from >= 0 to <= 6 tokens .* computed must be >= 0"
+    with pytest.raises(ValueError, match=match):
+        run_on_slots(mixer, layout, tensors, x, torch.tensor(starts), torch.tensor(computed), torch.tensor(slots))
     assert all(torch.equal(a, b) for a, b in zip(tensors, before))
+
+
+@pytest.mark.parametrize("pending", [0, 3])
+def test_an_entry_bigger_than_its_slot_is_refused_in_words(pending):
+    """Issue 72: torch's broadcast error. A slot holds its kind's entry at the bound of every
+    dim; a larger one (or one of another rank) is named by field."""
+    config = tiny_model(schedule="kvm").config
+    layout = SlotLayout(MIXERS["kvm"], config, torch.float32, pending=pending)
+    tensors = layout.allocate(3)
+    heads, rows, dim = config.num_heads, config.kvm_state_size, config.head_dim
+    layout.write(tensors, torch.tensor([1]), {"keys": torch.ones(1, heads, rows - 1, dim)})  # a buffer not yet grown
+    assert int(layout.read(tensors, torch.tensor([1]), ["keys"])["keys"].count_nonzero()) == heads * (rows - 1) * dim
+    for value, shape in [(torch.ones(1, heads, rows + 1, dim), [heads, rows + 1, dim]),
+                         (torch.ones(1, heads, rows, dim + 2), [heads, rows, dim + 2]),
+                         (torch.ones(1, rows, dim), [rows, dim])]:
+        with pytest.raises(ValueError, match=re.escape(f"keys: an entry of shape {shape} (per sequence) does not fit "
+                                                       f"its slot's {[heads, rows, dim]}")):
+            layout.write(tensors, torch.tensor([0]), {"keys": value})
+        with pytest.raises(ValueError, match="window_k: an entry of shape"):
+            layout.write(tensors, 1, {"window_k": torch.ones(1, heads, config.kvm_window_chunks * config.kvm_chunk_size
+                                                             + 1, dim)})
 
 
 @pytest.mark.parametrize("schedule", ["trellis", "lattice", "kvm"])

@@ -11,6 +11,7 @@ import torch
 from tiny_models import random_tokens, tiny_config, tiny_model
 from trellis_lm import TrellisCache, TrellisConfig, TrellisForCausalLM
 from trellis_lm.cache_trellis import CACHE_ARG
+from trellis_lm.remote_code import AUTO_MAP
 
 
 def test_new_configs_are_exact_and_saved_configs_say_so(tmp_path):
@@ -91,3 +92,80 @@ def test_a_cache_records_which_function_made_it(tmp_path):
     anchored(ids[:, :1], use_cache=True, **{CACHE_ARG: loaded})  # accepted: the file's model was anchored
     with pytest.raises(ValueError, match="write_gradient=.anchored."):
         exact(ids[:, :1], use_cache=True, **{CACHE_ARG: TrellisCache.load(tmp_path / "old.safetensors")})
+
+
+def _legacy_checkpoint(folder, **overrides):
+    """An anchored model saved with a config.json that lacks every field with a legacy value (as
+    checkpoints saved before those fields existed), and that model."""
+    model = tiny_model(seed=7, write_gradient="anchored", **overrides)
+    model.save_pretrained(folder)
+    path = folder / "config.json"
+    saved = json.loads(path.read_text())
+    assert set(TrellisConfig.legacy_values()) <= set(saved)
+    path.write_text(json.dumps({k: v for k, v in saved.items() if k not in TrellisConfig.legacy_values()}))
+    return model
+
+
+def _remote_config_class(folder):
+    """The configuration class of ``folder``'s own code (``trust_remote_code``), not this package's."""
+    from transformers.dynamic_module_utils import get_class_from_dynamic_module
+
+    remote = get_class_from_dynamic_module(AUTO_MAP["AutoConfig"], folder)
+    assert remote is not TrellisConfig and remote.__name__ == "TrellisConfig"
+    return remote
+
+
+READERS = {
+    "from_json_file": lambda folder: TrellisConfig.from_json_file(folder / "config.json"),
+    "from_dict": lambda folder: TrellisConfig.from_dict(json.loads((folder / "config.json").read_text())),
+    "from_pretrained": lambda folder: TrellisConfig.from_pretrained(folder),
+    "AutoConfig": lambda folder: __import__("transformers").AutoConfig.from_pretrained(folder),
+    "remote from_pretrained": lambda folder: _remote_config_class(folder).from_pretrained(folder),
+    "remote from_json_file": lambda folder: _remote_config_class(folder).from_json_file(folder / "config.json"),
+    "remote from_dict": lambda folder: _remote_config_class(folder).from_dict(
+        json.loads((folder / "config.json").read_text())),
+}
+
+
+@pytest.mark.parametrize("reader", READERS)
+def test_every_reader_of_a_saved_config_applies_the_legacy_rule(tmp_path, monkeypatch, reader):
+    """Issue 72: ``from_json_file`` gave ``"exact"`` for a config.json saved before the field (a
+    model built from it computed another function) while ``from_pretrained`` gave ``"anchored"``.
+    Every way to read a saved config, the checkpoint's own code too, gives what the model computed
+    with; a config.json that holds the field keeps its value."""
+    monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "modules"))
+    model = _legacy_checkpoint(tmp_path / "old", schedule="kvm-hybrid")
+    config = READERS[reader](tmp_path / "old")
+    assert {name: getattr(config, name) for name in TrellisConfig.legacy_values()} == TrellisConfig.legacy_values()
+    ids = random_tokens(2, 11)
+    rebuilt = TrellisForCausalLM(TrellisConfig.from_dict(config.to_dict()))
+    rebuilt.load_state_dict(model.state_dict())
+    torch.testing.assert_close(rebuilt.eval()(ids).logits, model(ids).logits, rtol=0, atol=0)
+    tiny_model(seed=7, schedule="kvm-hybrid").save_pretrained(tmp_path / "new")  # holds write_gradient="exact"
+    assert READERS[reader](tmp_path / "new").write_gradient == "exact"
+
+
+def test_files_whose_signature_predates_the_field_are_the_legacy_model_s(tmp_path):
+    """A cache file read without a model (its recorded model then binds it) and a file of carried
+    training states both read a signature without ``write_gradient`` as an anchored model's."""
+    from trellis_lm.state_passing import StatePassing
+
+    exact, anchored = tiny_model(seed=6, schedule="hybrid"), tiny_model(seed=6, schedule="hybrid", write_gradient="anchored")
+    ids = random_tokens(1, 6)
+    cache = getattr(anchored(ids, use_cache=True), CACHE_ARG)
+    cache.signature = {k: v for k, v in cache.signature.items() if k != "write_gradient"}
+    cache.save(tmp_path / "old.safetensors")
+    loaded = TrellisCache.load(tmp_path / "old.safetensors")
+    anchored(ids[:, :1], use_cache=True, **{CACHE_ARG: loaded})
+    loaded.save(tmp_path / "again.safetensors")  # what it binds to is recorded whole
+    with pytest.raises(ValueError, match="write_gradient='anchored', this model has write_gradient='exact'"):
+        TrellisCache.load(tmp_path / "again.safetensors", config=exact.config)
+
+    passing = StatePassing(probability=1.0)
+    with passing.attached(anchored.train()):
+        anchored(random_tokens(2, 6))
+    passing.signature = {k: v for k, v in passing.signature.items() if k != "write_gradient"}
+    passing.save(tmp_path / "states.safetensors")
+    StatePassing().load(tmp_path / "states.safetensors", anchored)
+    with pytest.raises(ValueError, match="write_gradient='anchored', this model has write_gradient='exact'"):
+        StatePassing().load(tmp_path / "states.safetensors", exact)

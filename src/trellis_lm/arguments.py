@@ -7,14 +7,15 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import math
+import numbers
 import re
 import sys
 from collections.abc import Callable, Iterator, Sequence
+from contextvars import ContextVar
 from pathlib import Path
-from typing import Any, Optional, TypeVar, Union
-
-T = TypeVar("T")
+from typing import Any, Optional, Union
 
 BAD_ARGUMENTS = 2  # exit status; argparse's own for a command line it cannot parse
 # What the Hub accepts as a repository id: "name" or "namespace/name". A path that does not exist
@@ -91,42 +92,158 @@ def blame(argument: str, *errors: type[BaseException]) -> Iterator[None]:
         raise CommandLineError(f"argument {argument}: {first_line(error)}") from None
 
 
-def _checked(parse: Callable[[str], T], accept: Callable[[T], bool], expected: str) -> Callable[[str], T]:
-    def checked(text: str) -> T:
+class ArgumentType:
+    """An argparse ``type`` that names what it expected, and checks a value given from Python
+    the same way (:meth:`problem`): a function that a command also calls refuses what the
+    command's parser refuses, in the same words.
+
+    Args:
+        parse: ``int`` or ``float``, what the command line's text is read as.
+        accept: whether a parsed value is in range.
+        expected: what is accepted, in words ("an integer >= 1").
+    """
+
+    def __init__(self, parse: Callable[[str], Any], accept: Callable[[Any], bool], expected: str) -> None:
+        self.parse, self.accept, self.expected = parse, accept, expected
+
+    def __call__(self, text: str) -> Any:
         try:
-            value = parse(text)
-            if accept(value):
+            value = self.parse(text)
+            if self.accept(value):
                 return value
         except ValueError:
             pass
         # ArgumentTypeError's text is argparse's whole message; a ValueError would only say "invalid".
-        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected {self.expected}, got {text!r}")
 
-    return checked
+    def problem(self, value: Any) -> Optional[str]:
+        """Why ``value`` (from Python) is not a value this type gives, or ``None``: a string or a
+        bool where a number is expected (``"0.01"`` would fail only once used), a float where an
+        integer is, or a number out of range."""
+        kind = numbers.Integral if self.parse is int else numbers.Real
+        if isinstance(value, bool) or not isinstance(value, kind) or not self.accept(self.parse(value)):
+            return f"expected {self.expected}, got {value!r}"
+        return None
 
 
-def int_at_least(minimum: int) -> Callable[[str], int]:
+def int_at_least(minimum: int) -> ArgumentType:
     """An argparse ``type``: an integer >= ``minimum``."""
-    return _checked(int, lambda value: value >= minimum, f"an integer >= {minimum}")
+    return ArgumentType(int, lambda value: value >= minimum, f"an integer >= {minimum}")
 
 
-def float_above(minimum: float, maximum: Optional[float] = None) -> Callable[[str], float]:
+def float_above(minimum: float, maximum: Optional[float] = None) -> ArgumentType:
     """An argparse ``type``: a finite number > ``minimum`` (and <= ``maximum`` when given)."""
     expected = f"a number > {minimum:g}" if maximum is None else f"a number in ({minimum:g}, {maximum:g}]"
-    return _checked(
+    return ArgumentType(
         float, lambda value: math.isfinite(value) and value > minimum and (maximum is None or value <= maximum),
         expected,
     )
 
 
-def probability(text: str) -> float:
-    """An argparse ``type``: a number in [0, 1]."""
-    return _checked(float, lambda value: 0 <= value <= 1, "a number in [0, 1]")(text)
+# argparse ``type``s: a number in [0, 1], and in [0, 1).
+probability = ArgumentType(float, lambda value: 0 <= value <= 1, "a number in [0, 1]")
+fraction = ArgumentType(float, lambda value: 0 <= value < 1, "a number in [0, 1)")
+any_integer = ArgumentType(int, lambda value: True, "an integer")
 
 
-def fraction(text: str) -> float:
-    """An argparse ``type``: a number in [0, 1)."""
-    return _checked(float, lambda value: 0 <= value < 1, "a number in [0, 1)")(text)
+def flag_problem(value: Any) -> Optional[str]:
+    """Why ``value`` (from Python) is not a flag's value, or ``None``: ``"no"`` or ``1`` would be
+    read as true, silently."""
+    return None if isinstance(value, bool) else f"expected True or False, got {value!r}"
+
+
+# How errors name the arguments of a function that a command also calls: as a Python caller
+# passes them, or, within `command_words`, as the command's options.
+_OPTION: ContextVar[Optional[Callable[[str], str]]] = ContextVar("trellis_lm_option", default=None)
+
+
+@contextlib.contextmanager
+def command_words(option: Callable[[str], str]) -> Iterator[None]:
+    """Within the block, :func:`named`, :func:`argument` and :func:`passing` name an argument
+    as the command line sets it: ``option(name)`` is the option (or positional argument) that
+    sets the Python argument ``name``."""
+    token = _OPTION.set(option)
+    try:
+        yield
+    finally:
+        _OPTION.reset(token)
+
+
+def named(name: str) -> str:
+    """The argument ``name`` (a function's ``"dst"`` or a field's ``"DistillOptions.work_dir"``)
+    as a message mentions it: itself, or the option that sets it (``--work-dir``) in
+    :func:`command_words`."""
+    option = _OPTION.get()
+    return name if option is None else option(name.rpartition(".")[2])
+
+
+def argument(name: str) -> str:
+    """The subject of an error about the argument ``name`` (see :func:`named`):
+    ``DistillOptions.work_dir`` or ``argument dst``; ``argument --work-dir`` in :func:`command_words`."""
+    return name if "." in name and _OPTION.get() is None else f"argument {named(name)}"
+
+
+def passing(name: str, value: Any = True) -> str:
+    """How an error tells its reader to pass ``value`` for the argument ``name``:
+    ``overwrite=True``, ``heldout_blocks=N``; ``--overwrite``, ``--heldout-blocks N`` in
+    :func:`command_words` (``True``: a flag)."""
+    option = _OPTION.get()
+    if option is None:
+        return f"{name}={value}"
+    return option(name) if value is True else f"{option(name)} {value}"
+
+
+# A comma that starts another FIELD=VALUE (a value may hold commas: a JSON list).
+_NEXT_FIELD = re.compile(r",(?=\s*[A-Za-z_]\w*\s*=)")
+
+
+def config_fields(items: Sequence[str], option: str) -> dict[str, Any]:
+    """``FIELD=VALUE`` items (``--set compress_fn=l2norm``; one string may hold several, separated
+    by commas: ``hidden_size=256,mixer_types=["trellis","attention"]``) as ``{field: value}``, each
+    value read as JSON where it parses (``true``, ``0.5``, ``null``, a list), else as the string.
+    Which fields exist and what they hold is the configuration's to check. Raises a
+    ``ValueError`` starting with ``option`` for an item without a field name or ``=``, or a field
+    given twice."""
+    fields: dict[str, Any] = {}
+    for item in (part for text in items for part in _NEXT_FIELD.split(text)):
+        name, equals, value = item.partition("=")
+        name = name.strip()
+        if not equals or not name.isidentifier():
+            raise ValueError(f"{option}: {item!r} is not FIELD=VALUE")
+        if name in fields:
+            raise ValueError(f"{option}: {name} is given twice")
+        try:
+            fields[name] = json.loads(value)
+        except json.JSONDecodeError:
+            fields[name] = value
+    return fields
+
+
+def utf8_text(data: bytes, path: Any, subject: str, first_line: int = 1) -> str:
+    """``data`` (read from ``path``, from its line ``first_line`` on) as UTF-8 text; other bytes are
+    a ``ValueError`` starting with ``subject`` that names the file and the line."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = first_line + data[: error.start].count(b"\n")
+        raise ValueError(f"{subject}: {path} line {line} is not UTF-8 text (byte {data[error.start]:#04x}): "
+                         "expected UTF-8 files") from None
+
+
+def json_lines(path: Path, subject: str, expected: str) -> Iterator[tuple[int, Any]]:
+    """Each line of the JSONL file ``path`` that is not blank, as ``(its number, its JSON value)``;
+    a line that is not UTF-8 or not JSON is a ``ValueError`` starting with ``subject`` that names
+    the file and the line (``expected``: what a line holds, e.g. ``{"text": "..."}``)."""
+    for number, line in enumerate(path.read_bytes().split(b"\n"), 1):
+        text = utf8_text(line, path, subject, number)
+        if not text.strip():
+            continue
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{subject}: {path} line {number} is not JSON ({error.msg}): expected one {expected} "
+                             "object per line") from None
+        yield number, value
 
 
 def checkpoint_problem(text: str) -> Optional[str]:

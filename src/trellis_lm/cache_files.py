@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import save_file
 
 from .cache_entries import LAYER_CACHES
-from .cache_layout import COLUMNS, Dim, TensorSpec, model_config
+from .cache_layout import COLUMNS, Dim, TensorSpec, model_config, saved_fields
 
 
 @dataclass(frozen=True)
@@ -105,8 +105,7 @@ def check_signature(recorded: Optional[dict], config: Any, made: str) -> None:
     model; ``made`` says who recorded it (e.g. "the cache was made")."""
     if recorded is None:
         return
-    # A field the file's model predates is read as what that model computed with.
-    recorded = {**getattr(config, "legacy_values", dict)(), **recorded}
+    recorded = saved_fields(recorded)
     for name, value in config.layer_signature().items():
         if recorded.get(name) != value:
             raise ValueError(f"{made} by a model with {name}={recorded.get(name)!r}, this model has {name}={value!r}")
@@ -131,7 +130,7 @@ def config_of(signature: dict, kinds: list[str], path: Any) -> Any:
     if signature.get("mixer_types") != kinds:
         raise ValueError(f"{path}: metadata 'signature' records the layers {signature.get('mixer_types')!r}, "
                          f"'layer_kinds' {kinds}")
-    fields = {name: value for name, value in signature.items() if name != "mixer_types"}
+    fields = saved_fields({name: value for name, value in signature.items() if name != "mixer_types"})
     try:
         return model_config(num_hidden_layers=len(kinds), mixer_types=kinds, **fields)
     except (ValueError, TypeError) as error:

@@ -56,8 +56,18 @@ def set_config_class(config_class: type) -> None:
     _config_class = config_class
 
 
-def model_config(**fields: Any) -> Any:
-    """A configuration of the registered class, built and checked from ``fields``."""
+def _registered() -> type:
     if _config_class is None:
         raise RuntimeError("no configuration class is registered: import trellis_lm first")
-    return _config_class(**fields)
+    return _config_class
+
+
+def model_config(**fields: Any) -> Any:
+    """A configuration of the registered class, built and checked from ``fields``."""
+    return _registered()(**fields)
+
+
+def saved_fields(fields: dict[str, Any]) -> dict[str, Any]:
+    """The fields a file recorded of its model, completed as every saved config is: a field
+    the file predates takes the value its model computed with (``TrellisConfig.completed``)."""
+    return _registered().completed(fields)

@@ -8,8 +8,11 @@
     trellis-lm convert SRC DST
 
 Each command's ``--help`` explains it; every option takes hyphens or underscores
-(``--max-new-tokens`` or ``--max_new_tokens``). ``python -m trellis_lm`` runs the same. Heavy
-imports (transformers' Trainer, lm-eval, the conversion code) happen inside the commands.
+(``--max-new-tokens`` or ``--max_new_tokens``). ``python -m trellis_lm`` runs the same. The
+model stack (torch, transformers' modeling code) is imported once a command runs, and only the
+command named is built: ``trellis-lm --help`` and a command line argparse refuses answer without
+it (from the ``trellis-lm`` script; see :mod:`trellis_lm_command`); heavier imports still
+(transformers' Trainer, lm-eval, the conversion code) happen inside their commands.
 
 Exit status: 0 on success; 2 for a bad argument or input, reported as one line on standard error
 that names the argument (``trellis-lm generate: error: argument --num-beams: expected an integer
@@ -25,11 +28,11 @@ import importlib
 import io
 import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any, Optional, TypeVar
 
-from . import __version__
+from . import __version__, register_auto_classes
 from .arguments import (
     GLOB_CHARACTERS, CommandLineError, Parser, blame, checkpoint, checkpoint_problem, eval_batch_size,
     existing_folder, first_line, float_above, int_at_least, output_file, report_error,
@@ -65,13 +68,11 @@ def _device(text: Optional[str]) -> str:
 # ----------------------------------------------------------------------------- generate
 
 
-def _add_generate(subparsers: Any) -> None:
-    parser = subparsers.add_parser(
-        "generate", help="continue prompts with a saved model",
-        description="Load a checkpoint (folder or Hub id) with its tokenizer and print a continuation of each "
-                    "prompt, with a line of dashes between them; prompts are read from standard input, one "
-                    "per line, when none is given. The prompts run as one left-padded batch through generate() "
-                    "and the fixed-size cache.",
+def _add_generate(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "Load a checkpoint (folder or Hub id) with its tokenizer and print a continuation of each prompt, with a line "
+        "of dashes between them; prompts are read from standard input, one per line, when none is given. The prompts "
+        "run as one left-padded batch through generate() and the fixed-size cache."
     )
     parser.add_argument("model", type=checkpoint, help="checkpoint folder or Hub id")
     parser.add_argument("prompts", nargs="*", help="prompts (default: one per line of standard input)")
@@ -101,9 +102,7 @@ def _generate(args: argparse.Namespace) -> int:
         set_seed(args.seed)
     # A Hub id is only known to be wrong when it fails to load (not found, no network, ...).
     with blame("model", OSError, ValueError):
-        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=args.dtype)
         tokenizer = AutoTokenizer.from_pretrained(args.model)
-    model = model.to(device).eval()
     tokenizer.padding_side = "left"  # new tokens are appended on the right
     if args.chat:
         from .training import ensure_chat_template
@@ -114,6 +113,13 @@ def _generate(args: argparse.Namespace) -> int:
         inputs = tokenizer(texts, add_special_tokens=False, padding=True, return_tensors="pt")
     else:
         inputs = tokenizer(prompts, padding=True, return_tensors="pt")
+    empty = [index for index, count in enumerate(inputs["attention_mask"].sum(dim=1).tolist()) if not count]
+    if empty:
+        raise CommandLineError(f"argument prompts: prompt {empty[0] + 1} ({prompts[empty[0]]!r}) holds no tokens: "
+                               "expected text to continue")
+    with blame("model", OSError, ValueError):
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=args.dtype)
+    model = model.to(device).eval()
     sampling = {name: value for name in ("temperature", "top_p", "top_k") if (value := getattr(args, name)) is not None}
     output = model.generate(
         **inputs.to(device), max_new_tokens=args.max_new_tokens, do_sample=args.do_sample, num_beams=args.num_beams,
@@ -133,11 +139,9 @@ def _generate(args: argparse.Namespace) -> int:
 RECIPES = ("pretrain", "finetune")
 
 
-def _add_train(subparsers: Any) -> None:
-    parser = subparsers.add_parser(
-        "train", help="pretrain or fine-tune with the transformers Trainer",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="""Train with the stock transformers Trainer (recipes of trellis_lm.training).
+def _add_train(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.description = """Train with the stock transformers Trainer (recipes of trellis_lm.training).
 
   pretrain   stream paragraphs of text files, pack them (DataCollatorWithFlattening) and train
              a new small model (or --model); without --data_files, a sample corpus is used
@@ -147,8 +151,7 @@ def _add_train(subparsers: Any) -> None:
 Options are the recipe's and every TrainingArguments option (--output_dir, --max_steps,
 --per_device_train_batch_size, --learning_rate, --bf16, --gradient_checkpointing, --save_steps,
 --resume_from_checkpoint last, ...): `trellis-lm train RECIPE --help` lists them all. Under
-torchrun / accelerate launch the same command trains on several processes.""",
-    )
+torchrun / accelerate launch the same command trains on several processes."""
     parser.add_argument("recipe", choices=RECIPES, help="which recipe to run")
     parser.add_argument("options", nargs=argparse.REMAINDER, help="the recipe's options and TrainingArguments")
     parser.set_defaults(handler=_train)
@@ -235,12 +238,11 @@ def _check_model(name: str, argument: str, **config_kwargs: Any) -> None:
 # ----------------------------------------------------------------------------- eval
 
 
-def _add_eval(subparsers: Any) -> None:
-    parser = subparsers.add_parser(
-        "eval", help="evaluate with lm-evaluation-harness",
-        description="Run lm-evaluation-harness tasks on a checkpoint and print lm-eval's table. The bundled "
-                    "offline tasks trellis_demo_choice (loglikelihood), trellis_demo_gen (generate_until) and "
-                    "their group trellis_demo are always available; any lm-eval task name works too.",
+def _add_eval(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "Run lm-evaluation-harness tasks on a checkpoint and print lm-eval's table. The bundled offline tasks "
+        "trellis_demo_choice (loglikelihood), trellis_demo_gen (generate_until) and their group trellis_demo are "
+        "always available; any lm-eval task name works too."
     )
     parser.add_argument("model", type=checkpoint, help="checkpoint folder or Hub id")
     parser.add_argument("--tasks", nargs="+", default=["trellis_demo"],
@@ -297,14 +299,13 @@ def _check_tasks(tasks: list[str], include_path: list[str]) -> None:
 # ----------------------------------------------------------------------------- bench
 
 
-def _add_bench(subparsers: Any) -> None:
+def _add_bench(parser: argparse.ArgumentParser) -> None:
     from .benchmark import add_bench_arguments
 
-    parser = subparsers.add_parser(
-        "bench", help="CPU benchmark: op backends and decode cost against context length",
-        description="Time the op's backends (forward, forward+backward) and decoding at two context lengths "
-                    "against a Llama of the same size; every figure is a ratio measured in the same run. "
-                    "The full run is what BENCHMARKS.md records; --quick checks it runs in seconds.",
+    parser.description = (
+        "Time the op's backends (forward, forward+backward) and decoding at two context lengths against a Llama of the "
+        "same size; every figure is a ratio measured in the same run. The full run is what BENCHMARKS.md records; "
+        "--quick checks it runs in seconds."
     )
     add_bench_arguments(parser)
     parser.set_defaults(handler=_bench)
@@ -319,19 +320,16 @@ def _bench(args: argparse.Namespace) -> int:
 # ----------------------------------------------------------------------------- convert
 
 
-def _add_convert(subparsers: Any) -> None:
-    help_line = "convert a Llama-family checkpoint to Trellis (optionally distil it)"
+def _add_convert(parser: argparse.ArgumentParser) -> None:
     try:
         conversion = importlib.import_module(".conversion.cli", __package__)
     except ImportError as error:
-        reason = f"conversion is unavailable in this installation ({error})"
-        parser = subparsers.add_parser("convert", help=f"{help_line}: unavailable here", description=reason)
+        parser.description = f"conversion is unavailable in this installation ({error})"
         parser.add_argument("ignored", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
-        parser.set_defaults(handler=_unavailable(reason))
+        parser.set_defaults(handler=_unavailable(parser.description))
         return
-    parser = subparsers.add_parser(
-        "convert", help=help_line, description=conversion.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.description = conversion.__doc__
     conversion.add_convert_arguments(parser)
     parser.set_defaults(handler=conversion.run_convert)
 
@@ -347,16 +345,29 @@ def _unavailable(reason: str) -> Handler:
 # ----------------------------------------------------------------------------- entry point
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The ``trellis-lm`` argument parser, one sub-command per tool."""
+# Each command: its help line, and what adds its arguments to its parser (bench and convert import
+# their modules, and with them the model stack).
+COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = {
+    "generate": ("continue prompts with a saved model", _add_generate),
+    "train": ("pretrain or fine-tune with the transformers Trainer", _add_train),
+    "eval": ("evaluate with lm-evaluation-harness", _add_eval),
+    "bench": ("CPU benchmark: op backends and decode cost against context length", _add_bench),
+    "convert": ("convert a Llama-family checkpoint to Trellis (optionally distil it)", _add_convert),
+}
+
+
+def build_parser(commands: Optional[Collection[str]] = None) -> argparse.ArgumentParser:
+    """The ``trellis-lm`` argument parser, one sub-command per tool: those of ``commands`` (default:
+    every one) with their arguments, the others with their name and help line alone."""
     parser = Parser(
         prog="trellis-lm", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--version", action="version", version=f"trellis-lm {__version__}")
     subparsers = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
-    for add in (_add_generate, _add_train, _add_eval, _add_bench, _add_convert):
-        add(subparsers)
-    for command in subparsers.choices.values():
+    for name, (help_line, add) in COMMANDS.items():
+        command = subparsers.add_parser(name, help=help_line)
+        if commands is None or name in commands:
+            add(command)
         command.set_defaults(prog=command.prog)  # errors found after parsing name their command
     return parser
 
@@ -366,8 +377,14 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     A command line argparse cannot parse raises ``SystemExit(2)`` (after its usage and one line
     of error); a bad argument found later returns 2 after one line of error (see the module's doc).
+    Only the command named is built (the top-level options take no value: it is the first word
+    that is not an option), and the model is registered with transformers once it parsed
+    (:func:`trellis_lm.register_auto_classes`; see :mod:`trellis_lm_command`).
     """
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    named = next((word for word in argv if not word.startswith("-")), None)
+    args = build_parser({named} if named in COMMANDS else ()).parse_args(argv)
+    register_auto_classes()
     try:
         return args.handler(args)
     except CommandLineError as error:

@@ -6,8 +6,11 @@ flat sibling modules (see :mod:`.remote_code`).
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import math
 import os
+from collections.abc import Iterable, Mapping
 from typing import Any, Callable, ClassVar
 
 from transformers import PreTrainedConfig
@@ -185,14 +188,37 @@ class TrellisConfig(PreTrainedConfig):
         return {field.name: field.legacy for field in field_checks() if field.legacy is not None}
 
     @classmethod
+    def completed(cls, saved: Mapping[str, Any], given: Iterable[str] = ()) -> dict[str, Any]:
+        """The fields of a saved model (a ``config.json``, a cache or state file's signature), each
+        field it lacks because it was saved before the field existed set to the value that model
+        computed with (:meth:`legacy_values`, e.g. ``write_gradient="anchored"``), not to the
+        default of new models. The one rule of every reader; ``given``: fields set otherwise
+        (keyword arguments), left to them."""
+        missing = {name: value for name, value in cls.legacy_values().items() if name not in saved and name not in given}
+        return {**saved, **missing}
+
+    @classmethod
     def from_dict(cls, config_dict: dict[str, Any], **kwargs: Any) -> "TrellisConfig":
-        """A saved config (``config.json``, what ``from_pretrained`` reads). A field it lacks
-        because it was saved before the field existed takes the value that checkpoint computed
-        with (:meth:`legacy_values`, e.g. ``write_gradient="anchored"``), not the default of new
-        models; fields given as keyword arguments win."""
-        missing = {name: value for name, value in cls.legacy_values().items()
-                   if name not in config_dict and name not in kwargs}
-        return super().from_dict({**config_dict, **missing}, **kwargs)
+        """A saved config (``config.json``, what ``from_pretrained`` reads), read by
+        :meth:`completed`; fields given as keyword arguments win."""
+        return super().from_dict(cls.completed(config_dict, kwargs), **kwargs)
+
+    @classmethod
+    def from_json_file(cls, json_file: str | os.PathLike) -> "TrellisConfig":
+        """A saved ``config.json`` file, read as :meth:`from_dict` reads its fields."""
+        return cls.from_dict(cls._dict_from_json_file(json_file))
+
+    @classmethod
+    def check_field_names(cls, names: Iterable[str]) -> None:
+        """Raise a ``ValueError`` naming the first of ``names`` that is not a field of this class
+        (transformers' own settings, which every config holds, are not its fields either), with
+        the field it may be a misspelling of."""
+        fields = {f.name for f in dataclasses.fields(cls)} - {f.name for f in dataclasses.fields(PreTrainedConfig)}
+        for name in names:
+            if name not in fields:
+                close = difflib.get_close_matches(name, sorted(fields), n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else " (TrellisConfig's docstring lists its fields)"
+                raise ValueError(f"{name!r} is not a TrellisConfig field{hint}")
 
     def __post_init__(self, **kwargs: Any) -> None:
         given = kwargs.pop("layer_types", None)

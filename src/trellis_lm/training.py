@@ -42,6 +42,7 @@ from transformers import (
 )
 from transformers.trainer_utils import get_last_checkpoint
 
+from .arguments import config_fields, first_line, json_lines
 from .configuration_trellis import TrellisConfig
 from .model_card_trellis import TrainingRun, write_model_card
 from .modeling_trellis import TrellisForCausalLM
@@ -84,7 +85,8 @@ class ModelArguments:
     config_overrides: Optional[str] = field(
         default=None,
         metadata={"help": "for a new model, TrellisConfig fields over the small default, e.g. "
-                          "'hidden_size=256,num_hidden_layers=4,chunk_size=64'"},
+                          "'hidden_size=256,num_hidden_layers=4,chunk_size=64' (values read as JSON where they "
+                          "parse: true, 1e-5, [\"trellis\", \"attention\"]; else as strings)"},
     )
     vocab_size: int = field(default=1024, metadata={"help": "vocabulary of a new tokenizer"})
     max_length: int = field(default=256, metadata={"help": "tokens per training example (longer ones are cut)"})
@@ -291,14 +293,24 @@ def model_and_tokenizer(
         tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     else:
         tokenizer = train_tokenizer(tokenizer_texts(), vocab_size=args.vocab_size)
-    config = TrellisConfig(
-        vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id, **SMALL_MODEL,
-    )
-    if args.config_overrides:
-        config.update_from_string(args.config_overrides)
-        config = TrellisConfig.from_dict(config.to_dict())  # re-runs the field checks
-    return TrellisForCausalLM(config), tokenizer
+    return TrellisForCausalLM(new_model_config(args, len(tokenizer), tokenizer)), tokenizer
+
+
+def new_model_config(args: ModelArguments, vocab_size: int, tokenizer: Optional[PreTrainedTokenizerBase] = None
+                     ) -> TrellisConfig:
+    """The config of a new model: :data:`SMALL_MODEL` with ``args.config_overrides``
+    (:func:`~trellis_lm.arguments.config_fields`), for a vocabulary of ``vocab_size`` and
+    ``tokenizer``'s special ids (``None``: the config's defaults, those of the recipes'
+    tokenizers). An override that is not a field, or a value its field cannot hold, is a
+    ``ValueError`` starting with ``--config_overrides`` and naming the field."""
+    overrides = config_fields([] if args.config_overrides is None else [args.config_overrides], "--config_overrides")
+    special = {} if tokenizer is None else dict(
+        pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    try:
+        TrellisConfig.check_field_names(overrides)
+        return TrellisConfig(**{"vocab_size": vocab_size, **special, **SMALL_MODEL, **overrides})
+    except ValueError as error:
+        raise ValueError(f"--config_overrides: {first_line(error)}") from None
 
 
 def _resumed_checkpoint(training_args: TrainingArguments) -> Optional[str]:
@@ -360,6 +372,11 @@ def check_recipe_arguments(args: ModelArguments, training_args: TrainingArgument
     if start is not None and not args.state_passing:
         raise ValueError(f"--state_passing_from: state passing is off (--state_passing 0), so a start at {start} "
                          "would be ignored: drop one of them")
+    if args.config_overrides is not None:
+        if args.model is not None:
+            raise ValueError("--config_overrides: it sets the fields of a new model, and --model loads a checkpoint with "
+                             "its own config: drop one of them")
+        new_model_config(args, args.vocab_size)
     streaming = isinstance(args, PretrainArguments)
     steps = training_args.max_steps
     if steps == 0 or steps < -1 or (streaming and steps < 1):
@@ -383,17 +400,9 @@ def check_recipe_arguments(args: ModelArguments, training_args: TrainingArgument
 
 def _check_chat_file(path: Path) -> None:
     """Every line of a fine-tuning file is blank or a JSON object with a list of ``messages``."""
-    with path.open(encoding="utf-8") as lines:
-        for number, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                chat = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"--data_files: {path} line {number} is not JSON ({error.msg}): expected one "
-                                 '{"messages": [...]} object per line') from None
-            if not isinstance(chat, dict) or not isinstance(chat.get("messages"), list):
-                raise ValueError(f"--data_files: {path} line {number} is not a {{\"messages\": [...]}} object")
+    for number, chat in json_lines(path, "--data_files", '{"messages": [...]}'):
+        if not isinstance(chat, dict) or not isinstance(chat.get("messages"), list):
+            raise ValueError(f"--data_files: {path} line {number} is not a {{\"messages\": [...]}} object")
 
 
 def _passing_start(args: ModelArguments) -> float:

@@ -28,10 +28,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-from typing import Any, Optional
+from typing import Optional
 
-from ..arguments import float_above, fraction, int_at_least, probability, report_error
+from ..arguments import command_words, config_fields, float_above, fraction, int_at_least, probability, report_error
 from ..mixers import DEFAULT_KIND
 from ..state_passing import DEFAULT_PROBABILITY, DEFAULT_START_FRACTION
 from .layer_choice import parse_auto
@@ -61,12 +60,13 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
                         help="keep every N-th layer as softmax attention: layers N-1, 2N-1, ... (N=1 keeps all)")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                         help="another TrellisConfig field, e.g. --set compress_fn=l2norm (value read as JSON "
-                             "when it parses, else as a string); repeatable")
+                             "when it parses, else as a string); repeatable, or several separated by commas")
 
     distill = parser.add_argument_group("distillation (with --distill)")
     distill.add_argument("--distill", action="store_true", help="run stage 1 (layer-wise) and stage 2 (logits)")
-    distill.add_argument("--data", nargs="+", default=[], metavar="PATH",
-                         help=".txt files (one text each), .jsonl files (a 'text' field per line) or folders of them")
+    distill.add_argument("--data", nargs="+", action="extend", default=[], metavar="PATH",
+                         help=".txt files (one text each), .jsonl files (a 'text' field per line) or folders of them; "
+                              "repeatable")
     distill.add_argument("--work-dir", default=None, help="checkpoints of both stages (default: DST-distill)")
     distill.add_argument("--block-size", type=positive, default=1024, help="tokens per training row (default 1024)")
     distill.add_argument("--batch-size", type=positive, default=8, help="rows per device and step (default 8)")
@@ -113,22 +113,34 @@ def run_convert(args: argparse.Namespace) -> int:
     """Run the command parsed by :func:`add_convert_arguments` (:func:`~.pipeline.convert_and_distill`
     with its arguments); returns the exit status."""
     try:
-        overrides = dict(_parse_field(item) for item in args.set)
-        auto_kept = parse_auto(args.keep_attention) if _is_auto(args.keep_attention) else None
-        if auto_kept is not None and not args.distill:
-            raise ValueError("argument --keep-attention: auto:K chooses the layers after stage 1 and needs --distill")
-        if args.heldout_blocks and not args.distill:
-            raise ValueError("argument --heldout-blocks: held-out blocks measure stage 1, which runs with --distill")
-        conversion = ConversionOptions(
-            num_slots=args.num_slots, chunk_size=args.chunk_size, seed=args.seed, mixer=args.mixer,
-            keep_attention=None if auto_kept is not None else parse_layer_list(args.keep_attention),
-            attention_every=args.attention_every, overrides=overrides,
-        )
-        distill = _distill_options(args, auto_kept) if args.distill else None
-        convert_and_distill(args.src, args.dst, conversion, distill, overwrite=args.overwrite)
+        with command_words(option):
+            overrides = config_fields(args.set, "argument --set")
+            auto_kept = parse_auto(args.keep_attention) if _is_auto(args.keep_attention) else None
+            if auto_kept is not None and not args.distill:
+                raise ValueError("argument --keep-attention: auto:K chooses the layers after stage 1 and needs --distill")
+            if args.heldout_blocks and not args.distill:
+                raise ValueError("argument --heldout-blocks: held-out blocks measure stage 1, which runs with --distill")
+            conversion = ConversionOptions(
+                num_slots=args.num_slots, chunk_size=args.chunk_size, seed=args.seed, mixer=args.mixer,
+                keep_attention=None if auto_kept is not None else parse_layer_list(args.keep_attention),
+                attention_every=args.attention_every, overrides=overrides,
+            )
+            distill = _distill_options(args, auto_kept) if args.distill else None
+            convert_and_distill(args.src, args.dst, conversion, distill, overwrite=args.overwrite)
     except ValueError as error:
         return report_error("trellis-lm convert", str(error))
     return 0
+
+
+# The arguments whose option is not spelt after their name.
+_OPTIONS = {"src": "src", "dst": "dst", "keep_dearest": "--keep-attention", "overrides": "--set"}
+
+
+def option(name: str) -> str:
+    """The option (or positional argument) of this command that sets the argument ``name`` of
+    :func:`~.pipeline.convert_and_distill` or of its options (the errors' words,
+    :func:`~trellis_lm.arguments.command_words`)."""
+    return _OPTIONS.get(name, "--" + name.replace("_", "-"))
 
 
 def _distill_options(args: argparse.Namespace, auto_kept: Optional[int]) -> DistillOptions:
@@ -151,16 +163,6 @@ def parse_layer_list(text: Optional[str]) -> Optional[list[int]]:
         return [int(item) for item in items]
     except ValueError:
         raise ValueError(f"--keep-attention {text!r}: expected comma-separated layer indices, e.g. 3,7,11") from None
-
-
-def _parse_field(item: str) -> tuple[str, Any]:
-    name, sep, value = item.partition("=")
-    if not sep:
-        raise ValueError(f"--set {item!r}: expected FIELD=VALUE")
-    try:
-        return name, json.loads(value)
-    except json.JSONDecodeError:
-        return name, value
 
 
 __all__ = ["add_convert_arguments", "parse_layer_list", "run_convert"]

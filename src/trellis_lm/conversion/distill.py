@@ -36,7 +36,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase, Trainer, Trai
 from ..mixers.valid_tokens import ValidTokens
 from ..modeling_trellis import TrellisForCausalLM
 from ..state_passing import DEFAULT_PROBABILITY, DEFAULT_START_FRACTION, StatePassingCallback
-from .data import TokenBlocks, TrainData, as_dataset, pad_batch
+from .data import TokenBlocks, TrainData, as_dataset, check_token_ids, pad_batch
 from .llama import converted_layers, new_parameter_names
 from .teacher import INPUTS, TARGETS, TeacherActivations, captured_attention, pad_activations, teacher_attention
 
@@ -118,10 +118,11 @@ def checked_every(eval_every: Any) -> int:
 
 
 def checked_heldout(heldout: Optional[torch.Tensor], heldout_mask: Optional[torch.Tensor],
-                    eval_every: Any) -> Optional[torch.Tensor]:
+                    eval_every: Any, *models: Any) -> Optional[torch.Tensor]:
     """``heldout_mask``, after checking the held-out arguments together: ``eval_every`` (always:
-    an argument is never ignored unchecked), ids ``[N, T]`` and a mask of their shape (1 at real
-    tokens, every row starting with one), or no mask; a mask without blocks is refused."""
+    an argument is never ignored unchecked), ids ``[N, T]`` of ``models``' vocabularies and a
+    mask of their shape (1 at real tokens, every row starting with one), or no mask; a mask
+    without blocks is refused."""
     checked_every(eval_every)
     if heldout is None:
         if heldout_mask is not None:
@@ -129,11 +130,18 @@ def checked_heldout(heldout: Optional[torch.Tensor], heldout_mask: Optional[torc
         return None
     if not isinstance(heldout, torch.Tensor) or heldout.dim() != 2 or heldout.shape[1] < 2:
         raise ValueError(f"heldout must be a [N, T >= 2] tensor of token ids, got {getattr(heldout, 'shape', heldout)!r}")
+    check_token_ids("heldout", heldout, *models)
     if heldout_mask is not None and (not isinstance(heldout_mask, torch.Tensor) or heldout_mask.shape != heldout.shape
                                      or not bool(heldout_mask[:, 0].bool().all())):
         raise ValueError(f"heldout_mask must be [N, T] like heldout ({tuple(heldout.shape)}), 1 at real tokens and "
                          "0 at right padding, every row starting with a real token")
     return heldout_mask
+
+
+def _check_train_ids(train_data: TrainData, *models: Any) -> None:
+    """Training data given as an id tensor holds token ids of ``models``' vocabularies."""
+    if isinstance(train_data, torch.Tensor):
+        check_token_ids("train_data", train_data, *models)
 
 
 class HeldOutLayerErrors(TrainerCallback):
@@ -324,12 +332,14 @@ def distill_layerwise(
         resume_from_checkpoint: a checkpoint folder, or True for the latest in ``args.output_dir``.
 
     Raises:
-        ValueError: every layer of ``student`` is softmax attention (nothing to distil).
+        ValueError: every layer of ``student`` is softmax attention (nothing to distil); ``heldout``
+            or a ``train_data`` tensor that is not integer token ids of both models' vocabularies.
     """
     layers = converted_layers(student)
     if not layers:
         raise ValueError("every layer of the student is kept as softmax attention: stage 1 has nothing to train")
-    heldout_mask = checked_heldout(heldout, heldout_mask, eval_every)
+    heldout_mask = checked_heldout(heldout, heldout_mask, eval_every, student, teacher)
+    _check_train_ids(train_data, student, teacher)
     if patience is not None and heldout is None:
         raise ValueError("patience stops stage 1 on held-out measurements: pass heldout too")
     if isinstance(cache_memory_bytes, bool) or not isinstance(cache_memory_bytes, int) or cache_memory_bytes < 0:
@@ -373,6 +383,7 @@ def layerwise_errors(
     measure; 1.0 right after conversion) on ``input_ids [B, T]``, with student and teacher on
     one device. Layers kept as softmax attention are left out (they are the teacher's own);
     :func:`~trellis_lm.conversion.llama.converted_layers` gives the indices of the entries."""
+    check_token_ids("input_ids", input_ids, student, teacher)
     mixers = LayerwiseMixers(student)
     if not mixers.layer_indices:
         return torch.zeros(0)
@@ -461,7 +472,8 @@ def distill_logits(
     suits LoRA). Checkpoints hold the adapters, or the whole model. The teacher is moved to
     ``args.device``. Other arguments as in :func:`distill_layerwise`.
     """
-    heldout_mask = checked_heldout(heldout, heldout_mask, eval_every)
+    heldout_mask = checked_heldout(heldout, heldout_mask, eval_every, student, teacher)
+    _check_train_ids(train_data, student, teacher)
     if isinstance(state_passing, bool) or not isinstance(state_passing, (int, float)) or not 0 <= state_passing <= 1:
         raise ValueError(f"state_passing must be a probability in [0, 1] (0: off), got {state_passing!r}")
     if state_passing_from is not None and not state_passing:
@@ -498,6 +510,7 @@ def logit_kl(
     temperature: float = 1.0,
 ) -> float:
     """Stage 2's measure, :func:`distillation_kl`, on ``input_ids [B, T]`` (models on one device)."""
+    check_token_ids("input_ids", input_ids, student, teacher)
     inputs = dict(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
     student_logits, teacher_logits = (model(**inputs).logits for model in (student, teacher))
     return distillation_kl(student_logits, teacher_logits, attention_mask, temperature).item()

