@@ -642,6 +642,35 @@ def test_exact_gradients_equal_the_recurrence(backend, C, cf):
         torch.testing.assert_close(g, e, rtol=1e-8, atol=1e-9)
 
 
+@pytest.mark.parametrize("layout", [1, 5, 16, 64])
+def test_exact_writes_in_any_torch_layout_are_the_recurrence(layout, monkeypatch):
+    """The torch path lays exact writes out in chunks of EXACT_LAYOUT_CHUNK tokens whatever C;
+    any such length computes the loop at C = 1: outputs, memories and every gradient in float64,
+    packed sequences (an empty one) and a C whose offsets the state still counts."""
+    from trellis_lm.ops.trellis import chunked
+
+    monkeypatch.setattr(chunked, "EXACT_LAYOUT_CHUNK", layout)
+    lengths = [21, 0, 3, 40]
+    x = make_inputs(1, sum(lengths), 2, 4, 4, 5, requires_grad=True, seed=layout)
+    state = make_state(len(lengths), 2, 4, 4, 5, chunk_size=7, requires_grad=True, seed=layout)
+    cu = torch.tensor([0] + lengths).cumsum(0)
+
+    def grads(backend, chunk_size, state, wg):
+        o, s = run(backend, x, initial_state=state, chunk_size=chunk_size, cu_seqlens=cu, write_gradient=wg)
+        gen = torch.Generator().manual_seed(1)
+        loss = sum((t * torch.randn(t.shape, generator=gen, dtype=t.dtype)).sum() for t in (o, s.m_k, s.m_v))
+        return (o, s), torch.autograd.grad(loss, list(x) + [state.m_k, state.m_v])
+
+    (o, s), got = grads("torch", 7, state, "exact")
+    (o_1, s_1), expected = grads("reference", 1, _at_chunk_start(state), "anchored")
+    torch.testing.assert_close(o, o_1, rtol=1e-9, atol=1e-10)
+    torch.testing.assert_close(s.m_k, s_1.m_k, rtol=1e-9, atol=1e-10)
+    assert s.offset.tolist() == ((state.offset + torch.tensor(lengths)) % 7).tolist()
+    for g, e in zip(got, expected):
+        assert e.abs().max() > 0
+        torch.testing.assert_close(g, e, rtol=1e-8, atol=1e-9)
+
+
 def test_exact_and_anchored_differ_beyond_one_token_chunks():
     """Guards the comparisons above: a backend that ignored write_gradient would be caught."""
     x = make_inputs(1, 12, 1, 4, 4, 3, seed=0)

@@ -62,16 +62,17 @@ class TrellisConfig(PreTrainedConfig):
         num_heads: heads H of every mixer (query heads of attention layers).
         head_dim: per-head width d of queries, keys and values (H * d need not equal D).
         num_slots: memory slots M per head (Trellis and Lattice).
-        chunk_size: C of the memory ops. With ``write_gradient="exact"`` it only chooses how
-            Trellis's recurrence is computed (speed: 16 is fastest on CPUs, ``BENCHMARKS.md``);
-            with ``"anchored"`` it is part of the function (``docs/results_lm.md``). Lattice and
-            the gated delta rule are exact at any C.
+        chunk_size: C of the memory ops. With ``write_gradient="exact"`` it is not part of
+            Trellis's function and changes neither its numbers nor its speed (the backends lay
+            the tokens out in chunks of their own; C counts the offset a cache records); with
+            ``"anchored"`` it is part of the function (``docs/results_lm.md``). Lattice and the
+            gated delta rule are exact at any C.
         compress_fn: Trellis's compression function phi, one of ``trellis_lm.ops.COMPRESS_FNS``.
         mix_fn: Trellis's mixing function f, one of ``trellis_lm.ops.MIX_FNS``.
         write_gradient: where each Trellis write takes its inner gradient (design page
             ``trellis.md``, sections 1-2): ``"exact"`` (default), at the memory just before it,
-            the per-token recurrence at any ``chunk_size`` (C then only chooses how it is
-            computed); ``"anchored"``, at the memory as it was at the write's chunk start, stale
+            the per-token recurrence at any ``chunk_size`` (C then does not enter the
+            function); ``"anchored"``, at the memory as it was at the write's chunk start, stale
             inside a chunk, so C is part of the function. A ``config.json`` without this field
             (every checkpoint saved before it existed) is read as ``"anchored"``.
         lattice_variant: Lattice's write rule, one of ``trellis_lm.ops.LATTICE_VARIANTS``

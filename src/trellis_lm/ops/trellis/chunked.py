@@ -94,6 +94,11 @@ def _from_chunk_major(o: torch.Tensor, flat_index: torch.Tensor, rows: int, head
     return o.reshape(-1, heads, dim)[flat_index].view(batch, length, heads, dim)
 
 
+# The chunk length of exact writes (not identity) whatever the call's C: the training step of the
+# study's model was fastest at 16 and 32 among 8, 16, 32 and 64 (BENCHMARKS.md, "Training speed of
+# the exact chunk form"); longer chunks pay for their L x L substitution terms.
+EXACT_LAYOUT_CHUNK = 32
+
 # Without grad, read-outs are computed for groups of chunks at once; a group's stacked chunk-start
 # states hold at most about this many elements (so C = 1 over a long input does not stack one state
 # per token). With a backward to follow, every start state is kept for it anyway: one group.
@@ -116,14 +121,23 @@ def chunked_forward(q, k, v, alpha, log_beta, gamma, state, chunk_size, compress
 
     ``"exact"`` writes with ``layernorm``/``l2norm`` take each residual at the memory just before
     the write: inside the chain loop, a chunk's ``U`` is then a forward substitution over its
-    tokens on M-vectors (design page, section 2), not one batched residual at the anchor.
+    tokens on M-vectors (design page, section 2b), not one batched residual at the anchor. Their
+    function does not depend on C, so they run in chunks of :data:`EXACT_LAYOUT_CHUNK` tokens from
+    each sequence's first token here, whatever ``chunk_size`` (which still counts the offset of
+    the state handed back).
     """
     batch, length, heads, _ = q.shape
     dk, dv = q.shape[-1], v.shape[-1]
-    rows, chunk = state.offset.numel(), chunk_size
+    identity = compress_fn == "identity"
+    exact = write_gradient == "exact"
+    substituted = exact and not identity  # identity's exact residuals come from its solve
+    rows = state.offset.numel()
     nh = rows * heads
-    flat_index, lengths, chunks, width = grid_positions(state.offset, batch, length, cu_seqlens, chunk)
-    if cu_seqlens is None and chunks * width == length and not bool(state.offset.any()):
+    # Exact writes compute one function whatever the layout: their chunks are EXACT_LAYOUT_CHUNK
+    # tokens from the call's first token (C only counts the offset handed back).
+    chunk, offset = (EXACT_LAYOUT_CHUNK, torch.zeros_like(state.offset)) if substituted else (chunk_size, state.offset)
+    flat_index, lengths, chunks, width = grid_positions(offset, batch, length, cu_seqlens, chunk)
+    if cu_seqlens is None and chunks * width == length and not bool(offset.any()):
         flat_index = None  # rows of whole chunks from a chunk start: the grid is the input's own order
     Q, K, V, A, LB, G = (
         _chunk_major(x.reshape((batch * length,) + tuple(x.shape[2:])), flat_index, rows, chunks, width)
@@ -131,16 +145,13 @@ def chunked_forward(q, k, v, alpha, log_beta, gamma, state, chunk_size, compress
     )  # Q: [chunks, N * H, L, Dk]; LB, G: [chunks, N * H, L]
 
     # State-independent per-chunk quantities, for all chunks at once (decays in log space).
-    identity = compress_fn == "identity"
-    exact = write_gradient == "exact"
-    substituted = exact and not identity  # identity's exact residuals come from its solve
     cum, before, after, gap = log_decays(LB, with_gap=identity)
     mu = cum.exp()[..., None]  # [chunks, NH, L, 1]
     mu_last = cum[..., -1:].exp()[..., None]  # [chunks, NH, 1, 1]
     w = (G * after.exp())[..., None]  # [chunks, NH, L, 1]
 
     # Rows that resume at a chunk boundary take their anchor from the state itself.
-    at_start = (state.offset == 0)[:, None, None, None]
+    at_start = (offset == 0)[:, None, None, None]
     a_k = torch.where(at_start, state.m_k, state.anchor_k)
     a_v = torch.where(at_start, state.m_v, state.anchor_v)
     # The chains of the loop. With Dk == Dv one chain carries both passes, stacked on a pass
@@ -163,7 +174,7 @@ def chunked_forward(q, k, v, alpha, log_beta, gamma, state, chunk_size, compress
     state_elements = sum(s0.numel() for _, s0, _ in chains)
     spec = ChunkSpec(
         compress_fn=compress_fn, mix_fn=mix_fn, substituted=substituted, passes=tuple(X.shape[1] for X, _, _ in chains),
-        last_chunk=tuple(((state.offset + lengths - 1).clamp(min=0) // chunk).tolist()), heads=heads,
+        last_chunk=tuple(((offset + lengths - 1).clamp(min=0) // chunk).tolist()), heads=heads,
         keep=keep, group=max(1, GROUP_ELEMENTS // max(1, state_elements)),
     )
     o, *finals = ChunkFunction.apply(spec, *inputs)  # o [chunks, NH, L, Dv]
@@ -183,6 +194,6 @@ def chunked_forward(q, k, v, alpha, log_beta, gamma, state, chunk_size, compress
         s_v,
         torch.where(empty, state.anchor_k, f_k),
         torch.where(empty, state.anchor_v, f_v),
-        (state.offset + lengths) % chunk,
+        (state.offset + lengths) % chunk_size,
     )
     return _from_chunk_major(o, flat_index, rows, heads, batch, length), final

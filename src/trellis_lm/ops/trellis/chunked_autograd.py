@@ -197,11 +197,12 @@ def _unsubstitute(name: str, z_hat, r, a, b, u, lower, grad_u, out_z, out_alpha)
     ``z_j`` depends on ``u_r`` (r < j) through ``-Lm[j, r] u_r``, so the gradient reaching ``u_r``
     is ``g_r = grad_u_r - sum_{j>r} Lm[j, r] dz_j``, and ``dz_r = J_r^T g_r`` with ``J_r`` the
     Jacobian of ``u_r`` in ``z_r``. ``J_r^T g = a cen(g) - b red(g z_hat) - r z_hat red(g u)``
-    (:func:`_residual_vjp2_terms`): a scaled ``g`` less three (``l2norm``: two) rows, each
-    weighted by one reduction of ``g``. Each token costs a handful of row-wise operations on
-    ``[P NH, M]`` vectors (dot products by ``vecdot``: small batched matrix products cost
-    several times more per call on a CPU). Blocks as in :func:`_substitute`, last first: a
-    block's ``g`` takes the terms of all later blocks in one batched product.
+    (:func:`_residual_vjp2_terms`) is a scaled ``g`` less k = 3 (``l2norm``: 2) rows, each
+    weighted by one reduction of ``g``: ``c = red(g [1 | z_hat | u])`` and ``dz = a g - c [a; b;
+    r z_hat]``. Per token that is a product and a sum for ``c`` and for the rows, all k at once
+    on a ``[k, P NH, M]`` stack (on a CPU several times cheaper than batched products of a row and
+    k columns, whose cost is per matrix). Blocks as in :func:`_substitute`, last first: a block's
+    ``g`` takes the terms of all later blocks in one batched product.
 
     Args (all ``[P NH, L, *]``; ``r`` and ``a`` ``[..., 1]``): the residual parts ``z_hat``,
     ``r``, ``a``, ``b``, the forward's ``u`` and ``lower`` (``Lm``); ``grad_u`` (the gradient at
@@ -210,11 +211,15 @@ def _unsubstitute(name: str, z_hat, r, a, b, u, lower, grad_u, out_z, out_alpha)
     """
     width, slots = u.shape[-2:]
     centre = name == "layernorm"
-    scale = 1 / slots if centre else 1.0
-    # Token-major, each token's operands contiguous [P NH, M] (or [P NH, 1]) rows.
-    major = lambda x: x.transpose(0, 1).contiguous()  # noqa: E731
-    z_hats, us = major(z_hat * scale), major(u * scale)  # red(g x) = vecdot(g, x * scale)
-    r_z_hats, bs, scales = major(r * z_hat), major(b), major(a)
+    scale = 1 / slots if centre else 1.0  # red = mean or sum
+    columns, rows = [z_hat * scale, u * scale], [b, r * z_hat]
+    if centre:  # red(g 1) is cen's mean, taken off a g
+        columns.insert(0, torch.full_like(u, scale))
+        rows.insert(0, a.expand(u.shape))
+    # Token-major: each token's stacks are contiguous [k, P NH, M] blocks.
+    project = torch.stack([x.transpose(0, 1) for x in columns], 1)  # [L, k, P NH, M]
+    rebuild = torch.stack([x.transpose(0, 1) for x in rows], 1).neg_()
+    scales = a.transpose(0, 1).contiguous()  # [L, P NH, 1]
     for lo in reversed(range(0, width, SUBSTITUTION_BLOCK)):
         hi = min(width, lo + SUBSTITUTION_BLOCK)
         block = grad_u[:, lo:hi]
@@ -226,15 +231,10 @@ def _unsubstitute(name: str, z_hat, r, a, b, u, lower, grad_u, out_z, out_alpha)
         dz = torch.empty_like(grads)
         for t in range(hi - lo - 1, -1, -1):
             g, k = grads[t], lo + t
-            out = dz[t]
-            if centre:  # cen(g) = g - mean(g)
-                torch.sub(g, g.mean(-1, keepdim=True), out=out)
-                out.mul_(scales[k])
-            else:
-                torch.mul(g, scales[k], out=out)
-            out.addcmul_(bs[k], _dot(g, z_hats[k]), value=-1).addcmul_(r_z_hats[k], _dot(g, us[k]), value=-1)
+            coefficients = (g * project[k]).sum(-1, keepdim=True)  # [k, P NH, 1]
+            torch.addcmul((coefficients * rebuild[k]).sum(0), g, scales[k], out=dz[t])
             if t:
-                grads[:t].addcmul_(pull[t][:t], out, value=-1)
+                grads[:t].addcmul_(pull[t][:t], dz[t], value=-1)
         out_z[:, lo:hi] = dz.transpose(0, 1)
         grad_u[:, lo:hi] = grads.transpose(0, 1)
     _alpha_vjp(name, z_hat, r, grad_u, out_alpha)

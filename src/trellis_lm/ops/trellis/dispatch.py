@@ -147,9 +147,11 @@ def trellis_attention(
         initial_state: ``None`` (zero memories), a pair ``(m_k [N,H,M,Dk], m_v [N,H,M,Dv])`` at a
             chunk boundary, or a :class:`TrellisState` returned by an earlier call.
             ``N = B``, or the number of sequences in ``cu_seqlens``.
-        chunk_size: C >= 1. With ``write_gradient="exact"`` it only chooses how the function is
-            computed (tokens per chunk of the parallel form); with ``"anchored"`` it is part of the
-            function (1 is the exact recurrence).
+        chunk_size: C >= 1. With ``write_gradient="exact"`` it is not part of the function, and
+            the backends lay the tokens out in chunks of their own (torch: ``EXACT_LAYOUT_CHUNK``
+            of :mod:`.chunked`; Triton: ``EXACT_CHUNK`` of :mod:`.triton_exact`): C only counts
+            the offset of the state handed back. With ``"anchored"`` it is part of the function
+            (1 is the exact recurrence).
         compress_fn: ``"identity"``, ``"l2norm"`` or ``"layernorm"``.
         mix_fn: ``"ln_silu"``, ``"l2_silu"`` or ``"softmax"``.
         write_gradient: where each write takes its inner gradient (design page, section 1):
