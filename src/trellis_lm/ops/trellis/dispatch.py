@@ -37,7 +37,7 @@ def triton_available() -> bool:
 def _triton_forward(*args):
     """Backend ``"triton"``: imported on first use, since importing triton is slow and the
     package is optional (checkpoints loaded as remote code may run without it)."""
-    from .triton_chunk import triton_forward
+    from .triton_backend import triton_forward
 
     return triton_forward(*args)
 

@@ -39,8 +39,13 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import triton
-import triton.language as tl
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError as error:
+    # A try block: transformers' import check of a checkpoint's code skips it (see triton_chunk.py).
+    raise ImportError("backend 'triton' needs the triton package (pip install triton); use backend 'torch'") from error
 
 from ..varlen import chunk_slots, make_plan
 from .triton_chunk import (
