@@ -646,11 +646,14 @@ def compile_check(head_dims=(64, 128), slots=64, chunk=CHUNK) -> list[str]:
         P = tc._kernel_precision()
         kernels = [
             ("state_fwd", tc._state_fwd_kernel, dict(BT=BT, BM=BM, BD=BD, CF=2, PREC=P), tc._stages("state")),
-            ("output_fwd", tc._output_fwd_kernel, dict(BT=BT, BM=BM, BDK=BD, BDV=BD, CF=2, MF=0, PREC=P),
-             tc._stages("output")),
-            ("value_bwd", tc._value_bwd_kernel, dict(BT=BT, BM=BM, BDK=BD, BDV=BD, CF=2, MF=0, PREC=P),
-             tc._stages("local")),
-            ("key_bwd", tc._key_bwd_kernel, dict(BT=BT, BM=BM, BDK=BD, CF=2, PREC=P), tc._stages("local")),
+            *((f"{prefix}output_fwd", tc._output_fwd_kernel,
+               dict(BT=BT, BM=BM, BDK=BD, BDV=BD, CF=2, MF=0, PREC=P, EXACT=exact), tc._stages("output"))
+              for prefix, exact in (("", False), ("exact_", True))),
+            *((f"{prefix}value_bwd", tc._value_bwd_kernel,
+               dict(BT=BT, BM=BM, BDK=BD, BDV=BD, CF=2, MF=0, PREC=P, EXACT=exact), tc._stages("local"))
+              for prefix, exact in (("", False), ("exact_", True))),
+            *((f"{prefix}key_bwd", tc._key_bwd_kernel, dict(BT=BT, BM=BM, BDK=BD, CF=2, PREC=P, EXACT=exact),
+               tc._stages("local")) for prefix, exact in (("", False), ("exact_", True))),
             ("chain_bwd", tc._chain_bwd_kernel, dict(BT=BT, BM=BM, BD=BD, BDR=BD, CF=2, PREC=P),
              tc._stages("chain", BT, BM, BD, BD)),
             ("gates_bwd", tc._gates_bwd_kernel, dict(BT=BT, BM=BM), 1),
@@ -666,14 +669,14 @@ def compile_check(head_dims=(64, 128), slots=64, chunk=CHUNK) -> list[str]:
             signature = {n: ("constexpr" if n in constexprs else arg_type(n)) for n in names}
             src = ASTSource(fn, signature, {(names.index(k),): v for k, v in constexprs.items()})
             start = time.perf_counter()
-            warps = te.EXACT_WARPS if name.startswith("exact") else tc._warps(
+            warps = te.EXACT_WARPS if name in ("exact_state", "exact_chain") else tc._warps(
                 "recurrent" if name.startswith("recur") else "chunk", D, D, slots)
             kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                                     options=dict(num_warps=warps, num_stages=stages))
             shared = kernel.metadata.shared
             ok = shared <= SMEM_LIMIT
             failed |= not ok
-            rows.append(f"  D={D:3d} {name:10s} warps {warps:2d} stages {stages}: shared {shared:6d} B "
+            rows.append(f"  D={D:3d} {name:16s} warps {warps:2d} stages {stages}: shared {shared:6d} B "
                         f"{'ok' if ok else 'TOO MUCH'} | {resources(kernel)} | {time.perf_counter() - start:5.1f} s")
             print(rows[-1], flush=True)
     if failed:

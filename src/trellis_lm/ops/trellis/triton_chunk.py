@@ -445,9 +445,10 @@ def _writes(u_ptr, X, A, Al, tok0, nrows, h, H, M, cm, BT: tl.constexpr, BM: tl.
     (:mod:`.triton_exact`: each from the memory just before its write, by substitution), else
     ``vjp_phi`` at the anchor ``A``, all rows at once."""
     if EXACT:
-        return _load_tok(u_ptr, tok0, nrows, h, H, M, BT, BM)
+        U = _load_tok(u_ptr, tok0, nrows, h, H, M, BT, BM)
     else:
-        return _residual_vjp(_dot(X, tl.trans(A), PREC), Al, cm, M, CF)
+        U = _residual_vjp(_dot(X, tl.trans(A), PREC), Al, cm, M, CF)
+    return U
 
 
 @triton.jit
