@@ -20,7 +20,7 @@ from op_inputs import make_inputs, make_state  # noqa: E402
 from trellis_lm.ops import TrellisState, trellis_attention  # noqa: E402
 from trellis_lm.ops.registry import Backend, OpCall  # noqa: E402
 from trellis_lm.ops.trellis.dispatch import BACKENDS, triton_available  # noqa: E402
-from trellis_lm.ops.trellis.kernel_mirror import mirror_op  # noqa: E402
+from kernel_mirror import mirror_op  # noqa: E402
 
 needs_triton = pytest.mark.skipif(not triton_available(), reason="triton is not installed")
 DEVICE = "cuda" if ON_GPU else "cpu"

@@ -3,10 +3,10 @@
 :func:`trellis_attention` (:mod:`.dispatch`) is the entry point, :func:`trellis_step` its unchecked
 decode step. Beside it: :mod:`.reference` (the per-token loop of the page), :mod:`.chunked` (the
 chunk-parallel PyTorch form) with :mod:`.chunked_autograd` (its autograd Function and hand-written
-backward), :mod:`.step` (one decode token in PyTorch), :mod:`.triton_chunk` (the GPU kernels and
-backend ``"triton"``) with :mod:`.triton_step` (its single-token step), :mod:`.kernel_mirror` (the
-kernels' math in PyTorch, for tests), :mod:`.compress_mix` (the compression and mixing functions)
-and :mod:`.state` (the carried state).
+backward), :mod:`.step` (one decode token in PyTorch), :mod:`.triton_backend` (backend ``"triton"``: the
+kernels of :mod:`.triton_chunk` and, for exact writes, :mod:`.triton_exact`) with :mod:`.triton_step`
+(its single-token step), :mod:`.compress_mix` (the compression and mixing functions) and
+:mod:`.state` (the carried state). The kernels' math in PyTorch is test code (``tests/kernel_mirror.py``).
 """
 
 from .dispatch import BACKENDS, trellis_attention, trellis_step

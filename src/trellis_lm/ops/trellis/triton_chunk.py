@@ -1,6 +1,6 @@
 """Backend ``"triton"``: Triton kernels for the Trellis op, forward and hand-derived backward.
 
-The math, piece by piece, is stated in plain PyTorch in :mod:`.kernel_mirror` (read its
+The math, piece by piece, is stated in plain PyTorch in ``tests/kernel_mirror.py`` (read its
 docstring first); every kernel here computes one of those pieces for one head:
 
 forward
@@ -141,7 +141,7 @@ def _residual_vjp(z, a, cm, M, CF: tl.constexpr):
 
 @triton.jit
 def _residual_vjp_bwd(z, a, gu, cm, M, CF: tl.constexpr):
-    """(dz, da) of u = _residual_vjp(z, a) for cotangent gu (see .kernel_mirror.residual_vjp_backward)."""
+    """(dz, da) of u = _residual_vjp(z, a) for cotangent gu (see tests/kernel_mirror.py, residual_vjp_backward)."""
     gu = tl.where(cm, gu, 0.0)
     if CF == 0:
         gz = gu
@@ -573,7 +573,7 @@ def _value_bwd_kernel(
     BT: tl.constexpr, BM: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr,
     CF: tl.constexpr, MF: tl.constexpr, PREC: tl.constexpr, EXACT: tl.constexpr,
 ):
-    """:mod:`.kernel_mirror`: chunk_local_backward for one chunk and head, its first half: the
+    """``tests/kernel_mirror.py``: chunk_local_backward for one chunk and head, its first half: the
     value read back to ``dY``, the gradient at the mixing function's input, which
     :func:`_key_bwd_kernel` takes on (two kernels: one held every tile of both and spilled)."""
     j = tl.program_id(0)
@@ -612,7 +612,7 @@ def _key_bwd_kernel(
     BT: tl.constexpr, BM: tl.constexpr, BDK: tl.constexpr,
     CF: tl.constexpr, PREC: tl.constexpr, EXACT: tl.constexpr,
 ):
-    """:mod:`.kernel_mirror`: chunk_local_backward for one chunk and head, its second half: the
+    """``tests/kernel_mirror.py``: chunk_local_backward for one chunk and head, its second half: the
     key read, from the ``dY`` that :func:`_value_bwd_kernel` left in ``duk`` (overwritten here
     by ``dU_k``, row for row, by the program that read it); adds its parts of dgamma and dc to
     that kernel's."""
@@ -649,7 +649,7 @@ def _chain_bwd_kernel(
     BT: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, BDR: tl.constexpr, CF: tl.constexpr,
     PREC: tl.constexpr,
 ):
-    """:mod:`.kernel_mirror`: chunk_chain_backward over one sequence's chunks in reverse, one pass.
+    """``tests/kernel_mirror.py``: chunk_chain_backward over one sequence's chunks in reverse, one pass.
 
     Adds into dx (the pass's own input, written by the local kernels); writes this pass's parts
     of dalpha, dgamma and dc, which :func:`_gates_bwd_kernel` sums with the other pass's and the
@@ -758,7 +758,7 @@ def _recurrent_bwd_kernel(
     H, M, DK, DV,
     SEG: tl.constexpr, BM: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, CF: tl.constexpr, MF: tl.constexpr,
 ):
-    """:mod:`.kernel_mirror`: mirror_token_backward (C = 1) for one sequence and head.
+    """``tests/kernel_mirror.py``: mirror_token_backward (C = 1) for one sequence and head.
 
     Segments of SEG tokens in reverse: the memories before each token of the segment are
     recomputed from its checkpoint into this program's scratch rows of sk / sv
