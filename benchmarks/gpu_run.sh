@@ -92,7 +92,7 @@ if (( ${#warm[@]} )); then
 fi
 phase bench_op 280 python3 benchmarks/bench_gpu.py --only op
 show bench_op sed -n '/# summary/,$p'
-phase bench_decode 200 python3 benchmarks/bench_gpu.py --only decode
+phase bench_decode 260 python3 benchmarks/bench_gpu.py --only decode
 show bench_decode tail -8
 phase profile 70 python3 benchmarks/bench_gpu.py --only profile
 show profile grep -E "wall|failed"
