@@ -16,7 +16,8 @@ import copy
 import pytest
 import torch
 
-from test_generation import DECODE_PIECES, DECODE_RUNS, eager_and_compiling, logits_in_pieces
+from test_generation import (DECODE_PIECES, DECODE_RUNS, DECODING_MODES, eager_and_compiling, logits_in_pieces,
+                             tokens_in_every_mode)
 from tiny_models import random_tokens, tiny_model
 from trellis_lm import TrellisCache
 from trellis_lm.compiled_decode import CompiledSegments, DecodeGraphs, entry_tensors, inference_span
@@ -88,25 +89,15 @@ def test_every_decoding_mode_replays_the_eager_tokens():
     # steps are handed copies, and a crop replays them), sampling: float64, so every choice is the
     # eager one.
     model, drafter = tiny_model(seed=10, dtype=torch.float64), tiny_model(seed=11, dtype=torch.float64)
-    ids, one = random_tokens(2, 5, seed=6), random_tokens(1, 4, seed=7).repeat(1, 3)
-
-    def every_mode():
-        outputs = [model.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False),
-                   model.generate(ids[:1], max_new_tokens=6, min_new_tokens=6, num_beams=2, do_sample=False),
-                   model.generate(one, max_new_tokens=6, min_new_tokens=6, prompt_lookup_num_tokens=2, do_sample=False),
-                   model.generate(one, max_new_tokens=6, min_new_tokens=6, assistant_model=drafter, do_sample=False)]
-        torch.manual_seed(12)
-        return outputs + [model.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=True, top_k=0)]
-
-    eager = every_mode()
+    eager = tokens_in_every_mode(model, drafter)
     for m in (model, drafter):
         m.config.compile_decode = True
     capture = ReplayingCapture()
     with inference_span(model, capture=capture), inference_span(drafter, capture=capture):
-        graphed = every_mode()
+        graphed = tokens_in_every_mode(model, drafter)
         # Prompt lookup's steps without a draft: a recording cache, handed copies.
         recording = [s for s in graphs_of(model).segments.values() if (0, True) in s.graphs]
-    for mode, got, want in zip(("greedy", "beam", "prompt lookup", "assisted", "sampling"), graphed, eager):
+    for mode, got, want in zip(DECODING_MODES, graphed, eager):
         assert torch.equal(got, want), mode
     assert recording
 

@@ -198,6 +198,23 @@ def test_generate_with_compiled_decode(compiled_runs):
     assert graphs_compiled() == 1 and len(compiled_runs) == 9 + 2 * 3
 
 
+DECODING_MODES = ("greedy", "beam", "prompt lookup", "assisted", "sampling")
+
+
+def tokens_in_every_mode(model: torch.nn.Module, drafter: torch.nn.Module) -> list[torch.Tensor]:
+    """``model``'s tokens in each of :data:`DECODING_MODES` (``drafter``: the assistant model): two
+    rows of random prompts (one for beam search), and for prompt lookup and assisted decoding a
+    prompt that repeats."""
+    ids, one = random_tokens(2, 5, seed=6), random_tokens(1, 4, seed=7).repeat(1, 3)
+    length = dict(max_new_tokens=6, min_new_tokens=6)
+    outputs = [model.generate(ids, **length, do_sample=False),
+               model.generate(ids[:1], **length, num_beams=2, do_sample=False),
+               model.generate(one, **length, prompt_lookup_num_tokens=2, do_sample=False),
+               model.generate(one, **length, assistant_model=drafter, do_sample=False)]
+    torch.manual_seed(12)
+    return outputs + [model.generate(ids, **length, do_sample=True, top_k=0)]
+
+
 @needs_compiler
 @pytest.mark.usefixtures("fresh_compiler")
 def test_compiled_decode_in_every_decoding_mode(compiled_runs):
@@ -206,21 +223,11 @@ def test_compiled_decode_in_every_decoding_mode(compiled_runs):
     # the same shapes, shares): the eager steps' tokens in float64.
     model = tiny_model(seed=10, dtype=torch.float64)
     drafter = tiny_model(seed=11, dtype=torch.float64)
-    ids, one = random_tokens(2, 5, seed=6), random_tokens(1, 4, seed=7).repeat(1, 3)  # a prompt that repeats
-
-    def every_mode(compile_decode):
-        for m in (model, drafter):
-            m.config.compile_decode = compile_decode
-        outputs = [model.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False),
-                   model.generate(ids[:1], max_new_tokens=6, min_new_tokens=6, num_beams=2, do_sample=False),
-                   model.generate(one, max_new_tokens=6, min_new_tokens=6, prompt_lookup_num_tokens=2, do_sample=False),
-                   model.generate(one, max_new_tokens=6, min_new_tokens=6, assistant_model=drafter, do_sample=False)]
-        torch.manual_seed(12)
-        return outputs + [model.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=True, top_k=0)]
-
-    eager = every_mode(False)
+    eager = tokens_in_every_mode(model, drafter)
     assert compiled_runs == []
-    for mode, got, want in zip(("greedy", "beam", "prompt lookup", "assisted", "sampling"), every_mode(True), eager):
+    for m in (model, drafter):
+        m.config.compile_decode = True
+    for mode, got, want in zip(DECODING_MODES, tokens_in_every_mode(model, drafter), eager):
         assert torch.equal(got, want), mode
     recorded = [run for run in compiled_runs if run[3]]
     assert recorded and len(recorded) < len(compiled_runs) and graphs_compiled() == 2
