@@ -27,6 +27,7 @@ from .cache_files import (
     read_header, write_entries,
 )
 from .cache_layout import COLUMNS, ROWS, Dim, TensorSpec
+from .layer_kinds import layer_signature
 
 # The name transformers gives the generation cache, as an argument of `forward` and
 # `prepare_inputs_for_generation`, a key of `generate()`'s model kwargs and a field of model
@@ -97,8 +98,8 @@ class TrellisCache(Cache):
     is_compileable = False
 
     def __init__(self, config: Any, rollback_window: int = 0) -> None:
-        if hasattr(config, "layer_signature"):
-            kinds, signature = config.layer_kinds, config.layer_signature()
+        if hasattr(config, "layer_kinds"):
+            kinds, signature = config.layer_kinds, layer_signature(config)
         else:
             kinds, signature = list(config), None
         unknown = [(i, kind) for i, kind in enumerate(kinds) if kind not in LAYER_CACHES]
@@ -337,7 +338,7 @@ class TrellisCache(Cache):
                          [{name: (tuple(t.shape), file_dtype(t)) for name, t in layer.tensors().items()}
                           for layer in self.layers],
                          lambda index, name: self.layers[index].tensors()[name])
-            self.signature = config.layer_signature()
+            self.signature = layer_signature(config)
 
     def save(self, path: Union[str, os.PathLike]) -> None:
         """Write the cache to one safetensors file (tensors, layer kinds, token count, the

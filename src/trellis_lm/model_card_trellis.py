@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from .layer_kinds import layer_signature
 from .mixers import MIXERS
 
 # Identifies cards this module wrote, which it may rewrite.
@@ -61,7 +62,7 @@ def used_config_fields(config: Any) -> dict[str, Any]:
     """:func:`config_fields` that the model uses: the model-level ones (the config's
     ``model_level_fields``) and those of the layer kinds it has (``layer_signature``), in the
     order the class declares them. Another kind's fields do not change the model."""
-    used = set(config.model_level_fields) | set(config.layer_signature())
+    used = set(config.model_level_fields) | set(layer_signature(config))
     return {name: value for name, value in config_fields(config).items() if name in used}
 
 

@@ -53,6 +53,7 @@ from transformers import Trainer, TrainerCallback
 from .cache_entries import MemoryEntry, MemoryLayerCache
 from .cache_files import STATE_FILE, check_entry_tensors, check_signature, checked_path, layer_keys, read_header, write_entries
 from .cache_trellis import CACHE_NAMES, TrellisCache
+from .layer_kinds import layer_signature
 from .modeling_trellis import TrellisModel
 
 CHECKPOINT_NAME = "state_passing-rank{rank}.safetensors"
@@ -197,7 +198,7 @@ class StatePassing:
             raise ValueError(f"{where}: the states were carried by a model with the layers {header.kinds}, this model "
                              f"has {config.layer_kinds} (config.mixer_types)")
         self.generator.set_state(generator)
-        self.carried, self.signature, self.kinds = carried, config.layer_signature(), list(config.layer_kinds)
+        self.carried, self.signature, self.kinds = carried, layer_signature(config), list(config.layer_kinds)
 
 
 class StatePassingCallback(TrainerCallback):

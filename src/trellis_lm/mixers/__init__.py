@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..configuration_trellis import DEFAULT_KIND
 from .base import MIXERS, MemoryMixer, Mixer
 
 # One line per kind, in this order: the order of MIXERS (registered as each class is defined),
@@ -18,9 +19,6 @@ from .trellis import TrellisAttention, forget_gate_bias  # noqa: E402  (isort: s
 from .lattice import LatticeAttention  # noqa: E402  (isort: skip)
 from .attention import AttentionMixer  # noqa: E402  (isort: skip)
 from .kvm import KVMAttention  # noqa: E402  (isort: skip)
-
-# The kind of every layer of a config without `mixer_types` (TrellisAttention.kind).
-DEFAULT_KIND = "trellis"
 
 
 def build_mixer(config: Any, layer_idx: int) -> Mixer:

@@ -21,8 +21,10 @@ from torch import nn
 from transformers import initialization
 
 from ..cache_entries import LayerCache, MemoryEntry, MemoryLayerCache, register_layer_cache, same_definition
-from ..cache_layout import ROWS, TensorSpec, model_config
+from ..cache_layout import ROWS, TensorSpec
 from ..cache_trellis import CacheCall, TrellisCache
+from ..configuration_trellis import TrellisConfig
+from ..layer_kinds import MIXERS
 from ..ops.state import OpState
 from ..ops.registry import BackendRegistry
 from ..projection_stacks import LinearStack, stacked
@@ -66,18 +68,14 @@ class Projections:
 # Model-level fields a standalone layer may be given besides its kind's (see Mixer.standalone_config).
 STANDALONE_SETTINGS = ("rms_norm_eps", "initializer_range", "op_backend", "compile_decode")
 
-# Every mixer kind by name, in the order the classes were defined: a class that sets `kind`
-# registers itself here, and its cache entry with the cache, as it is defined (see
-# `Mixer.__init_subclass__`). The configuration, the cache, the model card and the conversion
-# read the kinds from here.
-MIXERS: dict[str, type["Mixer"]] = {}
-
-
 class Mixer(nn.Module):
     """Base of the token mixers.
 
-    A subclass that sets ``kind`` is registered in :data:`MIXERS` when it is defined (a kind
-    defined anywhere, a test file included, is usable by name in ``config.mixer_types``).
+    A subclass that sets ``kind`` is registered in :data:`MIXERS` (the configuration's, which
+    reads the kind's declarations from the class and imports no mixer), and its cache entry with
+    the cache, when it is defined: a kind defined anywhere, a test file included, is usable by
+    name in ``config.mixer_types``; the cache, the model card and the conversion read the kinds
+    from there too.
 
     Args:
         config: the model's :class:`~trellis_lm.TrellisConfig`.
@@ -164,7 +162,7 @@ class Mixer(nn.Module):
         missing = [name for name in MODEL_FIELDS if name not in arguments]
         if missing:
             raise TypeError(f"{cls.__name__}() needs the keyword arguments {missing} (or a config)")
-        return model_config(num_hidden_layers=1, mixer_types=[cls.kind], **arguments)
+        return TrellisConfig(num_hidden_layers=1, mixer_types=[cls.kind], **arguments)
 
     def _init_if_standalone(self) -> None:
         """Initialise a layer made from explicit arguments as a model would (a model initialises

@@ -65,7 +65,7 @@ class TrellisAttention(MemoryMixer):
         NUM_SLOTS, CHUNK_SIZE, choice("compress_fn", COMPRESS_FNS), choice("mix_fn", MIX_FNS), CONV_SIZE,
         flag("use_forget_gate"), positive("gate_logit_normalizer"),
         # Every checkpoint saved before the field existed computes the anchored function.
-        choice("write_gradient", WRITE_GRADIENTS, legacy="anchored"),
+        choice("write_gradient", WRITE_GRADIENTS),
     )
     # A LayerNorm over one slot is 0 with a zero gradient: mix_fn "ln_silu" then reads 0 for every
     # input and compress_fn "layernorm" writes nothing, a memory that cannot be addressed.
