@@ -15,10 +15,11 @@ rollback records (:class:`StepRecord`) are what a memory entry needs to redo rec
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any, Callable, ClassVar, NamedTuple, Optional, Sequence
+from typing import Callable, ClassVar, NamedTuple, Optional, Sequence
 
 import torch
 
+from .configuration_trellis import TrellisConfig
 from .ops.state import OpState
 
 
@@ -117,7 +118,7 @@ class LayerCache:
         return []
 
     @classmethod
-    def value_problem(cls, tensors: dict[str, torch.Tensor], config: Any) -> Optional[str]:
+    def value_problem(cls, tensors: dict[str, torch.Tensor], config: Optional[TrellisConfig]) -> Optional[str]:
         """What makes a whole entry read from a file impossible for its kind, beyond each
         tensor's own bounds (``TensorSpec.most``): counters that disagree with each other or
         with the buffers they index. ``None`` when nothing is found; ``config`` is the model's
@@ -212,7 +213,7 @@ class AttentionLayerCache(LayerCache):
         return cls(**(_all_or_none([f.name for f in fields(cls)], tensors, "an attention layer's entry") or {}))
 
     @classmethod
-    def value_problem(cls, tensors: dict[str, torch.Tensor], config: Any) -> Optional[str]:
+    def value_problem(cls, tensors: dict[str, torch.Tensor], config: Optional[TrellisConfig]) -> Optional[str]:
         """A row's next position counts its visible columns (the real tokens of its document)."""
         visible = tensors["visible"].sum(dim=1)
         if not torch.equal(tensors["positions"], visible):

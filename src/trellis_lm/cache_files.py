@@ -101,7 +101,7 @@ def layer_keys(keys: Iterable[str], path: Any, count: Optional[int] = None) -> d
     return per_layer
 
 
-def check_signature(recorded: Optional[dict], config: Any, made: str) -> None:
+def check_signature(recorded: Optional[dict], config: TrellisConfig, made: str) -> None:
     """Raise a ``ValueError`` naming the first field that defines a layer's function where the
     ``recorded`` signature (``None``: none recorded, nothing to check) differs from ``config``'s
     model; ``made`` says who recorded it (e.g. "the cache was made")."""
@@ -126,7 +126,7 @@ def file_dtype(tensor: torch.Tensor) -> str:
     return _DTYPE_NAMES.get(tensor.dtype, str(tensor.dtype))
 
 
-def config_of(signature: dict, kinds: list[str], path: Any) -> Any:
+def config_of(signature: dict, kinds: list[str], path: Any) -> TrellisConfig:
     """The configuration of the model a cache file records (its metadata ``signature``), which
     gives its layers' sizes: built and checked as any config is."""
     if signature.get("mixer_types") != kinds:
@@ -139,7 +139,7 @@ def config_of(signature: dict, kinds: list[str], path: Any) -> Any:
         raise ValueError(f"{path}: metadata 'signature' is not a model this code can build: {error}") from None
 
 
-def check_layers(where: str, kinds: list[str], seen: int, config: Any,
+def check_layers(where: str, kinds: list[str], seen: int, config: Optional[TrellisConfig],
                   headers: list[dict[str, tuple[tuple[int, ...], str]]],
                   read: Callable[[int, str], torch.Tensor]) -> list[dict[str, torch.Tensor]]:
     """Check a cache's entries, one ``name -> (shape, safetensors dtype)`` dict per layer of
@@ -163,7 +163,7 @@ def check_layers(where: str, kinds: list[str], seen: int, config: Any,
     return read_layers
 
 
-def check_entry_tensors(where: str, kind: str, tensors: dict[str, torch.Tensor], config: Any, index: int) -> None:
+def check_entry_tensors(where: str, kind: str, tensors: dict[str, torch.Tensor], config: TrellisConfig, index: int) -> None:
     """Check the tensors of one memory layer's entry (e.g. a state carried between training
     batches) against layer ``index`` of ``config``'s model, which is of ``kind``: names, shapes,
     dtypes, counters (those bounded by the tokens seen, not known here, only from below) and

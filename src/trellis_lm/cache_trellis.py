@@ -11,7 +11,7 @@ import os
 import weakref
 from contextlib import contextmanager
 from dataclasses import fields
-from typing import Any, Callable, Iterator, Optional, Union
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
 from safetensors import safe_open
@@ -27,6 +27,7 @@ from .cache_files import (
     read_header, write_entries,
 )
 from .cache_layout import COLUMNS, ROWS, Dim, TensorSpec
+from .configuration_trellis import TrellisConfig
 from .layer_kinds import layer_signature
 
 # The name transformers gives the generation cache, as an argument of `forward` and
@@ -97,7 +98,7 @@ class TrellisCache(Cache):
     # with a compileable cache it would also hand `forward` its masks as dicts.
     is_compileable = False
 
-    def __init__(self, config: Any, rollback_window: int = 0) -> None:
+    def __init__(self, config: Union[TrellisConfig, Sequence[str]], rollback_window: int = 0) -> None:
         if hasattr(config, "layer_kinds"):
             kinds, signature = config.layer_kinds, layer_signature(config)
         else:
@@ -315,7 +316,7 @@ class TrellisCache(Cache):
         attention layers)."""
         return sum(t.numel() * t.element_size() for layer in self.layers for t in layer.tensors().values())
 
-    def check_compatible(self, config: Any) -> None:
+    def check_compatible(self, config: TrellisConfig) -> None:
         """Raise a ``ValueError`` naming the first difference between the layers this cache was
         made for and those of ``config``'s model: a continuation would otherwise be silently
         wrong (same shapes, another function) or fail deep inside a layer."""
@@ -326,7 +327,7 @@ class TrellisCache(Cache):
             )
         check_signature(self.signature, config, "the cache was made")
 
-    def bind(self, config: Any) -> None:
+    def bind(self, config: TrellisConfig) -> None:
         """Check the cache against ``config``'s model (:meth:`check_compatible`) and, when it
         records no model yet (made from a list of kinds, or read from a file without one), bind
         it to this one: a later model with other layer functions is then refused. A cache read
@@ -348,7 +349,7 @@ class TrellisCache(Cache):
 
     @classmethod
     def load(
-        cls, path: Union[str, os.PathLike], device: Union[str, torch.device, None] = None, config: Any = None
+        cls, path: Union[str, os.PathLike], device: Union[str, torch.device, None] = None, config: Optional[TrellisConfig] = None
     ) -> "TrellisCache":
         """Read a cache written by :meth:`save`, onto ``device`` (default: CPU).
 

@@ -39,7 +39,7 @@ def register_layer_checks(checks: Callable[["TrellisConfig"], None]) -> None:
     _layer_checks = checks
 
 
-def check_value(config: Any, name: str, is_valid: Callable[[Any], bool], expected: str) -> None:
+def check_value(config: TrellisConfig, name: str, is_valid: Callable[[Any], bool], expected: str) -> None:
     """Raise ``ValueError("TrellisConfig.<name> must be <expected>, got <value>")`` unless
     ``is_valid(config.<name>)``."""
     value = getattr(config, name)

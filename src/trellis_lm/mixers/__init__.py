@@ -7,9 +7,7 @@ its own kind of cache entry, registered in :data:`MIXERS` by kind as its class i
 
 from __future__ import annotations
 
-from typing import Any
-
-from ..configuration_trellis import DEFAULT_KIND
+from ..configuration_trellis import DEFAULT_KIND, TrellisConfig
 from .base import MIXERS, MemoryMixer, Mixer
 
 # One line per kind, in this order: the order of MIXERS (registered as each class is defined),
@@ -21,7 +19,7 @@ from .attention import AttentionMixer  # noqa: E402  (isort: skip)
 from .kvm import KVMAttention  # noqa: E402  (isort: skip)
 
 
-def build_mixer(config: Any, layer_idx: int) -> Mixer:
+def build_mixer(config: TrellisConfig, layer_idx: int) -> Mixer:
     """The mixer of layer ``layer_idx``: ``config.layer_kinds[layer_idx]``."""
     return MIXERS[config.layer_kinds[layer_idx]].from_config(config, layer_idx)
 

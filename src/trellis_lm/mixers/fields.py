@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence, Union
 
-from ..configuration_trellis import is_int, is_real
+from ..configuration_trellis import TrellisConfig, is_int, is_real
 
 # What every mixer's function depends on; the configuration checks these itself.
 MODEL_FIELDS = ("hidden_size", "num_heads", "head_dim")
@@ -33,10 +33,10 @@ class ConfigField:
     """
 
     name: str
-    valid: Callable[[Any, Any], bool]
-    expected: Union[str, Callable[[Any], str]]
+    valid: Callable[[Any, TrellisConfig], bool]
+    expected: Union[str, Callable[[TrellisConfig], str]]
 
-    def describe(self, config: Any) -> str:
+    def describe(self, config: TrellisConfig) -> str:
         return self.expected(config) if callable(self.expected) else self.expected
 
 
