@@ -20,6 +20,9 @@ from typing import Any, Callable, ClassVar, Optional
 
 from transformers import PreTrainedConfig
 
+from .defaults import (CHUNK_SIZE, COMPRESS_FN, KVM_BUDGET, KVM_BUDGET_EXPONENT, KVM_BUDGET_SATURATION,
+                       KVM_BUDGET_SCALE, KVM_CHUNK_SIZE, KVM_SINKS, KVM_STATE_SIZE, KVM_WINDOW_CHUNKS, LATTICE_VARIANT,
+                       MIX_FN, NUM_SLOTS, WRITE_GRADIENT)
 from .remote_code import AUTO_MAP, code_is_packaged, export_code
 
 # The kind of every layer of a config without `mixer_types`.
@@ -172,27 +175,27 @@ class TrellisConfig(PreTrainedConfig):
     mixer_types: list[str] | None = None
     num_heads: int = 12
     head_dim: int = 64
-    num_slots: int = 64
-    chunk_size: int = 16
-    compress_fn: str = "layernorm"
-    mix_fn: str = "ln_silu"
-    write_gradient: str = "exact"
-    lattice_variant: str = "dec"
+    num_slots: int = NUM_SLOTS
+    chunk_size: int = CHUNK_SIZE
+    compress_fn: str = COMPRESS_FN
+    mix_fn: str = MIX_FN
+    write_gradient: str = WRITE_GRADIENT
+    lattice_variant: str = LATTICE_VARIANT
     conv_size: int = 4
     use_forget_gate: bool = True
     gate_logit_normalizer: float = 16.0
     num_key_value_heads: int | None = None
     rope_theta: float = 10000.0
     attention_bias: bool = False
-    kvm_chunk_size: int = 256
-    kvm_window_chunks: int = 2
+    kvm_chunk_size: int = KVM_CHUNK_SIZE
+    kvm_window_chunks: int = KVM_WINDOW_CHUNKS
     kvm_rope_dims: int | None = None
-    kvm_sinks: int = 1
-    kvm_state_size: int = 256
-    kvm_budget: str = "fixed"
-    kvm_budget_scale: float = 16.0
-    kvm_budget_exponent: float = 0.5
-    kvm_budget_saturation: float = 1024.0
+    kvm_sinks: int = KVM_SINKS
+    kvm_state_size: int = KVM_STATE_SIZE
+    kvm_budget: str = KVM_BUDGET
+    kvm_budget_scale: float = KVM_BUDGET_SCALE
+    kvm_budget_exponent: float = KVM_BUDGET_EXPONENT
+    kvm_budget_saturation: float = KVM_BUDGET_SATURATION
     kvm_budget_min: int | None = None
     intermediate_size: int = 2048
     rms_norm_eps: float = 1e-6

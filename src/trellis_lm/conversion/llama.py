@@ -36,8 +36,9 @@ from typing import Any, Optional, Sequence, Union
 import torch
 from transformers import GenerationConfig, PreTrainedConfig
 
-from ..configuration_trellis import TrellisConfig
-from ..mixers import DEFAULT_KIND, MIXERS, AttentionMixer, LatticeAttention, TrellisAttention
+from ..configuration_trellis import DEFAULT_KIND, TrellisConfig
+from ..defaults import CHUNK_SIZE, NUM_SLOTS
+from ..mixers import MIXERS, AttentionMixer, LatticeAttention, TrellisAttention
 from ..modeling_trellis import TrellisForCausalLM
 from ..remote_code import flat_sources
 from .source import TeacherSource, copy_tokenizer, locate_source, path_overlap
@@ -80,8 +81,8 @@ def convert_llama_to_trellis(
     src: Union[str, Path],
     dst: Union[str, Path],
     *,
-    num_slots: int = 64,
-    chunk_size: int = 16,
+    num_slots: int = NUM_SLOTS,
+    chunk_size: int = CHUNK_SIZE,
     seed: int = 0,
     mixer: str = DEFAULT_KIND,
     keep_attention: Optional[Sequence[int]] = None,
@@ -254,8 +255,8 @@ def layer_mixers(
 def trellis_config_from(
     source_config: PreTrainedConfig,
     *,
-    num_slots: int = 64,
-    chunk_size: int = 16,
+    num_slots: int = NUM_SLOTS,
+    chunk_size: int = CHUNK_SIZE,
     mixer: str = DEFAULT_KIND,
     keep_attention: Optional[Sequence[int]] = None,
     attention_every: Optional[int] = None,
