@@ -152,8 +152,7 @@ class TrellisCache(Cache):
         held: dict[int, torch.Tensor] = {}
         for call in self._calls:
             for record in filter(None, call.layers.values()):
-                q_tail, k_tail, state = record.before
-                tensors = [record.x, record.mask, q_tail, k_tail, *(state.tensors().values() if state is not None else ())]
+                tensors = [record.x, record.mask, *record.before.tensors().values()]
                 held.update({id(t): t for t in tensors if isinstance(t, torch.Tensor)})
         return held
 

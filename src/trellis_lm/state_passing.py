@@ -159,8 +159,7 @@ class StatePassing:
     def save(self, path: Union[str, os.PathLike]) -> None:
         """Write the carried states, the draws' generator and the fields that define the model
         that made the states to one safetensors file."""
-        layers = {index: {"q_tail": entry.q_tail, "k_tail": entry.k_tail, **entry.state.tensors()}
-                  for index, entry in self.carried.items()}
+        layers = {index: entry.tensors() for index, entry in self.carried.items()}
         write_entries(path, STATE_FILE, self.kinds, layers, self.signature,
                       metadata={"probability": repr(self.probability)},
                       tensors={"generator": self.generator.get_state()})
