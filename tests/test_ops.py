@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from op_inputs import make_inputs, make_state
-from trellis_lm.ops import BACKENDS, COMPRESS_FNS, MIX_FNS, WRITE_GRADIENTS, TrellisState, trellis_attention
+from trellis_lm.ops import TRELLIS_BACKENDS as BACKENDS, COMPRESS_FNS, MIX_FNS, WRITE_GRADIENTS, TrellisState, trellis_attention
 from trellis_lm.ops.registry import OpCall
 from trellis_lm.ops.trellis.compress_mix import EPS, compress_residual_vjp, mix
 

@@ -120,10 +120,10 @@ def test_a_checkpoint_carries_the_code_of_its_own_layer_kinds_only(tmp_path, sch
 
 
 def test_only_package_inits_may_import_every_kind():
-    assert without_imports("from .kvm import KVMAttention\nfrom .base import Mixer\n", "mixers",
+    assert without_imports("from .kvm import KVMMixer\nfrom .base import Mixer\n", "mixers",
                            lambda module: module == "mixers.kvm") == "from .base import Mixer\n"
     with pytest.raises(ValueError, match="on one line"):
-        without_imports("from .kvm import (\n    KVMAttention,\n)\n", "mixers", lambda module: module == "mixers.kvm")
+        without_imports("from .kvm import (\n    KVMMixer,\n)\n", "mixers", lambda module: module == "mixers.kvm")
 
 
 def test_every_config_field_is_model_level_or_a_layer_kinds():

@@ -13,7 +13,7 @@ from tiny_models import SCHEDULES, random_tokens, tiny_model
 from trainer_helpers import ROWS, sgd_trainer, trained_parameters
 from transformers_names import CHECKPOINTING_ARG, cache_of, enable_checkpointing
 from trellis_lm import TrellisCache
-from trellis_lm.cache_trellis import AttentionLayerCache
+from trellis_lm.cache_entries import AttentionLayerCache
 from trellis_lm.state_passing import CHECKPOINT_NAME, StatePassing, StatePassingCallback
 
 EXACT = dict(rtol=1e-12, atol=1e-12)

@@ -18,15 +18,10 @@ from safetensors import safe_open
 from transformers.cache_utils import Cache
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
-from .cache_entries import (
-    LAYER_CACHES, AttentionLayerCache, CallRecords, LayerCache, MemoryEntry, MemoryLayerCache, StepRecord,
-    register_layer_cache, same_definition,
-)
+from .cache_entries import LAYER_CACHES, CallRecords, LayerCache, MemoryEntry, MemoryLayerCache, StepRecord
 from .cache_files import (
-    CACHE_FILE, check_entry_tensors, check_layers, check_signature, checked_path, config_of, file_dtype, layer_keys,
-    read_header, write_entries,
+    CACHE_FILE, check_layers, check_signature, checked_path, config_of, file_dtype, layer_keys, read_header, write_entries,
 )
-from .cache_layout import COLUMNS, ROWS, Dim, TensorSpec
 from .configuration_trellis import TrellisConfig
 from .layer_kinds import layer_signature
 
@@ -411,8 +406,4 @@ def one_cache(cache: Any, past_key_values: Any) -> Any:
     return cache if cache is not None else past_key_values
 
 
-__all__ = [
-    "CACHE_ARG", "CACHE_NAMES", "COLUMNS", "LAYER_CACHES", "ROWS", "AttentionLayerCache", "CacheCall", "Dim",
-    "LayerCache", "MemoryEntry", "MemoryLayerCache", "TensorSpec", "TrellisCache", "check_entry_tensors", "one_cache",
-    "register_layer_cache", "same_definition",
-]
+__all__ = ["CACHE_ARG", "CACHE_NAMES", "CacheCall", "TrellisCache", "one_cache"]

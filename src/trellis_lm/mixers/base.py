@@ -33,8 +33,8 @@ from .norms_convs import TrellisRMSNorm, TrellisShortConv, at_least_float32, cau
 from .valid_tokens import ValidTokens
 
 # Outside a span with stacks made once (generate's), fewer tokens than this per call run the
-# projections one by one: stacking their weights then costs more than the matmuls (at batch 1,
-# 7 projections of 256 -> 256, measured 33 us apart against 45 us stacked on the fly).
+# projections one by one: stacking their weights then costs more than the matmuls (BENCHMARKS.md,
+# "Figures behind code comments").
 FUSE_MIN_TOKENS = 64
 
 

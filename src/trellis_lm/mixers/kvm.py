@@ -64,7 +64,7 @@ class KVMLayerCache(MemoryLayerCache):
         return None
 
 
-class KVMAttention(MemoryMixer):
+class KVMMixer(MemoryMixer):
     """The KVM mixer: projections, per-head q/k LayerNorm (affine shared by the heads), partial
     RoPE, merge gate ``1 + elu(merge_proj(x))``, the op, ``o_proj`` (no output norm or gate: it
     is attention).

@@ -23,7 +23,7 @@ class LatticeLayerCache(MemoryLayerCache):
     state_class = LatticeState
 
 
-class LatticeAttention(MemoryMixer):
+class LatticeMixer(MemoryMixer):
     """The Lattice mixer: projections, short convs, step size, the op, gated output.
 
     Parameters: ``q_proj, k_proj: D -> H M`` (slot coefficients), ``v_proj, g_proj: D -> H d``,
@@ -93,7 +93,7 @@ class LatticeAttention(MemoryMixer):
     def init_from_attention(self, input_norm_weight: Optional[torch.Tensor]) -> None:
         """Initialise what a Lattice mixer has beyond the teacher's projections (q/k via
         :func:`~trellis_lm.conversion.llama.project_to_slots`, v/o copied), for the same aims as
-        :meth:`TrellisAttention.init_from_attention` (``input_norm_weight`` is not read):
+        :meth:`TrellisMixer.init_from_attention` (``input_norm_weight`` is not read):
 
         - ``g_proj = 0``: the mixer outputs exactly 0, so the converted model is the teacher with
           this layer's attention output removed, and stage 1's error starts at 1.0 (same reasons as

@@ -45,7 +45,7 @@ class TrellisLayerCache(MemoryLayerCache):
     state_class = TrellisState
 
 
-class TrellisAttention(MemoryMixer):
+class TrellisMixer(MemoryMixer):
     """The Trellis mixer: projections, short convs, gates, the op, gated output.
 
     Named ``self_attn`` in its block so Llama LoRA targets and conversions carry over.
