@@ -163,15 +163,21 @@ def check_layers(where: str, kinds: list[str], seen: int, config: Optional[Trell
     return read_layers
 
 
-def check_entry_tensors(where: str, kind: str, tensors: dict[str, torch.Tensor], config: TrellisConfig, index: int) -> None:
+def check_entry_headers(where: str, kind: str, headers: dict[str, tuple[tuple[int, ...], str]], config: TrellisConfig,
+                        index: int) -> None:
     """Check the tensors of one memory layer's entry (e.g. a state carried between training
-    batches) against layer ``index`` of ``config``'s model, which is of ``kind``: names, shapes,
-    dtypes, counters (those bounded by the tokens seen, not known here, only from below) and
-    their agreement. Raises a ``ValueError`` starting with ``where``."""
-    layout = cache_layouts(config)[index]
-    headers = {name: (tuple(t.shape), file_dtype(t)) for name, t in tensors.items()}
-    _check_entry(where, kind, headers, None, layout, {"rows": None}, exact=True)
-    _check_counters(where, tensors, layout, None)
+    batches), ``name -> (shape, safetensors dtype)`` as a file's header gives them, against
+    layer ``index`` of ``config``'s model, which is of ``kind``: names, shapes, dtypes. What a
+    reader checks before it reads a tensor; :func:`check_entry_values` checks the values read.
+    Raises a ``ValueError`` starting with ``where``."""
+    _check_entry(where, kind, headers, None, cache_layouts(config)[index], {"rows": None}, exact=True)
+
+
+def check_entry_values(where: str, kind: str, tensors: dict[str, torch.Tensor], config: TrellisConfig, index: int) -> None:
+    """Check the counters of one memory layer's entry read after :func:`check_entry_headers`:
+    against their bounds (those bounded by the tokens seen, not known here, only from below) and
+    each other. Raises a ``ValueError`` starting with ``where``."""
+    _check_counters(where, tensors, cache_layouts(config)[index], None)
     problem = LAYER_CACHES[kind].value_problem(tensors, config)
     if problem:
         raise ValueError(f"{where}: {problem}")
