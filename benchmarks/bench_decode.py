@@ -31,9 +31,8 @@ Operations per token: ``torch.profiler`` counts of every ``aten::`` call (nested
 and of the top-level ones (those no other ``aten::`` call issued) over 5 steps at the first
 context, batch 1, with each model's most frequent top-level operations.
 
-The steps run as ``generate()`` runs them (inside its set-up, ``inference_span``, where the package
-has it; older checkouts: ``stacked_projections``); otherwise only public API, so an older checkout
-runs it unchanged (before/after tables).
+The steps run as ``generate()`` runs them (inside its set-up, ``inference_span``); otherwise only
+public API.
 """
 
 from __future__ import annotations
@@ -53,15 +52,8 @@ from torch.profiler import ProfilerActivity, profile
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from trellis_lm import TrellisConfig, TrellisForCausalLM
-
-try:  # what generate() runs its steps in (older checkouts have no such span, or only the stacks)
-    from trellis_lm.compiled_decode import inference_span
-except ImportError:
-    try:
-        from trellis_lm.mixers.stacking import stacked_projections as inference_span
-    except ImportError:
-        inference_span = None
 from trellis_lm.cache_trellis import CACHE_ARG  # the running transformers' name for the cache argument
+from trellis_lm.compiled_decode import inference_span
 
 SIZES = {
     "default": dict(hidden=256, layers=4, heads=4, head_dim=64, slots=64, vocab=4096),
@@ -228,11 +220,10 @@ def main() -> None:
     steps = 8 * rounds + 16  # what a StaticCache must hold room for: every timed and untimed step
     print("parameters (M): " + ", ".join(f"{n} {p:.2f}" for n, p in params.items()))
 
-    spans = contextlib.ExitStack()
-    if inference_span is not None:
-        for model in models.values():
-            if isinstance(model, TrellisForCausalLM):
-                spans.enter_context(inference_span(model))
+    spans = contextlib.ExitStack()  # what generate() runs its steps in
+    for model in models.values():
+        if isinstance(model, TrellisForCausalLM):
+            spans.enter_context(inference_span(model))
     steppers, nbytes = {}, {}
     for name, model in models.items():
         for context in contexts:

@@ -1,5 +1,6 @@
 """The package's layering: no import cycle among its modules, counting imports made inside
-functions (a cycle hidden in a function still ties two modules into one unit to change)."""
+functions (a cycle hidden in a function still ties two modules into one unit to change); the
+configuration imports nothing of the model, the mixers nothing of the model above them."""
 
 from __future__ import annotations
 
@@ -57,3 +58,43 @@ def test_no_module_takes_part_in_an_import_cycle():
         if module not in state:
             visit(module, [module])
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+def closure(graph: dict[str, set[str]], module: str) -> set[str]:
+    """The package modules ``module`` imports, directly or through others."""
+    seen, pending = set(), [module]
+    while pending:
+        for target in graph.get(pending.pop(), ()):
+            if target not in seen:
+                seen.add(target)
+                pending.append(target)
+    return seen
+
+
+# The model: the modules that make up a model and what sits above them (what a layer kind's
+# code, the cache and the model are; the configuration and the entry layouts are below them).
+MODEL = ("layer_kinds", "mixers", "ops", "cache_trellis", "cache_entries", "cache_files", "modeling_trellis", "projection_stacks",
+         "compiled_decode", "decode_step", "state_passing", "training", "conversion", "integrations", "eval")
+
+
+def of_the_model(module: str) -> bool:
+    return any(module == top or module.startswith(f"{top}.") for top in MODEL)
+
+
+def test_the_configuration_imports_nothing_of_the_model():
+    """A config is read before its model (a checkpoint's, as remote code): the mixers register
+    what it checks, it imports none of them (nor anything they import), not even inside a function."""
+    graph = import_graph()
+    assert "remote_code" in graph["configuration_trellis"]  # (the graph sees the config's imports)
+    assert not {m for m in closure(graph, "configuration_trellis") if of_the_model(m)}
+
+
+def test_the_mixers_import_nothing_of_the_model_above_them():
+    """A mixer imports its op, the cache and the configuration, never the model built of mixers
+    (nor anything above it)."""
+    graph = import_graph()
+    above = {"modeling_trellis", "compiled_decode", "decode_step", "state_passing", "training", "conversion",
+             "integrations", "eval", "cli", "benchmark", "model_card_trellis"}
+    for mixer in [m for m in graph if m == "mixers" or m.startswith("mixers.")]:
+        reached = closure(graph, mixer)
+        assert not {m for m in reached if m.split(".")[0] in above}, mixer

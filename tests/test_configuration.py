@@ -10,7 +10,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 from tiny_models import tiny_config
 from trellis_lm import TrellisConfig, TrellisForCausalLM, TrellisModel
 from trellis_lm.mixers import MIXERS
-from trellis_lm.ops import BACKENDS, COMPRESS_FNS, MIX_FNS
+from trellis_lm.ops import TRELLIS_BACKENDS as BACKENDS, COMPRESS_FNS, MIX_FNS
 
 
 DEFAULTS = dict(

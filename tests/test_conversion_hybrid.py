@@ -33,7 +33,7 @@ from trellis_lm.conversion.cli import add_convert_arguments, run_convert
 from trellis_lm.conversion.distill import LayerwiseMixers, distillation_kl
 from trellis_lm.conversion.layer_choice import choose_attention_layers, conversion_costs, keep_as_attention, parse_auto
 from trellis_lm.conversion.llama import repeat_kv_heads
-from trellis_lm.mixers import AttentionMixer, LatticeAttention, TrellisAttention
+from trellis_lm.mixers import AttentionMixer, LatticeMixer, TrellisMixer
 
 SMALL_MEMORY = dict(num_slots=8, chunk_size=8)
 FAMILIES = {
@@ -163,7 +163,7 @@ def test_hybrid_keeps_listed_layers_exactly_and_starts_as_documented(tmp_path, f
         tmp_path / "teacher", tmp_path / "trellis", mixer=mixer, keep_attention=[3, 1], **SMALL_MEMORY
     )
     assert student.config.mixer_types == [mixer, "attention", mixer, "attention"]
-    kinds = {"trellis": TrellisAttention, "lattice": LatticeAttention}
+    kinds = {"trellis": TrellisMixer, "lattice": LatticeMixer}
     assert [type(layer.self_attn) for layer in student.model.layers] == [kinds[mixer], AttentionMixer] * 2
     for layer in (1, 3):
         kept, original = attention_tensors(student, layer), attention_tensors(teacher, layer)

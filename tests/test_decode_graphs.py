@@ -224,7 +224,7 @@ def test_entry_tensors_round_trip():
     cache = TrellisCache(model.config)
     with torch.no_grad():
         model(random_tokens(2, 5), past_key_values=cache)
-    entries = [(layer.q_tail, layer.k_tail, layer.state) for layer in cache.layers if hasattr(layer, "q_tail")]
+    entries = [layer.entry for layer in cache.layers if hasattr(layer, "q_tail")]
     flat = entry_tensors(entries)
     again = entries_from(entries, iter(flat))
     assert [t is u for t, u in zip(entry_tensors(again), flat)] == [True] * len(flat)

@@ -15,6 +15,7 @@ from transformers.dynamic_module_utils import get_imports, get_relative_imports
 
 from tiny_models import SCHEDULES, left_pad, random_tokens, tiny_model
 from trellis_lm import TrellisConfig, TrellisForCausalLM, train_tokenizer
+from trellis_lm.layer_kinds import layer_signature
 from trellis_lm.mixers import DEFAULT_KIND, MIXERS
 from trellis_lm.model_card_trellis import MARKER, TrainingRun, config_fields, render_model_card
 from trellis_lm.remote_code import AUTO_MAP, export_code, flat_name, flat_sources, flatten_imports, without_imports
@@ -119,10 +120,10 @@ def test_a_checkpoint_carries_the_code_of_its_own_layer_kinds_only(tmp_path, sch
 
 
 def test_only_package_inits_may_import_every_kind():
-    assert without_imports("from .kvm import KVMAttention\nfrom .base import Mixer\n", "mixers",
+    assert without_imports("from .kvm import KVMMixer\nfrom .base import Mixer\n", "mixers",
                            lambda module: module == "mixers.kvm") == "from .base import Mixer\n"
     with pytest.raises(ValueError, match="on one line"):
-        without_imports("from .kvm import (\n    KVMAttention,\n)\n", "mixers", lambda module: module == "mixers.kvm")
+        without_imports("from .kvm import (\n    KVMMixer,\n)\n", "mixers", lambda module: module == "mixers.kvm")
 
 
 def test_every_config_field_is_model_level_or_a_layer_kinds():
@@ -140,7 +141,7 @@ def test_the_card_lists_the_fields_its_layers_use(tmp_path, schedule):
     card = (tmp_path / "README.md").read_text()
     listed = set(re.findall(r"^\| `(\w+)` \| `", card, flags=re.MULTILINE))
     config = model.config
-    assert listed == set(config.model_level_fields) | (set(config.layer_signature()) & set(config_fields(config)))
+    assert listed == set(config.model_level_fields) | (set(layer_signature(config)) & set(config_fields(config)))
     kinds = set(config.layer_kinds)
     assert any(name.startswith("kvm_") for name in listed) == ("kvm" in kinds)
     assert ("lattice_variant" in listed) == ("lattice" in kinds)

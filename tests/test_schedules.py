@@ -14,7 +14,7 @@ import torch
 from tiny_models import SCHEDULES, left_pad, random_tokens, right_pad, tiny_config, tiny_model
 from transformers_names import cache_of
 from trellis_lm import TrellisCache, TrellisConfig, TrellisForCausalLM
-from trellis_lm.mixers import AttentionMixer, LatticeAttention, TrellisAttention
+from trellis_lm.mixers import AttentionMixer, LatticeMixer, TrellisMixer
 
 EXACT = dict(rtol=1e-9, atol=1e-9)
 
@@ -39,7 +39,7 @@ def test_mixer_types_default_to_trellis_and_set_layer_types():
     assert hybrid.layer_types == ["linear_attention", "linear_attention", "full_attention", "linear_attention"]
     model = tiny_model(schedule="hybrid")
     kinds = [type(layer.self_attn) for layer in model.model.layers]
-    assert kinds == [TrellisAttention, TrellisAttention, AttentionMixer, LatticeAttention]
+    assert kinds == [TrellisMixer, TrellisMixer, AttentionMixer, LatticeMixer]
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,8 @@ from tiny_models import SCHEDULES, random_tokens, tiny_model
 from trainer_helpers import ROWS, sgd_trainer, trained_parameters
 from transformers_names import CHECKPOINTING_ARG, cache_of, enable_checkpointing
 from trellis_lm import TrellisCache
-from trellis_lm.cache_trellis import AttentionLayerCache
+from trellis_lm.cache_entries import AttentionLayerCache
+from trellis_lm.cache_trellis import CACHE_ARG
 from trellis_lm.state_passing import CHECKPOINT_NAME, StatePassing, StatePassingCallback
 
 EXACT = dict(rtol=1e-12, atol=1e-12)
@@ -282,6 +283,52 @@ def test_a_state_file_that_is_not_what_save_wrote_is_refused_by_name(tmp_path):
     _, path = saved_states(tmp_path, schedule="kvm-hybrid")
     with pytest.raises(ValueError, match=r"mixer_types"):
         StatePassing().load(path, hybrid)
+
+
+def test_state_and_cache_files_are_refused_on_their_headers_before_a_tensor_is_read(tmp_path, monkeypatch):
+    """One loader order (issue 76): a tensor of the wrong shape or dtype is refused from the file's
+    header, in a state file as in a cache file, before any tensor is read."""
+    import trellis_lm.cache_trellis
+    import trellis_lm.state_passing
+
+    model, path = saved_states(tmp_path)
+    cache = getattr(model.eval()(random_tokens(2, 5), use_cache=True), CACHE_ARG)
+    cache.save(tmp_path / "cache.safetensors")
+    for name, keep in (("states", path), ("cache", tmp_path / "cache.safetensors")):
+        with safe_open(str(keep), framework="pt") as f:
+            tensors, metadata = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+        tensors["layers.1.m_v"] = tensors["layers.1.m_v"].half()
+        save_file(tensors, str(tmp_path / f"bad_{name}.safetensors"), metadata=metadata)
+
+    class Unread:
+        """safe_open whose tensors cannot be read (headers can)."""
+
+        def __init__(self, *args, **kwargs):
+            self.file = safe_open(*args, **kwargs)
+
+        def __enter__(self):
+            handle = self.file.__enter__()
+            outer = self
+
+            class Handle:
+                def __getattr__(self, attr):
+                    return getattr(handle, attr)
+
+                def get_tensor(self, key):
+                    raise AssertionError(f"tensor {key!r} read before the headers were checked")
+
+            outer.handle = Handle()
+            return outer.handle
+
+        def __exit__(self, *exc):
+            return self.file.__exit__(*exc)
+
+    monkeypatch.setattr(trellis_lm.state_passing, "safe_open", Unread)
+    monkeypatch.setattr(trellis_lm.cache_trellis, "safe_open", Unread)
+    with pytest.raises(ValueError, match=r"layer 1 \(trellis\) tensor 'm_v' has dtype F16"):
+        StatePassing().load(tmp_path / "bad_states.safetensors", model)
+    with pytest.raises(ValueError, match=r"layer 1 \(trellis\) tensor 'm_v' has dtype F16"):
+        TrellisCache.load(tmp_path / "bad_cache.safetensors")
 
 
 def test_a_state_file_has_the_cache_file_s_header_and_checks(tmp_path):

@@ -241,7 +241,7 @@ def test_every_variant_builds_and_scores():
             continue
         assert model.config.layer_kinds == schedule
         # The mixers built are the schedule's kinds.
-        mixer_class = {"trellis": "TrellisAttention", "lattice": "LatticeAttention", "kvm": "KVMAttention",
+        mixer_class = {"trellis": "TrellisMixer", "lattice": "LatticeMixer", "kvm": "KVMMixer",
                        "attention": "AttentionMixer"}
         assert [type(layer.self_attn).__name__ for layer in model.model.layers] == [mixer_class[k] for k in schedule]
         for field, value in spec.overrides.items():

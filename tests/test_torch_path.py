@@ -137,7 +137,7 @@ def test_mixer_never_runs_the_op_s_range_checks(monkeypatch):
     import trellis_lm.mixers.trellis as trellis_mixer
 
     seen = []
-    op, step_op = trellis_mixer.TrellisAttention.op, trellis_mixer.TrellisAttention.step_op
+    op, step_op = trellis_mixer.TrellisMixer.op, trellis_mixer.TrellisMixer.step_op
 
     def recording(*args, **kwargs):
         seen.append((args[0].shape[1], kwargs["check_values"]))
@@ -147,8 +147,8 @@ def test_mixer_never_runs_the_op_s_range_checks(monkeypatch):
         seen.append((args[0].shape[1], "step"))
         return step_op(*args, **kwargs)
 
-    monkeypatch.setattr(trellis_mixer.TrellisAttention, "op", staticmethod(recording))
-    monkeypatch.setattr(trellis_mixer.TrellisAttention, "step_op", staticmethod(recording_step))
+    monkeypatch.setattr(trellis_mixer.TrellisMixer, "op", staticmethod(recording))
+    monkeypatch.setattr(trellis_mixer.TrellisMixer, "step_op", staticmethod(recording_step))
     model = tiny_model()
     ids = random_tokens(2, 6)
     with torch.no_grad():

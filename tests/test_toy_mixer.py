@@ -13,7 +13,8 @@ from torch import nn
 
 from tiny_models import VOCAB, random_tokens
 from trellis_lm import TrellisCache, TrellisConfig, TrellisForCausalLM
-from trellis_lm.cache_trellis import LAYER_CACHES, ROWS, MemoryLayerCache, TensorSpec
+from trellis_lm.cache_entries import LAYER_CACHES, MemoryLayerCache
+from trellis_lm.cache_layout import ROWS, TensorSpec
 from trellis_lm.mixers import MIXERS, MemoryMixer
 from trellis_lm.ops import OpState
 
@@ -114,7 +115,7 @@ def feed(model: TrellisForCausalLM, ids: torch.Tensor, pieces: list[int], cache:
 @pytest.mark.usefixtures("toy_kind")
 def test_a_kind_defined_outside_the_package_runs_through_the_model(tmp_path):
     model = toy_model()
-    assert [type(layer.self_attn).__name__ for layer in model.model.layers] == ["ToyMixer", "TrellisAttention", "ToyMixer"]
+    assert [type(layer.self_attn).__name__ for layer in model.model.layers] == ["ToyMixer", "TrellisMixer", "ToyMixer"]
     ids = random_tokens(2, 11, seed=1)
     with torch.no_grad():
         whole = model(ids).logits

@@ -15,10 +15,11 @@ rollback records (:class:`StepRecord`) are what a memory entry needs to redo rec
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any, Callable, ClassVar, NamedTuple, Optional, Sequence
+from typing import Callable, ClassVar, NamedTuple, Optional, Sequence
 
 import torch
 
+from .configuration_trellis import TrellisConfig
 from .ops.state import OpState
 
 
@@ -38,9 +39,28 @@ class MemoryEntry(NamedTuple):
     state: Optional[OpState]
 
     def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "MemoryEntry":
-        """``fn`` applied to every tensor held (all have the rows on dim 0)."""
+        """``fn`` applied to every tensor held (all have the rows on dim 0), in the order of
+        :meth:`tensors`."""
         return MemoryEntry(*(None if t is None else fn(t) for t in (self.q_tail, self.k_tail)),
                            None if self.state is None else self.state.map(fn))
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The entry's flat form: every tensor held, by name: the tails present (``q_tail``,
+        ``k_tail``), then the state's fields under their own names. What a cache or state file
+        holds of the layer (``layers.<index>.<name>``), what a compiled step takes, what a
+        rollback record counts."""
+        held = {name: t for name, t in (("q_tail", self.q_tail), ("k_tail", self.k_tail)) if t is not None}
+        if self.state is not None:
+            held.update(self.state.tensors())
+        return held
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor], state_class: type[OpState], what: str) -> "MemoryEntry":
+        """Inverse of :meth:`tensors` for a state of ``state_class``; raises a ``ValueError``
+        naming ``what`` (the layer) when the state or the tails are incomplete."""
+        state = _all_or_none(state_class.field_names(), tensors, f"{what}'s state")
+        tails = _all_or_none(["q_tail", "k_tail"], tensors, f"{what}'s short-conv tails") or {}
+        return cls(tails.get("q_tail"), tails.get("k_tail"), None if state is None else state_class(**state))
 
 
 class LayerCache:
@@ -117,7 +137,7 @@ class LayerCache:
         return []
 
     @classmethod
-    def value_problem(cls, tensors: dict[str, torch.Tensor], config: Any) -> Optional[str]:
+    def value_problem(cls, tensors: dict[str, torch.Tensor], config: Optional[TrellisConfig]) -> Optional[str]:
         """What makes a whole entry read from a file impossible for its kind, beyond each
         tensor's own bounds (``TensorSpec.most``): counters that disagree with each other or
         with the buffers they index. ``None`` when nothing is found; ``config`` is the model's
@@ -153,9 +173,10 @@ class MemoryLayerCache(LayerCache):
     @classmethod
     def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> "MemoryLayerCache":
         """Inverse of :meth:`tensors`; raises ``ValueError`` when a state is incomplete."""
-        state = _all_or_none(cls.state_class.field_names(), tensors, f"a {cls.kind} layer's state")
-        tails = _all_or_none(["q_tail", "k_tail"], tensors, f"a {cls.kind} layer's short-conv tails") or {}
-        return cls(tails.get("q_tail"), tails.get("k_tail"), None if state is None else cls.state_class(**state))
+        return cls(*MemoryEntry.from_tensors(tensors, cls.state_class, f"a {cls.kind} layer"))
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return self.entry.tensors()
 
     @classmethod
     def tensor_names(cls) -> list[str]:
@@ -212,7 +233,7 @@ class AttentionLayerCache(LayerCache):
         return cls(**(_all_or_none([f.name for f in fields(cls)], tensors, "an attention layer's entry") or {}))
 
     @classmethod
-    def value_problem(cls, tensors: dict[str, torch.Tensor], config: Any) -> Optional[str]:
+    def value_problem(cls, tensors: dict[str, torch.Tensor], config: Optional[TrellisConfig]) -> Optional[str]:
         """A row's next position counts its visible columns (the real tokens of its document)."""
         visible = tensors["visible"].sum(dim=1)
         if not torch.equal(tensors["positions"], visible):

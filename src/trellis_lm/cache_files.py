@@ -23,7 +23,9 @@ import torch
 from safetensors.torch import save_file
 
 from .cache_entries import LAYER_CACHES
-from .cache_layout import COLUMNS, Dim, TensorSpec, model_config, saved_fields
+from .cache_layout import COLUMNS, Dim, TensorSpec
+from .configuration_trellis import TrellisConfig
+from .layer_kinds import cache_layouts, layer_signature
 
 
 @dataclass(frozen=True)
@@ -99,14 +101,14 @@ def layer_keys(keys: Iterable[str], path: Any, count: Optional[int] = None) -> d
     return per_layer
 
 
-def check_signature(recorded: Optional[dict], config: Any, made: str) -> None:
+def check_signature(recorded: Optional[dict], config: TrellisConfig, made: str) -> None:
     """Raise a ``ValueError`` naming the first field that defines a layer's function where the
     ``recorded`` signature (``None``: none recorded, nothing to check) differs from ``config``'s
     model; ``made`` says who recorded it (e.g. "the cache was made")."""
     if recorded is None:
         return
-    recorded = saved_fields(recorded)
-    for name, value in config.layer_signature().items():
+    recorded = TrellisConfig.completed(recorded)
+    for name, value in layer_signature(config).items():
         if recorded.get(name) != value:
             raise ValueError(f"{made} by a model with {name}={recorded.get(name)!r}, this model has {name}={value!r}")
 
@@ -124,20 +126,20 @@ def file_dtype(tensor: torch.Tensor) -> str:
     return _DTYPE_NAMES.get(tensor.dtype, str(tensor.dtype))
 
 
-def config_of(signature: dict, kinds: list[str], path: Any) -> Any:
+def config_of(signature: dict, kinds: list[str], path: Any) -> TrellisConfig:
     """The configuration of the model a cache file records (its metadata ``signature``), which
     gives its layers' sizes: built and checked as any config is."""
     if signature.get("mixer_types") != kinds:
         raise ValueError(f"{path}: metadata 'signature' records the layers {signature.get('mixer_types')!r}, "
                          f"'layer_kinds' {kinds}")
-    fields = saved_fields({name: value for name, value in signature.items() if name != "mixer_types"})
+    fields = TrellisConfig.completed({name: value for name, value in signature.items() if name != "mixer_types"})
     try:
-        return model_config(num_hidden_layers=len(kinds), mixer_types=kinds, **fields)
+        return TrellisConfig(num_hidden_layers=len(kinds), mixer_types=kinds, **fields)
     except (ValueError, TypeError) as error:
         raise ValueError(f"{path}: metadata 'signature' is not a model this code can build: {error}") from None
 
 
-def check_layers(where: str, kinds: list[str], seen: int, config: Any,
+def check_layers(where: str, kinds: list[str], seen: int, config: Optional[TrellisConfig],
                   headers: list[dict[str, tuple[tuple[int, ...], str]]],
                   read: Callable[[int, str], torch.Tensor]) -> list[dict[str, torch.Tensor]]:
     """Check a cache's entries, one ``name -> (shape, safetensors dtype)`` dict per layer of
@@ -146,7 +148,7 @@ def check_layers(where: str, kinds: list[str], seen: int, config: Any,
     check its counters and values. Returns the tensors per layer; raises a ``ValueError``
     starting with ``where`` and naming the layer."""
     exact = config is not None
-    layouts = config.cache_layouts() if exact else _loose_layouts(kinds)
+    layouts = cache_layouts(config) if exact else _loose_layouts(kinds)
     sizes: dict[str, Optional[int]] = {"rows": None}
     for index, (kind, layer) in enumerate(zip(kinds, headers)):
         _check_entry(f"{where}: layer {index} ({kind})", kind, layer, seen, layouts[index], sizes, exact)
@@ -161,15 +163,21 @@ def check_layers(where: str, kinds: list[str], seen: int, config: Any,
     return read_layers
 
 
-def check_entry_tensors(where: str, kind: str, tensors: dict[str, torch.Tensor], config: Any, index: int) -> None:
+def check_entry_headers(where: str, kind: str, headers: dict[str, tuple[tuple[int, ...], str]], config: TrellisConfig,
+                        index: int) -> None:
     """Check the tensors of one memory layer's entry (e.g. a state carried between training
-    batches) against layer ``index`` of ``config``'s model, which is of ``kind``: names, shapes,
-    dtypes, counters (those bounded by the tokens seen, not known here, only from below) and
-    their agreement. Raises a ``ValueError`` starting with ``where``."""
-    layout = config.cache_layouts()[index]
-    headers = {name: (tuple(t.shape), file_dtype(t)) for name, t in tensors.items()}
-    _check_entry(where, kind, headers, None, layout, {"rows": None}, exact=True)
-    _check_counters(where, tensors, layout, None)
+    batches), ``name -> (shape, safetensors dtype)`` as a file's header gives them, against
+    layer ``index`` of ``config``'s model, which is of ``kind``: names, shapes, dtypes. What a
+    reader checks before it reads a tensor; :func:`check_entry_values` checks the values read.
+    Raises a ``ValueError`` starting with ``where``."""
+    _check_entry(where, kind, headers, None, cache_layouts(config)[index], {"rows": None}, exact=True)
+
+
+def check_entry_values(where: str, kind: str, tensors: dict[str, torch.Tensor], config: TrellisConfig, index: int) -> None:
+    """Check the counters of one memory layer's entry read after :func:`check_entry_headers`:
+    against their bounds (those bounded by the tokens seen, not known here, only from below) and
+    each other. Raises a ``ValueError`` starting with ``where``."""
+    _check_counters(where, tensors, cache_layouts(config)[index], None)
     problem = LAYER_CACHES[kind].value_problem(tensors, config)
     if problem:
         raise ValueError(f"{where}: {problem}")
@@ -178,7 +186,7 @@ def check_entry_tensors(where: str, kind: str, tensors: dict[str, torch.Tensor],
 def _loose_layouts(kinds: list[str]) -> list[dict[str, TensorSpec]]:
     """The layouts of ``kinds`` in a model of default sizes: their names, ranks, dtypes and named
     dims hold whatever the sizes (a check without the model reads nothing else of them)."""
-    return model_config(num_hidden_layers=len(kinds), mixer_types=kinds).cache_layouts()
+    return cache_layouts(TrellisConfig(num_hidden_layers=len(kinds), mixer_types=kinds))
 
 
 def _check_entry(where: str, kind: str, headers: dict[str, tuple[tuple[int, ...], str]], seen: Optional[int],

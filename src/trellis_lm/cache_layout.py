@@ -1,4 +1,4 @@
-"""The words a mixer declares its cache entry in, and the configuration class that sizes them.
+"""The words a mixer declares its cache entry in.
 
 A mixer states every tensor of its cache entry as a :class:`TensorSpec` (``Mixer.cache_layout``):
 sizes fixed by the configuration as ints, sizes that vary per cache as a :class:`Dim`. Files
@@ -8,7 +8,7 @@ of entries are checked against these layouts (:mod:`.cache_files`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Optional, Union
 
 
 @dataclass(frozen=True)
@@ -42,32 +42,3 @@ class TensorSpec:
     dims: tuple[Union[int, Dim], ...]
     dtype: str = "float"
     most: Union[int, Dim, None] = None
-
-
-# The configuration class (TrellisConfig registers itself as it is defined). It imports the
-# mixers, which import the cache, so what below it needs a configuration built (a standalone
-# layer, a file's recorded model) asks for it here rather than importing it.
-_config_class: Optional[type] = None
-
-
-def set_config_class(config_class: type) -> None:
-    """Make ``config_class`` what :func:`model_config` builds."""
-    global _config_class
-    _config_class = config_class
-
-
-def _registered() -> type:
-    if _config_class is None:
-        raise RuntimeError("no configuration class is registered: import trellis_lm first")
-    return _config_class
-
-
-def model_config(**fields: Any) -> Any:
-    """A configuration of the registered class, built and checked from ``fields``."""
-    return _registered()(**fields)
-
-
-def saved_fields(fields: dict[str, Any]) -> dict[str, Any]:
-    """The fields a file recorded of its model, completed as every saved config is: a field
-    the file predates takes the value its model computed with (``TrellisConfig.completed``)."""
-    return _registered().completed(fields)

@@ -11,22 +11,19 @@ import os
 import weakref
 from contextlib import contextmanager
 from dataclasses import fields
-from typing import Any, Callable, Iterator, Optional, Union
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
 from safetensors import safe_open
 from transformers.cache_utils import Cache
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
-from .cache_entries import (
-    LAYER_CACHES, AttentionLayerCache, CallRecords, LayerCache, MemoryEntry, MemoryLayerCache, StepRecord,
-    register_layer_cache, same_definition,
-)
+from .cache_entries import LAYER_CACHES, CallRecords, LayerCache, MemoryEntry, MemoryLayerCache, StepRecord
 from .cache_files import (
-    CACHE_FILE, check_entry_tensors, check_layers, check_signature, checked_path, config_of, file_dtype, layer_keys,
-    read_header, write_entries,
+    CACHE_FILE, check_layers, check_signature, checked_path, config_of, file_dtype, layer_keys, read_header, write_entries,
 )
-from .cache_layout import COLUMNS, ROWS, Dim, TensorSpec
+from .configuration_trellis import TrellisConfig
+from .layer_kinds import layer_signature
 
 # The name transformers gives the generation cache, as an argument of `forward` and
 # `prepare_inputs_for_generation`, a key of `generate()`'s model kwargs and a field of model
@@ -96,9 +93,9 @@ class TrellisCache(Cache):
     # with a compileable cache it would also hand `forward` its masks as dicts.
     is_compileable = False
 
-    def __init__(self, config: Any, rollback_window: int = 0) -> None:
-        if hasattr(config, "layer_signature"):
-            kinds, signature = config.layer_kinds, config.layer_signature()
+    def __init__(self, config: Union[TrellisConfig, Sequence[str]], rollback_window: int = 0) -> None:
+        if hasattr(config, "layer_kinds"):
+            kinds, signature = config.layer_kinds, layer_signature(config)
         else:
             kinds, signature = list(config), None
         unknown = [(i, kind) for i, kind in enumerate(kinds) if kind not in LAYER_CACHES]
@@ -150,8 +147,7 @@ class TrellisCache(Cache):
         held: dict[int, torch.Tensor] = {}
         for call in self._calls:
             for record in filter(None, call.layers.values()):
-                q_tail, k_tail, state = record.before
-                tensors = [record.x, record.mask, q_tail, k_tail, *(state.tensors().values() if state is not None else ())]
+                tensors = [record.x, record.mask, *record.before.tensors().values()]
                 held.update({id(t): t for t in tensors if isinstance(t, torch.Tensor)})
         return held
 
@@ -314,7 +310,7 @@ class TrellisCache(Cache):
         attention layers)."""
         return sum(t.numel() * t.element_size() for layer in self.layers for t in layer.tensors().values())
 
-    def check_compatible(self, config: Any) -> None:
+    def check_compatible(self, config: TrellisConfig) -> None:
         """Raise a ``ValueError`` naming the first difference between the layers this cache was
         made for and those of ``config``'s model: a continuation would otherwise be silently
         wrong (same shapes, another function) or fail deep inside a layer."""
@@ -325,7 +321,7 @@ class TrellisCache(Cache):
             )
         check_signature(self.signature, config, "the cache was made")
 
-    def bind(self, config: Any) -> None:
+    def bind(self, config: TrellisConfig) -> None:
         """Check the cache against ``config``'s model (:meth:`check_compatible`) and, when it
         records no model yet (made from a list of kinds, or read from a file without one), bind
         it to this one: a later model with other layer functions is then refused. A cache read
@@ -337,7 +333,7 @@ class TrellisCache(Cache):
                          [{name: (tuple(t.shape), file_dtype(t)) for name, t in layer.tensors().items()}
                           for layer in self.layers],
                          lambda index, name: self.layers[index].tensors()[name])
-            self.signature = config.layer_signature()
+            self.signature = layer_signature(config)
 
     def save(self, path: Union[str, os.PathLike]) -> None:
         """Write the cache to one safetensors file (tensors, layer kinds, token count, the
@@ -347,7 +343,7 @@ class TrellisCache(Cache):
 
     @classmethod
     def load(
-        cls, path: Union[str, os.PathLike], device: Union[str, torch.device, None] = None, config: Any = None
+        cls, path: Union[str, os.PathLike], device: Union[str, torch.device, None] = None, config: Optional[TrellisConfig] = None
     ) -> "TrellisCache":
         """Read a cache written by :meth:`save`, onto ``device`` (default: CPU).
 
@@ -410,8 +406,4 @@ def one_cache(cache: Any, past_key_values: Any) -> Any:
     return cache if cache is not None else past_key_values
 
 
-__all__ = [
-    "CACHE_ARG", "CACHE_NAMES", "COLUMNS", "LAYER_CACHES", "ROWS", "AttentionLayerCache", "CacheCall", "Dim",
-    "LayerCache", "MemoryEntry", "MemoryLayerCache", "TensorSpec", "TrellisCache", "check_entry_tensors", "one_cache",
-    "register_layer_cache", "same_definition",
-]
+__all__ = ["CACHE_ARG", "CACHE_NAMES", "CacheCall", "TrellisCache", "one_cache"]

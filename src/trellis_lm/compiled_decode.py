@@ -136,10 +136,9 @@ def advanced_compiled(mixer: nn.Module, x: torch.Tensor, entry: MemoryEntry,
             return copies.setdefault(id(t), _plain(t))
 
         x = _plain(x)
-        entry = MemoryEntry(*(None if t is None else plain(t) for t in (entry.q_tail, entry.k_tail)),
-                            entry.state.map(plain))
+        entry = entry.map(plain)
         if x.shape[0] > 1:  # any batch of several rows: one compilation (a batch of one is its own)
-            for t in (x, *entry_tensors([entry])):
+            for t in (x, *entry.tensors().values()):
                 torch._dynamo.maybe_mark_dynamic(t, 0)
         try:
             return _compiled_mixer(each)(mixer, x, entry)
@@ -185,17 +184,12 @@ def capture_cuda_graph(fn: Callable[[], list[torch.Tensor]]) -> tuple[torch.cuda
 
 def entry_tensors(entries: Sequence[MemoryEntry]) -> list[torch.Tensor]:
     """Every tensor of mixers' carried entries, in order (tails where present, then the state's)."""
-    flat = []
-    for q_tail, k_tail, state in entries:
-        flat += [t for t in (q_tail, k_tail) if t is not None]
-        flat += list(state.tensors().values())
-    return flat
+    return [t for entry in entries for t in entry.tensors().values()]
 
 
 def entries_from(like: Sequence[MemoryEntry], tensors: Iterator[torch.Tensor]) -> list[MemoryEntry]:
     """Entries shaped as ``like`` holding the next tensors of ``tensors`` (see :func:`entry_tensors`)."""
-    return [MemoryEntry(None if q_tail is None else next(tensors), None if k_tail is None else next(tensors),
-                        state.map(lambda _: next(tensors))) for q_tail, k_tail, state in like]
+    return [entry.map(lambda _: next(tensors)) for entry in like]
 
 
 def signature(entries: Sequence[MemoryEntry], inputs: Sequence[torch.Tensor]) -> tuple:

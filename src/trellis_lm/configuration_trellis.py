@@ -1,38 +1,61 @@
 """Configuration of Trellis language models (design page, section 5).
 
+A leaf: it imports nothing of the model (mixers, ops, cache). The checks of the layer kinds'
+fields are the mixers' (:mod:`.layer_kinds`), registered here as they are imported
+(:func:`register_layer_checks`), so a config made after ``import trellis_lm`` refuses what any
+registered kind refuses.
+
 This file travels with checkpoints as remote code, so it imports only installed packages and
 flat sibling modules (see :mod:`.remote_code`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
+import dataclasses
 import math
 import os
 from collections.abc import Iterable, Mapping
-from typing import Any, Callable, ClassVar
+from typing import Any, Callable, ClassVar, Optional
 
 from transformers import PreTrainedConfig
 
-from .cache_layout import set_config_class
-from .mixers import DEFAULT_KIND, MIXERS
-from .mixers.fields import is_int, is_real
+from .defaults import (CHUNK_SIZE, COMPRESS_FN, KVM_BUDGET, KVM_BUDGET_EXPONENT, KVM_BUDGET_SATURATION,
+                       KVM_BUDGET_SCALE, KVM_CHUNK_SIZE, KVM_SINKS, KVM_STATE_SIZE, KVM_WINDOW_CHUNKS, LATTICE_VARIANT,
+                       MIX_FN, NUM_SLOTS, WRITE_GRADIENT)
 from .remote_code import AUTO_MAP, code_is_packaged, export_code
 
+# The kind of every layer of a config without `mixer_types`.
+DEFAULT_KIND = "trellis"
+
+# The checks of the layer kinds' fields (layer_kinds.check_layer_fields), registered as the
+# mixers' registry is imported: the configuration imports nothing of the model. None where the
+# model's code is not loaded (a checkpoint's config read as remote code before its model): the
+# kinds' checks then run when the model is built.
+_layer_checks: Optional[Callable[["TrellisConfig"], None]] = None
 
 
-def field_checks() -> tuple[Any, ...]:
-    """Every registered mixer's config-field checks (see mixers/fields.py), each field once,
-    in the mixers' order. Read from the registry at each call: a kind registered later (one
-    defined outside the package) is checked too."""
-    return tuple({f.name: f for mixer in MIXERS.values() for f in mixer.config_fields}.values())
+def register_layer_checks(checks: Callable[["TrellisConfig"], None]) -> None:
+    """Make ``checks`` (raising a ``ValueError`` for a field the layer kinds refuse, setting
+    ``layer_types``) part of every config's :meth:`TrellisConfig.check_fields`."""
+    global _layer_checks
+    _layer_checks = checks
 
 
-def op_backends() -> tuple[str, ...]:
-    """``"auto"`` and every backend of a registered mixer's op."""
-    names = {name for mixer in MIXERS.values() if mixer.backends is not None for name in mixer.backends}
-    return ("auto",) + tuple(sorted(names))
+def check_value(config: TrellisConfig, name: str, is_valid: Callable[[Any], bool], expected: str) -> None:
+    """Raise ``ValueError("TrellisConfig.<name> must be <expected>, got <value>")`` unless
+    ``is_valid(config.<name>)``."""
+    value = getattr(config, name)
+    if not is_valid(value):
+        raise ValueError(f"TrellisConfig.{name} must be {expected}, got {value!r}")
+
+
+def is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_real(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 # Largest model-level sizes (the mixers bound their own). Work and memory follow the tokens
@@ -138,6 +161,10 @@ class TrellisConfig(PreTrainedConfig):
         "rms_norm_eps", "initializer_range", "tie_word_embeddings", "pad_token_id", "bos_token_id", "eos_token_id",
         "use_cache", "op_backend", "compile_decode",
     )
+    # Fields added after checkpoints were saved without them, each with the value those
+    # checkpoints computed with: what a saved config or cache signature that lacks the field
+    # means (stated here, not by the mixers: a checkpoint's config is read before its model).
+    saved_before: ClassVar[dict[str, Any]] = {"write_gradient": "anchored"}
     keys_to_ignore_at_inference: ClassVar[list[str]] = ["cache", "past_key_values"]  # the name before and after transformers 5.24
     # Tools written for attention models read `num_attention_heads`.
     attribute_map: ClassVar[dict[str, str]] = {"num_attention_heads": "num_heads"}
@@ -148,27 +175,27 @@ class TrellisConfig(PreTrainedConfig):
     mixer_types: list[str] | None = None
     num_heads: int = 12
     head_dim: int = 64
-    num_slots: int = 64
-    chunk_size: int = 16
-    compress_fn: str = "layernorm"
-    mix_fn: str = "ln_silu"
-    write_gradient: str = "exact"
-    lattice_variant: str = "dec"
+    num_slots: int = NUM_SLOTS
+    chunk_size: int = CHUNK_SIZE
+    compress_fn: str = COMPRESS_FN
+    mix_fn: str = MIX_FN
+    write_gradient: str = WRITE_GRADIENT
+    lattice_variant: str = LATTICE_VARIANT
     conv_size: int = 4
     use_forget_gate: bool = True
     gate_logit_normalizer: float = 16.0
     num_key_value_heads: int | None = None
     rope_theta: float = 10000.0
     attention_bias: bool = False
-    kvm_chunk_size: int = 256
-    kvm_window_chunks: int = 2
+    kvm_chunk_size: int = KVM_CHUNK_SIZE
+    kvm_window_chunks: int = KVM_WINDOW_CHUNKS
     kvm_rope_dims: int | None = None
-    kvm_sinks: int = 1
-    kvm_state_size: int = 256
-    kvm_budget: str = "fixed"
-    kvm_budget_scale: float = 16.0
-    kvm_budget_exponent: float = 0.5
-    kvm_budget_saturation: float = 1024.0
+    kvm_sinks: int = KVM_SINKS
+    kvm_state_size: int = KVM_STATE_SIZE
+    kvm_budget: str = KVM_BUDGET
+    kvm_budget_scale: float = KVM_BUDGET_SCALE
+    kvm_budget_exponent: float = KVM_BUDGET_EXPONENT
+    kvm_budget_saturation: float = KVM_BUDGET_SATURATION
     kvm_budget_min: int | None = None
     intermediate_size: int = 2048
     rms_norm_eps: float = 1e-6
@@ -184,9 +211,9 @@ class TrellisConfig(PreTrainedConfig):
     @classmethod
     def legacy_values(cls) -> dict[str, Any]:
         """Fields added after checkpoints were saved without them, each with the value those
-        checkpoints computed with (a mixer's ``ConfigField.legacy``): what a saved config or
-        cache signature that lacks the field means."""
-        return {field.name: field.legacy for field in field_checks() if field.legacy is not None}
+        checkpoints computed with (:attr:`saved_before`): what a saved config or cache signature
+        that lacks the field means."""
+        return dict(cls.saved_before)
 
     @classmethod
     def completed(cls, saved: Mapping[str, Any], given: Iterable[str] = ()) -> dict[str, Any]:
@@ -227,7 +254,9 @@ class TrellisConfig(PreTrainedConfig):
         # A saved config carries the layer_types derived when it was saved; an all-Trellis one
         # stays valid when num_hidden_layers is overridden on loading.
         stale_uniform = self.mixer_types is None and all(kind == "linear_attention" for kind in given or ())
-        if given is not None and list(given) != self.layer_types and not stale_uniform:
+        if _layer_checks is None and given is not None:
+            self.layer_types = list(given)  # as saved, until a model's mixers set it (check_fields)
+        elif given is not None and list(given) != self.layer_types and not stale_uniform:
             raise ValueError(
                 f"TrellisConfig.layer_types is set from mixer_types ({self.layer_types}); got {list(given)}. "
                 "Choose each layer's mixer with mixer_types."
@@ -236,7 +265,7 @@ class TrellisConfig(PreTrainedConfig):
 
     @property
     def layer_kinds(self) -> list[str]:
-        """Each layer's mixer: ``mixer_types``, or ``"trellis"`` (``mixers.DEFAULT_KIND``) for every
+        """Each layer's mixer: ``mixer_types``, or ``"trellis"`` (:data:`DEFAULT_KIND`) for every
         layer when it is ``None``."""
         return [DEFAULT_KIND] * self.num_hidden_layers if self.mixer_types is None else list(self.mixer_types)
 
@@ -250,57 +279,23 @@ class TrellisConfig(PreTrainedConfig):
         """Key/value heads of attention layers (``num_key_value_heads``, or ``num_heads``)."""
         return self.num_heads if self.num_key_value_heads is None else self.num_key_value_heads
 
-    def layer_signature(self) -> dict[str, Any]:
-        """The fields that define the function of this model's layers: those of the kinds in
-        :attr:`layer_kinds` (each mixer's ``signature_fields``). A cache remembers them."""
-        names = sorted({name for kind in set(self.layer_kinds) for name in MIXERS[kind].signature_fields()})
-        return {"mixer_types": self.layer_kinds, **{name: getattr(self, name) for name in names}}
-
-    def cache_layouts(self) -> list[dict[str, Any]]:
-        """Each layer's cache entry as its mixer declares it (``Mixer.cache_layout``): tensor
-        names, shapes and dtypes, what :meth:`TrellisCache.load` checks a file against."""
-        return [MIXERS[kind].cache_layout(self) for kind in self.layer_kinds]
-
     def check_fields(self) -> None:
         """Raise a ``ValueError`` naming the first field whose value the model cannot use, and
         set ``layer_types`` from the mixers. Runs when the config is made and again when a
-        model is built from it, so fields changed in between are checked too."""
+        model is built from it, so fields changed in between are checked too. The layer kinds'
+        checks are those the mixers registered (:func:`register_layer_checks`); with none
+        registered (the model's code not loaded) they wait for the model."""
 
         def check(name: str, is_valid: Callable[[Any], bool], expected: str) -> None:
-            value = getattr(self, name)
-            if not is_valid(value):
-                raise ValueError(f"TrellisConfig.{name} must be {expected}, got {value!r}")
+            check_value(self, name, is_valid, expected)
 
         def is_token_id(value: Any) -> bool:
             return is_int(value) and 0 <= value < self.vocab_size
 
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_heads", "head_dim", "intermediate_size"):
             check(name, lambda v: is_int(v) and 1 <= v <= MAX_SIZES[name], f"an integer in [1, {MAX_SIZES[name]}]")
-        layers = self.num_hidden_layers
-        if self.mixer_types is not None:
-            if not isinstance(self.mixer_types, (list, tuple)) or len(self.mixer_types) != layers:
-                raise ValueError(
-                    f"TrellisConfig.mixer_types must be None or a list of num_hidden_layers = {layers} entries, "
-                    f"got {self.mixer_types!r}"
-                )
-            for index, kind in enumerate(self.mixer_types):
-                if kind not in MIXERS:
-                    raise ValueError(f"TrellisConfig.mixer_types[{index}] must be one of {tuple(MIXERS)}, got {kind!r}")
-        # Every mixer's fields, whether or not a layer uses them: a saved config stays loadable
-        # when its schedule changes.
-        for field in field_checks():
-            check(field.name, lambda v: field.valid(v, self), field.describe(self))
-        backends = op_backends()
-        check("op_backend", lambda v: v in backends, f"one of {backends}")
-        for kind in dict.fromkeys(self.layer_kinds):
-            for field in MIXERS[kind].layer_checks:
-                check(field.name, lambda v: field.valid(v, self), field.describe(self))
-            registry = MIXERS[kind].backends
-            if registry is not None and self.op_backend != "auto" and self.op_backend not in registry:
-                raise ValueError(
-                    f"TrellisConfig.op_backend must be 'auto' or a backend of every op the layers run; "
-                    f"{registry.op} (the {kind!r} layers) has {sorted(registry)}, got {self.op_backend!r}"
-                )
+        if _layer_checks is not None:
+            _layer_checks(self)
         for name in ("rms_norm_eps", "initializer_range"):
             # inf passes "> 0" but zeroes every norm: the model would output constants.
             check(name, lambda v: is_real(v) and 0 < v < math.inf, "a finite number > 0")
@@ -311,7 +306,6 @@ class TrellisConfig(PreTrainedConfig):
             check(name, lambda v: v is None or is_token_id(v), token_id)
         check("eos_token_id", lambda v: v is None or is_token_id(v) or (isinstance(v, list) and all(map(is_token_id, v))),
               f"{token_id}, or a list of token ids")
-        self.layer_types = [MIXERS[kind].layer_type for kind in self.layer_kinds]
 
     def save_pretrained(self, save_directory: str | os.PathLike, push_to_hub: bool = False, **kwargs: Any) -> None:
         """Save ``config.json`` together with the model code, so the folder loads with
@@ -325,7 +319,9 @@ class TrellisConfig(PreTrainedConfig):
             return super().save_pretrained(save_directory, push_to_hub=push_to_hub, **kwargs)
         self.auto_map = dict(AUTO_MAP)
         super().save_pretrained(save_directory, **kwargs)
-        export_code(save_directory, self.layer_kinds)
+        # The default kind's code too: a config made with no arguments has only layers of it, and
+        # transformers before 5.11 makes one (to_diff_dict) whenever a config is printed or saved.
+        export_code(save_directory, {*self.layer_kinds, DEFAULT_KIND})
         if push_to_hub:
             # The parent would upload before the code is written; `push_to_hub` saves afresh
             # (through this method) into a temporary folder and uploads all of it.
@@ -333,7 +329,5 @@ class TrellisConfig(PreTrainedConfig):
             repo_id = kwargs.get("repo_id", os.path.basename(os.path.normpath(save_directory)))
             self.push_to_hub(repo_id, **{key: kwargs[key] for key in hub_keys if key in kwargs})
 
-
-set_config_class(TrellisConfig)
 
 __all__ = ["TrellisConfig"]

@@ -32,6 +32,7 @@ from torch import nn
 
 from .cache_entries import LayerCache, MemoryEntry, MemoryLayerCache
 from .cache_trellis import CacheCall, TrellisCache
+from .layer_kinds import layer_signature
 from .mixers.base import MemoryMixer, Projections, gated_output
 from .mixers.norms_convs import conv_step, rms_norm
 from .ops.checks import compute_dtype
@@ -203,7 +204,7 @@ class DecodePlan:
         self.outer_hooks = _hook_dicts(model.embed_tokens) + _hook_dicts(model.norm) + (
             _hook_dicts(head) if head is not None else []) + [model._forward_hooks, model._forward_pre_hooks]
         self.all_hooks = list(itertools.chain(self.outer_hooks, *self.block_hooks))
-        self.signature = model.config.layer_signature()
+        self.signature = layer_signature(model.config)
         self._checked: list[dict] = []  # caches' signatures already checked against the model
 
     def takes(self, input_ids: Any, attention_mask: Any, position_ids: Any, cache: Any) -> bool:

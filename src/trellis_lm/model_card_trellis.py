@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from .configuration_trellis import TrellisConfig
+from .layer_kinds import layer_signature
 from .mixers import MIXERS
 
 # Identifies cards this module wrote, which it may rewrite.
@@ -51,17 +53,17 @@ class TrainingRun:
     final_loss: Optional[float] = None
 
 
-def config_fields(config: Any) -> dict[str, Any]:
+def config_fields(config: TrellisConfig) -> dict[str, Any]:
     """The fields the config class itself declares (not transformers' generic ones), by name."""
     declared = vars(type(config)).get("__annotations__", {})
     return {name: getattr(config, name) for name, kind in declared.items() if "ClassVar" not in str(kind)}
 
 
-def used_config_fields(config: Any) -> dict[str, Any]:
+def used_config_fields(config: TrellisConfig) -> dict[str, Any]:
     """:func:`config_fields` that the model uses: the model-level ones (the config's
     ``model_level_fields``) and those of the layer kinds it has (``layer_signature``), in the
     order the class declares them. Another kind's fields do not change the model."""
-    used = set(config.model_level_fields) | set(config.layer_signature())
+    used = set(config.model_level_fields) | set(layer_signature(config))
     return {name: value for name, value in config_fields(config).items() if name in used}
 
 
@@ -92,7 +94,7 @@ runs two tiny offline tasks through lm-evaluation-harness (any lm-eval task work
 """
 
 
-def describe_layers(config: Any) -> str:
+def describe_layers(config: TrellisConfig) -> str:
     """One paragraph on what the layers keep, in the words of each layer's mixer (its
     ``display_name`` and ``describe_cache``), and whether decoding costs the same at any length."""
     kinds = config.layer_kinds
@@ -117,7 +119,7 @@ def describe_layers(config: Any) -> str:
 
 
 def render_model_card(
-    config: Any, name: str, num_parameters: int, generation_defaults: Optional[dict[str, Any]] = None,
+    config: TrellisConfig, name: str, num_parameters: int, generation_defaults: Optional[dict[str, Any]] = None,
     tags: tuple[str, ...] = (), training: Optional[TrainingRun] = None,
 ) -> str:
     """Markdown of the card for a model with ``config`` published as ``name`` (a repo id or

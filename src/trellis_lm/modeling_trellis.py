@@ -31,6 +31,7 @@ from .cache_trellis import CACHE_ARG, CACHE_NAMES, CacheCall, TrellisCache, one_
 from .compiled_decode import inference_span
 from .configuration_trellis import TrellisConfig
 from .decode_step import DecodePlan
+from .layer_kinds import check_layer_fields
 from .model_card_trellis import CARD_NAME, hub_card_text, is_generated, write_model_card
 from .mixers import build_mixer
 from .mixers.base import init_module
@@ -222,7 +223,10 @@ class TrellisModel(TrellisPreTrainedModel):
     """Embeddings, blocks and the final norm; returns hidden states and the cache."""
 
     def __init__(self, config: TrellisConfig) -> None:
-        config.check_fields()  # fields may have been changed since the config was made
+        # Fields may have been changed since the config was made; and the config's class may be a
+        # checkpoint's own configuration code, read before the mixers were loaded (no layer checks).
+        config.check_fields()
+        check_layer_fields(config)
         super().__init__(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(TrellisDecoderLayer(config, i) for i in range(config.num_hidden_layers))

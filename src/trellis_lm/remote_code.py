@@ -10,11 +10,13 @@ import lines are rewritten to match. Everything else is copied verbatim.
 Only what a model runs is exported: the modules the configuration and the model import,
 followed through their relative imports (including imports made inside functions, which
 transformers' loader also requires to be present), and of the layer kinds' code only the kinds
-the model has, and the default kind's (Trellis: a config made without arguments has its layers).
-A kind's code is its mixer ``mixers/<kind>.py`` and its op ``ops/<kind>/`` (the Trellis op with
-its Triton kernels, which a GPU user of the checkpoint runs); the package ``__init__`` files that
-import every kind lose the lines of the others in the copy, and any other module that imports a
-left-out kind's code is an error (the copy would not load).
+the caller names (the configuration names the model's and the default kind's). A kind's code is
+its mixer ``mixers/<kind>.py`` and its op ``ops/<kind>/`` (the Trellis op with its Triton
+kernels, which a GPU user of the checkpoint runs); the kinds are the modules ``mixers/__init__.py``
+imports, one line each, besides ``mixers.base`` (read from its text: this module imports nothing
+of the package). The package ``__init__`` files that import every kind lose the lines of the
+others in the copy, and any other module that imports a left-out kind's code is an error (the
+copy would not load).
 
 When the classes themselves were loaded as remote code, their files are already flat and
 transformers copies them on save by itself; :func:`code_is_packaged` tells the two apart.
@@ -105,6 +107,13 @@ def kind_code(kinds: Iterable[str]) -> Callable[[str], bool]:
                               for kind in kinds)
 
 
+def package_kinds() -> list[str]:
+    """The package's layer kinds: the modules ``mixers/__init__.py`` imports besides ``mixers.base``
+    (one line a kind), in its order."""
+    imported = relative_imports(_module_file("mixers")[0].read_text(encoding="utf-8"), "mixers")
+    return [module.split(".")[1] for module in imported if module.startswith("mixers.") and module != "mixers.base"]
+
+
 def without_imports(source: str, package: str, left_out: Callable[[str], bool]) -> str:
     """``source`` without its relative import lines of the modules ``left_out`` names (each on
     one line: a kind's import in a package ``__init__``)."""
@@ -124,12 +133,9 @@ def flat_sources(kinds: Optional[Iterable[str]] = None) -> dict[str, str]:
     with layers of ``kinds`` needs (``None``: every kind)."""
     if not code_is_packaged():
         raise RuntimeError("the flat checkpoint code can only be built from the trellis_lm package")
-    from .mixers import DEFAULT_KIND, MIXERS
-
-    # The default kind always: a config made with no arguments has only layers of it, and
-    # transformers before 5.11 makes one (to_diff_dict) whenever a config is printed or saved.
-    carried = set(MIXERS) if kinds is None else {*kinds, DEFAULT_KIND}
-    left_out = kind_code(kind for kind in MIXERS if kind not in carried)
+    every_kind = package_kinds()
+    carried = set(every_kind) if kinds is None else set(kinds)
+    left_out = kind_code(kind for kind in every_kind if kind not in carried)
     sources: dict[str, str] = {}
     pending = list(CHECKPOINT_MODULES)
     while pending:

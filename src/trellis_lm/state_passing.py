@@ -51,8 +51,12 @@ from torch import nn
 from transformers import Trainer, TrainerCallback
 
 from .cache_entries import MemoryEntry, MemoryLayerCache
-from .cache_files import STATE_FILE, check_entry_tensors, check_signature, checked_path, layer_keys, read_header, write_entries
+from .cache_files import (
+    STATE_FILE, check_entry_headers, check_entry_values, check_signature, checked_path, layer_keys, read_header,
+    write_entries,
+)
 from .cache_trellis import CACHE_NAMES, TrellisCache
+from .layer_kinds import layer_signature
 from .modeling_trellis import TrellisModel
 
 CHECKPOINT_NAME = "state_passing-rank{rank}.safetensors"
@@ -158,8 +162,7 @@ class StatePassing:
     def save(self, path: Union[str, os.PathLike]) -> None:
         """Write the carried states, the draws' generator and the fields that define the model
         that made the states to one safetensors file."""
-        layers = {index: {"q_tail": entry.q_tail, "k_tail": entry.k_tail, **entry.state.tensors()}
-                  for index, entry in self.carried.items()}
+        layers = {index: entry.tensors() for index, entry in self.carried.items()}
         write_entries(path, STATE_FILE, self.kinds, layers, self.signature,
                       metadata={"probability": repr(self.probability)},
                       tensors={"generator": self.generator.get_state()})
@@ -171,33 +174,40 @@ class StatePassing:
         shape), each of the shapes and dtypes the layer's mixer declares. Anything else is a
         ``ValueError`` naming the file and what differs; nothing is changed then."""
         where = checked_path(path, STATE_FILE)
-        with safe_open(where, framework="pt") as f:
-            header = read_header(f.metadata() or {}, where, STATE_FILE)
-            tensors = {key: f.get_tensor(key) for key in f.keys()}
-        generator = tensors.pop("generator", None)
-        if generator is None or generator.dtype != torch.uint8 or generator.dim() != 1:
-            raise ValueError(f"{where} holds no 'generator' (the per-row draws' random state, a uint8 vector): not a "
-                             "file StatePassing.save wrote")
         base = trellis_model(model)
         config = base.config
-        check_signature(header.signature, config, f"{where}: the states were carried")
         device = next(base.parameters()).device
-        carried = {}
-        for index, keys in sorted(layer_keys(tensors, where).items()):
-            kind = config.layer_kinds[index] if index < len(config.layer_kinds) else None
-            entry_class = base.layers[index].self_attn.cache_class if kind is not None else None
-            if entry_class is None or not issubclass(entry_class, MemoryLayerCache):
-                raise ValueError(f"{where} holds a state for layer {index}, which is "
-                                 f"{'not in the model' if kind is None else f'a {kind} layer, which carries none'} "
-                                 f"(the model's layers: {config.layer_kinds})")
-            named = {name: tensors[key] for name, key in keys.items()}
-            check_entry_tensors(f"{where}: layer {index} ({kind})", kind, named, config, index)
-            carried[index] = entry_class.from_tensors({name: t.to(device) for name, t in named.items()}).entry
-        if header.kinds is not None and header.kinds != config.layer_kinds:
-            raise ValueError(f"{where}: the states were carried by a model with the layers {header.kinds}, this model "
-                             f"has {config.layer_kinds} (config.mixer_types)")
+        # As a cache file is read: the header and every tensor's shape and dtype first, then the tensors.
+        with safe_open(where, framework="pt") as f:
+            header = read_header(f.metadata() or {}, where, STATE_FILE)
+            shapes = {key: (tuple(f.get_slice(key).get_shape()), f.get_slice(key).get_dtype()) for key in f.keys()}
+            generator = shapes.pop("generator", None)
+            if generator is None or generator[1] != "U8" or len(generator[0]) != 1:
+                raise ValueError(f"{where} holds no 'generator' (the per-row draws' random state, a uint8 vector): not a "
+                                 "file StatePassing.save wrote")
+            check_signature(header.signature, config, f"{where}: the states were carried")
+            layers = {}
+            for index, keys in sorted(layer_keys(shapes, where).items()):
+                kind = config.layer_kinds[index] if index < len(config.layer_kinds) else None
+                entry_class = base.layers[index].self_attn.cache_class if kind is not None else None
+                if entry_class is None or not issubclass(entry_class, MemoryLayerCache):
+                    raise ValueError(f"{where} holds a state for layer {index}, which is "
+                                     f"{'not in the model' if kind is None else f'a {kind} layer, which carries none'} "
+                                     f"(the model's layers: {config.layer_kinds})")
+                layer = f"{where}: layer {index} ({kind})"
+                check_entry_headers(layer, kind, {name: shapes[key] for name, key in keys.items()}, config, index)
+                layers[index] = (layer, kind, entry_class, keys)
+            if header.kinds is not None and header.kinds != config.layer_kinds:
+                raise ValueError(f"{where}: the states were carried by a model with the layers {header.kinds}, this "
+                                 f"model has {config.layer_kinds} (config.mixer_types)")
+            carried = {}
+            for index, (layer, kind, entry_class, keys) in layers.items():
+                named = {name: f.get_tensor(key) for name, key in keys.items()}
+                check_entry_values(layer, kind, named, config, index)
+                carried[index] = entry_class.from_tensors({name: t.to(device) for name, t in named.items()}).entry
+            generator = f.get_tensor("generator")
         self.generator.set_state(generator)
-        self.carried, self.signature, self.kinds = carried, config.layer_signature(), list(config.layer_kinds)
+        self.carried, self.signature, self.kinds = carried, layer_signature(config), list(config.layer_kinds)
 
 
 class StatePassingCallback(TrainerCallback):

@@ -31,7 +31,8 @@ import dataclasses
 from typing import Optional
 
 from ..arguments import command_words, config_fields, float_above, fraction, int_at_least, probability, report_error
-from ..mixers import DEFAULT_KIND
+from ..configuration_trellis import DEFAULT_KIND
+from ..defaults import CHUNK_SIZE, NUM_SLOTS
 from ..state_passing import DEFAULT_PROBABILITY, DEFAULT_START_FRACTION
 from .layer_choice import parse_auto
 from .llama import CONVERTED_MIXERS
@@ -46,8 +47,9 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("dst", help="output folder for the Trellis model (new, or empty unless --overwrite)")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace a DST folder that is not empty (once the new model is complete)")
-    parser.add_argument("--num-slots", type=positive, default=64, help="memory slots M per head (default 64)")
-    parser.add_argument("--chunk-size", type=positive, default=16, help="chunk size C of the op (default 16, the config's)")
+    parser.add_argument("--num-slots", type=positive, default=NUM_SLOTS, help=f"memory slots M per head (default {NUM_SLOTS})")
+    parser.add_argument("--chunk-size", type=positive, default=CHUNK_SIZE,
+                        help=f"chunk size C of the op (default {CHUNK_SIZE}, the config's)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the new parameters' initialisation")
     parser.add_argument("--mixer", choices=CONVERTED_MIXERS, default=DEFAULT_KIND,
                         help=f"what the converted layers become (default {DEFAULT_KIND})")

@@ -36,8 +36,9 @@ from typing import Any, Optional, Sequence, Union
 import torch
 from transformers import GenerationConfig, PreTrainedConfig
 
-from ..configuration_trellis import TrellisConfig
-from ..mixers import DEFAULT_KIND, MIXERS, AttentionMixer, LatticeAttention, TrellisAttention
+from ..configuration_trellis import DEFAULT_KIND, TrellisConfig
+from ..defaults import CHUNK_SIZE, NUM_SLOTS
+from ..mixers import MIXERS, AttentionMixer, LatticeMixer, TrellisMixer
 from ..modeling_trellis import TrellisForCausalLM
 from ..remote_code import flat_sources
 from .source import TeacherSource, copy_tokenizer, locate_source, path_overlap
@@ -59,8 +60,8 @@ CONVERTED_MIXERS = tuple(kind for kind, m in MIXERS.items() if m.teacher_parts i
 # The mixer parameters a converted layer does not take from the teacher (names under `self_attn`),
 # per kind, as the mixers declare them; a kept attention layer is all teacher.
 NEW_PARAMETERS = {kind: MIXERS[kind].new_parameters for kind in (*CONVERTED_MIXERS, KEPT_KIND)}
-NEW_MIXER_PARAMETERS = TrellisAttention.new_parameters
-NEW_LATTICE_PARAMETERS = LatticeAttention.new_parameters
+NEW_MIXER_PARAMETERS = TrellisMixer.new_parameters
+NEW_LATTICE_PARAMETERS = LatticeMixer.new_parameters
 
 # Teacher tensors outside the token mixer, with the same name and shape in Trellis.
 _SHARED = re.compile(
@@ -80,8 +81,8 @@ def convert_llama_to_trellis(
     src: Union[str, Path],
     dst: Union[str, Path],
     *,
-    num_slots: int = 64,
-    chunk_size: int = 16,
+    num_slots: int = NUM_SLOTS,
+    chunk_size: int = CHUNK_SIZE,
     seed: int = 0,
     mixer: str = DEFAULT_KIND,
     keep_attention: Optional[Sequence[int]] = None,
@@ -105,8 +106,8 @@ def convert_llama_to_trellis(
       exactly, its own ``num_key_value_heads``, Qwen2's q/k/v biases (``attention_bias=True``)
       and its ``rope_theta``: that layer computes exactly what the teacher's does.
 
-    The new parameters are set by the mixers' ``init_from_attention`` (``TrellisAttention``,
-    ``LatticeAttention``), so that before any training the model
+    The new parameters are set by the mixers' ``init_from_attention`` (``TrellisMixer``,
+    ``LatticeMixer``), so that before any training the model
     computes exactly the teacher with the attention outputs of its converted layers replaced
     by zero (kept layers unchanged).
 
@@ -254,8 +255,8 @@ def layer_mixers(
 def trellis_config_from(
     source_config: PreTrainedConfig,
     *,
-    num_slots: int = 64,
-    chunk_size: int = 16,
+    num_slots: int = NUM_SLOTS,
+    chunk_size: int = CHUNK_SIZE,
     mixer: str = DEFAULT_KIND,
     keep_attention: Optional[Sequence[int]] = None,
     attention_every: Optional[int] = None,

@@ -33,8 +33,8 @@ from transformers.trainer_utils import get_last_checkpoint
 from ..arguments import (
     ArgumentType, any_integer, argument, flag_problem, float_above, fraction, int_at_least, named, passing, probability,
 )
-from ..configuration_trellis import TrellisConfig
-from ..mixers import DEFAULT_KIND
+from ..configuration_trellis import DEFAULT_KIND, TrellisConfig
+from ..defaults import CHUNK_SIZE, NUM_SLOTS
 from ..modeling_trellis import TrellisForCausalLM
 from ..state_passing import DEFAULT_PROBABILITY
 from .data import read_texts
@@ -53,8 +53,8 @@ class ConversionOptions:
     :func:`~.llama.convert_llama_to_trellis` (``overrides`` are its further
     :class:`~trellis_lm.TrellisConfig` fields, ``--set FIELD=VALUE``)."""
 
-    num_slots: int = 64
-    chunk_size: int = 16
+    num_slots: int = NUM_SLOTS
+    chunk_size: int = CHUNK_SIZE
     seed: int = 0
     mixer: str = DEFAULT_KIND
     keep_attention: Optional[Sequence[int]] = None

@@ -7,25 +7,21 @@ its own kind of cache entry, registered in :data:`MIXERS` by kind as its class i
 
 from __future__ import annotations
 
-from typing import Any
-
+from ..configuration_trellis import DEFAULT_KIND, TrellisConfig
 from .base import MIXERS, MemoryMixer, Mixer
 
 # One line per kind, in this order: the order of MIXERS (registered as each class is defined),
 # which messages list. A checkpoint's flat copy of this file keeps the lines of its own kinds
 # only (see remote_code), so nothing else here may name a kind's module or class.
-from .trellis import TrellisAttention, forget_gate_bias  # noqa: E402  (isort: skip)
-from .lattice import LatticeAttention  # noqa: E402  (isort: skip)
+from .trellis import TrellisMixer, forget_gate_bias  # noqa: E402  (isort: skip)
+from .lattice import LatticeMixer  # noqa: E402  (isort: skip)
 from .attention import AttentionMixer  # noqa: E402  (isort: skip)
-from .kvm import KVMAttention  # noqa: E402  (isort: skip)
-
-# The kind of every layer of a config without `mixer_types` (TrellisAttention.kind).
-DEFAULT_KIND = "trellis"
+from .kvm import KVMMixer  # noqa: E402  (isort: skip)
 
 
-def build_mixer(config: Any, layer_idx: int) -> Mixer:
+def build_mixer(config: TrellisConfig, layer_idx: int) -> Mixer:
     """The mixer of layer ``layer_idx``: ``config.layer_kinds[layer_idx]``."""
     return MIXERS[config.layer_kinds[layer_idx]].from_config(config, layer_idx)
 
 
-__all__ = ["AttentionMixer", "DEFAULT_KIND", "KVMAttention", "LatticeAttention", "MIXERS", "MemoryMixer", "Mixer", "TrellisAttention", "build_mixer", "forget_gate_bias"]
+__all__ = ["AttentionMixer", "DEFAULT_KIND", "KVMMixer", "LatticeMixer", "MIXERS", "MemoryMixer", "Mixer", "TrellisMixer", "build_mixer", "forget_gate_bias"]

@@ -25,6 +25,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, eager
 from ..cache_entries import AttentionLayerCache
 from ..cache_layout import COLUMNS, ROWS, TensorSpec
 from ..cache_trellis import CacheCall, TrellisCache
+from ..configuration_trellis import TrellisConfig
 from ..projection_stacks import LinearStack, stacked
 from .base import Mixer
 from .fields import ROPE_THETA, ConfigField, flag, is_int
@@ -66,7 +67,7 @@ class AttentionMixer(Mixer):
     is_causal = True  # read by transformers' attention functions
     fusable_projections = ("q_proj", "k_proj", "v_proj")
 
-    def __init__(self, config: Any = None, layer_idx: int = 0, **arguments: Any) -> None:
+    def __init__(self, config: Optional[TrellisConfig] = None, layer_idx: int = 0, **arguments: Any) -> None:
         super().__init__(config, layer_idx, **arguments)
         config = self.config
         hidden, heads, kv_heads, dim = config.hidden_size, config.num_heads, config.key_value_heads, config.head_dim
@@ -84,7 +85,7 @@ class AttentionMixer(Mixer):
         return (*super().standalone_arguments(), "attn_implementation")
 
     @classmethod
-    def standalone_config(cls, attn_implementation: str = "sdpa", **arguments: Any) -> Any:
+    def standalone_config(cls, attn_implementation: str = "sdpa", **arguments: Any) -> TrellisConfig:
         """As :meth:`Mixer.standalone_config`, with transformers' attention function to use
         (``"sdpa"`` by default; a model sets it on loading)."""
         config = super().standalone_config(**arguments)
@@ -92,11 +93,11 @@ class AttentionMixer(Mixer):
         return config
 
     @classmethod
-    def describe_cache(cls, config: Any) -> str:
+    def describe_cache(cls, config: TrellisConfig) -> str:
         return "a key/value cache that grows with every token"
 
     @classmethod
-    def cache_layout(cls, config: Any) -> dict[str, TensorSpec]:
+    def cache_layout(cls, config: TrellisConfig) -> dict[str, TensorSpec]:
         """Keys and values ``[B, H_kv, S, d]`` of every column seen (S = the cache's tokens),
         which columns stay visible, and each row's next position."""
         columns = TensorSpec((ROWS, config.key_value_heads, COLUMNS, config.head_dim))

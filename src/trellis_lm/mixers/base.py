@@ -21,8 +21,10 @@ from torch import nn
 from transformers import initialization
 
 from ..cache_entries import LayerCache, MemoryEntry, MemoryLayerCache, register_layer_cache, same_definition
-from ..cache_layout import ROWS, TensorSpec, model_config
+from ..cache_layout import ROWS, TensorSpec
 from ..cache_trellis import CacheCall, TrellisCache
+from ..configuration_trellis import TrellisConfig
+from ..layer_kinds import MIXERS
 from ..ops.state import OpState
 from ..ops.registry import BackendRegistry
 from ..projection_stacks import LinearStack, stacked
@@ -31,8 +33,8 @@ from .norms_convs import TrellisRMSNorm, TrellisShortConv, at_least_float32, cau
 from .valid_tokens import ValidTokens
 
 # Outside a span with stacks made once (generate's), fewer tokens than this per call run the
-# projections one by one: stacking their weights then costs more than the matmuls (at batch 1,
-# 7 projections of 256 -> 256, measured 33 us apart against 45 us stacked on the fly).
+# projections one by one: stacking their weights then costs more than the matmuls (BENCHMARKS.md,
+# "Figures behind code comments").
 FUSE_MIN_TOKENS = 64
 
 
@@ -66,18 +68,14 @@ class Projections:
 # Model-level fields a standalone layer may be given besides its kind's (see Mixer.standalone_config).
 STANDALONE_SETTINGS = ("rms_norm_eps", "initializer_range", "op_backend", "compile_decode")
 
-# Every mixer kind by name, in the order the classes were defined: a class that sets `kind`
-# registers itself here, and its cache entry with the cache, as it is defined (see
-# `Mixer.__init_subclass__`). The configuration, the cache, the model card and the conversion
-# read the kinds from here.
-MIXERS: dict[str, type["Mixer"]] = {}
-
-
 class Mixer(nn.Module):
     """Base of the token mixers.
 
-    A subclass that sets ``kind`` is registered in :data:`MIXERS` when it is defined (a kind
-    defined anywhere, a test file included, is usable by name in ``config.mixer_types``).
+    A subclass that sets ``kind`` is registered in :data:`MIXERS` (the configuration's, which
+    reads the kind's declarations from the class and imports no mixer), and its cache entry with
+    the cache, when it is defined: a kind defined anywhere, a test file included, is usable by
+    name in ``config.mixer_types``; the cache, the model card and the conversion read the kinds
+    from there too.
 
     Args:
         config: the model's :class:`~trellis_lm.TrellisConfig`.
@@ -125,7 +123,7 @@ class Mixer(nn.Module):
         """The names of every config field that defines this mixer's function."""
         return MODEL_FIELDS + tuple(f.name for f in cls.config_fields)
 
-    def __init__(self, config: Any = None, layer_idx: int = 0, **arguments: Any) -> None:
+    def __init__(self, config: Optional[TrellisConfig] = None, layer_idx: int = 0, **arguments: Any) -> None:
         super().__init__()
         standalone = config is None
         if isinstance(config, Mapping):
@@ -141,7 +139,7 @@ class Mixer(nn.Module):
         self._standalone = standalone
 
     @classmethod
-    def from_config(cls, config: Any, layer_idx: int) -> "Mixer":
+    def from_config(cls, config: TrellisConfig, layer_idx: int) -> "Mixer":
         """Layer ``layer_idx`` of the model of ``config`` (a :class:`~trellis_lm.TrellisConfig`):
         how the model builds its mixers; the model initialises the weights."""
         return cls(config, layer_idx)
@@ -153,7 +151,7 @@ class Mixer(nn.Module):
         return tuple(dict.fromkeys((*cls.signature_fields(), *STANDALONE_SETTINGS)))
 
     @classmethod
-    def standalone_config(cls, **arguments: Any) -> Any:
+    def standalone_config(cls, **arguments: Any) -> TrellisConfig:
         """The configuration of a one-layer model of this kind from explicit arguments (see
         :meth:`standalone_arguments`; those not given take the config's defaults), checked as
         any config is. ``hidden_size``, ``num_heads`` and ``head_dim`` are required."""
@@ -164,7 +162,7 @@ class Mixer(nn.Module):
         missing = [name for name in MODEL_FIELDS if name not in arguments]
         if missing:
             raise TypeError(f"{cls.__name__}() needs the keyword arguments {missing} (or a config)")
-        return model_config(num_hidden_layers=1, mixer_types=[cls.kind], **arguments)
+        return TrellisConfig(num_hidden_layers=1, mixer_types=[cls.kind], **arguments)
 
     def _init_if_standalone(self) -> None:
         """Initialise a layer made from explicit arguments as a model would (a model initialises
@@ -210,13 +208,13 @@ class Mixer(nn.Module):
         (its block's ``input_layernorm`` weight ``[D]`` given); nothing where there are none."""
 
     @classmethod
-    def describe_cache(cls, config: Any) -> str:
+    def describe_cache(cls, config: TrellisConfig) -> str:
         """What a layer of this kind keeps per sequence in ``config``'s model, in words (the
         model card: "keep ...")."""
         raise NotImplementedError
 
     @classmethod
-    def cache_layout(cls, config: Any) -> dict[str, TensorSpec]:
+    def cache_layout(cls, config: TrellisConfig) -> dict[str, TensorSpec]:
         """Every tensor of this kind's cache entry in ``config``'s model, by name: its shape and
         dtype once the layer has seen tokens (what :meth:`TrellisCache.load` checks a file against)."""
         raise NotImplementedError
@@ -277,7 +275,7 @@ class MemoryMixer(Mixer):
     # num_heads times it); None for a mixer without short convs.
     qk_width: ClassVar[Optional[str]] = None
 
-    def __init__(self, config: Any = None, layer_idx: int = 0, **arguments: Any) -> None:
+    def __init__(self, config: Optional[TrellisConfig] = None, layer_idx: int = 0, **arguments: Any) -> None:
         super().__init__(config, layer_idx, **arguments)
         # Read per call in decode steps, where the config's attribute lookup costs what an operation does.
         self.num_heads: int = self.config.num_heads
@@ -315,7 +313,7 @@ class MemoryMixer(Mixer):
         self.o_norm.weight.fill_(1.0)
 
     @classmethod
-    def conv_channels(cls, config: Any) -> Optional[tuple[int, int]]:
+    def conv_channels(cls, config: TrellisConfig) -> Optional[tuple[int, int]]:
         """The channels of the short convs on q and k: ``num_heads`` times the config field
         ``qk_width`` each (``None``: the mixer has no convs)."""
         if cls.qk_width is None:
@@ -324,24 +322,24 @@ class MemoryMixer(Mixer):
         return width, width
 
     @classmethod
-    def state_layout(cls, config: Any) -> dict[str, TensorSpec]:
+    def state_layout(cls, config: TrellisConfig) -> dict[str, TensorSpec]:
         """The op state's tensors (see :meth:`cache_layout`)."""
         raise NotImplementedError
 
     @classmethod
-    def unread_state(cls, config: Any) -> dict[str, str]:
+    def unread_state(cls, config: TrellisConfig) -> dict[str, str]:
         """Op-state fields that ``config``'s op never reads, each with a field of the same shape
         and dtype to hand in its place: what a store of states (a server's slots) need not keep.
         None by default."""
         return {}
 
     @classmethod
-    def describe_cache(cls, config: Any) -> str:
+    def describe_cache(cls, config: TrellisConfig) -> str:
         """A memory of ``num_slots`` slots per head (Trellis, Lattice)."""
         return f"a fixed-size memory per head ({config.num_heads} heads x {config.num_slots} slots)"
 
     @classmethod
-    def cache_layout(cls, config: Any) -> dict[str, TensorSpec]:
+    def cache_layout(cls, config: TrellisConfig) -> dict[str, TensorSpec]:
         """The short-conv tails ``[B, conv_size - 1, channels]`` (where the layer has convs),
         then the op state's tensors."""
         channels = cls.conv_channels(config)
@@ -645,7 +643,7 @@ class MemoryMixer(Mixer):
         return o, final_state
 
 
-def chunked_memory_layout(config: Any, memories: Sequence[str]) -> dict[str, TensorSpec]:
+def chunked_memory_layout(config: TrellisConfig, memories: Sequence[str]) -> dict[str, TensorSpec]:
     """The state layout of a chunked slot-memory op (Trellis, Lattice): ``[B, H, M, d]`` memories
     named ``memories``, then the ``[B]`` offset within the chunk, in ``[0, chunk_size)``."""
     memory = TensorSpec((ROWS, config.num_heads, config.num_slots, config.head_dim))

@@ -2,17 +2,19 @@
 
 Every mixer class lists the fields that define its function besides the model's width and
 heads (:data:`MODEL_FIELDS`) as :class:`ConfigField` entries (``config_fields``).
-:class:`~trellis_lm.TrellisConfig` builds its validation from the mixers of
-:data:`trellis_lm.mixers.MIXERS` and a cache remembers the fields of the kinds its model has,
-so adding a mixer (or a field of one) touches the mixer's module and that registry, not the
-config. Fields that several mixers read are declared once here and listed by each of them.
-"""
+:class:`~trellis_lm.TrellisConfig` runs the checks of every registered mixer
+(:data:`trellis_lm.mixers.MIXERS`) without importing one, and a cache remembers the fields of
+the kinds its model has. A new field is declared twice over, each part once: as a field of
+``TrellisConfig`` (its default and its description) and here or in its mixer's module (its
+check). Fields that several mixers read are declared once here and listed by each of them."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence, Union
+
+from ..configuration_trellis import TrellisConfig, is_int, is_real
 
 # What every mixer's function depends on; the configuration checks these itself.
 MODEL_FIELDS = ("hidden_size", "num_heads", "head_dim")
@@ -28,27 +30,14 @@ class ConfigField:
             fields, e.g. a size bounded by another).
         expected: the accepted values in words, for the ``ValueError``: a string, or a function
             of the config when the bound names another field's value.
-        legacy: for a field added after checkpoints were saved without it, the value those
-            checkpoints (and their cache files) computed with; ``None`` otherwise. A saved
-            config or cache signature that lacks the field is read with it, never with the
-            field's default for new models.
     """
 
     name: str
-    valid: Callable[[Any, Any], bool]
-    expected: Union[str, Callable[[Any], str]]
-    legacy: Any = None
+    valid: Callable[[Any, TrellisConfig], bool]
+    expected: Union[str, Callable[[TrellisConfig], str]]
 
-    def describe(self, config: Any) -> str:
+    def describe(self, config: TrellisConfig) -> str:
         return self.expected(config) if callable(self.expected) else self.expected
-
-
-def is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def is_real(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def integer(name: str, low: int, high: int, note: str = "") -> ConfigField:
@@ -56,8 +45,8 @@ def integer(name: str, low: int, high: int, note: str = "") -> ConfigField:
     return ConfigField(name, lambda v, _: is_int(v) and low <= v <= high, f"an integer in [{low}, {high}]{note}")
 
 
-def choice(name: str, options: Sequence[str], legacy: Any = None) -> ConfigField:
-    return ConfigField(name, lambda v, _: v in options, f"one of {tuple(options)}", legacy)
+def choice(name: str, options: Sequence[str]) -> ConfigField:
+    return ConfigField(name, lambda v, _: v in options, f"one of {tuple(options)}")
 
 
 def positive(name: str) -> ConfigField:

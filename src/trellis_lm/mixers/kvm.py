@@ -10,6 +10,7 @@ from torch import nn
 
 from ..cache_entries import MemoryLayerCache
 from ..cache_layout import COLUMNS, ROWS, Dim, TensorSpec
+from ..configuration_trellis import TrellisConfig
 from ..ops.kvm import BACKENDS, BUDGETS, KVMState, kvm_attention, kvm_step
 from ..ops.kvm.dispatch import check_counters, kvm_config
 from .base import MemoryMixer, Projections
@@ -44,7 +45,7 @@ class KVMLayerCache(MemoryLayerCache):
     state_class = KVMState
 
     @classmethod
-    def value_problem(cls, tensors: dict[str, torch.Tensor], config: Any) -> Optional[str]:
+    def value_problem(cls, tensors: dict[str, torch.Tensor], config: Optional[TrellisConfig]) -> Optional[str]:
         """The counters against each other and the buffers, as the op checks a state it is given
         (``seen`` and ``covered`` agree with the chunking, ``used`` and the window fit their
         buffers): a state that breaks them would index past its buffers."""
@@ -63,7 +64,7 @@ class KVMLayerCache(MemoryLayerCache):
         return None
 
 
-class KVMAttention(MemoryMixer):
+class KVMMixer(MemoryMixer):
     """The KVM mixer: projections, per-head q/k LayerNorm (affine shared by the heads), partial
     RoPE, merge gate ``1 + elu(merge_proj(x))``, the op, ``o_proj`` (no output norm or gate: it
     is attention).
@@ -106,7 +107,7 @@ class KVMAttention(MemoryMixer):
                     lambda c: f"None (kvm_chunk_size) or an integer in [0, kvm_state_size = {c.kvm_state_size}]"),
     )
 
-    def __init__(self, config: Any = None, layer_idx: int = 0, **arguments: Any) -> None:
+    def __init__(self, config: Optional[TrellisConfig] = None, layer_idx: int = 0, **arguments: Any) -> None:
         super().__init__(config, layer_idx, **arguments)
         config = self.config
         hidden, heads, dim = config.hidden_size, config.num_heads, config.head_dim
@@ -121,13 +122,13 @@ class KVMAttention(MemoryMixer):
         self._init_if_standalone()
 
     @classmethod
-    def describe_cache(cls, config: Any) -> str:
+    def describe_cache(cls, config: TrellisConfig) -> str:
         window = config.kvm_window_chunks * config.kvm_chunk_size
         return (f"a window of the last {window} tokens' keys and values and at most {config.kvm_state_size} merged "
                 f"key/value means per head ({config.num_heads} heads)")
 
     @classmethod
-    def state_layout(cls, config: Any) -> dict[str, TensorSpec]:
+    def state_layout(cls, config: TrellisConfig) -> dict[str, TensorSpec]:
         """:class:`~trellis_lm.ops.KVMState`: buffers of ``R <= kvm_state_size`` state rows and
         ``W' <= kvm_window_chunks * kvm_chunk_size`` window slots (grown with the tokens), and
         the counters (tokens seen and folded at most the cache's tokens, rows used at most R)."""

@@ -10,6 +10,7 @@ from torch import nn
 
 from ..cache_entries import MemoryLayerCache
 from ..cache_layout import TensorSpec
+from ..configuration_trellis import TrellisConfig
 from ..ops.lattice import BACKENDS, LATTICE_VARIANTS, LatticeState, lattice_attention, lattice_step, lattice_step_for
 from .base import MemoryMixer, Projections, chunked_memory_layout
 from .fields import CHUNK_SIZE, CONV_SIZE, NUM_SLOTS, choice
@@ -22,7 +23,7 @@ class LatticeLayerCache(MemoryLayerCache):
     state_class = LatticeState
 
 
-class LatticeAttention(MemoryMixer):
+class LatticeMixer(MemoryMixer):
     """The Lattice mixer: projections, short convs, step size, the op, gated output.
 
     Parameters: ``q_proj, k_proj: D -> H M`` (slot coefficients), ``v_proj, g_proj: D -> H d``,
@@ -48,7 +49,7 @@ class LatticeAttention(MemoryMixer):
     step_op = staticmethod(lattice_step)
     step_for = staticmethod(lattice_step_for)
 
-    def __init__(self, config: Any = None, layer_idx: int = 0, **arguments: Any) -> None:
+    def __init__(self, config: Optional[TrellisConfig] = None, layer_idx: int = 0, **arguments: Any) -> None:
         super().__init__(config, layer_idx, **arguments)
         config = self.config
         hidden, heads, dim, slots = config.hidden_size, config.num_heads, config.head_dim, config.num_slots
@@ -60,7 +61,7 @@ class LatticeAttention(MemoryMixer):
         self._init_if_standalone()
 
     @classmethod
-    def state_layout(cls, config: Any) -> dict[str, TensorSpec]:
+    def state_layout(cls, config: TrellisConfig) -> dict[str, TensorSpec]:
         """:class:`~trellis_lm.ops.LatticeState`: ``[B, H, M, d]`` memory and anchor, the offset in ``[0, C)``."""
         return chunked_memory_layout(config, ("memory", "anchor"))
 
@@ -92,7 +93,7 @@ class LatticeAttention(MemoryMixer):
     def init_from_attention(self, input_norm_weight: Optional[torch.Tensor]) -> None:
         """Initialise what a Lattice mixer has beyond the teacher's projections (q/k via
         :func:`~trellis_lm.conversion.llama.project_to_slots`, v/o copied), for the same aims as
-        :meth:`TrellisAttention.init_from_attention` (``input_norm_weight`` is not read):
+        :meth:`TrellisMixer.init_from_attention` (``input_norm_weight`` is not read):
 
         - ``g_proj = 0``: the mixer outputs exactly 0, so the converted model is the teacher with
           this layer's attention output removed, and stage 1's error starts at 1.0 (same reasons as

@@ -12,6 +12,7 @@ from torch import nn
 
 from ..cache_entries import MemoryLayerCache
 from ..cache_layout import TensorSpec
+from ..configuration_trellis import TrellisConfig
 from ..ops.trellis import (BACKENDS, COMPRESS_FNS, MIX_FNS, WRITE_GRADIENTS, TrellisState, trellis_attention,
                            trellis_step, trellis_step_for)
 from ..ops.trellis.compress_mix import reads_current_memory
@@ -44,7 +45,7 @@ class TrellisLayerCache(MemoryLayerCache):
     state_class = TrellisState
 
 
-class TrellisAttention(MemoryMixer):
+class TrellisMixer(MemoryMixer):
     """The Trellis mixer: projections, short convs, gates, the op, gated output.
 
     Named ``self_attn`` in its block so Llama LoRA targets and conversions carry over.
@@ -65,7 +66,7 @@ class TrellisAttention(MemoryMixer):
         NUM_SLOTS, CHUNK_SIZE, choice("compress_fn", COMPRESS_FNS), choice("mix_fn", MIX_FNS), CONV_SIZE,
         flag("use_forget_gate"), positive("gate_logit_normalizer"),
         # Every checkpoint saved before the field existed computes the anchored function.
-        choice("write_gradient", WRITE_GRADIENTS, legacy="anchored"),
+        choice("write_gradient", WRITE_GRADIENTS),
     )
     # A LayerNorm over one slot is 0 with a zero gradient: mix_fn "ln_silu" then reads 0 for every
     # input and compress_fn "layernorm" writes nothing, a memory that cannot be addressed.
@@ -83,7 +84,7 @@ class TrellisAttention(MemoryMixer):
     qk_width = "head_dim"
     fusable_projections = ("q_proj", "k_proj", "v_proj", "alpha_proj", "g_proj", "beta_proj", "gamma_proj")
 
-    def __init__(self, config: Any = None, layer_idx: int = 0, **arguments: Any) -> None:
+    def __init__(self, config: Optional[TrellisConfig] = None, layer_idx: int = 0, **arguments: Any) -> None:
         super().__init__(config, layer_idx, **arguments)
         config = self.config
         hidden, heads, dim, slots = config.hidden_size, config.num_heads, config.head_dim, config.num_slots
@@ -98,12 +99,12 @@ class TrellisAttention(MemoryMixer):
         self._init_if_standalone()
 
     @classmethod
-    def state_layout(cls, config: Any) -> dict[str, TensorSpec]:
+    def state_layout(cls, config: TrellisConfig) -> dict[str, TensorSpec]:
         """:class:`~trellis_lm.ops.TrellisState`: four ``[B, H, M, d]`` memories, the offset in ``[0, C)``."""
         return chunked_memory_layout(config, ("m_k", "m_v", "anchor_k", "anchor_v"))
 
     @classmethod
-    def unread_state(cls, config: Any) -> dict[str, str]:
+    def unread_state(cls, config: TrellisConfig) -> dict[str, str]:
         """The anchors, where every residual is taken at the current memory (``"exact"`` writes,
         the default, and ``identity``; design page, section 1): the memories stand in for them."""
         if reads_current_memory(config.compress_fn, config.write_gradient):

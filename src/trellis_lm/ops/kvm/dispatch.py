@@ -8,6 +8,8 @@ from typing import Optional
 
 import torch
 
+from ...defaults import (KVM_BUDGET, KVM_BUDGET_EXPONENT, KVM_BUDGET_SATURATION, KVM_BUDGET_SCALE, KVM_CHUNK_SIZE,
+                         KVM_SINKS, KVM_STATE_SIZE, KVM_WINDOW_CHUNKS)
 from ..checks import (
     as_dtype, check_chunk_size, check_cu_seqlens, compute_dtype, expect_dims, expect_float_inputs, expect_per_token_head, expect_qkv,
     expect_in_range_and_read, expect_shape, in_compute_dtype,
@@ -111,15 +113,15 @@ def kvm_attention(
     norm_bias: torch.Tensor,
     temperature: torch.Tensor,
     initial_state: Optional[KVMState] = None,
-    chunk_size: int = 256,
-    window_chunks: int = 2,
+    chunk_size: int = KVM_CHUNK_SIZE,
+    window_chunks: int = KVM_WINDOW_CHUNKS,
     rope_dims: int = 64,
-    sinks: int = 1,
-    state_size: int = 256,
-    budget: str = "fixed",
-    budget_scale: float = 16.0,
-    budget_exponent: float = 0.5,
-    budget_saturation: float = 1024.0,
+    sinks: int = KVM_SINKS,
+    state_size: int = KVM_STATE_SIZE,
+    budget: str = KVM_BUDGET,
+    budget_scale: float = KVM_BUDGET_SCALE,
+    budget_exponent: float = KVM_BUDGET_EXPONENT,
+    budget_saturation: float = KVM_BUDGET_SATURATION,
     budget_round: int = 1,
     budget_min: Optional[int] = None,
     output_final_state: bool = False,
@@ -259,7 +261,7 @@ def kvm_config(chunk_size: int, window_chunks: int, rope_dims: int, sinks: int, 
 
 def kvm_step(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor, *, state: KVMState,
-    norm_weight: torch.Tensor, norm_bias: torch.Tensor, temperature: torch.Tensor, chunk_size: int = 256,
+    norm_weight: torch.Tensor, norm_bias: torch.Tensor, temperature: torch.Tensor, chunk_size: int = KVM_CHUNK_SIZE,
     window_chunks: int = 2, rope_dims: int = 64, sinks: int = 1, state_size: int = 256, budget: str = "fixed",
     budget_scale: float = 16.0, budget_exponent: float = 0.5, budget_saturation: float = 1024.0,
     budget_round: int = 1, budget_min: Optional[int] = None, backend: str = "auto",

@@ -32,12 +32,12 @@ class KVMConfig:
     rope_dims: int
     sinks: int
     state_size: int
-    budget: str = "fixed"
-    budget_scale: float = 16.0
-    budget_exponent: float = 0.5
-    budget_saturation: float = 1024.0
-    budget_round: int = 1
-    budget_min: int = 256
+    budget: str
+    budget_scale: float
+    budget_exponent: float
+    budget_saturation: float
+    budget_round: int
+    budget_min: int
 
     @property
     def window(self) -> int:

@@ -8,6 +8,7 @@ from typing import Callable, Optional, Union
 
 import torch
 
+from ...defaults import CHUNK_SIZE, LATTICE_VARIANT
 from ..checks import (
     as_dtype, check_chunk_size, check_cu_seqlens, checked_offsets_state, compute_dtype, expect_float_inputs,
     expect_in_range, expect_per_token_head, expect_qkv, expect_shape, in_compute_dtype,
@@ -64,8 +65,8 @@ def lattice_attention(
     gamma: torch.Tensor,
     *,
     initial_state: Optional[InitialState],
-    chunk_size: int = 64,
-    variant: str = "dec",
+    chunk_size: int = CHUNK_SIZE,
+    variant: str = LATTICE_VARIANT,
     output_final_state: bool = False,
     cu_seqlens: Optional[torch.Tensor] = None,
     backend: str = "auto",
@@ -147,7 +148,7 @@ def lattice_attention(
 
 def lattice_step(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gamma: torch.Tensor, *, state: LatticeState,
-    chunk_size: int = 64, variant: str = "dec", backend: str = "auto",
+    chunk_size: int = CHUNK_SIZE, variant: str = LATTICE_VARIANT, backend: str = "auto",
 ) -> tuple[torch.Tensor, LatticeState]:
     """:func:`lattice_attention` for one token per row after an earlier call, unchecked (see
     :func:`~trellis_lm.ops.trellis.trellis_step`: the same contract): ``q, k [N, 1, H, M]``,
@@ -157,7 +158,7 @@ def lattice_step(
         q, k, v, gamma, state)
 
 
-def lattice_step_for(device: torch.device, dtype: torch.dtype, *, chunk_size: int = 64, variant: str = "dec",
+def lattice_step_for(device: torch.device, dtype: torch.dtype, *, chunk_size: int = CHUNK_SIZE, variant: str = LATTICE_VARIANT,
                      backend: str = "auto") -> Callable[..., tuple[torch.Tensor, LatticeState]]:
     """:func:`lattice_step` for inputs on ``device`` in ``dtype`` with these settings, its backend
     chosen now (see :func:`~trellis_lm.ops.trellis.trellis_step_for`): ``step(q, k, v, gamma, state)``."""

@@ -119,7 +119,7 @@ def mix(name: str, y: torch.Tensor) -> torch.Tensor:
     raise ValueError(f"mix_fn must be one of {MIX_FNS}, got {name!r}")
 
 
-def check_names(compress_fn: str, mix_fn: str, write_gradient: str = "anchored") -> None:
+def check_names(compress_fn: str, mix_fn: str, write_gradient: str) -> None:
     """Raise a ``ValueError`` naming the argument when a function name is unknown."""
     if write_gradient not in WRITE_GRADIENTS:
         raise ValueError(f"write_gradient must be one of {WRITE_GRADIENTS}, got {write_gradient!r}")

@@ -10,6 +10,7 @@ from typing import Callable, Optional, Sequence, Union
 
 import torch
 
+from ...defaults import CHUNK_SIZE, COMPRESS_FN, MIX_FN, WRITE_GRADIENT
 from ..checks import (
     as_dtype, check_chunk_size, check_cu_seqlens, checked_offsets_state, compute_dtype, expect_dims,
     expect_float_inputs, expect_in_range, expect_nonzero_sizes, expect_per_token_head, expect_qkv, expect_shape,
@@ -121,10 +122,10 @@ def trellis_attention(
     gamma: torch.Tensor,
     *,
     initial_state: InitialState = None,
-    chunk_size: int = 64,
-    compress_fn: str = "layernorm",
-    mix_fn: str = "ln_silu",
-    write_gradient: str = "anchored",
+    chunk_size: int = CHUNK_SIZE,
+    compress_fn: str = COMPRESS_FN,
+    mix_fn: str = MIX_FN,
+    write_gradient: str = WRITE_GRADIENT,
     output_final_state: bool = False,
     cu_seqlens: Optional[torch.Tensor] = None,
     backend: str = "auto",
@@ -155,7 +156,7 @@ def trellis_attention(
         compress_fn: ``"identity"``, ``"l2norm"`` or ``"layernorm"``.
         mix_fn: ``"ln_silu"``, ``"l2_silu"`` or ``"softmax"``.
         write_gradient: where each write takes its inner gradient (design page, section 1):
-            ``"exact"``, at the memory just before it (the per-token recurrence at any C; the
+            ``"exact"`` (the default, the model's), at the memory just before it (the per-token recurrence at any C; the
             returned state's anchors then equal its memories: nothing reads them), or
             ``"anchored"``, at the memory as it was at its chunk's start (stale inside a chunk;
             every checkpoint saved before ``TrellisConfig.write_gradient`` existed). ``identity``
@@ -220,8 +221,8 @@ def trellis_attention(
 
 def trellis_step(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, alpha: torch.Tensor, log_beta: torch.Tensor,
-    gamma: torch.Tensor, *, state: TrellisState, chunk_size: int = 64, compress_fn: str = "layernorm",
-    mix_fn: str = "ln_silu", write_gradient: str = "anchored", backend: str = "auto",
+    gamma: torch.Tensor, *, state: TrellisState, chunk_size: int = CHUNK_SIZE, compress_fn: str = COMPRESS_FN,
+    mix_fn: str = MIX_FN, write_gradient: str = WRITE_GRADIENT, backend: str = "auto",
 ) -> tuple[torch.Tensor, TrellisState]:
     """:func:`trellis_attention` for one token per row after an earlier call, unchecked: what a
     decode step needs and nothing more.
@@ -240,8 +241,8 @@ def trellis_step(
 
 
 def trellis_step_for(
-    device: torch.device, dtype: torch.dtype, *, chunk_size: int = 64, compress_fn: str = "layernorm",
-    mix_fn: str = "ln_silu", write_gradient: str = "anchored", backend: str = "auto",
+    device: torch.device, dtype: torch.dtype, *, chunk_size: int = CHUNK_SIZE, compress_fn: str = COMPRESS_FN,
+    mix_fn: str = MIX_FN, write_gradient: str = WRITE_GRADIENT, backend: str = "auto",
 ) -> Callable[..., tuple[torch.Tensor, TrellisState]]:
     """:func:`trellis_step` for inputs on ``device`` in ``dtype`` (the state's) with these settings,
     its backend chosen now, not at each call: ``step(q, k, v, alpha, log_beta, gamma, state)``.

@@ -38,8 +38,8 @@ def step_forward(q, k, v, alpha, log_beta, gamma, state, chunk_size, compress_fn
     # write (section 1).
     r_k, r_v = (m_k, m_v) if reads_current_memory(compress_fn, write_gradient) else (a_k, a_v)
     # Every memory read is a row vector times the memory's transpose ([N, H, 1, D] @ [.., D, M]):
-    # torch's CPU batched matmul takes a matrix times a column vector several times slower (8x
-    # at 16 rows of 4 heads of 64 x 64).
+    # torch's CPU batched matmul takes a matrix times a column vector several times slower
+    # (BENCHMARKS.md, "Figures behind code comments").
     reads = torch.stack([k.view(rows, heads, 1, dk) @ r_k.mT, v.view(rows, heads, 1, dv) @ r_v.mT])  # [2, N, H, 1, M]
     u = compress_residual_vjp(compress_fn, reads.view(2, rows, heads, slots), alpha.view(rows, heads, slots))
     u = (u * gamma.view(rows, heads, 1)).view(2, rows, heads, slots, 1)

@@ -1,0 +1,30 @@
+"""The defaults that several parts state: each value once, read by the configuration (its
+fields' defaults), the ops (their keyword arguments' defaults) and the conversion (its options
+and command line). A leaf: it imports nothing, so the ops and the configuration both read it.
+
+A model's config holds the values it computes with; these are what a caller who names none gets.
+"""
+
+from __future__ import annotations
+
+# Trellis and Lattice (design pages trellis.md, lattice.md): memory slots M per head and the
+# chunk size C of the ops.
+NUM_SLOTS = 64
+CHUNK_SIZE = 16
+# Trellis's compression and mixing functions, and where each write takes its inner gradient.
+# A config.json saved before `write_gradient` existed means "anchored" (TrellisConfig.saved_before).
+COMPRESS_FN = "layernorm"
+MIX_FN = "ln_silu"
+WRITE_GRADIENT = "exact"
+# Lattice's write rule.
+LATTICE_VARIANT = "dec"
+# KVM (design page kvm.md): the chunk size (a chunk is folded into the state as a whole), the
+# window in chunks, the sinks, the state rows and the budget rule with its parameters.
+KVM_CHUNK_SIZE = 256
+KVM_WINDOW_CHUNKS = 2
+KVM_SINKS = 1
+KVM_STATE_SIZE = 256
+KVM_BUDGET = "fixed"
+KVM_BUDGET_SCALE = 16.0
+KVM_BUDGET_EXPONENT = 0.5
+KVM_BUDGET_SATURATION = 1024.0
