@@ -182,7 +182,7 @@ def time_trellis(B, T, H, D, M, ceilings=None, first=False, precision=None) -> s
         return fwd, bench_ms(lambda: trellis_attention(*xg, **kw)[0].backward(do))
 
     shape, rows = (B, T, H, D, M), []
-    for name, how in (("anchored", {}), ("exact", dict(write_gradient="exact"))):
+    for name, how in (("anchored", dict(write_gradient="anchored")), ("exact", dict(write_gradient="exact"))):
         fwd, both = timed(**how)
         TIMES[shape, f"{name} {tc.DOT_PRECISION}"] = both
         rows.append(f"  trellis {name} ({tc.DOT_PRECISION} dots) fwd {fwd:8.2f} ms | fwd+bwd {both:8.2f} ms")
@@ -433,7 +433,8 @@ def streams_ab(B, T, H, D, M) -> list[str]:
     do = torch.randn(B, T, H, D, device=DEVICE, dtype=torch.bfloat16)
 
     def fwd_bwd():
-        trellis_attention(*x, initial_state=state, chunk_size=CHUNK, backend="triton")[0].backward(do)
+        trellis_attention(*x, initial_state=state, chunk_size=CHUNK, write_gradient="anchored",
+                          backend="triton")[0].backward(do)
 
     side_by_side = guarded("side by side", lambda: f"{bench_ms(fwd_bwd):8.2f} ms")
     with mock.patch.object(tc, "_side_by_side", lambda like, first, second: (*first(), *second())):
@@ -598,8 +599,8 @@ def profiled_rows(label: str, fn) -> list[str]:
 
 
 def profile_all(op_size, decode_size, context: int) -> list[str]:
-    """Where the time goes: the Trellis op's forward+backward at ``op_size`` (chunk 64 and the
-    exact recurrence, chunk 1), and one decode step of the model of ``decode_size`` after
+    """Where the time goes: the Trellis op's forward+backward at ``op_size`` (chunk 64, anchored
+    and exact writes: the anchored and the exact chunk kernels), and one decode step of the model of ``decode_size`` after
     ``context`` tokens, batch 1, eager and with ``compile_decode`` (CUDA graphs)."""
     from trellis_lm.benchmark import DecodeStepper, as_generate_runs
     from trellis_lm.ops import trellis_attention
@@ -608,10 +609,11 @@ def profile_all(op_size, decode_size, context: int) -> list[str]:
     x, state = trellis_inputs(B, T, H, D, M, grad=True)
     do = torch.randn(B, T, H, D, device=DEVICE, dtype=torch.bfloat16)
     rows = []
-    for chunk in (CHUNK, 1):
+    for write_gradient in ("anchored", "exact"):
         def fwd_bwd():
-            trellis_attention(*x, initial_state=state, chunk_size=chunk, backend="triton")[0].backward(do)
-        rows += profiled_rows(f"op fwd+bwd {op_size}, chunk {chunk}", fwd_bwd)
+            trellis_attention(*x, initial_state=state, chunk_size=CHUNK, write_gradient=write_gradient,
+                              backend="triton")[0].backward(do)
+        rows += profiled_rows(f"op fwd+bwd {op_size}, chunk {CHUNK}, {write_gradient} writes", fwd_bwd)
         free_cached()
     trellis, _ = same_size_models(**decode_size)
     for graphs in (False, True):

@@ -13,7 +13,7 @@ median and a ratio taken in the same run. Operator calls are counted with ``torc
 (every ``aten::`` call, nested ones included, as the profiler lists them).
 
 Measured: the op's forward+backward and forward (B, T, H, D, M) = (1, 2048, 4, 64, 64), C = 64,
-float32, and at C = 1 against the per-token ``reference`` backend; a 4-layer, 256-wide LM
+float32, anchored writes, and at C = 1 against the per-token ``reference`` backend; a 4-layer, 256-wide LM
 (4 heads of 64, 64 slots, vocabulary 4096, T = 2048) forward and forward+backward; eager decode
 ms/token of that LM against a same-size ``LlamaForCausalLM`` (sdpa, ``DynamicCache``) after
 256, 8192 and 32768 tokens of context; the single-token decode steps of the Trellis op (exact
@@ -22,6 +22,7 @@ writes) and the Lattice op (``"enc"``) for 1 and 16 rows of 4 heads (part ``step
 
 from __future__ import annotations
 
+import inspect
 import os
 import sys
 
@@ -62,13 +63,17 @@ def _worker(src: str, threads: int, quick: bool) -> None:
     T1 = 64 if quick else 512
     x_1, s_1 = op_inputs(T1, True)
 
+    # The op's rows time anchored writes, the function every checkout computes by these arguments
+    # (the op's default became "exact" after af93191, which has no write_gradient).
+    anchored = {"write_gradient": "anchored"} if "write_gradient" in inspect.signature(trellis_attention).parameters else {}
+
     def op_fb(C, backend="torch", x=x_g, s=s_g):
-        o, _ = trellis_attention(*x, initial_state=s, chunk_size=C, backend=backend)
+        o, _ = trellis_attention(*x, initial_state=s, chunk_size=C, backend=backend, **anchored)
         o.sum().backward()
 
     def op_f(C, backend="torch", x=x_n, s=s_n):
         with torch.no_grad():
-            trellis_attention(*x, initial_state=s, chunk_size=C, backend=backend)
+            trellis_attention(*x, initial_state=s, chunk_size=C, backend=backend, **anchored)
 
     config = TrellisConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
                            intermediate_size=hidden * 8 // 3, num_heads=heads, head_dim=head_dim,
