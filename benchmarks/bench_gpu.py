@@ -23,9 +23,9 @@ What it measures (bfloat16 activations, float32 states, chunk 64):
   * decode milliseconds per token, batch 1 and 64, of a 12-layer, 768-wide Trellis model against a
     LlamaForCausalLM of the same size (sdpa attention) after contexts of 1k, 16k and 128k tokens
     (Llama is not run where its cache would not fit), each eagerly and with CUDA graphs: Trellis
-    with ``compile_decode`` (its runs of memory blocks replayed from graphs), the Llama with
-    transformers' StaticCache and ``torch.compile(mode="reduce-overhead")`` at batch 1 (1k and
-    128k: each context compiles anew). Trellis's
+    with ``compile_decode`` (its whole step, embedding to logits, one CUDA graph), the Llama with
+    transformers' StaticCache and ``torch.compile(mode="reduce-overhead")`` (each context and
+    batch compiles anew, about a minute); then issue 73's goal ratios from those rows. Trellis's
     state does not grow, so its figure should not depend on the context; the attention model's does.
   * ``--only tune``: launch settings and dot precisions at the first shape (time, forward and
     gradient errors), and the key and value chains on two streams against one after the other
@@ -488,17 +488,19 @@ def static_cache_stepper(steps: int):
 
 
 def bench_decode(contexts, batches, steps, prefill_piece, **size) -> list[str]:
-    """ms/token of Trellis eager and with ``compile_decode`` (CUDA graphs of its runs of blocks),
-    and of the Llama eager (DynamicCache) and, at batch 1 and the first and last context,
-    compiled with CUDA graphs (StaticCache, :func:`static_cache_stepper`)."""
+    """ms/token of Trellis eager and with ``compile_decode`` (its step one CUDA graph), and of the
+    Llama eager (DynamicCache) and compiled with CUDA graphs (StaticCache,
+    :func:`static_cache_stepper`), at every context and batch where its cache fits; then the
+    goal ratios of issue 73 (:func:`decode_goal_rows`)."""
     from trellis_lm.benchmark import DecodeStepper, decode_ms_per_token
 
     trellis, llama = same_size_models(**size)
     n_t = sum(p.numel() for p in trellis.parameters()) / 1e6
     n_l = sum(p.numel() for p in llama.parameters()) / 1e6
     rows = [f"decode, bf16, {size}; Trellis {n_t:.1f}M params (op backend triton): eager | compile_decode "
-            f"(CUDA graphs); Llama {n_l:.1f}M params (sdpa): eager, DynamicCache | StaticCache + torch.compile "
-            "reduce-overhead (batch 1):"]
+            f"(one CUDA graph a step); Llama {n_l:.1f}M params (sdpa): eager, DynamicCache | StaticCache + "
+            "torch.compile reduce-overhead:"]
+    ms = {}
     for batch in batches:
         for c in contexts:
             timed = {}
@@ -512,17 +514,43 @@ def bench_decode(contexts, batches, steps, prefill_piece, **size) -> list[str]:
             for graphs, stepper in ((False, DecodeStepper), (True, static_cache_stepper(steps))):
                 if kv_bytes > 0.8 * free_bytes():
                     timed["Llama", graphs] = f"not run (its cache would take {kv_bytes / 2**30:.0f} GiB)"
-                elif graphs and (batch > 1 or c not in (contexts[0], contexts[-1])):
-                    timed["Llama", graphs] = "-"  # each context compiles anew (about a minute): the ends only
                 else:
                     timed["Llama", graphs] = guarded(
                         "Llama", lambda: f"{decode_ms_per_token(llama, c, steps, piece, batch, stepper):7.2f}")
                 free_cached()
+            ms.update({(name, graphs, batch, c): text for (name, graphs), text in timed.items()})
             rows.append(f"  batch {batch:3d}, context {c:7d}: Trellis {timed['Trellis', False]} | "
                         f"{timed['Trellis', True]} ms/token; Llama {timed['Llama', False]} | {timed['Llama', True]} "
                         "ms/token")
             print(rows[-1], flush=True)
+    rows += decode_goal_rows(ms, contexts, batches)
+    print("\n".join(rows[-6:]), flush=True)
     return rows
+
+
+def decode_goal_rows(ms: dict, contexts: list[int], batches: list[int]) -> list[str]:
+    """Issue 73's GPU goals from the rows of :func:`bench_decode` (``ms[name, graphs, batch,
+    context]``, each a number or why it is missing): at batch 1 the compiled Llama's ms/token over
+    the graphed Trellis's at the first and last context (goals >= 1.0x and >= 2.5x) and the graphed
+    Trellis at the last context over the first (flat: <= 1.10); at batch 64, the same ratio at the
+    middle context (>= 2x)."""
+    def number(key):
+        try:
+            return float(ms[key])
+        except (KeyError, ValueError):
+            return None
+
+    def ratio(a, b):
+        x, y = number(a), number(b)
+        return f"{x / y:.2f}" if x and y else "not measured"
+
+    first, middle, last = contexts[0], contexts[len(contexts) // 2], contexts[-1]
+    low, high = min(batches), max(batches)
+    return ["# goals (issue 73): compiled Llama ms / graphed Trellis ms; graphed Trellis at the last context / the first",
+            f"  batch {low}, {first}: {ratio(('Llama', True, low, first), ('Trellis', True, low, first))}x (>= 1.0x)",
+            f"  batch {low}, {last}: {ratio(('Llama', True, low, last), ('Trellis', True, low, last))}x (>= 2.5x)",
+            f"  batch {low}, {last} / {first}: {ratio(('Trellis', True, low, last), ('Trellis', True, low, first))} (<= 1.10)",
+            f"  batch {high}, {middle}: {ratio(('Llama', True, high, middle), ('Trellis', True, high, middle))}x (>= 2x)"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -646,11 +674,14 @@ def compile_check(head_dims=(64, 128), slots=64, chunk=CHUNK) -> list[str]:
         P = tc._kernel_precision()
         kernels = [
             ("state_fwd", tc._state_fwd_kernel, dict(BT=BT, BM=BM, BD=BD, CF=2, PREC=P), tc._stages("state")),
-            ("output_fwd", tc._output_fwd_kernel, dict(BT=BT, BM=BM, BDK=BD, BDV=BD, CF=2, MF=0, PREC=P),
-             tc._stages("output")),
-            ("value_bwd", tc._value_bwd_kernel, dict(BT=BT, BM=BM, BDK=BD, BDV=BD, CF=2, MF=0, PREC=P),
-             tc._stages("local")),
-            ("key_bwd", tc._key_bwd_kernel, dict(BT=BT, BM=BM, BDK=BD, CF=2, PREC=P), tc._stages("local")),
+            *((f"{prefix}output_fwd", tc._output_fwd_kernel,
+               dict(BT=BT, BM=BM, BDK=BD, BDV=BD, CF=2, MF=0, PREC=P, EXACT=exact), tc._stages("output"))
+              for prefix, exact in (("", False), ("exact_", True))),
+            *((f"{prefix}value_bwd", tc._value_bwd_kernel,
+               dict(BT=BT, BM=BM, BDK=BD, BDV=BD, CF=2, MF=0, PREC=P, EXACT=exact), tc._stages("local"))
+              for prefix, exact in (("", False), ("exact_", True))),
+            *((f"{prefix}key_bwd", tc._key_bwd_kernel, dict(BT=BT, BM=BM, BDK=BD, CF=2, PREC=P, EXACT=exact),
+               tc._stages("local")) for prefix, exact in (("", False), ("exact_", True))),
             ("chain_bwd", tc._chain_bwd_kernel, dict(BT=BT, BM=BM, BD=BD, BDR=BD, CF=2, PREC=P),
              tc._stages("chain", BT, BM, BD, BD)),
             ("gates_bwd", tc._gates_bwd_kernel, dict(BT=BT, BM=BM), 1),
@@ -666,14 +697,14 @@ def compile_check(head_dims=(64, 128), slots=64, chunk=CHUNK) -> list[str]:
             signature = {n: ("constexpr" if n in constexprs else arg_type(n)) for n in names}
             src = ASTSource(fn, signature, {(names.index(k),): v for k, v in constexprs.items()})
             start = time.perf_counter()
-            warps = te.EXACT_WARPS if name.startswith("exact") else tc._warps(
+            warps = te.EXACT_WARPS if name in ("exact_state", "exact_chain") else tc._warps(
                 "recurrent" if name.startswith("recur") else "chunk", D, D, slots)
             kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                                     options=dict(num_warps=warps, num_stages=stages))
             shared = kernel.metadata.shared
             ok = shared <= SMEM_LIMIT
             failed |= not ok
-            rows.append(f"  D={D:3d} {name:10s} warps {warps:2d} stages {stages}: shared {shared:6d} B "
+            rows.append(f"  D={D:3d} {name:16s} warps {warps:2d} stages {stages}: shared {shared:6d} B "
                         f"{'ok' if ok else 'TOO MUCH'} | {resources(kernel)} | {time.perf_counter() - start:5.1f} s")
             print(rows[-1], flush=True)
     if failed:

@@ -1,10 +1,12 @@
-"""``compile_decode`` on a GPU: runs of memory blocks replayed from CUDA graphs (trellis_lm.compiled_decode).
+"""``compile_decode`` on a GPU: a decode step's runs of memory blocks (an all-memory model's whole
+step, embedding to logits) replayed from CUDA graphs (trellis_lm.compiled_decode).
 
 A CUDA graph needs a GPU (``tests/test_on_cuda.py`` runs the real one). Here the capture is
 replaced by one that records the step and replays it by running it again and writing its
-results into the captured outputs, as a graph's replay does: everything else (the copies in
-and out, which runs are captured and when, the signature, what the cache is handed) is the
-code a GPU runs.
+results where the captured outputs are, as a graph's replay does: everything else (the static
+buffers for the tokens and the entries, the two sets a replay reads and writes in turn, the
+copies in and the copies a cache is given, which runs are captured and when, what the cache is
+handed) is the code a GPU runs.
 """
 
 from __future__ import annotations
@@ -17,22 +19,21 @@ import torch
 from test_generation import DECODE_PIECES, DECODE_RUNS, eager_and_compiling, logits_in_pieces
 from tiny_models import random_tokens, tiny_model
 from trellis_lm import TrellisCache
-from trellis_lm.compiled_decode import decode_graphs, entry_tensors
+from trellis_lm.compiled_decode import CompiledSegments, DecodeGraphs, entry_tensors, inference_span
 
 
 class ReplayingCapture:
     """A stand-in for ``capture_cuda_graph``: counts captures and replays; a replay reruns the
-    step and writes its results where the capture's outputs are (a graph's fixed addresses)."""
+    step (whose own writes into the other set of buffers are a graph's) and writes its results
+    where the capture's outputs are (a graph's fixed addresses)."""
 
     def __init__(self) -> None:
         self.captures = 0
         self.replays = 0
-        self.outputs: list[list[torch.Tensor]] = []
 
     def __call__(self, fn):
         self.captures += 1
         outputs = fn()
-        self.outputs.append(outputs)
         capture = self
 
         class Graph:
@@ -44,21 +45,25 @@ class ReplayingCapture:
         return Graph(), outputs
 
 
-def graphs_of(model):
-    return model.model.decode_graphs
+def graphs_of(model) -> DecodeGraphs:
+    return model.model.decode_plan.runner
+
+
+def held(cache) -> list[torch.Tensor]:
+    return [t for layer in cache.layers for t in layer.tensors().values()]
 
 
 @pytest.mark.parametrize(("schedule", "overrides", "runs"), DECODE_RUNS)
 def test_replayed_steps_equal_eager(schedule, overrides, runs):
     eager, graphed, ids = eager_and_compiling(schedule, overrides)
     capture = ReplayingCapture()
-    with torch.no_grad(), decode_graphs(graphed, capture=capture):
+    with torch.no_grad(), inference_span(graphed, capture=capture):
         replayed = logits_in_pieces(graphed, ids, DECODE_PIECES)
-        assert len(graphs_of(graphed).runs) == len(runs)
-    # Captured on the first step (one graph per run of memory blocks), replayed on every step;
-    # the prefill ran eagerly; the graphs are gone with the span.
-    assert capture.captures == len(runs) and capture.replays == len(runs) * 8
-    assert graphs_of(graphed) is None
+        assert len(graphs_of(graphed).segments) == len(runs)
+    # One graph per run of memory blocks and set of buffers it reads, captured on the first two
+    # steps, replayed on every step; the prefill ran eagerly; the graphs are gone with the span.
+    assert capture.captures == 2 * len(runs) and capture.replays == len(runs) * 8
+    assert graphed.model.decode_plan is None
     torch.testing.assert_close(replayed, logits_in_pieces(eager, ids, DECODE_PIECES), rtol=1e-12, atol=1e-12)
 
 
@@ -69,37 +74,75 @@ def test_generate_replays_and_leaves_the_cache_of_eager_steps():
     eager = model.generate(ids, **settings)
     model.config.compile_decode = True
     capture = ReplayingCapture()
-    with decode_graphs(model, capture=capture):  # generate's own span keeps this one
+    with inference_span(model, capture=capture):  # generate's own span keeps this one
         out = model.generate(ids, **settings)
     assert torch.equal(out.sequences, eager.sequences)
-    assert capture.captures == 2 and capture.replays == 2 * 9
+    assert capture.captures == 2 * 2 and capture.replays == 2 * 9
     for mine, theirs in zip(out.past_key_values.layers, eager.past_key_values.layers):
         for name, tensor in mine.tensors().items():
             torch.testing.assert_close(tensor, theirs.tensors()[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
-def test_the_cache_never_holds_a_graphs_buffers():
-    # The cache is handed copies: a later replay (another cache's step) cannot change it, and a
-    # failed call restores entries nobody wrote into.
-    model = tiny_model(seed=3, dtype=torch.float64)
-    model.config.compile_decode = True
-    ids = random_tokens(2, 5, seed=1)
+def test_every_decoding_mode_replays_the_eager_tokens():
+    # Greedy, beam search, prompt lookup and another model's drafts (caches that record their calls:
+    # steps are handed copies, and a crop replays them), sampling: float64, so every choice is the
+    # eager one.
+    model, drafter = tiny_model(seed=10, dtype=torch.float64), tiny_model(seed=11, dtype=torch.float64)
+    ids, one = random_tokens(2, 5, seed=6), random_tokens(1, 4, seed=7).repeat(1, 3)
+
+    def every_mode():
+        outputs = [model.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False),
+                   model.generate(ids[:1], max_new_tokens=6, min_new_tokens=6, num_beams=2, do_sample=False),
+                   model.generate(one, max_new_tokens=6, min_new_tokens=6, prompt_lookup_num_tokens=2, do_sample=False),
+                   model.generate(one, max_new_tokens=6, min_new_tokens=6, assistant_model=drafter, do_sample=False)]
+        torch.manual_seed(12)
+        return outputs + [model.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=True, top_k=0)]
+
+    eager = every_mode()
+    for m in (model, drafter):
+        m.config.compile_decode = True
     capture = ReplayingCapture()
-    with torch.no_grad(), decode_graphs(model, capture=capture):
-        cache = TrellisCache(model.config)
-        model(ids, past_key_values=cache)
-        model(ids[:, :1], past_key_values=cache)
-        (run,) = graphs_of(model).runs.values()
-        buffers = {t.untyped_storage().data_ptr() for t in run.inputs + run.outputs}
-        held = [t for layer in cache.layers for t in layer.tensors().values()]
-        assert not buffers & {t.untyped_storage().data_ptr() for t in held}
-        kept = [t.clone() for t in held]
-        other = TrellisCache(model.config)
-        model(ids.flip(0), past_key_values=other)
-        model(ids[:, 1:2], past_key_values=other)  # replays the same graph with other's entries
-        assert capture.replays == 2
-        for before, now in zip(kept, held):
+    with inference_span(model, capture=capture), inference_span(drafter, capture=capture):
+        graphed = every_mode()
+        # Prompt lookup's steps without a draft: a recording cache, handed copies.
+        recording = [s for s in graphs_of(model).segments.values() if (0, True) in s.graphs]
+    for mode, got, want in zip(("greedy", "beam", "prompt lookup", "assisted", "sampling"), graphed, eager):
+        assert torch.equal(got, want), mode
+    assert recording
+
+
+def test_a_cache_holds_a_set_of_buffers_alone():
+    # Steps of one cache read one set of buffers and hand the cache the other, no copy. Another
+    # cache's step gives the first one copies before a set it holds is written: its entries keep
+    # their values, and each cache continues as it would alone.
+    model = tiny_model(seed=3, dtype=torch.float64)
+    eager = copy.deepcopy(model)
+    model.config.compile_decode = True
+    a, b = random_tokens(2, 7, seed=1), random_tokens(2, 7, seed=2)
+    capture = ReplayingCapture()
+
+    def sets_held(graphed, cache):
+        tensors = {id(t) for t in held(cache)}
+        return [all(id(t) in tensors for t in buffers) for buffers in graphed.sets]
+
+    with torch.no_grad(), inference_span(model, capture=capture):
+        first, second = TrellisCache(model.config), TrellisCache(model.config)
+        model(a[:, :4], past_key_values=first)
+        model(a[:, 4:5], past_key_values=first)
+        (graphed,) = graphs_of(model).segments.values()
+        assert sets_held(graphed, first) == [False, True]
+        model(a[:, 5:6], past_key_values=first)  # reads the set it holds, writes the other
+        assert sets_held(graphed, first) == [True, False]
+        kept = [t.clone() for t in held(first)]
+        model(b[:, :4], past_key_values=second)
+        model(b[:, 4:5], past_key_values=second)  # copied into the first set: `first` gets a copy first
+        assert sets_held(graphed, first) == [False, False] and sets_held(graphed, second) == [False, True]
+        for before, now in zip(kept, held(first)):
             assert torch.equal(before, now)
+        steps = [model(a[:, 6:7], past_key_values=first).logits, model(b[:, 5:6], past_key_values=second).logits]
+    want = [logits_in_pieces(eager, a, [4, 1, 1, 1])[:, -1:], logits_in_pieces(eager, b[:, :6], [4, 1, 1])[:, -1:]]
+    for got, expected in zip(steps, want):
+        torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
 
 
 def test_two_caches_taking_turns_and_a_reordered_cache():
@@ -120,10 +163,35 @@ def test_two_caches_taking_turns_and_a_reordered_cache():
         return torch.cat(logits, dim=1)
 
     capture = ReplayingCapture()
-    with torch.no_grad(), decode_graphs(graphed, capture=capture):
+    with torch.no_grad(), inference_span(graphed, capture=capture):
         replayed = turns(graphed)
+    # Caches taking turns are copied into the first set each step: one graph per run.
     assert capture.captures == 2 and capture.replays == 2 * 7
     torch.testing.assert_close(replayed, turns(model), rtol=1e-12, atol=1e-12)
+
+
+def test_a_step_failing_after_a_replay_leaves_the_cache_as_it_was(monkeypatch):
+    # The hybrid's attention block fails after its first run was replayed: that run wrote the set
+    # of buffers the cache does not hold, so the cache keeps its entries before, and its next
+    # step gives what a step that never failed gives.
+    model = tiny_model(seed=5, dtype=torch.float64, schedule="hybrid", head_dim=6)
+    eager = copy.deepcopy(model)
+    model.config.compile_decode = True
+    ids = random_tokens(2, 7, seed=8)
+    attention = type(model.model.layers[2].self_attn)
+    forward = attention.forward
+    with torch.no_grad(), inference_span(model, capture=ReplayingCapture()):
+        cache = TrellisCache(model.config)
+        model(ids[:, :4], past_key_values=cache)
+        model(ids[:, 4:5], past_key_values=cache)
+        kept = [t.clone() for t in held(cache)]
+        monkeypatch.setattr(attention, "forward", lambda *args: (_ for _ in ()).throw(RuntimeError("out of memory")))
+        with pytest.raises(RuntimeError, match="out of memory"):
+            model(ids[:, 5:6], past_key_values=cache)
+        monkeypatch.setattr(attention, "forward", forward)
+        assert cache.get_seq_length() == 5 and all(torch.equal(x, y) for x, y in zip(kept, held(cache)))
+        got = model(ids[:, 5:6], past_key_values=cache).logits
+    torch.testing.assert_close(got, logits_in_pieces(eager, ids[:, :6], [4, 1, 1])[:, -1:], rtol=1e-12, atol=1e-12)
 
 
 def test_a_failed_capture_decodes_eagerly_with_a_warning():
@@ -139,7 +207,7 @@ def test_a_failed_capture_decodes_eagerly_with_a_warning():
         raise RuntimeError("operation not permitted when stream is capturing")
 
     with pytest.warns(RuntimeWarning, match="operation not permitted.*decodes eagerly"):
-        with decode_graphs(model, capture=failing):
+        with inference_span(model, capture=failing):
             assert torch.equal(model.generate(ids, max_new_tokens=6, do_sample=False), eager)
     assert len(attempts) == 1  # the first failure ends the span's captures
 
@@ -149,13 +217,13 @@ def test_no_graphs_with_autograd_or_for_a_model_off_the_gpu():
     model.config.compile_decode = True
     ids = random_tokens(1, 4, seed=2)
     capture = ReplayingCapture()
-    with decode_graphs(model, capture=capture):
+    with inference_span(model, capture=capture):
         cache = TrellisCache(model.config)
         model(ids, past_key_values=cache)
-        model(ids[:, :1], past_key_values=cache).logits.sum().backward()  # autograd records: eager
+        model(ids[:, :1], past_key_values=cache).logits.sum().backward()  # autograd records: the general path
     assert capture.captures == 0 and model.model.embed_tokens.weight.grad is not None
-    with decode_graphs(model):  # no capture given: a CPU model's steps compile as before
-        assert graphs_of(model) is None
+    with inference_span(model):  # no capture given: a CPU model's steps compile
+        assert isinstance(graphs_of(model), CompiledSegments)
 
 
 def test_entry_tensors_round_trip():

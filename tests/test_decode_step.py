@@ -1,4 +1,4 @@
-"""The lean decode path (issue 40) computes what the checked path computes.
+"""The lean decode path (issues 40 and 73) computes what the checked path computes.
 
 * Each op's unchecked single-token step (``trellis_step``, ``lattice_step``, ``kvm_step``)
   against the op's per-token reference, in float64, from states mid-chunk and at chunk starts,
@@ -7,9 +7,15 @@
   called one by one: the same logits and tokens for every schedule, stacks made only inside the
   call and rebuilt by the next (a weight changed in between is seen), refused for modules an
   adapter wraps.
+* A span's decode plan (``decode_step``: memory blocks by ``run_segment``, the others through
+  their modules) against the general forward: the same logits in float64 for every schedule
+  and setting, in bfloat16, with a cache that records its calls for rollback (a crop after plan
+  steps), hooked blocks and hooked outer modules, and bad inputs left to the general checks.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
@@ -17,7 +23,11 @@ import torch.nn.functional as F
 from op_inputs import make_inputs, make_kvm_inputs, make_state
 from tiny_models import SCHEDULES, random_tokens, tiny_model
 
+import trellis_lm.compiled_decode as compiled_decode
+from trellis_lm import TrellisCache
 from trellis_lm.cache_trellis import CACHE_ARG
+from trellis_lm.compiled_decode import inference_span
+from trellis_lm.decode_step import TokenStep
 from trellis_lm.mixers import MemoryMixer
 from trellis_lm.projection_stacks import LinearStack, stacked_projections
 from trellis_lm.ops import (
@@ -195,3 +205,122 @@ def test_a_models_decode_steps_give_the_checked_ops_logits(write_gradient, monke
     assert not steps
     for got, want in zip(lean, checked):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+# ----------------------------------------------------------------------------- the decode plan (issue 73)
+
+# (schedule, settings, the runs of memory blocks, by length, each step takes through run_segment)
+PLAN_RUNS = [
+    ("trellis", {}, [2]),
+    ("trellis", {"write_gradient": "anchored"}, [2]),
+    ("trellis", {"compress_fn": "l2norm", "mix_fn": "softmax", "use_forget_gate": False, "conv_size": 0}, [2]),
+    ("trellis", {"compress_fn": "identity", "mix_fn": "l2_silu", "conv_size": 2}, [2]),
+    ("lattice", {"lattice_variant": "enc"}, [2]),
+    # trellis, trellis | attention | lattice; kvm | lattice | attention | trellis (attention, KVM: modules)
+    ("hybrid", {"head_dim": 6}, [2, 1]),
+    ("kvm-hybrid", {"head_dim": 6}, [1, 1]),
+]
+
+
+@pytest.fixture
+def plan_runs(monkeypatch):
+    """The length of each run of blocks a decode plan ran by ``run_segment`` (eagerly), in order."""
+    runs = []
+    real = compiled_decode.run_eagerly
+    monkeypatch.setattr(compiled_decode, "run_eagerly",
+                        lambda segment, *args: runs.append(len(segment.blocks)) or real(segment, *args))
+    return runs
+
+
+@pytest.mark.parametrize(("schedule", "settings", "runs"), PLAN_RUNS)
+def test_plan_steps_give_the_general_paths_logits(schedule, settings, runs, plan_runs):
+    # Odd sizes; chunks of 4 and 7 steps after a 5-token prompt, so anchors move mid-decode.
+    model = tiny_model(seed=5, dtype=torch.float64, schedule=schedule, num_heads=3, num_slots=7, **settings)
+    ids = random_tokens(3, 5, seed=2)
+    want_ids, want = decode_by_hand(model, ids, 7)
+    assert plan_runs == []  # outside a span: the general forward
+    with inference_span(model):
+        got_ids, got = decode_by_hand(model, ids, 7)
+    assert plan_runs == runs * 7
+    assert torch.equal(got_ids, want_ids)
+    for step, (mine, theirs) in enumerate(zip(got, want)):
+        torch.testing.assert_close(mine, theirs, rtol=1e-12, atol=1e-12, msg=f"step {step}")
+
+
+def test_plan_steps_in_bfloat16_give_the_general_paths_logits(plan_runs):
+    # bfloat16 activations, float32 states and op: the casts the general path makes, made alike.
+    model = tiny_model(seed=6, dtype=torch.bfloat16, schedule="hybrid", head_dim=6)
+    ids = random_tokens(2, 6, seed=3)
+    want_ids, want = decode_by_hand(model, ids, 5)
+    with inference_span(model):
+        got_ids, got = decode_by_hand(model, ids, 5)
+    assert plan_runs == [2, 1] * 5 and torch.equal(got_ids, want_ids)
+    for mine, theirs in zip(got, want):
+        assert mine.dtype == torch.bfloat16 and torch.equal(mine, theirs)
+
+
+def steps_then_crop(model, ids, span):
+    """Logits of a prompt, three single-token steps, a crop of two tokens and the two again, with
+    a cache that records its calls for rollback; and the cache's tensors after."""
+    cache, logits = TrellisCache(model.config, rollback_window=4), []
+    with torch.no_grad(), span:
+        logits.append(model(ids[:, :5], past_key_values=cache).logits)
+        for t in (5, 6, 7, 6, 7):
+            if t == 6 and cache.get_seq_length() == 8:
+                cache.crop(-2)
+            logits.append(model(ids[:, t: t + 1], past_key_values=cache).logits)
+    return torch.cat(logits, dim=1), [t for layer in cache.layers for t in layer.tensors().values()]
+
+
+def test_plan_steps_record_for_rollback(plan_runs):
+    # A recording cache's plan steps keep each memory mixer's input; a crop replays them by the
+    # general path, and the steps after it continue as a straight run would.
+    model = tiny_model(seed=2, dtype=torch.float64, schedule="hybrid", head_dim=6)
+    ids = random_tokens(1, 8, seed=4)
+    want, want_tensors = steps_then_crop(model, ids, contextlib.nullcontext())
+    got, got_tensors = steps_then_crop(model, ids, inference_span(model))
+    assert plan_runs == [2, 1] * 5
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    for mine, theirs in zip(got_tensors, want_tensors):
+        torch.testing.assert_close(mine, theirs, rtol=1e-12, atol=1e-12)
+    with torch.no_grad():  # the steps before the crop, and the two after it, as one forward gives them
+        straight = model(ids).logits
+    torch.testing.assert_close(got[:, :8], straight, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(got[:, 8:], straight[:, 6:], rtol=1e-9, atol=1e-9)
+
+
+def test_hooked_blocks_and_outer_modules_run_through_their_modules(plan_runs):
+    model = tiny_model(seed=7, dtype=torch.float64, schedule="hybrid", head_dim=6)
+    ids = random_tokens(2, 5, seed=5)
+    want_ids, want = decode_by_hand(model, ids, 3)
+    seen = []
+    handle = model.model.layers[1].mlp.register_forward_hook(lambda module, args, out: seen.append(args[0].shape[1]))
+    with inference_span(model):  # layer 1 (a Trellis block) through its modules, layer 0 and 3 by the plan
+        got_ids, _ = decode_by_hand(model, ids, 3)
+    handle.remove()
+    assert seen == [5, 1, 1, 1] and plan_runs == [1, 1] * 3 and torch.equal(got_ids, want_ids)
+    plan_runs.clear()
+    handle = model.lm_head.register_forward_pre_hook(lambda module, args: seen.append("head"))
+    with inference_span(model):  # a hook outside the blocks: no step is the plan's
+        got_ids, got = decode_by_hand(model, ids, 3)
+    handle.remove()
+    assert seen[4:] == ["head"] * 4 and plan_runs == [] and torch.equal(got_ids, want_ids)
+    assert TokenStep.of(model.model.layers[0]) is None  # outside a span: no stacks, no plan steps
+
+
+def test_the_plan_leaves_bad_inputs_to_the_general_checks():
+    model = tiny_model(seed=1, schedule="hybrid", head_dim=6)
+    ids = random_tokens(2, 5, seed=6)
+    cache = TrellisCache(model.config)
+    with torch.no_grad(), inference_span(model):
+        model(ids, past_key_values=cache)
+        with pytest.raises(ValueError, match="attention_mask must be a 2-D padding mask"):
+            model(ids[:, :1], attention_mask=torch.ones(2, 5, dtype=torch.long), past_key_values=cache)
+        with pytest.raises(ValueError, match="position_ids must be 2-D"):
+            model(ids[:, :1], position_ids=torch.zeros(2, 1, 1, dtype=torch.long), past_key_values=cache)
+        with pytest.raises(ValueError, match="the cache holds 2 rows, the input 1"):
+            model(ids[:1, :1], past_key_values=cache)
+        other = tiny_model(seed=1, schedule="trellis")
+        with pytest.raises(ValueError, match="the cache was made for layers"):
+            other(ids[:, :1], past_key_values=cache)
+        assert cache.get_seq_length() == 5  # nothing taken in

@@ -15,6 +15,7 @@ from tiny_models import left_pad, random_tokens, tiny_model
 from transformers_names import cache_of
 import trellis_lm.compiled_decode as compiled_decode
 from trellis_lm import TrellisCache, TrellisForCausalLM
+from trellis_lm.compiled_decode import inference_span
 from trellis_lm.ops import COMPRESS_FNS, MIX_FNS
 
 TOL = dict(rtol=1e-4, atol=1e-4)
@@ -101,40 +102,48 @@ needs_compiler = pytest.mark.skipif(
 @pytest.fixture
 def fresh_compiler():
     """No compiled decode step from earlier tests: each test's compilations count from zero
-    against torch.compile's recompile limit (the models share one compiled function per process)."""
+    against torch.compile's recompile limit (the models share one compiled function per process),
+    and in :func:`graphs_compiled`."""
     import torch._dynamo
 
     torch._dynamo.reset()
+    counters.clear()
     yield
     torch._dynamo.reset()
 
 
 @pytest.fixture
 def compiled_runs(monkeypatch):
-    """The lengths of the runs of blocks each compiled call took, in order, and whether a call
-    was answered by torch.compile (not the eager fallback)."""
+    """Each compiled call of a run of blocks, in order, as ``(blocks, with the embedding, with the
+    head, keeping the mixers' inputs)``; a call answered eagerly (past the recompile limit) fails."""
     runs = []
-    compiled = compiled_decode.compiled_blocks()
-    real = compiled_decode.compiled_or_eager
+    compiled = compiled_decode.compiled_segment()
 
-    def counted(blocks, hidden, carried):
-        runs.append(len(blocks))
-        return real(blocks, hidden, carried)
+    def counted(segment, first, carried):
+        runs.append((len(segment.blocks), segment.embedding is not None, segment.head is not None,
+                     segment.keep_inputs))
+        return compiled(segment, first, carried)
 
-    monkeypatch.setattr(compiled_decode, "compiled_or_eager", counted)
+    monkeypatch.setattr(compiled_decode, "compiled_segment", lambda: counted)
     monkeypatch.setattr(compiled_decode, "_warn_recompile_limit", lambda: pytest.fail("fell back to eager"))
-    assert compiled is compiled_decode.compiled_blocks()
     return runs
 
 
-# Schedules of memory blocks with (schedule, overrides, runs of memory blocks in a decode step).
+def graphs_compiled() -> int:
+    """Graphs torch.compile has made in this process (each compilation of the decode step's function)."""
+    return counters["stats"]["unique_graphs"]
+
+
+# Schedules of memory blocks with (schedule, overrides, the runs of a decode step: (blocks, with the
+# embedding, with the head, keeping inputs)).
+WHOLE_STEP = [(2, True, True, False)]
 DECODE_RUNS = [
-    ("trellis", {}, [2]),
-    ("trellis", {"compress_fn": "l2norm", "mix_fn": "softmax", "use_forget_gate": False, "conv_size": 0}, [2]),
-    ("lattice", {}, [2]),
+    ("trellis", {}, WHOLE_STEP),
+    ("trellis", {"compress_fn": "l2norm", "mix_fn": "softmax", "use_forget_gate": False, "conv_size": 0}, WHOLE_STEP),
+    ("lattice", {}, WHOLE_STEP),
     # trellis, trellis | attention (eager) | lattice; kvm (eager) | lattice | attention | trellis
-    ("hybrid", {"head_dim": 6}, [2, 1]),  # attention turns channel pairs
-    ("kvm-hybrid", {"head_dim": 6}, [1, 1]),
+    ("hybrid", {"head_dim": 6}, [(2, True, False, False), (1, False, True, False)]),  # attention turns channel pairs
+    ("kvm-hybrid", {"head_dim": 6}, [(1, False, False, False), (1, False, True, False)]),
 ]
 
 
@@ -157,11 +166,12 @@ DECODE_PIECES = [4] + [1] * 8
 @pytest.mark.parametrize(("schedule", "overrides", "runs"), DECODE_RUNS)
 def test_compiled_decode_step_equals_eager(schedule, overrides, runs, compiled_runs):
     eager, compiled, ids = eager_and_compiling(schedule, overrides)
-    with torch.no_grad():  # a step recording gradients runs eagerly
+    with torch.no_grad(), inference_span(compiled):  # generate's span; a step recording gradients runs eagerly
         fused = logits_in_pieces(compiled, ids, DECODE_PIECES)
-    # Every single-token step ran each run of compilable blocks as one compiled call; the
-    # prefill ran eagerly.
-    assert compiled_runs == runs * 8
+    # Every single-token step ran each run of memory blocks as one compiled call (an all-memory
+    # model's whole step: embedding, blocks, norm and head), each compiled once; the prefill
+    # ran eagerly.
+    assert compiled_runs == runs * 8 and graphs_compiled() == len(runs)
     torch.testing.assert_close(fused, logits_in_pieces(eager, ids, DECODE_PIECES), rtol=1e-12, atol=1e-12)
 
 
@@ -173,28 +183,54 @@ def test_generate_with_compiled_decode(compiled_runs):
     eager = model.generate(ids, max_new_tokens=10, do_sample=False)
     assert compiled_runs == []
     model.config.compile_decode = True
-    graphs = counters["stats"]["unique_graphs"]
     torch.testing.assert_close(model.generate(ids, max_new_tokens=10, do_sample=False), eager, rtol=0, atol=0)
-    # The prompt eagerly, then each of the 9 single-token steps as one compiled run of both blocks
-    # (with the projections stacked by generate), compiled once: the step after the prefill
-    # included.
-    assert compiled_runs == [2] * 9
-    assert counters["stats"]["unique_graphs"] == graphs + 1
-    # Another call, and another model of the same shapes, reuse the compiled code (the blocks
-    # and generate's stacked weights are inputs, not constants).
-    graphs = counters["stats"]["unique_graphs"]
+    # The prompt eagerly, then each of the 9 single-token steps as one compiled call of the
+    # whole step (with the projections stacked by generate), compiled once: the step after
+    # the prefill included.
+    assert compiled_runs == WHOLE_STEP * 9 and graphs_compiled() == 1
+    # Another call at another context, and another model of the same shapes, reuse the compiled
+    # code (the blocks and generate's stacked weights are inputs, not constants; a prefill's
+    # conv tails, views of a buffer its length sizes, are made dense first).
     other = tiny_model(seed=9)
     other.config.compile_decode = True
-    for m in (model, other):
-        m.generate(ids, max_new_tokens=4, do_sample=False)
-    assert counters["stats"]["unique_graphs"] == graphs and len(compiled_runs) == 9 + 2 * 3
+    for m, prompt in ((model, random_tokens(2, 3, seed=4)), (other, random_tokens(2, 17, seed=5))):
+        m.generate(prompt, max_new_tokens=4, do_sample=False)
+    assert graphs_compiled() == 1 and len(compiled_runs) == 9 + 2 * 3
+
+
+@needs_compiler
+@pytest.mark.usefixtures("fresh_compiler")
+def test_compiled_decode_in_every_decoding_mode(compiled_runs):
+    # Greedy, sampling and beam search (two rows each: one compilation), prompt lookup and another
+    # model's drafts (one row, a cache that records its calls: one more, which the draft model, of
+    # the same shapes, shares): the eager steps' tokens in float64.
+    model = tiny_model(seed=10, dtype=torch.float64)
+    drafter = tiny_model(seed=11, dtype=torch.float64)
+    ids, one = random_tokens(2, 5, seed=6), random_tokens(1, 4, seed=7).repeat(1, 3)  # a prompt that repeats
+
+    def every_mode(compile_decode):
+        for m in (model, drafter):
+            m.config.compile_decode = compile_decode
+        outputs = [model.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False),
+                   model.generate(ids[:1], max_new_tokens=6, min_new_tokens=6, num_beams=2, do_sample=False),
+                   model.generate(one, max_new_tokens=6, min_new_tokens=6, prompt_lookup_num_tokens=2, do_sample=False),
+                   model.generate(one, max_new_tokens=6, min_new_tokens=6, assistant_model=drafter, do_sample=False)]
+        torch.manual_seed(12)
+        return outputs + [model.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=True, top_k=0)]
+
+    eager = every_mode(False)
+    assert compiled_runs == []
+    for mode, got, want in zip(("greedy", "beam", "prompt lookup", "assisted", "sampling"), every_mode(True), eager):
+        assert torch.equal(got, want), mode
+    recorded = [run for run in compiled_runs if run[3]]
+    assert recorded and len(recorded) < len(compiled_runs) and graphs_compiled() == 2
 
 
 @needs_compiler
 @pytest.mark.usefixtures("fresh_compiler")
 def test_a_hooked_block_decodes_eagerly_among_compiled_ones(compiled_runs):
-    # A forward hook on one mixer must see every call: that block runs eagerly, the others
-    # (trellis | attention | lattice after it) still compile, and the numbers do not change.
+    # A forward hook on one mixer must see every call: that block runs through its modules, the
+    # others (trellis | attention | lattice after it) still compile, and the numbers do not change.
     model = tiny_model(seed=6, schedule="hybrid", head_dim=6)
     ids = random_tokens(2, 8, seed=4)
     eager = logits_in_pieces(model, ids, [4, 1, 1, 1, 1])
@@ -202,9 +238,9 @@ def test_a_hooked_block_decodes_eagerly_among_compiled_ones(compiled_runs):
     compiled.config.compile_decode = True
     seen = []
     compiled.model.layers[0].self_attn.register_forward_hook(lambda module, args, out: seen.append(args[0].shape[1]))
-    with torch.no_grad():
+    with torch.no_grad(), inference_span(compiled):
         torch.testing.assert_close(logits_in_pieces(compiled, ids, [4, 1, 1, 1, 1]), eager, rtol=1e-5, atol=1e-5)
-    assert seen == [4, 1, 1, 1, 1] and compiled_runs == [1, 1] * 4
+    assert seen == [4, 1, 1, 1, 1] and compiled_runs == [(1, False, False, False), (1, False, True, False)] * 4
 
 
 # Where a hook is added after the first compilation (issue 50, item 5): on a block's projection,
@@ -219,12 +255,12 @@ LATE_HOOKS = [("self_attn.q_proj", "forward"), ("mlp", "forward"), ("post_attent
 def test_a_hook_added_after_compiling_is_called_every_step(compiled_runs, second_model):
     # The compiled run is shared by every model of these shapes: a hook added to any module of a
     # block once it compiled (on this model or another instance) must be called at every step
-    # and change the tokens as it does eagerly; the hooked block runs eagerly.
+    # and change the tokens as it does eagerly; the hooked block runs through its modules.
     ids = random_tokens(1, 5, seed=7)
     model = tiny_model(seed=8)
     model.config.compile_decode = True
-    model.generate(ids, max_new_tokens=4, do_sample=False)  # compiles the run of both blocks
-    assert compiled_runs == [2] * 3
+    model.generate(ids, max_new_tokens=4, do_sample=False)  # compiles the whole step
+    assert compiled_runs == WHOLE_STEP * 3
     for path, kind in LATE_HOOKS:
         target = tiny_model(seed=8) if second_model else model
         target.config.compile_decode = True
@@ -248,7 +284,7 @@ def test_a_hook_added_after_compiling_is_called_every_step(compiled_runs, second
         assert not torch.equal(want, unhooked), path
         assert torch.equal(target.generate(ids, max_new_tokens=6, do_sample=False), want), path
         assert len(calls["compiled"]) == len(calls["eager"]) == 6, path  # the prefill and every step
-        assert compiled_runs == [1] * 5, path  # layer 1 still compiles, layer 0 runs eagerly
+        assert compiled_runs == [(1, False, True, False)] * 5, path  # layer 1 compiles, layer 0 runs eagerly
         for handle in handles:
             handle.remove()
 
@@ -258,13 +294,14 @@ def test_a_hook_added_after_compiling_is_called_every_step(compiled_runs, second
 def test_a_step_recording_gradients_decodes_eagerly(compiled_runs):
     # The compiled step is traced for inference; a step under autograd (gradients through a
     # cached decode step) once crashed the process (heap corruption) or failed on the state's
-    # integer offsets. It runs eagerly: same logits and gradients, nothing compiled.
+    # integer offsets. It runs through the general path: same logits and gradients, nothing compiled.
     def step_and_grads(model):
         ids = random_tokens(2, 5, seed=1)
         cache = TrellisCache(model.config)
-        with torch.no_grad():
-            model(ids[:, :4], past_key_values=cache)
-        logits = model(ids[:, 4:], past_key_values=cache).logits
+        with inference_span(model):
+            with torch.no_grad():
+                model(ids[:, :4], past_key_values=cache)
+            logits = model(ids[:, 4:], past_key_values=cache).logits
         logits.square().sum().backward()
         return logits.detach(), model.model.embed_tokens.weight.grad
 
@@ -285,7 +322,7 @@ def test_compiled_decode_of_a_padded_batch(compiled_runs):
     eager = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
     model.config.compile_decode = True
     assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False), eager)
-    assert compiled_runs == [2, 1] * 5
+    assert compiled_runs == [(2, True, False, False), (1, False, True, False)] * 5
 
 
 @needs_compiler

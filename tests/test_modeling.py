@@ -63,12 +63,22 @@ def test_optional_parts_are_absent_when_disabled():
 
 @pytest.mark.parametrize(
     "field, value",
-    [("chunk_size", 3), ("compress_fn", "l2norm"), ("mix_fn", "softmax"), ("conv_size", 2), ("conv_size", 0),
-     ("use_forget_gate", False), ("gate_logit_normalizer", 2.0), ("rms_norm_eps", 0.5), ("initializer_range", 0.1)],
+    [("compress_fn", "l2norm"), ("mix_fn", "softmax"), ("conv_size", 2), ("conv_size", 0), ("use_forget_gate", False),
+     ("gate_logit_normalizer", 2.0), ("rms_norm_eps", 0.5), ("initializer_range", 0.1),
+     ("write_gradient", "anchored")],
 )
 def test_every_behavioural_field_changes_the_model(field, value):
     ids = random_tokens(1, 9)
     assert not torch.allclose(tiny_model(**{field: value})(ids).logits, tiny_model()(ids).logits)
+
+
+def test_the_chunk_size_is_part_of_anchored_models_only():
+    """Anchored writes take stale gradients inside a chunk: C changes the function. Exact writes
+    compute one function whatever C, in the same layout: the same logits to the bit."""
+    ids = random_tokens(1, 9)
+    anchored = [tiny_model(write_gradient="anchored", chunk_size=c)(ids).logits for c in (3, 4)]
+    assert not torch.allclose(*anchored)
+    assert torch.equal(tiny_model(chunk_size=3)(ids).logits, tiny_model(chunk_size=4)(ids).logits)
 
 
 # ----------------------------------------------------------------------------- padding

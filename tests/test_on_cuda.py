@@ -157,16 +157,39 @@ def deterministic():
     torch.use_deterministic_algorithms(was[0], warn_only=was[1])
 
 
+class CountedGraphs:
+    """``capture_cuda_graph`` with its captures and the replays of the graphs it made counted."""
+
+    def __init__(self, monkeypatch) -> None:
+        import trellis_lm.compiled_decode as compiled_decode
+
+        self.captures, self.replays = 0, 0
+        real = compiled_decode.capture_cuda_graph
+        counter = self
+
+        class Counted:
+            def __init__(self, graph) -> None:
+                self.graph = graph
+
+            def replay(self) -> None:
+                counter.replays += 1
+                self.graph.replay()
+
+        def capture(fn):
+            self.captures += 1
+            graph, outputs = real(fn)
+            return Counted(graph), outputs
+
+        monkeypatch.setattr(compiled_decode, "capture_cuda_graph", capture)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_generate_with_cuda_graphs_gives_the_eager_tokens(dtype, monkeypatch, deterministic):
     """``compile_decode`` on CUDA: generate() replays each run of memory blocks (here Lattice, and
-    Trellis on its Triton step, between eager KVM and attention blocks) from a CUDA graph, with
-    the eager steps' greedy tokens and final cache, bit for bit."""
-    import trellis_lm.compiled_decode as decode_graphs
-
-    captured = []
-    real = decode_graphs.capture_cuda_graph
-    monkeypatch.setattr(decode_graphs, "capture_cuda_graph", lambda fn: captured.append(fn) or real(fn))
+    Trellis on its Triton step with the final norm and the head, between KVM and attention blocks
+    through their modules) from CUDA graphs, with the eager steps' greedy tokens and final
+    cache, bit for bit."""
+    graphs = CountedGraphs(monkeypatch)
     model = tiny_model(seed=4, schedule="kvm-hybrid", hidden_size=128, head_dim=64, num_slots=64, chunk_size=16,
                        intermediate_size=256, kvm_chunk_size=16, kvm_window_chunks=2, kvm_state_size=32,
                        kvm_rope_dims=16).to("cuda", dtype)
@@ -175,8 +198,34 @@ def test_generate_with_cuda_graphs_gives_the_eager_tokens(dtype, monkeypatch, de
     eager = model.generate(prompt, **settings)
     model.config.compile_decode = True
     graphed = model.generate(prompt, **settings)
-    assert len(captured) == 2 and model.model.decode_graphs is None
+    # Two runs, each with a graph per set of buffers it reads; each replayed once a step.
+    assert graphs.captures == 2 * 2 and graphs.replays == 2 * 39 and model.model.decode_plan is None
     assert torch.equal(graphed.sequences, eager.sequences)
     for mine, theirs in zip(graphed.past_key_values.layers, eager.past_key_values.layers):
         for name, tensor in mine.tensors().items():
             torch.testing.assert_close(tensor, theirs.tensors()[name], rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_all_trellis_step_is_one_cuda_graph_in_every_decoding_mode(dtype, monkeypatch, deterministic):
+    """An all-Trellis model's decode step is one replay (embedding, every block, the norm and the
+    head), and greedy, beam search, prompt lookup (a recording cache: copies) and sampling give
+    the eager steps' tokens."""
+    graphs = CountedGraphs(monkeypatch)
+    model = tiny_model(seed=9, hidden_size=128, head_dim=64, num_slots=64, chunk_size=16, num_hidden_layers=3,
+                       intermediate_size=256).to("cuda", dtype)
+    ids, one = random_tokens(2, 21, seed=6).cuda(), random_tokens(1, 7, seed=7).repeat(1, 3).cuda()
+
+    def every_mode():
+        outputs = [model.generate(ids, max_new_tokens=12, min_new_tokens=12, do_sample=False),
+                   model.generate(ids[:1], max_new_tokens=8, min_new_tokens=8, num_beams=2, do_sample=False),
+                   model.generate(one, max_new_tokens=8, min_new_tokens=8, prompt_lookup_num_tokens=2, do_sample=False)]
+        torch.manual_seed(12)
+        return outputs + [model.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=True, top_k=0)]
+
+    eager = every_mode()
+    model.config.compile_decode = True
+    greedy = model.generate(ids, max_new_tokens=12, min_new_tokens=12, do_sample=False)
+    assert graphs.captures == 2 and graphs.replays == 11  # one replay a step after the prompt's
+    for mode, got, want in zip(("greedy", "beam", "prompt lookup", "sampling"), [greedy, *every_mode()[1:]], eager):
+        assert torch.equal(got, want), mode

@@ -20,7 +20,7 @@ from op_inputs import make_inputs, make_state  # noqa: E402
 from trellis_lm.ops import TrellisState, trellis_attention  # noqa: E402
 from trellis_lm.ops.registry import Backend, OpCall  # noqa: E402
 from trellis_lm.ops.trellis.dispatch import BACKENDS, triton_available  # noqa: E402
-from trellis_lm.ops.trellis.kernel_mirror import mirror_op  # noqa: E402
+from kernel_mirror import mirror_op  # noqa: E402
 
 needs_triton = pytest.mark.skipif(not triton_available(), reason="triton is not installed")
 DEVICE = "cuda" if ON_GPU else "cpu"
@@ -433,7 +433,8 @@ def test_varlen_gradients_match_reference():
 def test_custom_op_checks_and_compiles():
     """torch.library.opcheck (schema, fake tensors, autograd registration, AOT dispatch), then
     torch.compile(fullgraph=True) through forward and backward."""
-    from trellis_lm.ops.trellis.triton_chunk import _fwd_op, triton_forward
+    from trellis_lm.ops.trellis.triton_backend import triton_forward
+    from trellis_lm.ops.trellis.triton_chunk import _fwd_op
 
     x, state = _inputs(2, 6, 1, 3, 4, 5, 4, seed=1, grad=True)
     tensors = list(x) + [state.m_k, state.m_v, state.anchor_k, state.anchor_v]

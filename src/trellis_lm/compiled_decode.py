@@ -1,42 +1,40 @@
-"""``config.compile_decode``: a decode step's runs of Trellis and Lattice blocks, each run one
-compiled function (CPU) or one CUDA graph (GPU), the span that ``generate()`` sets up for
-inference (:func:`inference_span`), and the compiled mixer calls of the vLLM plugin
-(:func:`advanced_compiled`).
+"""``config.compile_decode``: a decode step's runs of memory blocks (:mod:`.decode_step`: with the
+embedding before the first and the head after the last when they start and end the model) each
+one compiled function (CPU) or one CUDA graph (GPU), within the span that ``generate()`` sets up
+(:func:`inference_span`); and the compiled mixer calls of the vLLM plugin (:func:`advanced_compiled`).
 
 On a CPU a one-token step costs mostly per-operation overhead, not arithmetic (BENCHMARKS.md,
-issue 40). ``torch.compile`` turns a memory block's hundreds of small operations into a few fused
-C++ loops around its matrix products. The unit compiled is a run of consecutive blocks (norms,
-mixer, MLP), not each mixer alone: every compiled call pays for its guards and its wrapper
-(about a tenth of a millisecond each on the measured CPU), so one call per run instead of one
-per layer is what brought a step under a same-size Llama's. Blocks of other mixers (attention,
-whose keys grow with the context, and KVM, whose step folds its window on a data-dependent
-condition) run eagerly between runs.
-
-The compiled function takes the blocks and their carried entries as arguments, so one
-compilation per process serves every model whose runs share shapes, dtypes and settings; past
-torch.compile's recompile limit new ones decode eagerly (the same function) with a warning.
+issues 40 and 73). ``torch.compile`` turns a run's hundreds of small operations into a few fused
+C++ loops around its matrix products, and every compiled call pays for its guards and its
+wrapper, so the unit is the longest run there is: an all-Trellis or all-Lattice model's whole
+step, tokens to logits, is one call. The compiled function takes the blocks, their carried
+entries and the weights as arguments, so one compilation per process serves every model whose
+runs share shapes, dtypes and settings; past torch.compile's recompile limit new ones decode
+eagerly (the same function) with a warning.
 
 **On a GPU** a one-token step of a small model is bound by the host: every block launches dozens
 of small kernels, and each launch costs the host more than the kernel costs the GPU
-(BENCHMARKS.md, issue 39: 12.5 ms per token for a 12-layer model whose kernels need well under
-one). A memory block's decode step has fixed shapes (its state does not grow) and reads nothing
-back from the device, so each run of blocks that would compile on a CPU is captured once as a
-CUDA graph and replayed each step: one launch for the run (:func:`decode_graphs`).
+(BENCHMARKS.md, issue 39). A run has fixed shapes (a memory block's state does not grow) and
+reads nothing back from the device, so each run is captured once as a CUDA graph and replayed
+each step: an all-memory model's step is one replay (:class:`DecodeGraphs`).
 
-A graph reads and writes fixed addresses, and the cache's tensors are never written into (a
-failed call restores the entries it began with, two caches may take turns on one model). So a
-step copies the hidden state and the carried entries into the graph's inputs, replays it, and
-hands the cache copies of its outputs, each side one grouped copy (``torch._foreach_copy_``).
+A graph reads and writes fixed addresses: its token (or hidden state) buffer, and two sets of
+static buffers for the carried entries that it uses in turn, each replay reading one set and
+writing the entries after into the other, which the cache then holds. So a cache that steps
+again needs no copy at all, and a failed step leaves the cache its entries before, untouched.
+Entries that are not the graph's (the prefill's, another cache's, reordered beams') are copied
+in first, and a cache that still holds a set another cache's step is about to write gets a copy
+of its own first. A cache that records its calls for rollback keeps its entries before each
+call, so its steps are handed copies of the graph's outputs instead.
 
 Graphs live for one span in which the weights do not change, :func:`inference_span` (what
-``generate()`` and the benchmarks hold: the stacked projections of :mod:`.projection_stacks`,
-which the graphs read, and the graphs), captured on a span's first step of each shape and freed
-when it ends.
+``generate()`` and the benchmarks hold), captured on a span's first steps of each shape and
+freed when it ends.
 """
 
 from __future__ import annotations
 
-import itertools
+import weakref
 import warnings
 from contextlib import contextmanager, nullcontext
 from functools import cache
@@ -45,112 +43,53 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import torch
 from torch import nn
 
-from .cache_entries import MemoryEntry
-from .cache_trellis import CacheCall
-from .mixers.valid_tokens import ValidTokens
-from .projection_stacks import plain_forward_hooks, stacked_projections
-
-# What runs a run of blocks instead of run_blocks: (blocks, hidden, carried) -> (hidden, carried after).
-RunOfBlocks = Callable[[tuple[nn.Module, ...], torch.Tensor, list[MemoryEntry]],
-                       tuple[torch.Tensor, list[MemoryEntry]]]
+from .cache_entries import MemoryEntry, MemoryLayerCache
+from .decode_step import Segment, SegmentRunner, decode_plans, run_eagerly, run_segment
+from .projection_stacks import stacked_projections
 
 
-def compiles_decode(model: nn.Module, hidden: torch.Tensor, valid: Optional[ValidTokens], call: Optional[CacheCall],
-                    output_hidden_states: Optional[bool]) -> bool:
-    """Whether ``model`` (a :class:`~trellis_lm.TrellisModel`) runs this call's blocks through
-    :func:`decode_blocks`: ``config.compile_decode``, one token per row of ``hidden [B, 1, D]``
-    on a CPU, or on a GPU within a span of CUDA graphs (``model.decode_graphs``, see
-    :func:`decode_graphs`: ``generate()`` holds one; other GPU calls run eagerly),
-    autograd off (a step that records gradients runs eagerly: the compiled step is traced for
-    inference), no padding among the step's tokens (packing padded rows depends on the mask's values; a
-    padded prompt's steps have none), a cache that records no calls for rollback (it keeps each
-    mixer's input), no per-block hidden states asked for, and no global forward hook (it
-    expects every module to be called). Which blocks then compile is :func:`compiles`'s
-    answer, block by block."""
-    return bool(model.config.compile_decode and call is not None and hidden.shape[1] == 1
-                and (model.decode_graphs is not None or hidden.device.type == "cpu") and not torch.is_grad_enabled()
-                and valid is None and not call.cache.records_calls
-                and not output_hidden_states and plain_forward_hooks())
-
-
-def compiles(block: nn.Module, call: CacheCall) -> bool:
-    """Whether ``block`` runs compiled in this step: its mixer is ``compilable`` and past its
-    first call (a carried state), no activation checkpointing in training, and no forward hook
-    or pre-hook on any module of the block. The compiled run is shared by every model of its
-    shapes and does not call the modules' hooks: one added after it was traced (here or on
-    another model) would be skipped, or its effect kept from the trace, so a hooked block runs
-    eagerly."""
-    mixer = block.self_attn
-    hooked = any(m._forward_hooks or m._forward_pre_hooks for m in block.modules())
-    return (mixer.compilable and not hooked and not (block.training and block.gradient_checkpointing)
-            and mixer.carried(call).state is not None)
-
-
-def decode_blocks(blocks: Sequence[nn.Module], hidden: torch.Tensor, call: CacheCall,
-                  graphs: Optional[RunOfBlocks] = None) -> torch.Tensor:
-    """The decoder ``blocks`` on ``hidden [B, 1, D]``, continuing ``call``'s cache, each run of
-    blocks that :func:`compiles` by one compiled call (:func:`compiled_or_eager`), or by one
-    replay of its CUDA graph where ``graphs`` (a :class:`DecodeGraphs`)
-    are given, the others as usual. Returns the last block's output ``[B, 1, D]``."""
-    for compiled, run in itertools.groupby(blocks, key=lambda block: compiles(block, call)):
-        run = tuple(run)
-        if not compiled:
-            for block in run:
-                hidden = block(hidden, None, call)
-            continue
-        carried = [_contiguous(block.self_attn.carried(call)) for block in run]
-        hidden, after = (graphs or compiled_or_eager)(run, hidden, carried)
-        for block, entry in zip(run, after):
-            block.self_attn.keep(call, entry)
-    return hidden
-
-
-def run_blocks(blocks: tuple[nn.Module, ...], hidden: torch.Tensor,
-               carried: list[MemoryEntry]) -> tuple[torch.Tensor, list[MemoryEntry]]:
-    """Memory ``blocks`` in order on ``hidden [B, T, D]`` (every token real), each mixer
-    continuing its ``carried`` entry. Returns the output ``[B, T, D]`` and each mixer's entry
-    after it: what is compiled."""
-    after = []
-    for block, entry in zip(blocks, carried):
-        def mix(x: torch.Tensor, mixer: nn.Module = block.self_attn, entry: MemoryEntry = entry) -> torch.Tensor:
-            out, kept = mixer.advance(x, None, entry)
-            after.append(_contiguous(kept))
-            return out
-
-        hidden = block.around(hidden, mix)
-    return hidden, after
-
-
-def _contiguous(entry: MemoryEntry) -> MemoryEntry:
-    """``entry`` with every tensor contiguous. A compiled function is specialised to its inputs'
-    strides; a prefill leaves its tails with other strides than a step does (views of
-    differently sized buffers), which would compile the step twice."""
-    def dense(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-        return t if t is None or t.is_contiguous() else t.contiguous()
-
-    state = entry.state
-    if not all(t.is_contiguous() for t in state.tensors().values()):
-        state = state.map(dense)
-    return MemoryEntry(dense(entry.q_tail), dense(entry.k_tail), state)
+# The fewest elements per thread for which a compiled loop runs on several threads: ATen's own
+# grain for elementwise operations (at::internal::GRAIN_SIZE), where inductor's default is 512.
+# A decode step's loops are a few thousand elements at batch 1, and each parallel region costs
+# more than such a loop (a thread's wake-up; milliseconds on a CPU that other work shares).
+MIN_CHUNK_SIZE = 32768
 
 
 @cache
-def compiled_blocks() -> Callable:
-    """:func:`run_blocks` compiled, once per process (the blocks are an argument, not constants)."""
-    return torch.compile(run_blocks, fullgraph=True, dynamic=False)
+def compiled_segment() -> Callable:
+    """:func:`~trellis_lm.decode_step.run_segment` compiled, once per process (the blocks and
+    weights are arguments, not constants)."""
+    return torch.compile(run_segment, fullgraph=True, dynamic=False, options={"cpp.min_chunk_size": MIN_CHUNK_SIZE})
 
 
-def compiled_or_eager(blocks: tuple[nn.Module, ...], hidden: torch.Tensor,
-                      carried: list[MemoryEntry]) -> tuple[torch.Tensor, list[MemoryEntry]]:
-    """:func:`run_blocks` compiled, or eagerly once torch.compile has compiled it for as many
-    shapes, dtypes and settings as its recompile limit allows (``torch._dynamo.config.
-    recompile_limit``; a process that decodes many different models can reach it): a warning,
-    not a failure. The limit is met before the compiled code runs, so nothing is computed twice."""
-    try:
-        return compiled_blocks()(blocks, hidden, carried)
-    except torch._dynamo.exc.FailOnRecompileLimitHit:
-        _warn_recompile_limit()
-        return run_blocks(blocks, hidden, carried)
+class CompiledSegments:
+    """The segment runner of ``compile_decode`` on a CPU: :func:`~trellis_lm.decode_step.run_segment`
+    compiled, or eagerly once torch.compile has compiled it for as many shapes, dtypes and settings
+    as its recompile limit allows (``torch._dynamo.config.recompile_limit``; a process that decodes
+    many different models can reach it): a warning, not a failure. The limit is met before the
+    compiled code runs, so nothing is computed twice.
+
+    The compiled function is specialised to its inputs' strides, those of dims of size 1 too. Its
+    own outputs are dense; entries from elsewhere (a prefill leaves its conv tails as views of
+    differently sized buffers, by the prompt's length) are made dense first, as is the token
+    column ``generate()`` slices from its sequences."""
+
+    def __init__(self) -> None:
+        self.last: dict[int, list[Any]] = {}  # by a run's first block: the states its last call gave out
+
+    def __call__(self, segment: Segment, first: torch.Tensor, carried: Sequence[MemoryEntry],
+                 holders: Sequence[MemoryLayerCache]) -> tuple[torch.Tensor, list[MemoryEntry], list[torch.Tensor]]:
+        run = id(segment.blocks[0])
+        last = self.last.get(run, ())
+        if not (len(last) == len(carried) and all(entry.state is state for entry, state in zip(carried, last))):
+            carried = [entry.map(_plain) for entry in carried]
+        try:
+            out, after, inputs = compiled_segment()(segment, _plain(first), carried)
+        except torch._dynamo.exc.FailOnRecompileLimitHit:
+            _warn_recompile_limit()
+            return run_segment(segment, first, carried)
+        self.last[run] = [entry.state for entry in after]
+        return out, after, inputs
 
 
 @cache
@@ -181,7 +120,7 @@ def advanced_compiled(mixer: nn.Module, x: torch.Tensor, entry: MemoryEntry,
     (every token real; ``each``: :meth:`~trellis_lm.mixers.MemoryMixer.advance_each`) from
     ``entry``, through ``torch.compile``: the unit a server compiles (the vLLM plugin under
     ``compile_decode``: its single-token rows and rows of draft tokens, whose steps are mostly
-    per-operation overhead on a CPU). As :func:`compiled_or_eager`: one compiled function per
+    per-operation overhead on a CPU). As :class:`CompiledSegments`: one compiled function per
     process, eager past the recompile limit, with a warning.
 
     The compiled function guards on its inputs' layout and kind: a server hands in views of its
@@ -261,108 +200,146 @@ def entries_from(like: Sequence[MemoryEntry], tensors: Iterator[torch.Tensor]) -
 
 def signature(entries: Sequence[MemoryEntry], inputs: Sequence[torch.Tensor]) -> tuple:
     """What a graph is specialised to: the shapes, dtypes and devices of its ``inputs`` (the
-    hidden state, then :func:`entry_tensors` of ``entries``), and which tails are absent."""
+    token ids or hidden state, then :func:`entry_tensors` of ``entries``), and which tails are absent."""
     absent = tuple((q is None, k is None, type(s)) for q, k, s in entries)
     return absent, tuple((tuple(t.shape), t.dtype, t.device) for t in inputs)
 
 
-class GraphedRun:
-    """A run of memory ``blocks`` (:func:`run_blocks`) captured for ``inputs``
-    like these: the hidden state ``[B, 1, D]``, then the tensors of ``carried`` (each mixer's
-    entry, :func:`entry_tensors`)."""
+def _holds(holder: MemoryLayerCache, entry: MemoryEntry) -> bool:
+    return holder.state is entry.state
 
-    def __init__(self, blocks: tuple[nn.Module, ...], carried: Sequence[MemoryEntry], inputs: Sequence[torch.Tensor],
-                 capture: Capture) -> None:
-        self.inputs = [t.clone() for t in inputs]
-        static = iter(self.inputs)
-        static_hidden, static_carried = next(static), entries_from(carried, static)
-        self._after_like: list[MemoryEntry] = []
 
-        def step() -> list[torch.Tensor]:
-            out, after = run_blocks(blocks, static_hidden, static_carried)
-            self._after_like = after
-            return [out, *entry_tensors(after)]
+class CaptureFailed(Exception):
+    """A CUDA graph could not be captured (the ``RuntimeError`` the capture raised is its cause)."""
 
-        self.graph, self.outputs = capture(step)
 
-    def __call__(self, inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[MemoryEntry]]:
-        """The run on ``inputs`` (the hidden state, then the carried entries' tensors, as at the
-        capture): the output ``[B, 1, D]`` and each mixer's entry after it, all new tensors
-        (nothing given is written into)."""
-        torch._foreach_copy_(self.inputs, list(inputs))
-        self.graph.replay()
-        fresh = [torch.empty_like(t) for t in self.outputs]
-        torch._foreach_copy_(fresh, self.outputs)
-        tensors = iter(fresh)
-        return next(tensors), entries_from(self._after_like, tensors)
+class GraphedSegment:
+    """A run of blocks (a :class:`~trellis_lm.decode_step.Segment`) captured for inputs like ``first``
+    and ``carried``: a static buffer for the token ids (or hidden state), two sets of static
+    buffers for the carried entries, and up to four graphs, by the set they read and whether they
+    hand out copies (for a cache that records its calls) or write the entries after into the other
+    set, which the cache then holds (see the module doc)."""
+
+    def __init__(self, segment: Segment, first: torch.Tensor, carried: Sequence[MemoryEntry], capture: Capture) -> None:
+        self.segment, self.capture, self.like = segment, capture, list(carried)
+        self.first = first.clone()
+        self.sets = [[t.clone() for t in entry_tensors(carried)] for _ in range(2)]
+        self.entries = [entries_from(carried, iter(tensors)) for tensors in self.sets]
+        self.graphs: dict[tuple[int, bool], tuple[Any, list[torch.Tensor]]] = {}
+        self.holders: list[weakref.ref] = []  # the layer entries last handed a set
+
+    def __call__(self, first: torch.Tensor, carried: Sequence[MemoryEntry], holders: Sequence[MemoryLayerCache],
+                 copied: bool) -> tuple[torch.Tensor, list[MemoryEntry], list[torch.Tensor]]:
+        """:func:`~trellis_lm.decode_step.run_segment` of ``first`` and ``carried`` by a replay: the
+        output, the entries after, for ``holders`` (the layer entries that will hold them), and
+        when ``copied`` (a recording cache) the mixers' inputs, all copies; else the entries are a
+        set of buffers. Raises :class:`CaptureFailed` when a graph it needs cannot be captured."""
+        read = next((i for i, entries in enumerate(self.entries)
+                     if all(mine.state is theirs.state for mine, theirs in zip(entries, carried))), None)
+        if read is None:  # not the graph's buffers: copied into the first set (its holder gets a copy first)
+            read = 0
+            self._evict(read)
+            torch._foreach_copy_(self.sets[read], entry_tensors(carried))
+        if not copied:
+            self._evict(1 - read)
+        self.first.copy_(first)
+        graph, outputs = self._graph(read, copied)
+        graph.replay()
+        if copied:
+            fresh = iter([t.clone() for t in outputs])
+            return next(fresh), entries_from(self.like, fresh), list(fresh)
+        self.holders = [weakref.ref(holder) for holder in holders]
+        return outputs[0].clone(), self.entries[1 - read], []
+
+    def _graph(self, read: int, copied: bool) -> tuple[Any, list[torch.Tensor]]:
+        """The graph reading set ``read``, captured on its first use."""
+        if (read, copied) not in self.graphs:
+            segment = self.segment._replace(keep_inputs=copied)
+            entries, written = self.entries[read], self.sets[1 - read]
+
+            def step() -> list[torch.Tensor]:
+                out, after, inputs = run_segment(segment, self.first, entries)
+                if copied:
+                    return [out, *entry_tensors(after), *inputs]
+                torch._foreach_copy_(written, entry_tensors(after))
+                return [out]
+
+            try:
+                self.graphs[read, copied] = self.capture(step)
+            except RuntimeError as error:
+                raise CaptureFailed(str(error)) from error
+        return self.graphs[read, copied]
+
+    def _evict(self, index: int) -> None:
+        """Give each layer entry that holds set ``index`` a copy of it, before the set is written."""
+        held = {id(entry.state) for entry in self.entries[index]}
+        for ref in self.holders:
+            holder = ref()
+            if holder is not None and id(holder.state) in held:
+                holder.hold(holder.entry.map(torch.clone))
 
 
 class DecodeGraphs:
-    """The graphs of one span (see :func:`decode_graphs`) of a model on ``device``, one per run of
-    blocks and signature. A capture that fails (an operation a CUDA graph cannot hold, memory)
-    leaves the span's steps eager, with a warning saying why: the same numbers, not a failed
-    ``generate()``."""
+    """The segment runner of a span (:class:`~trellis_lm.decode_step.DecodePlan`) for a model on
+    ``device``: one :class:`GraphedSegment` per run of blocks and signature. A capture that fails
+    (an operation a CUDA graph cannot hold, memory) leaves the span's steps eager, with a warning
+    saying why: the same numbers, not a failed ``generate()``."""
 
     def __init__(self, capture: Capture, device: torch.device) -> None:
         self.capture = capture
         self.device = device
-        self.runs: dict[tuple, GraphedRun] = {}
+        self.segments: dict[tuple, GraphedSegment] = {}
         self.failed = False
 
-    def __call__(self, blocks: tuple[nn.Module, ...], hidden: torch.Tensor,
-                 carried: Sequence[MemoryEntry]) -> tuple[torch.Tensor, list[MemoryEntry]]:
-        """:func:`run_blocks` of ``blocks`` by the graph captured for this run and
-        signature (captured now on the first such step), or eagerly after a failed capture."""
+    def __call__(self, segment: Segment, first: torch.Tensor, carried: Sequence[MemoryEntry],
+                 holders: Sequence[MemoryLayerCache]) -> tuple[torch.Tensor, list[MemoryEntry], list[torch.Tensor]]:
+        """:func:`~trellis_lm.decode_step.run_segment` by the segment's graphs (captured on first
+        use), or eagerly after a failed capture."""
         if self.failed:
-            return run_blocks(blocks, hidden, carried)
-        inputs = [hidden, *entry_tensors(carried)]
-        key = (tuple(id(block) for block in blocks), signature(carried, inputs))
+            return run_segment(segment, first, carried)
+        key = (tuple(id(block) for block in segment.blocks), segment.embedding is not None,
+               segment.norm is not None, segment.head is not None,
+               signature(carried, [first, *entry_tensors(carried)]))
         # Captures and replays go to the current stream of the model's device, not of the current one.
         with torch.cuda.device(self.device) if self.device.type == "cuda" else nullcontext():
-            run = self.runs.get(key)
-            if run is None:
-                try:
-                    run = self.runs[key] = GraphedRun(blocks, carried, inputs, self.capture)
-                except RuntimeError as error:
-                    self.failed = True
-                    self.runs.clear()
-                    warnings.warn(f"compile_decode: capturing a decode step as a CUDA graph failed ({error}); "
-                                  "this generate() call decodes eagerly (same numbers, slower)",
-                                  RuntimeWarning, stacklevel=2)
-                    return run_blocks(blocks, hidden, carried)
-            return run(inputs)
+            graphed = self.segments.get(key)
+            if graphed is None:
+                graphed = self.segments[key] = GraphedSegment(segment, first, carried, self.capture)
+            try:
+                return graphed(first, carried, holders, copied=segment.keep_inputs)
+            except CaptureFailed as failure:
+                self.failed = True
+                self.segments.clear()
+                warnings.warn(f"compile_decode: capturing a decode step as a CUDA graph failed ({failure}); "
+                              "this generate() call decodes eagerly (same numbers, slower)", RuntimeWarning,
+                              stacklevel=2)
+                return run_segment(segment, first, carried)
+
+
+def segment_runner(model: nn.Module, capture: Optional[Capture] = None) -> SegmentRunner:
+    """How a span runs the decode segments of ``model`` (a :class:`~trellis_lm.TrellisModel`):
+    without ``compile_decode`` eagerly; with it, by CUDA graphs on one CUDA device (or by
+    ``capture``, replacing :func:`capture_cuda_graph`, on any one device: tests run the same
+    bookkeeping on a CPU), compiled on a CPU, else eagerly (a model split across devices, or
+    another device type)."""
+    if not model.config.compile_decode:
+        return run_eagerly
+    devices = {p.device for p in model.parameters()}
+    device = devices.pop() if len(devices) == 1 else None
+    if device is not None and (capture is not None or device.type == "cuda"):
+        return DecodeGraphs(capture or capture_cuda_graph, device)
+    return CompiledSegments() if device is not None and device.type == "cpu" else run_eagerly
 
 
 @contextmanager
-def decode_graphs(model: nn.Module, capture: Optional[Capture] = None) -> Iterator[None]:
-    """Within the block, ``compile_decode`` steps of every :class:`~trellis_lm.TrellisModel` in
-    ``model`` whose weights are all on one CUDA device replay CUDA graphs of their runs of memory
-    blocks (a model split across devices decodes eagerly); the graphs are freed at its end. For a
-    span in which the weights do not change (one ``generate`` call): a graph reads the weights
-    and stacked projections where they were at its capture. ``capture`` replaces
-    :func:`capture_cuda_graph` (and then a model on one device of any kind takes part: tests run
-    the same bookkeeping on a CPU). Nested blocks keep the outer one's graphs."""
-    made = []
-    try:
-        for module in model.modules():
-            if "decode_graphs" not in vars(module) or module.decode_graphs is not None:
-                continue
-            devices = {p.device for p in module.parameters()}
-            if len(devices) == 1 and (capture is not None or next(iter(devices)).type == "cuda"):
-                module.decode_graphs = DecodeGraphs(capture or capture_cuda_graph, devices.pop())
-                made.append(module)
-        yield
-    finally:
-        for module in made:
-            module.decode_graphs = None
-
-
-@contextmanager
-def inference_span(model: nn.Module) -> Iterator[None]:
+def inference_span(model: nn.Module, capture: Optional[Capture] = None) -> Iterator[None]:
     """What ``generate()`` sets up for its call, for any loop that steps ``model`` as it does (the
     benchmarks): each layer's projections of one input stacked once
-    (:func:`~trellis_lm.projection_stacks.stacked_projections`) and, with ``compile_decode`` on a
-    GPU, the CUDA graphs of its decode steps (:func:`decode_graphs`). The weights must not change
-    within the block; a no-op for models that are not Trellis models."""
-    with stacked_projections(model), decode_graphs(model):
+    (:func:`~trellis_lm.projection_stacks.stacked_projections`), and decode steps run by a
+    :class:`~trellis_lm.decode_step.DecodePlan` (eagerly; with ``compile_decode`` compiled on a
+    CPU, CUDA graphs on a GPU, see :func:`segment_runner`; ``capture`` replaces
+    :func:`capture_cuda_graph` on any device, how tests check the graphs' bookkeeping on a CPU).
+    The weights must not change within the block; nested spans keep the outer one's stacks and
+    plans; a no-op for models that are not Trellis models."""
+    with stacked_projections(model), decode_plans(model, lambda module: segment_runner(module, capture)):
         yield

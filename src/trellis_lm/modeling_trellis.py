@@ -28,8 +28,9 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from transformers.utils import logging
 
 from .cache_trellis import CACHE_ARG, CACHE_NAMES, CacheCall, TrellisCache, one_cache
-from .compiled_decode import DecodeGraphs, compiles_decode, decode_blocks, inference_span
+from .compiled_decode import inference_span
 from .configuration_trellis import TrellisConfig
+from .decode_step import DecodePlan
 from .model_card_trellis import CARD_NAME, hub_card_text, is_generated, write_model_card
 from .mixers import build_mixer
 from .mixers.base import init_module
@@ -226,7 +227,7 @@ class TrellisModel(TrellisPreTrainedModel):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(TrellisDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = TrellisRMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.decode_graphs: Optional[DecodeGraphs] = None  # set within `decode_graphs` (a generate call)
+        self.decode_plan: Optional[DecodePlan] = None  # set within `inference_span` (a generate call)
         self.post_init()
 
     def forward(
@@ -267,8 +268,13 @@ class TrellisModel(TrellisPreTrainedModel):
                 None: there are none) and ``is_causal`` (True or None). Any other name is a
                 ``TypeError``.
         """
-        _check_extra_kwargs(type(self).__name__, kwargs, PACKING_ARGS)
         cache = one_cache(cache, past_key_values)
+        if self._takes_decode_step(input_ids, attention_mask, cache, inputs_embeds, use_cache, output_hidden_states,
+                                   position_ids, kwargs):
+            hidden = self.decode_plan.step(input_ids, cache, with_head=False)
+            output = BaseModelOutputWithPast(last_hidden_state=hidden, **{CACHE_ARG: cache})
+            return output if (return_dict if return_dict is not None else self.config.return_dict) else output.to_tuple()
+        _check_extra_kwargs(type(self).__name__, kwargs, PACKING_ARGS)
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids or inputs_embeds")
         if input_ids is not None and input_ids.dim() != 2:
@@ -306,6 +312,16 @@ class TrellisModel(TrellisPreTrainedModel):
                 cache.begin_step(length)
             return run(call)
 
+    def _takes_decode_step(self, input_ids: Any, attention_mask: Any, cache: Any, inputs_embeds: Any, use_cache: Any,
+                           output_hidden_states: Any, position_ids: Any, kwargs: dict[str, Any]) -> bool:
+        """Whether this forward is a decode step that the span's plan runs (see
+        :mod:`trellis_lm.decode_step`): within an inference span, token ids without embeddings,
+        other keyword arguments or per-block hidden states, a cache used, and what
+        :meth:`DecodePlan.takes` asks of the tokens, mask, positions and cache."""
+        plan = self.decode_plan
+        return (plan is not None and inputs_embeds is None and not kwargs and not output_hidden_states
+                and use_cache is not False and plan.takes(input_ids, attention_mask, position_ids, cache))
+
     def _run(
         self, inputs_embeds: torch.Tensor, attention_mask: Any, past: int, position_ids: Optional[torch.Tensor],
         output_hidden_states: Optional[bool], return_dict: Optional[bool], kwargs: dict[str, Any],
@@ -321,15 +337,12 @@ class TrellisModel(TrellisPreTrainedModel):
 
         hidden_states = inputs_embeds
         all_hidden_states = (hidden_states,) if output_hidden_states else None
-        if compiles_decode(self, hidden_states, valid, call, output_hidden_states):
-            hidden_states = decode_blocks(self.layers, hidden_states, call, self.decode_graphs)
-        else:
-            for layer in self.layers:
-                # Positional: transformers' checkpointing wrapper drops a keyword `cache` (it assumes a
-                # recomputed layer would write its cache twice; a CacheCall makes that harmless).
-                hidden_states = layer(hidden_states, valid, call)
-                if output_hidden_states:
-                    all_hidden_states += (hidden_states,)
+        for layer in self.layers:
+            # Positional: transformers' checkpointing wrapper drops a keyword `cache` (it assumes a
+            # recomputed layer would write its cache twice; a CacheCall makes that harmless).
+            hidden_states = layer(hidden_states, valid, call)
+            if output_hidden_states:
+                all_hidden_states += (hidden_states,)
         hidden_states = self.norm(hidden_states)
         if output_hidden_states:
             all_hidden_states = all_hidden_states[:-1] + (hidden_states,)
@@ -453,6 +466,15 @@ class TrellisForCausalLM(TrellisPreTrainedModel, GenerationMixin):
         ``generate(**tokenizer(...))`` works with tokenizers that return it. Other arguments,
         ``kwargs`` included, as in :meth:`TrellisModel.forward`; an unknown name is a ``TypeError``.
         """
+        cache = one_cache(cache, past_key_values)
+        # One token per row: its logits are the last position's, whatever logits_to_keep asks.
+        keeps_all = type(logits_to_keep) is int and logits_to_keep in (0, 1)
+        if (labels is None and token_type_ids is None and keeps_all
+                and self.model._takes_decode_step(input_ids, attention_mask, cache, inputs_embeds, use_cache,
+                                                  output_hidden_states, position_ids, kwargs)):
+            logits = self.model.decode_plan.step(input_ids, cache, with_head=True)
+            output = CausalLMOutputWithPast(logits=logits, **{CACHE_ARG: cache})
+            return output if (return_dict if return_dict is not None else self.config.return_dict) else output.to_tuple()
         _check_extra_kwargs(type(self).__name__, kwargs, PACKING_ARGS + LOSS_ARGS)
         if token_type_ids is not None and bool(token_type_ids.any()):
             raise ValueError("token_type_ids must be all zeros or None: Trellis models have no segment embeddings")
@@ -460,7 +482,7 @@ class TrellisForCausalLM(TrellisPreTrainedModel, GenerationMixin):
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
-            cache=one_cache(cache, past_key_values),
+            cache=cache,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             output_hidden_states=output_hidden_states,

@@ -5,10 +5,10 @@ mixer is copied exactly. Each teacher attention layer becomes one of three mixer
 
 - a **Trellis** mixer (the default), which keeps the teacher's q/k/v/o projections; what it
   adds (targets, gates, short convs, output gate and norm, initial memories) is initialised by
-  :func:`init_new_mixer_parameters`, which states each choice and why;
+  the mixer's own ``init_from_attention``, which states each choice and why;
 - a **Lattice** mixer (``mixer="lattice"``), which keeps v/o and takes its slot coefficients
-  from the teacher's q/k (:func:`project_to_slots`); the rest is set by
-  :func:`init_new_lattice_parameters`;
+  from the teacher's q/k (:func:`project_to_slots`); the rest is set by its
+  ``init_from_attention``;
 - a **kept softmax attention** layer (``keep_attention=[...]`` or ``attention_every=N``),
   copied exactly (its own key/value heads, Qwen2's q/k/v biases, the teacher's ``rope_theta``),
   so it computes what the teacher's layer computes.
@@ -105,8 +105,8 @@ def convert_llama_to_trellis(
       exactly, its own ``num_key_value_heads``, Qwen2's q/k/v biases (``attention_bias=True``)
       and its ``rope_theta``: that layer computes exactly what the teacher's does.
 
-    The new parameters are set by :func:`init_new_mixer_parameters` (Trellis) or
-    :func:`init_new_lattice_parameters` (Lattice), so that before any training the model
+    The new parameters are set by the mixers' ``init_from_attention`` (``TrellisAttention``,
+    ``LatticeAttention``), so that before any training the model
     computes exactly the teacher with the attention outputs of its converted layers replaced
     by zero (kept layers unchanged).
 
@@ -532,17 +532,6 @@ def project_to_slots(weight: torch.Tensor, projection: torch.Tensor, heads: int)
     return rows.reshape(-1, weight.shape[-1]).to(weight.dtype)
 
 
-def init_new_mixer_parameters(attn: TrellisAttention, input_norm_weight: torch.Tensor) -> None:
-    """What a Trellis mixer has beyond the teacher's projections, initialised by the mixer's own
-    :meth:`~trellis_lm.mixers.TrellisAttention.init_from_attention` (which states each choice)."""
-    attn.init_from_attention(input_norm_weight)
-
-
-def init_new_lattice_parameters(attn: LatticeAttention) -> None:
-    """The same for a Lattice mixer (:meth:`~trellis_lm.mixers.LatticeAttention.init_from_attention`)."""
-    attn.init_from_attention(None)
-
-
 def new_parameter_names(kind: str) -> tuple[str, ...]:
     """The parameters (module names under ``self_attn``) a converted layer of this mixer kind
     does not take from the teacher: what stage 1 trains. Empty for kept attention layers."""
@@ -587,8 +576,6 @@ __all__ = [
     "convert_llama_to_trellis",
     "convert_source",
     "converted_layers",
-    "init_new_lattice_parameters",
-    "init_new_mixer_parameters",
     "layer_mixers",
     "load_teacher_weights",
     "new_parameter_names",

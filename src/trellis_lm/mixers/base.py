@@ -240,6 +240,16 @@ def init_module(module: nn.Module, std: float, init: Any) -> None:
         module.init_weights(init)
 
 
+def gated_output(g: torch.Tensor, normed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A memory mixer's read-out before ``o_proj``: GELU of ``g_proj``'s output ``g [..., H d]``
+    times the per-head normed op output ``normed [..., H, d]`` (as many tokens), shaped as ``g``
+    and in ``dtype`` (the mixer input's)."""
+    gate, normed = F.gelu(g), normed.view(g.shape)
+    # Without autograd, into `gate` (this function's own tensor): one [..., H d] allocation less.
+    gated = gate.mul_(normed) if not torch.is_grad_enabled() else normed * gate
+    return gated.to(dtype)
+
+
 class MemoryMixer(Mixer):
     """Short convs on q and k, the op on real tokens, gated RMSNorm output (see module doc).
 
@@ -251,9 +261,12 @@ class MemoryMixer(Mixer):
 
     state_class: ClassVar[type[OpState]]
     cache_class: ClassVar[type[MemoryLayerCache]]
-    # The op's public function (trellis_lm.ops), called by run_op, and its unchecked decode step.
+    # The op's public function (trellis_lm.ops), called by run_op, and its unchecked decode step;
+    # for a compilable mixer also that step with its backend chosen once (device, dtype, settings
+    # -> step), what a decode span runs (trellis_lm.decode_step).
     op: ClassVar[Callable[..., tuple[torch.Tensor, Optional[OpState]]]]
     step_op: ClassVar[Callable[..., tuple[torch.Tensor, OpState]]]
+    step_for: ClassVar[Callable[..., Callable[..., tuple[torch.Tensor, OpState]]]]
     # Projections of x that may run as one matmul (see :meth:`_fused_projections`), in order;
     # when q_proj and k_proj come first, the fused q and k are one slice (see :meth:`_queries_keys`).
     fusable_projections: ClassVar[tuple[str, ...]] = ()
@@ -266,6 +279,8 @@ class MemoryMixer(Mixer):
 
     def __init__(self, config: Any = None, layer_idx: int = 0, **arguments: Any) -> None:
         super().__init__(config, layer_idx, **arguments)
+        # Read per call in decode steps, where the config's attribute lookup costs what an operation does.
+        self.num_heads: int = self.config.num_heads
         # No short convs unless the subclass builds them (:meth:`_build_convs`).
         self.q_conv: Optional[TrellisShortConv] = None
         self.k_conv: Optional[TrellisShortConv] = None
@@ -376,14 +391,7 @@ class MemoryMixer(Mixer):
     def read_out(self, proj: "Projections", o: torch.Tensor) -> torch.Tensor:
         """``[B, T, D]`` from the op's output ``o [B, T, H, d]``: per-head RMSNorm, times
         GELU(g_proj(x)), then ``o_proj``."""
-        x = proj.x
-        batch, length, _ = x.shape
-        heads, dim = self.config.num_heads, self.config.head_dim
-        gate = F.gelu(proj["g_proj"]).view(batch, length, heads, dim)
-        normed = self.o_norm(o)
-        # Without autograd, into `gate` (this method's own tensor): one [B, T, H d] allocation less.
-        gated = gate.mul_(normed) if not torch.is_grad_enabled() else normed * gate
-        return self.o_proj(gated.reshape(batch, length, heads * dim).to(x.dtype))
+        return self.o_proj(gated_output(proj["g_proj"], self.o_norm(o), proj.x.dtype))
 
     def op_settings(self) -> dict[str, Any]:
         """The op's keyword arguments besides the per-call ones: its settings from the config,
@@ -552,17 +560,22 @@ class MemoryMixer(Mixer):
                 qk, tail = causal_conv(valid.compact(qk), tail, taps, valid.lengths, valid.reach)
                 qk = valid.restore(qk)
             q_tail, k_tail = tail.split(split, dim=-1)
+        q, k = self.activated_qk(qk, split)
+        return q, k, q_tail, k_tail
+
+    def activated_qk(self, qk: torch.Tensor, split: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k from ``qk [B, T, q width + k width]`` (after the short convs; ``split`` their
+        widths): with ``silu_l2_qk``, through SiLU and the per-head L2 norm as ``[B, T, H, *]``,
+        in place without autograd (``qk`` is the caller's own: the conv's output, the fused
+        projections' or a cat); else split as they are."""
         if not self.silu_l2_qk:
             q, k = qk.split(split, dim=-1)
-            return q, k, q_tail, k_tail
-        batch, length, _ = proj.x.shape
-        heads = self.config.num_heads
-        # Without autograd in place: qk is this method's own (the conv's output, the fused
-        # projections' or a cat).
+            return q, k
+        batch, length, _ = qk.shape
+        heads = self.num_heads
         qk = F.silu(at_least_float32(qk), inplace=not torch.is_grad_enabled())
-        qk = l2_normalize(qk.view(batch, length, 2 * heads, -1))
-        q, k = qk.split(heads, dim=2)
-        return q, k, q_tail, k_tail
+        q, k = l2_normalize(qk.view(batch, length, 2 * heads, -1)).split(heads, dim=2)
+        return q, k
 
     def _fused_projections(self, x: torch.Tensor) -> Optional[dict[str, torch.Tensor]]:
         """Every projection of ``fusable_projections`` by one matmul, or ``None`` (see

@@ -10,7 +10,7 @@ from torch import nn
 
 from ..cache_entries import MemoryLayerCache
 from ..cache_layout import TensorSpec
-from ..ops.lattice import BACKENDS, LATTICE_VARIANTS, LatticeState, lattice_attention, lattice_step
+from ..ops.lattice import BACKENDS, LATTICE_VARIANTS, LatticeState, lattice_attention, lattice_step, lattice_step_for
 from .base import MemoryMixer, Projections, chunked_memory_layout
 from .fields import CHUNK_SIZE, CONV_SIZE, NUM_SLOTS, choice
 from .norms_convs import at_least_float32, l2_normalize
@@ -46,6 +46,7 @@ class LatticeAttention(MemoryMixer):
     fusable_projections = ("q_proj", "k_proj", "v_proj", "g_proj", "gamma_proj")
     compilable = True
     step_op = staticmethod(lattice_step)
+    step_for = staticmethod(lattice_step_for)
 
     def __init__(self, config: Any = None, layer_idx: int = 0, **arguments: Any) -> None:
         super().__init__(config, layer_idx, **arguments)
@@ -67,9 +68,8 @@ class LatticeAttention(MemoryMixer):
                   state: Any = None) -> tuple[torch.Tensor, ...]:
         """``(q, k, v, gamma)`` as :func:`~trellis_lm.ops.lattice_attention` takes them;
         ``q``, ``k`` arrive through SiLU and the per-head L2 norm (``silu_l2_qk``), ``[B, T, H, M]``."""
-        batch, length, _ = proj.x.shape
-        heads, dim = self.config.num_heads, self.config.head_dim
-        v = l2_normalize(at_least_float32(proj["v_proj"]).view(batch, length, heads, dim))
+        batch, length, heads, _ = q.shape
+        v = l2_normalize(at_least_float32(proj["v_proj"]).view(batch, length, heads, -1))
         gamma = torch.sigmoid(at_least_float32(proj["gamma_proj"]))
         return q, k, v, gamma
 

@@ -25,8 +25,19 @@ def l2_normalize(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt(torch.linalg.vector_norm(x, dim=-1, keepdim=True).square() + L2_EPS)
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of ``x`` over its last axis with ``weight``, computed in at least float32 (what
+    :class:`TrellisRMSNorm` computes)."""
+    # torch's fused kernel, with the weight folded in when the dtypes allow: one operation
+    # instead of five or six matters in token-by-token decoding.
+    if x.dtype == weight.dtype and x.dtype in (torch.float32, torch.float64):
+        return F.rms_norm(x, x.shape[-1:], weight, eps=eps)
+    normed = F.rms_norm(at_least_float32(x), x.shape[-1:], eps=eps)
+    return weight * normed.to(x.dtype)
+
+
 class TrellisRMSNorm(nn.Module):
-    """RMSNorm over the last axis, computed in at least float32."""
+    """RMSNorm over the last axis, computed in at least float32 (:func:`rms_norm`)."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -34,12 +45,7 @@ class TrellisRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # torch's fused kernel, with the weight folded in when the dtypes allow: one operation
-        # instead of five or six matters in token-by-token decoding.
-        if x.dtype == self.weight.dtype and x.dtype in (torch.float32, torch.float64):
-            return F.rms_norm(x, x.shape[-1:], self.weight, eps=self.eps)
-        normed = F.rms_norm(at_least_float32(x), x.shape[-1:], eps=self.eps)
-        return self.weight * normed.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 def causal_conv(
@@ -96,6 +102,16 @@ def causal_conv(
         last_reach = torch.where(lengths[:, None] > 0, last_reach, UNBOUNDED_REACH)  # no token: tail unchanged
         new_tail = new_tail * (lookback[1:] <= last_reach)[..., None]
     return y, new_tail
+
+
+def conv_step(x: torch.Tensor, tail: torch.Tensor, taps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`causal_conv` of one token per row, ``x [B, 1, C]`` after ``tail [B, width - 1, C]``,
+    with ``taps [width, C]`` (an ``nn.Conv1d`` weight's ``[:, 0]`` transposed, in ``x``'s dtype:
+    what a decode step makes once per span). Three operations where :func:`causal_conv`'s general
+    form takes eight; the same sum over the taps, in the same order. Returns ``(y [B, 1, C],
+    new tail [B, width - 1, C])``, the tail a view of the window."""
+    window = torch.cat([tail, x], dim=1)
+    return (window * taps).sum(dim=1, keepdim=True), window[:, 1:]
 
 
 class TrellisShortConv(nn.Conv1d):

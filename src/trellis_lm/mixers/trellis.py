@@ -13,7 +13,7 @@ from torch import nn
 from ..cache_entries import MemoryLayerCache
 from ..cache_layout import TensorSpec
 from ..ops.trellis import (BACKENDS, COMPRESS_FNS, MIX_FNS, WRITE_GRADIENTS, TrellisState, trellis_attention,
-                           trellis_step)
+                           trellis_step, trellis_step_for)
 from ..ops.trellis.compress_mix import reads_current_memory
 from .base import MemoryMixer, Projections, chunked_memory_layout
 from .fields import CHUNK_SIZE, CONV_SIZE, NUM_SLOTS, ConfigField, choice, flag, positive
@@ -60,6 +60,7 @@ class TrellisAttention(MemoryMixer):
     backends = BACKENDS
     op = staticmethod(trellis_attention)
     step_op = staticmethod(trellis_step)
+    step_for = staticmethod(trellis_step_for)
     config_fields = (
         NUM_SLOTS, CHUNK_SIZE, choice("compress_fn", COMPRESS_FNS), choice("mix_fn", MIX_FNS), CONV_SIZE,
         flag("use_forget_gate"), positive("gate_logit_normalizer"),
@@ -113,8 +114,7 @@ class TrellisAttention(MemoryMixer):
                   state: Any = None) -> tuple[torch.Tensor, ...]:
         """``(q, k, v, alpha, log_beta, gamma)`` as :func:`~trellis_lm.ops.trellis_attention` takes them;
         ``q``, ``k`` arrive through SiLU and the L2 norm (``silu_l2_qk``), ``[B, T, H, d]``."""
-        batch, length, _ = proj.x.shape
-        heads, dim = self.config.num_heads, self.config.head_dim
+        batch, length, heads, dim = k.shape  # Trellis's keys and values have one width
         v = l2_normalize(at_least_float32(proj["v_proj"]).view(batch, length, heads, dim))
         alpha = at_least_float32(proj["alpha_proj"]).view(batch, length, heads, -1)
         if self.beta_proj is not None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import sys
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
 
@@ -153,5 +153,18 @@ def lattice_step(
     :func:`~trellis_lm.ops.trellis.trellis_step`: the same contract): ``q, k [N, 1, H, M]``,
     ``v [N, 1, H, D]``, ``gamma [N, 1, H]`` in the state's dtype. Returns ``o [N, 1, H, D]`` and the
     state after the token."""
-    step = BACKENDS.single_token(backend, q.device, q.dtype)
-    return step(q, k, v, gamma, state, chunk_size, variant, None)
+    return lattice_step_for(q.device, q.dtype, chunk_size=chunk_size, variant=variant, backend=backend)(
+        q, k, v, gamma, state)
+
+
+def lattice_step_for(device: torch.device, dtype: torch.dtype, *, chunk_size: int = 64, variant: str = "dec",
+                     backend: str = "auto") -> Callable[..., tuple[torch.Tensor, LatticeState]]:
+    """:func:`lattice_step` for inputs on ``device`` in ``dtype`` with these settings, its backend
+    chosen now (see :func:`~trellis_lm.ops.trellis.trellis_step_for`): ``step(q, k, v, gamma, state)``."""
+    step = BACKENDS.single_token(backend, device, dtype)
+
+    def bound(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gamma: torch.Tensor,
+              state: LatticeState) -> tuple[torch.Tensor, LatticeState]:
+        return step(q, k, v, gamma, state, chunk_size, variant, None)
+
+    return bound

@@ -108,17 +108,6 @@ def compress_residual_vjp(name: str, z: torch.Tensor, alpha: torch.Tensor) -> to
     raise ValueError(f"compress_fn must be one of {COMPRESS_FNS}, got {name!r}")
 
 
-def compress(name: str, z: torch.Tensor) -> torch.Tensor:
-    """``phi(z)`` over the last axis (used by tests to check the closed-form VJP)."""
-    if name == "identity":
-        return z
-    if name == "l2norm":
-        return _l2norm(z)
-    if name == "layernorm":
-        return _layernorm(z)
-    raise ValueError(f"compress_fn must be one of {COMPRESS_FNS}, got {name!r}")
-
-
 def mix(name: str, y: torch.Tensor) -> torch.Tensor:
     """The mixing function ``f`` applied to the pass-1 read-out ``y`` (``[..., M]``)."""
     if name == "ln_silu":

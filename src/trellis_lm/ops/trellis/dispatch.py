@@ -6,7 +6,7 @@ import functools
 import math
 import os
 import sys
-from typing import Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 
@@ -37,7 +37,7 @@ def triton_available() -> bool:
 def _triton_forward(*args):
     """Backend ``"triton"``: imported on first use, since importing triton is slow and the
     package is optional (checkpoints loaded as remote code may run without it)."""
-    from .triton_chunk import triton_forward
+    from .triton_backend import triton_forward
 
     return triton_forward(*args)
 
@@ -234,6 +234,23 @@ def trellis_step(
     much as the step on a CPU). Returns ``o [N, 1, H, Dv]`` and the state after the token: the
     numbers of ``trellis_attention(..., initial_state=state, output_final_state=True)``.
     """
-    step = BACKENDS.single_token(backend, q.device, q.dtype, compress_fn=compress_fn, chunk_size=chunk_size,
+    step = trellis_step_for(q.device, q.dtype, chunk_size=chunk_size, compress_fn=compress_fn, mix_fn=mix_fn,
+                            write_gradient=write_gradient, backend=backend)
+    return step(q, k, v, alpha, log_beta, gamma, state)
+
+
+def trellis_step_for(
+    device: torch.device, dtype: torch.dtype, *, chunk_size: int = 64, compress_fn: str = "layernorm",
+    mix_fn: str = "ln_silu", write_gradient: str = "anchored", backend: str = "auto",
+) -> Callable[..., tuple[torch.Tensor, TrellisState]]:
+    """:func:`trellis_step` for inputs on ``device`` in ``dtype`` (the state's) with these settings,
+    its backend chosen now, not at each call: ``step(q, k, v, alpha, log_beta, gamma, state)``.
+    For a loop that steps many times with one model's settings (a decode span)."""
+    step = BACKENDS.single_token(backend, device, dtype, compress_fn=compress_fn, chunk_size=chunk_size,
                                  write_gradient=write_gradient)
-    return step(q, k, v, alpha, log_beta, gamma, state, chunk_size, compress_fn, mix_fn, write_gradient, None)
+
+    def bound(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, alpha: torch.Tensor, log_beta: torch.Tensor,
+              gamma: torch.Tensor, state: TrellisState) -> tuple[torch.Tensor, TrellisState]:
+        return step(q, k, v, alpha, log_beta, gamma, state, chunk_size, compress_fn, mix_fn, write_gradient, None)
+
+    return bound

@@ -22,10 +22,10 @@ def step_forward(q, k, v, alpha, log_beta, gamma, state, chunk_size, compress_fn
     alpha ``[N, 1, H, M]``, log_beta and gamma ``[N, 1, H]``. Returns ``o [N, 1, H, Dv]`` and the state."""
     m_k, m_v, a_k, a_v, offset = state.m_k, state.m_v, state.anchor_k, state.anchor_v, state.offset
     exact = write_gradient == "exact"
-    starts_chunk = offset == 0
     # Eagerly on CPUs, replacing the anchors only at chunk starts saves two memory-sized copies per
     # step (reading the flag is no device sync there); on GPUs (where a sync would also stop a CUDA
     # graph's capture), and compiled, the select runs every step instead of branching on data.
+    starts_chunk = None if exact else offset == 0
     if not exact and (q.device.type != "cpu" or torch.compiler.is_compiling() or bool(starts_chunk.any())):
         a_k = torch.where(starts_chunk[:, None, None, None], m_k, a_k)
         a_v = torch.where(starts_chunk[:, None, None, None], m_v, a_v)

@@ -1,6 +1,6 @@
 """Backend ``"triton"``: Triton kernels for the Trellis op, forward and hand-derived backward.
 
-The math, piece by piece, is stated in plain PyTorch in :mod:`.kernel_mirror` (read its
+The math, piece by piece, is stated in plain PyTorch in ``tests/kernel_mirror.py`` (read its
 docstring first); every kernel here computes one of those pieces for one head:
 
 forward
@@ -141,7 +141,7 @@ def _residual_vjp(z, a, cm, M, CF: tl.constexpr):
 
 @triton.jit
 def _residual_vjp_bwd(z, a, gu, cm, M, CF: tl.constexpr):
-    """(dz, da) of u = _residual_vjp(z, a) for cotangent gu (see .kernel_mirror.residual_vjp_backward)."""
+    """(dz, da) of u = _residual_vjp(z, a) for cotangent gu (see tests/kernel_mirror.py, residual_vjp_backward)."""
     gu = tl.where(cm, gu, 0.0)
     if CF == 0:
         gz = gu
@@ -445,9 +445,10 @@ def _writes(u_ptr, X, A, Al, tok0, nrows, h, H, M, cm, BT: tl.constexpr, BM: tl.
     (:mod:`.triton_exact`: each from the memory just before its write, by substitution), else
     ``vjp_phi`` at the anchor ``A``, all rows at once."""
     if EXACT:
-        return _load_tok(u_ptr, tok0, nrows, h, H, M, BT, BM)
+        U = _load_tok(u_ptr, tok0, nrows, h, H, M, BT, BM)
     else:
-        return _residual_vjp(_dot(X, tl.trans(A), PREC), Al, cm, M, CF)
+        U = _residual_vjp(_dot(X, tl.trans(A), PREC), Al, cm, M, CF)
+    return U
 
 
 @triton.jit
@@ -572,7 +573,7 @@ def _value_bwd_kernel(
     BT: tl.constexpr, BM: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr,
     CF: tl.constexpr, MF: tl.constexpr, PREC: tl.constexpr, EXACT: tl.constexpr,
 ):
-    """:mod:`.kernel_mirror`: chunk_local_backward for one chunk and head, its first half: the
+    """``tests/kernel_mirror.py``: chunk_local_backward for one chunk and head, its first half: the
     value read back to ``dY``, the gradient at the mixing function's input, which
     :func:`_key_bwd_kernel` takes on (two kernels: one held every tile of both and spilled)."""
     j = tl.program_id(0)
@@ -611,7 +612,7 @@ def _key_bwd_kernel(
     BT: tl.constexpr, BM: tl.constexpr, BDK: tl.constexpr,
     CF: tl.constexpr, PREC: tl.constexpr, EXACT: tl.constexpr,
 ):
-    """:mod:`.kernel_mirror`: chunk_local_backward for one chunk and head, its second half: the
+    """``tests/kernel_mirror.py``: chunk_local_backward for one chunk and head, its second half: the
     key read, from the ``dY`` that :func:`_value_bwd_kernel` left in ``duk`` (overwritten here
     by ``dU_k``, row for row, by the program that read it); adds its parts of dgamma and dc to
     that kernel's."""
@@ -648,7 +649,7 @@ def _chain_bwd_kernel(
     BT: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, BDR: tl.constexpr, CF: tl.constexpr,
     PREC: tl.constexpr,
 ):
-    """:mod:`.kernel_mirror`: chunk_chain_backward over one sequence's chunks in reverse, one pass.
+    """``tests/kernel_mirror.py``: chunk_chain_backward over one sequence's chunks in reverse, one pass.
 
     Adds into dx (the pass's own input, written by the local kernels); writes this pass's parts
     of dalpha, dgamma and dc, which :func:`_gates_bwd_kernel` sums with the other pass's and the
@@ -757,7 +758,7 @@ def _recurrent_bwd_kernel(
     H, M, DK, DV,
     SEG: tl.constexpr, BM: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, CF: tl.constexpr, MF: tl.constexpr,
 ):
-    """:mod:`.kernel_mirror`: mirror_token_backward (C = 1) for one sequence and head.
+    """``tests/kernel_mirror.py``: mirror_token_backward (C = 1) for one sequence and head.
 
     Segments of SEG tokens in reverse: the memories before each token of the segment are
     recomputed from its checkpoint into this program's scratch rows of sk / sv
@@ -1222,46 +1223,10 @@ def _backward(ctx, d_o, d_mk, d_mv, d_ak, d_av, _d_hk, _d_hv):
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-# ---------------------------------------------------------------------------------------------
-# The backend.
-
-
-def _check_device(q: torch.Tensor) -> None:
+def check_device(q: torch.Tensor) -> None:
+    """Backend ``"triton"`` runs on CUDA tensors, or on CPU ones under the interpreter."""
     if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(
             f"backend 'triton' runs on CUDA tensors (got {q.device}); on CPU set TRITON_INTERPRET=1 "
             "before importing triton (slow: for tests), or use backend 'torch'"
         )
-
-
-def triton_forward(q, k, v, alpha, log_beta, gamma, state: TrellisState, chunk_size, compress_fn, mix_fn,
-                   write_gradient, cu_seqlens):
-    """Backend ``"triton"``; arguments as validated by :func:`trellis_lm.ops.trellis_attention`,
-    whose registry sends it only what the kernels compute (float32 or lower, not identity).
-
-    ``"exact"`` writes (the recurrence of ``chunk_size=1``, whatever C) run the exact chunk
-    kernels of :mod:`.triton_exact` in their own layout, except for one token or ``chunk_size=1``,
-    which run the per-token kernels; the state they hand back keeps the call's C in its offset,
-    with anchors equal to its memories (design page, section 3)."""
-    _check_device(q)
-    f32 = lambda t: t.to(torch.float32).contiguous()  # noqa: E731
-    offset = state.offset.to(torch.long).contiguous()
-    lengths = torch.full_like(offset, q.shape[1]) if cu_seqlens is None else cu_seqlens[1:] - cu_seqlens[:-1]
-    lengths = lengths.to(offset.device)
-    inputs = [f32(t) for t in (q, k, v, alpha, log_beta, gamma)]
-    if write_gradient == "anchored":
-        memories = [f32(t) for t in (state.m_k, state.m_v, state.anchor_k, state.anchor_v)]
-        o, m_k, m_v, a_k, a_v, _, _ = _fwd_op(*inputs, *memories, offset, cu_seqlens, chunk_size, compress_fn, mix_fn)
-        return o, TrellisState(m_k, m_v, a_k, a_v, (offset + lengths) % chunk_size)
-    memories = [f32(t) for t in (state.m_k, state.m_v)]
-    if _use_recurrent(q.shape[1], chunk_size):  # each token its own anchor: the per-token kernels at C = 1
-        o, m_k, m_v, _, _, _, _ = _fwd_op(*inputs, *memories, *memories, torch.zeros_like(offset), cu_seqlens, 1,
-                                          compress_fn, mix_fn)
-    else:
-        from .triton_exact import exact_forward
-
-        o, m_k, m_v, *_ = exact_forward(*inputs, *memories, cu_seqlens, compress_fn, mix_fn)
-    # Anchors follow the memories, but a sequence with no tokens hands its state back untouched.
-    empty = (lengths == 0)[:, None, None, None]
-    a_k, a_v = torch.where(empty, state.anchor_k, m_k), torch.where(empty, state.anchor_v, m_v)
-    return o, TrellisState(m_k, m_v, a_k, a_v, (offset + lengths) % chunk_size)

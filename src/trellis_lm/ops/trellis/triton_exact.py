@@ -39,8 +39,13 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import triton
-import triton.language as tl
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError as error:
+    # A try block: transformers' import check of a checkpoint's code skips it (see triton_chunk.py).
+    raise ImportError("backend 'triton' needs the triton package (pip install triton); use backend 'torch'") from error
 
 from ..varlen import chunk_slots, make_plan
 from .triton_chunk import (
@@ -144,7 +149,7 @@ def _exact_state_kernel(
         Lm = g[None, :] * Ep * _dot(X, tl.trans(X), PREC)
         Z = ecp[:, None] * _dot(X, tl.trans(S), PREC)
         U = tl.zeros([BB, BM], dtype=tl.float32)
-        for r in tl.static_range(BB):
+        for r in range(BB):  # a loop, not unrolled: the unrolled steps spill (BENCHMARKS.md)
             here = rows[:, None] == r
             al = _load_row(al_ptr, tok0, r, nrows, h, H, M, BM)
             u = _residual_vjp(tl.sum(tl.where(here, Z, 0.0), axis=0)[None, :], al, cm, M, CF)
@@ -215,7 +220,7 @@ def _exact_chain_bwd_kernel(
             # The reverse substitution: G holds g_r once every later row's dz has been taken off.
             dZ = tl.zeros([BB, BM], dtype=tl.float32)
             dAl = tl.zeros([BB, BM], dtype=tl.float32)
-            for rr in tl.static_range(BB):
+            for rr in range(BB):
                 r = BB - 1 - rr
                 here = rows[:, None] == r
                 al = _load_row(al_ptr, tok0, r, nrows, h, H, M, BM)

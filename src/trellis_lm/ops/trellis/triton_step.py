@@ -5,7 +5,7 @@ It runs the token-by-token kernel of :mod:`.triton_chunk` (``_recurrent_kernel``
 :func:`triton_step` is the backend's :attr:`~trellis_lm.ops.registry.Backend.step`: what
 ``trellis_step`` and a one-token ``trellis_attention`` call run under ``backend="triton"``, and
 under ``"auto"`` on CUDA tensors. It launches the kernel itself, into a new state (a caller may
-still hold the one it read). The custom op behind :func:`.triton_chunk.triton_forward` launches
+still hold the one it read). The custom op behind :func:`.triton_backend.triton_forward` launches
 the same kernel for one token, through dispatch and autograd bookkeeping that are host time a
 decode step pays per layer and token, and needs only where autograd records the call or
 ``torch.compile`` traces it: there the step runs ``triton_forward``.
@@ -18,7 +18,8 @@ from typing import Optional
 import torch
 
 from .state import TrellisState
-from .triton_chunk import _check_device, _codes, recurrent_launch, triton_forward
+from .triton_backend import triton_forward
+from .triton_chunk import _codes, check_device, recurrent_launch
 
 
 def triton_step(
@@ -38,7 +39,7 @@ def triton_step(
     records = torch.is_grad_enabled() and any(t.requires_grad for t in inputs + memories)
     if records or cu_seqlens is not None or torch.compiler.is_compiling():
         return triton_forward(*inputs, state, chunk_size, compress_fn, mix_fn, write_gradient, cu_seqlens)
-    _check_device(q)
+    check_device(q)
     # The kernel indexes every tensor as a dense row-major block of float32.
     inputs = [t.to(torch.float32).contiguous() for t in inputs]
     memories = [t.to(torch.float32).contiguous() for t in memories]

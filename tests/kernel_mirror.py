@@ -2,7 +2,7 @@
 
 The Triton kernels (:mod:`trellis_lm.ops.trellis.triton_chunk`) split the op into pieces that this module states in
 plain PyTorch, one sequence and one chunk at a time, heads batched. It is the oracle the
-kernel tests compare the pieces against.
+kernel tests compare the pieces against (test code: the package never runs it).
 
 Decomposition (design page, section 2; per head, per chunk of L tokens, start state ``S``,
 anchor ``A`` = ``S`` except in the first chunk after a mid-chunk resume):
@@ -37,10 +37,10 @@ from __future__ import annotations
 
 import torch
 
-from ..varlen import ChunkPlan, make_plan
-from .chunked import chunked_forward, log_decays
-from .compress_mix import EPS, compress_residual_vjp, mix
-from .state import TrellisState
+from trellis_lm.ops.trellis.chunked import chunked_forward, log_decays
+from trellis_lm.ops.trellis.compress_mix import EPS, compress_residual_vjp, mix
+from trellis_lm.ops.trellis.state import TrellisState
+from trellis_lm.ops.varlen import ChunkPlan, make_plan
 
 # ---------------------------------------------------------------------------------------------
 # Row-wise closed forms (last axis = the M slots).
