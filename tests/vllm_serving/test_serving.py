@@ -221,34 +221,59 @@ def test_speculative_decoding_gives_the_tokens_of_generate(tmp_path, monkeypatch
     assert got == [reference(model, p, new_tokens) for p in batch]
 
 
-def test_drafts_cross_state_blocks_and_prompts_still_hit_the_cache(tmp_path, monkeypatch):
-    """vLLM's defaults with n-gram drafts, on state blocks of 16 tokens: rows of drafts cross
+@pytest.mark.parametrize("schedule", [
+    "trellis",
+    "kvm-hybrid",  # the four kinds
+    pytest.param("lattice", marks=pytest.mark.slow),
+    pytest.param("kvm", marks=pytest.mark.slow),
+    pytest.param("hybrid", marks=pytest.mark.slow),
+])
+def test_drafts_keep_the_states_prefix_caching_reads(tmp_path, monkeypatch, schedule):
+    """Prefix caching with n-gram drafts, on state blocks of 16 tokens: rows of drafts cross
     block boundaries, where vLLM's align-mode copies (which the plugin runs on a CPU) move the
-    state of a draft position to the block the next step runs in (counted); the tokens equal
-    ``generate``'s. A prompt continuing an earlier one takes it from the cache up to the last
-    state block of that prompt, and the requests take as large a share of their prompts from
-    the cache as without drafts."""
+    state of a draft position to the block the next step runs in and keep the state at the
+    boundary in the block that ends there (counted); the tokens equal ``generate``'s (a slot
+    holding the state after another number of tokens is refused).
+
+    vLLM keeps every block's state for later requests here (``prefix_cache_retention_interval=
+    None``; by default only the state where a prompt ends). Prompts continuing each request's
+    text from each block boundary in it, its prompt's last and those its completion crossed,
+    give ``generate``'s tokens from the states they take from the cache (those rows of drafts
+    left included). Those continuing a prompt take as much from the cache as without drafts;
+    those continuing a completion at most as much (vLLM's scheduler does not keep the state of
+    every boundary a row of drafts crossed) and at least one beyond its prompt. (With attention
+    layers a hit ends where an attention block does too, every 32 tokens here.)"""
     from trellis_lm.integrations.vllm import align_copies
 
-    model = copying_checkpoint(tmp_path, "trellis")
+    model = copying_checkpoint(tmp_path, schedule)
     copies = []
     real_copy = align_copies.StateBlocks.copy
     monkeypatch.setattr(align_copies.StateBlocks, "copy",
                         lambda self, row, src, dst, bias: copies.append(bias) or real_copy(self, row, src, dst, bias))
     batch = [p for p in prompts() if len(p) < 100]  # 1 to 99 tokens
-    again = batch[-1] + prompts(seed=3)[4]
+    completions = [reference(model, p, 64) for p in batch]
+    # (prompt length, text up to a boundary: the prompt's last, or one the completion crossed)
+    texts = [(len(p), (p + c)[:end]) for p, c in zip(batch, completions)
+             for end in range(16, len(p) + 64, 16) if end > len(p) - 16]
+    again = [text + prompts(seed=3)[4] for _, text in texts]
 
-    def hit_share(llm: LLM) -> float:
-        assert served(llm, batch, max_tokens=64) == [reference(model, p, 64) for p in batch]
-        before = counter(llm, "vllm:prefix_cache_hits")
-        assert served(llm, [again], max_tokens=8) == [reference(model, again, 8)]
-        assert counter(llm, "vllm:prefix_cache_hits") - before == 96  # the state after 6 blocks of the 99 tokens
-        return counter(llm, "vllm:prefix_cache_hits") / counter(llm, "vllm:prefix_cache_queries")
+    def cached(llm: LLM) -> list[int]:
+        """The tokens each continuation took from the cache."""
+        assert served(llm, batch, max_tokens=64) == completions
+        outputs = llm.generate([{"prompt_token_ids": p} for p in again], SamplingParams(max_tokens=4, temperature=0))
+        assert [list(o.outputs[0].token_ids) for o in outputs] == [reference(model, p, 4) for p in again]
+        return [o.num_cached_tokens for o in outputs]
 
-    with_drafts = hit_share(engine(tmp_path, speculative_config=NGRAM, block_size=16))
-    assert any(bias > 0 for bias in copies)
+    every_block = {"block_size": 16, "prefix_cache_retention_interval": None}
+    llm = engine(tmp_path, speculative_config=NGRAM, **every_block)
+    with_drafts = cached(llm)
+    assert counter(llm, "vllm:spec_decode_num_accepted_tokens") > 0 and any(bias > 0 for bias in copies)
+    del llm
     next_engine()
-    assert with_drafts >= hit_share(engine(tmp_path, block_size=16))
+    without = cached(engine(tmp_path, **every_block))
+    in_prompt = [len(text) <= prompt for prompt, text in texts]
+    assert all(hit == full if prompt else hit <= full for hit, full, prompt in zip(with_drafts, without, in_prompt))
+    assert any(hit > prompt for hit, (prompt, _) in zip(with_drafts, texts))
 
 
 def test_a_cpu_engine_keeps_freed_memory_from_the_model_s_load(tmp_path, monkeypatch):

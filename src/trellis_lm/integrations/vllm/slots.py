@@ -366,7 +366,7 @@ def _run_rows(mixer: MemoryMixer, layout: SlotLayout, tensors: Sequence[torch.Te
         out[index] = y
     after = _entry(after_entry)
     target = write[:, 0]
-    if read is target or bool((read == target).all()):
+    if bool((read == target).all()):
         # A tensor the mixer returned as it was given is what the slots hold already (a decode
         # step's anchors between chunk starts, KVM's state rows between folds): not written.
         after = {name: t for name, t in after.items() if t is not held.get(name)}
