@@ -178,17 +178,16 @@ PREEMPTED = {"num_gpu_blocks_override": 28, "max_model_len": 640}
 
 
 @pytest.mark.parametrize("schedule, options, new_tokens, compile_decode", [
-    ("trellis", NO_CACHING, 48, False),
+    ("trellis", {}, 48, False),
     # The four kinds in one model, with so few KV blocks that vLLM preempts and recomputes.
-    ("kvm-hybrid", PREEMPTED, 160, False),
+    ("kvm-hybrid", {**PREEMPTED, **NO_CACHING}, 160, False),
     # compile_decode: the memory layers' single-token and draft rows compiled as the model loads.
     ("trellis", {}, 48, True),
     pytest.param("kvm-hybrid", PREEMPTED, 160, True, marks=pytest.mark.slow),
     pytest.param("lattice", {}, 48, False, marks=pytest.mark.slow),
     pytest.param("kvm", NO_CACHING, 48, False, marks=pytest.mark.slow),
     pytest.param("hybrid", {}, 48, False, marks=pytest.mark.slow),
-    pytest.param("kvm-hybrid", {**PREEMPTED, **NO_CACHING}, 160, False, marks=pytest.mark.slow),
-    pytest.param("trellis", {}, 48, False, marks=pytest.mark.slow),
+    pytest.param("trellis", NO_CACHING, 48, False, marks=pytest.mark.slow),
 ])
 def test_speculative_decoding_gives_the_tokens_of_generate(tmp_path, monkeypatch, schedule, options, new_tokens,
                                                            compile_decode):
@@ -224,7 +223,7 @@ def test_speculative_decoding_gives_the_tokens_of_generate(tmp_path, monkeypatch
 
 @pytest.mark.parametrize("schedule", [
     "trellis",
-    pytest.param("kvm-hybrid", marks=pytest.mark.slow),
+    "kvm-hybrid",  # the four kinds
     pytest.param("lattice", marks=pytest.mark.slow),
     pytest.param("kvm", marks=pytest.mark.slow),
     pytest.param("hybrid", marks=pytest.mark.slow),
