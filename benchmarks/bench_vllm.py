@@ -3,6 +3,7 @@
     .venv-vllm/bin/python benchmarks/bench_vllm.py contexts --json benchmarks/results/vllm_cpu.json
     .venv-vllm/bin/python benchmarks/bench_vllm.py contexts --contexts 256 --requests 2 --decode-steps 4  # a minute
     .venv-vllm/bin/python benchmarks/bench_vllm.py shared-prefix --json benchmarks/results/vllm_prefix.json
+    .venv-vllm/bin/python benchmarks/bench_vllm.py shared-prefix --speculative-tokens 3 --new-tokens 128 --embedding-scale 30
     .venv-vllm/bin/python benchmarks/bench_vllm.py copy --json benchmarks/results/vllm_speculative.json
     .venv-vllm/bin/python benchmarks/bench_vllm.py contexts --contexts 1024 --baseline-src /path/to/old/src
 
@@ -26,9 +27,11 @@ Workloads:
   budget (``--kv-space`` GiB, vLLM's ``VLLM_CPU_KVCACHE_SPACE``, the same for every model;
   vLLM's own page rounding aside).
 - ``shared-prefix``: ``--requests`` prompts of one ``--prefix``-token prefix and a distinct
-  ``--suffix``, submitted together, 16 greedy tokens each, with and without prefix caching:
-  the share of prompt tokens vLLM took from its cache, times to first token, and whether
-  the tokens equal those without caching.
+  ``--suffix``, submitted together, ``--new-tokens`` greedy tokens each (16 unless given), with
+  and without prefix caching, and with ``--speculative-tokens`` n-gram drafts (0: none) beside
+  prefix caching, vLLM's defaults: the share of prompt tokens vLLM took from its cache, times to
+  first token, decode tokens per second (as ``copy``), and whether the tokens equal those
+  without caching.
 - ``copy``: copy-heavy prompts (a random passage of ``--passage`` tokens said twice, then
   its first quarter again), ``--requests`` of them decoded greedily (``--new-tokens`` each)
   with and without n-gram speculation (``--speculative-tokens``, no prefix caching for any
@@ -141,41 +144,65 @@ def contexts_case(folder: str, context: int, requests: int, decode_steps: int) -
     return {"ttft_median_s": ttft[len(ttft) // 2], "ttft_last_s": ttft[-1], "decode_tokens_per_s": tokens / decode}
 
 
-def run_together(llm: Any, prompts: list[list[int]], params: Any) -> tuple[list[Any], list[float], float]:
-    """Submit ``prompts`` at once and step the engine until all finish: the finished outputs (in
-    prompt order), each request's time to its first token, and the whole time."""
+def run_together(llm: Any, prompts: list[list[int]], params: Any) -> dict:
+    """Submit ``prompts`` at once and step the engine until all finish: each request's tokens (in
+    prompt order) and time to its first token, and the decode rate once every sequence has its
+    first token: the tokens they get after that over its time, and per engine step."""
     core = llm.llm_engine
     for i, prompt in enumerate(prompts):
         core.add_request(str(i), {"prompt_token_ids": prompt}, params)
+    got: dict[str, list[int]] = {}
     first: dict[str, float] = {}
-    done: dict[str, Any] = {}
-    start = clock()
+    done: set[str] = set()
+    at_first: dict[str, int] = {}  # tokens each sequence had when the last first token came
+    begin, steps, start = 0.0, 0, clock()
     while len(done) < len(prompts):
         for out in core.step():
-            if out.outputs and out.outputs[0].token_ids and out.request_id not in first:
-                first[out.request_id] = clock() - start
+            if out.outputs and out.outputs[0].token_ids:
+                got[out.request_id] = list(out.outputs[0].token_ids)
+                first.setdefault(out.request_id, clock() - start)
             if out.finished:
-                done[out.request_id] = out
-    return [done[str(i)] for i in range(len(prompts))], [first[str(i)] for i in range(len(prompts))], \
-        clock() - start
+                done.add(out.request_id)
+        steps += bool(at_first)
+        if not at_first and len(first) == len(prompts):
+            at_first = {k: len(v) for k, v in got.items()}
+            begin = clock()
+    decode = clock() - begin
+    tokens = sum(len(got[k]) - at_first[k] for k in got)
+    return {"tokens": [got[str(i)] for i in range(len(prompts))], "ttft": [first[str(i)] for i in range(len(prompts))],
+            "decode_tokens_per_s": tokens / decode if decode else None, "tokens_per_step": tokens / steps if steps else None}
 
 
-def shared_prefix_case(folder: str, prefix: int, suffix: int, requests: int, caching: bool) -> dict:
+def speculation(drafts: int) -> Any:
+    """n-gram speculative decoding of ``drafts`` tokens (``None``: none)."""
+    return {"method": "ngram", "num_speculative_tokens": drafts, "prompt_lookup_min": 2,
+            "prompt_lookup_max": 4} if drafts else None
+
+
+def drafts_counted(llm: Any) -> dict:
+    drafted = counter(llm, "vllm:spec_decode_num_draft_tokens")
+    accepted = counter(llm, "vllm:spec_decode_num_accepted_tokens")
+    return {"drafted": drafted, "accepted": accepted, "acceptance": accepted / drafted if drafted else None}
+
+
+def shared_prefix_case(folder: str, prefix: int, suffix: int, requests: int, caching: bool, new_tokens: int = 16,
+                       drafts: int = 0) -> dict:
     from vllm import SamplingParams
 
     rng = random.Random(prefix)
     shared = random_prompt(rng, prefix)
     prompts = [shared + random_prompt(rng, suffix) for _ in range(requests)]
-    llm = engine(folder, prefix + suffix + 64, requests, enable_prefix_caching=caching)
+    llm = engine(folder, prefix + suffix + new_tokens + 64, requests, enable_prefix_caching=caching,
+                 speculative_config=speculation(drafts))
     warm = random_prompt(random.Random(1), 64)  # distinct from every prompt: hits nothing
     llm.generate([{"prompt_token_ids": warm}], SamplingParams(max_tokens=4), use_tqdm=False)
-    outputs, ttft, total = run_together(llm, prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
-    cached = sum(o.num_cached_tokens or 0 for o in outputs)
-    ttft.sort()
+    run = run_together(llm, prompts, SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True))
+    cached = counter(llm, "vllm:prefix_cache_hits")
+    ttft = sorted(run["ttft"])
     return {"prompt_tokens": sum(map(len, prompts)), "cached_tokens": cached,
             "hit_share": cached / sum(map(len, prompts)), "ttft_median_s": ttft[len(ttft) // 2],
-            "ttft_last_s": ttft[-1], "total_s": total,
-            "tokens": [list(o.outputs[0].token_ids) for o in outputs]}
+            "ttft_last_s": ttft[-1], "decode_tokens_per_s": run["decode_tokens_per_s"],
+            "tokens_per_step": run["tokens_per_step"], **drafts_counted(llm), "tokens": run["tokens"]}
 
 
 def copy_prompts(passage: int, requests: int) -> list[list[int]]:
@@ -186,40 +213,18 @@ def copy_prompts(passage: int, requests: int) -> list[list[int]]:
 
 
 def copy_case(folder: str, passage: int, requests: int, new_tokens: int, drafts: int) -> dict:
-    """Greedy decoding of the copy prompts, with n-gram drafts of ``drafts`` tokens (0: none).
-    Decode rate: the tokens every sequence gets after the last one's first token, over that time."""
+    """Greedy decoding of the copy prompts, with n-gram drafts of ``drafts`` tokens (0: none)."""
     from vllm import SamplingParams
 
-    speculation = {"method": "ngram", "num_speculative_tokens": drafts, "prompt_lookup_min": 2,
-                   "prompt_lookup_max": 4} if drafts else None
     prompts = copy_prompts(passage, requests)
-    # No prefix caching for any model: the plugin refuses it together with speculative decoding.
+    # No prefix caching for any model: the measure of speculation alone, as it was first taken.
     llm = engine(folder, len(prompts[0]) + new_tokens + 64, requests, enable_prefix_caching=False,
-                 speculative_config=speculation)
+                 speculative_config=speculation(drafts))
     llm.generate([{"prompt_token_ids": random_prompt(random.Random(1), 64)}], SamplingParams(max_tokens=4),
                  use_tqdm=False)
-    core = llm.llm_engine
-    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    for i, prompt in enumerate(prompts):
-        core.add_request(str(i), {"prompt_token_ids": prompt}, params)
-    got: dict[str, list[int]] = {}
-    at_first: dict[str, int] = {}  # tokens each sequence had when the last first token came
-    begin, steps = 0.0, 0  # steps: the engine's after the last first token
-    while len(got) < requests or any(len(t) < new_tokens for t in got.values()):
-        for out in core.step():
-            if out.outputs:
-                got[out.request_id] = list(out.outputs[0].token_ids)
-        steps += bool(at_first)
-        if not at_first and len(got) == requests and all(got.values()):
-            at_first = {k: len(v) for k, v in got.items()}
-            begin = clock()
-    decode = clock() - begin
-    drafted = counter(llm, "vllm:spec_decode_num_draft_tokens")
-    accepted = counter(llm, "vllm:spec_decode_num_accepted_tokens")
-    tokens = sum(len(got[k]) - at_first[k] for k in got)
-    return {"decode_tokens_per_s": tokens / decode, "tokens_per_step": tokens / steps,
-            "drafted": drafted, "accepted": accepted, "acceptance": accepted / drafted if drafted else None,
-            "tokens": [got[str(i)] for i in range(requests)]}
+    run = run_together(llm, prompts, SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True))
+    return {"decode_tokens_per_s": run["decode_tokens_per_s"], "tokens_per_step": run["tokens_per_step"],
+            **drafts_counted(llm), "tokens": run["tokens"]}
 
 
 CASES: dict[str, Callable[..., dict]] = {"contexts": contexts_case, "shared-prefix": shared_prefix_case,
@@ -265,11 +270,14 @@ def variants(args: argparse.Namespace) -> list[dict]:
     if args.workload == "contexts":
         return [{"context": c, "requests": args.requests, "decode_steps": args.decode_steps} for c in args.contexts]
     if args.workload == "shared-prefix":
-        return [{"prefix": args.prefix, "suffix": args.suffix, "requests": args.requests, "caching": caching}
-                for caching in (False, True)]
+        new_tokens = 16 if args.new_tokens is None else args.new_tokens
+        runs = [(False, 0), (True, 0)] + ([(True, args.speculative_tokens)] if args.speculative_tokens else [])
+        return [{"prefix": args.prefix, "suffix": args.suffix, "requests": args.requests, "caching": caching,
+                 "new_tokens": new_tokens, "drafts": drafts} for caching, drafts in runs]
     if args.workload == "copy":
-        return [{"passage": args.passage, "requests": args.requests, "new_tokens": args.new_tokens, "drafts": drafts}
-                for drafts in (0, args.speculative_tokens)]
+        new_tokens = 256 if args.new_tokens is None else args.new_tokens
+        return [{"passage": args.passage, "requests": args.requests, "new_tokens": new_tokens, "drafts": drafts}
+                for drafts in (0, args.speculative_tokens or 3)]
     raise ValueError(f"unknown workload {args.workload!r}")
 
 
@@ -283,7 +291,7 @@ def median_rows(runs: list[dict], keys: tuple[str, ...]) -> dict:
 
 
 TIMINGS = {"contexts": ("ttft_median_s", "ttft_last_s", "decode_tokens_per_s"),
-           "shared-prefix": ("ttft_median_s", "ttft_last_s", "total_s"), "copy": ("decode_tokens_per_s",)}
+           "shared-prefix": ("ttft_median_s", "ttft_last_s", "decode_tokens_per_s"), "copy": ("decode_tokens_per_s",)}
 
 
 def ratios(workload: str, rows: list[dict], rounds: list[list[dict]]) -> None:
@@ -309,8 +317,9 @@ def main() -> None:
     parser.add_argument("--prefix", type=int, default=2048, help="shared-prefix: tokens every prompt shares")
     parser.add_argument("--suffix", type=int, default=64, help="shared-prefix: distinct tokens after the prefix")
     parser.add_argument("--passage", type=int, default=256, help="copy: tokens of the passage each prompt repeats")
-    parser.add_argument("--new-tokens", type=int, default=256, help="copy: greedy tokens per request")
-    parser.add_argument("--speculative-tokens", type=int, default=3, help="copy: n-gram draft tokens per step")
+    parser.add_argument("--new-tokens", type=int, help="copy, shared-prefix: greedy tokens per request (256, 16)")
+    parser.add_argument("--speculative-tokens", type=int, help="copy: n-gram draft tokens per step (3); shared-prefix: "
+                        "also run with this many beside prefix caching")
     parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
     parser.add_argument("--rounds", type=int, default=1, help="repeat every (model, case) in turn")
     parser.add_argument("--kv-space", type=int, default=6, help="VLLM_CPU_KVCACHE_SPACE, GiB, every engine")
@@ -373,18 +382,18 @@ def main() -> None:
     keys = sorted(results, key=lambda k: (k[1], order.index(k[0])))
     rows = [median_rows(results[k], TIMINGS[args.workload]) for k in keys]
     ratios(args.workload, rows, [results[k] for k in keys])
-    if args.workload == "shared-prefix":
-        for row in rows:  # the tokens with caching against the same model's without
-            if row["case"]["caching"]:
-                plain = next(r for r in rows if r["model"] == row["model"] and not r["case"]["caching"])
-                row["tokens_equal_without_caching"] = row["tokens"] == plain["tokens"]
-    if args.workload == "copy":
-        for key, row in zip(keys, rows):  # with drafts against the same model without, round by round
-            if row["case"]["drafts"]:
-                plain_key = next(k for k, r in zip(keys, rows) if r["model"] == row["model"] and not r["case"]["drafts"])
-                row["speedup_vs_no_drafts"] = statistics.median(
-                    a["decode_tokens_per_s"] / b["decode_tokens_per_s"] for a, b in zip(results[key], results[plain_key]))
-                row["tokens_equal_without_drafts"] = row["tokens"] == rows[keys.index(plain_key)]["tokens"]
+    def same_model(row: dict, **case: Any) -> int:
+        """The index of ``row``'s model's row whose case is ``row``'s with ``case``'s fields."""
+        return next(i for i, r in enumerate(rows) if r["model"] == row["model"] and r["case"] == {**row["case"], **case})
+
+    for key, row in zip(keys, rows):
+        if args.workload == "shared-prefix" and row["case"]["caching"]:  # against the same model without caching
+            row["tokens_equal_without_caching"] = row["tokens"] == rows[same_model(row, caching=False, drafts=0)]["tokens"]
+        if row["case"].get("drafts"):  # with drafts against the same model without, round by round
+            plain = same_model(row, drafts=0)
+            row["speedup_vs_no_drafts"] = statistics.median(
+                a["decode_tokens_per_s"] / b["decode_tokens_per_s"] for a, b in zip(results[key], results[keys[plain]]))
+            row["tokens_equal_without_drafts"] = row["tokens"] == rows[plain]["tokens"]
     print_table(args.workload, rows)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -406,12 +415,14 @@ def print_table(workload: str, rows: list[dict]) -> None:
                   f"{r.get('decode_tokens_per_s_vs_llama', nan):7.2f} {r.get('bytes_per_sequence', nan) / 2**20:8.2f} "
                   f"{r.get('sequences_that_fit', -1):9d}")
     elif workload == "shared-prefix":
-        print(f"\n{'model':16} {'caching':>7} {'hit share':>9} {'TTFT med s':>10} {'last s':>7} {'x Llama':>7} "
-              f"{'total s':>8} {'same tokens':>11}")
+        print(f"\n{'model':16} {'caching':>7} {'drafts':>6} {'hit share':>9} {'TTFT med s':>10} {'last s':>7} "
+              f"{'x Llama':>7} {'decode tok/s':>12} {'x Llama':>7} {'x no drafts':>11} {'same tokens':>11}")
         for r in rows:
-            print(f"{r['model']:16} {str(r['case']['caching']):>7} {r['hit_share']:9.3f} {r['ttft_median_s']:10.2f} "
-                  f"{r['ttft_last_s']:7.2f} {r.get('ttft_last_s_vs_llama', nan):7.2f} {r['total_s']:8.2f} "
-                  f"{str(r.get('tokens_equal_without_caching', '')):>11}")
+            same = r.get("tokens_equal_without_caching", "")
+            print(f"{r['model']:16} {str(r['case']['caching']):>7} {r['case']['drafts']:6d} {r['hit_share']:9.3f} "
+                  f"{r['ttft_median_s']:10.2f} {r['ttft_last_s']:7.2f} {r.get('ttft_last_s_vs_llama', nan):7.2f} "
+                  f"{r['decode_tokens_per_s']:12.1f} {r.get('decode_tokens_per_s_vs_llama', nan):7.2f} "
+                  f"{r.get('speedup_vs_no_drafts', nan):11.2f} {str(same):>11}")
     elif workload == "copy":
         print(f"\n{'model':16} {'drafts':>6} {'acceptance':>10} {'tok/step':>8} {'decode tok/s':>12} {'x Llama':>7} "
               f"{'x no drafts':>11} {'same tokens':>11}")

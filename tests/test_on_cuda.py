@@ -114,7 +114,7 @@ def test_vllm_slots_on_cuda_give_each_sequence_its_logits(schedule):
     def plan(i, step):
         return 21 if i == 0 and step < 2 else drafts[(i + step) % len(drafts)]
 
-    got = serve(model, prompts, slot_of=[5, 0, 3, 1], step_tokens=plan, pending=4)
+    got = serve(model, prompts, slot_of=[5, 0, 3, 1], step_tokens=plan, width=4)
     with torch.no_grad():
         for prompt, logits in zip(prompts, got):
             assert logits.is_cuda

@@ -58,52 +58,29 @@ def test_rejected_drafts_never_enter_a_slots_state(schedule, overrides):
     """Speculative decoding: rows of a kept token and drafts of which the server keeps some,
     none or all (mid-chunk of the ops, chunks of 4, KVM's of 3), mixed with prompt chunks and
     single tokens; a sequence restarted from 0 in another slot (preempted and recomputed).
-    Every kept token's logits equal the model's on the sequence alone."""
+    Every kept token's logits equal the model's on the sequence alone: each sequence has a row
+    of slots, the state after each token of a row of drafts in its own, as vLLM lays them out."""
     model = tiny_model(schedule=schedule, dtype=torch.float64, **overrides)
     prompts = [random_tokens(1, n, seed=n)[0] for n in (23, 9, 17, 30)]
-    pending = 4  # a kept token and up to three drafts
+    width = 4  # a kept token and up to three drafts
 
     def plan(i, step):
         if i == 0 and step < 2:
             return 7  # a prompt chunk longer than a held row
         return DRAFTS[(i + step) % len(DRAFTS)]
 
-    got = serve(model, prompts, slot_of=[6, 1, 3, 0], step_tokens=plan, pending=pending)
+    got = serve(model, prompts, slot_of=[6, 1, 3, 0], step_tokens=plan, width=width)
     for prompt, logits in zip(prompts, got):
         torch.testing.assert_close(logits, model(prompt[None]).logits[0], rtol=1e-12, atol=1e-12)
     # A preempted sequence starts again from 0 in a slot holding another's state and drafts.
     again = serve(model, prompts[1:2], slot_of=[6], step_tokens=lambda i, step: DRAFTS[step % len(DRAFTS)],
-                  pending=pending)
+                  width=width)
     torch.testing.assert_close(again[0], model(prompts[1][None]).logits[0], rtol=1e-12, atol=1e-12)
-
-
-@pytest.mark.parametrize("schedule", ["trellis", "kvm"])
-def test_a_run_of_slots_continues_from_views_at_the_kept_position(schedule, monkeypatch):
-    """Sequences in consecutive slots that kept as many drafts are read in place at that
-    position (not copied), and written back around those views: every kept token's logits
-    still equal the model's on the sequence alone (as the run shrinks and its slots stop
-    forming a run)."""
-    model = tiny_model(schedule=schedule, dtype=torch.float64)
-    prompts = [random_tokens(1, n, seed=n)[0] for n in (23, 9, 17, 30)]
-    positions = []
-    real_read = SlotLayout.read
-
-    def read(self, tensors, slots, names, rows=0, position=0):
-        if isinstance(slots, int) and "tokens" not in names:
-            positions.append(position)
-        return real_read(self, tensors, slots, names, rows, position)
-
-    monkeypatch.setattr(SlotLayout, "read", read)
-    got = serve(model, prompts, slot_of=[2, 3, 4, 5], pending=4,
-                step_tokens=lambda i, step: 7 if step < 2 else DRAFTS[step % len(DRAFTS)])
-    for prompt, logits in zip(prompts, got):
-        torch.testing.assert_close(logits, model(prompt[None]).logits[0], rtol=1e-12, atol=1e-12)
-    assert {1, 2, 3} <= set(positions)  # kept drafts, read where they left the state
 
 
 def test_compiled_rows_give_the_numbers_of_eager_ones(recwarn, monkeypatch):
     """``compiled=True`` (the plugin under ``compile_decode``) on a Trellis, a Lattice and a KVM
-    layer: the Trellis and Lattice layers' rows of single tokens and held rows of drafts run
+    layer: the Trellis and Lattice layers' rows of single tokens and rows of drafts run
     through the compiled functions (counted), in batches of one row and of several, with and
     without room for drafts; the KVM layer's eagerly. Every kept token's logits equal the model's
     on the sequence alone. What ``compile_rows`` compiles (about a minute for both kinds on CI's
@@ -116,8 +93,8 @@ def test_compiled_rows_give_the_numbers_of_eager_ones(recwarn, monkeypatch):
     with torch.no_grad():
         for layer in model.model.layers:
             mixer = layer.self_attn
-            layout = SlotLayout(type(mixer), model.config, torch.float64, pending=4)
-            compile_rows(mixer, layout, model.model.embed_tokens.weight)
+            layout = SlotLayout(type(mixer), model.config, torch.float64)
+            compile_rows(mixer, layout, model.model.embed_tokens.weight, width=4)
             if mixer.compilable:  # past FEW_ROWS of the projections' stack
                 for rows, length in ((3, 1), (70, 1), (3, 4), (17, 4)):
                     advanced_compiled(mixer, torch.zeros(rows, length, model.config.hidden_size, dtype=torch.float64),
@@ -125,13 +102,13 @@ def test_compiled_rows_give_the_numbers_of_eager_ones(recwarn, monkeypatch):
     assert graphs["unique_graphs"] - before == 8  # a kind's rows of one token and held rows, one row and several
     compiled = graphs["unique_graphs"]
     prompts = [random_tokens(1, n, seed=n)[0] for n in (23, 9, 17, 30)]
-    # (pending, plan, the rows each compilable layer runs compiled: (held rows, several rows))
-    plans = [(0, lambda i, step: 6 if step == 0 else 1, {(False, False), (False, True)}),
+    # (width, plan, the rows each compilable layer runs compiled: (rows of drafts, several rows))
+    plans = [(1, lambda i, step: 6 if step == 0 else 1, {(False, False), (False, True)}),
              (4, lambda i, step: 7 if i == 0 and step < 2 else DRAFTS[(i + step) % len(DRAFTS)],
               {(False, False), (True, False), (True, True)})]  # one single token a step at most
-    for pending, plan, rows in plans:
+    for width, plan, rows in plans:
         compiled_runs.clear()
-        got = serve(model, prompts, slot_of=[6, 1, 3, 0], step_tokens=plan, pending=pending, compiled=True)
+        got = serve(model, prompts, slot_of=[6, 1, 3, 0], step_tokens=plan, width=width, compiled=True)
         for prompt, logits in zip(prompts, got):
             torch.testing.assert_close(logits, model(prompt[None]).logits[0], rtol=1e-12, atol=1e-12)
         assert set(compiled_runs) == {(kind, *row) for kind in ("trellis", "lattice") for row in rows}
@@ -151,26 +128,32 @@ def test_rows_compile_for_trellis_and_lattice_layers_on_a_cpu_only():
             continue
         assert compiles_rows(mixer, torch.device("cpu")) == (mixer.kind in ("trellis", "lattice")), mixer.kind
         assert not compiles_rows(mixer, torch.device("cuda"))
-        layout = SlotLayout(type(mixer), model.config, torch.float32, pending=4)
-        compile_rows(mixer, layout, torch.empty(0, model.config.hidden_size, device="meta"))
+        layout = SlotLayout(type(mixer), model.config, torch.float32)
+        compile_rows(mixer, layout, torch.empty(0, model.config.hidden_size, device="meta"), width=4)
         if not compiles_rows(mixer, torch.device("cpu")):
-            compile_rows(mixer, layout, model.model.embed_tokens.weight)
+            compile_rows(mixer, layout, model.model.embed_tokens.weight, width=4)
     assert graphs["unique_graphs"] == before
 
 
-def test_a_slot_asked_for_more_than_it_holds_is_an_error():
+def test_a_slot_holding_another_state_than_the_sequence_continues_is_an_error():
+    """A sequence continues only from a slot that counts as many tokens as it has taken in:
+    one the server did not write for it (or read at the wrong column of drafts) is refused."""
     model = tiny_model(schedule="trellis")
-    layout = SlotLayout(type(model.model.layers[0].self_attn), model.config, torch.float32, pending=3)
-    tensors = layout.allocate(2)
+    layout = SlotLayout(type(model.model.layers[0].self_attn), model.config, torch.float32)
+    tensors = layout.allocate(8)
     x = torch.randn(5, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
     mixer = model.model.layers[0].self_attn
+    row = torch.tensor([[4, 5, 6, 7]])
     with torch.no_grad():
-        run_on_slots(mixer, layout, tensors, x[:3], torch.tensor([0, 3]), torch.tensor([0]), torch.tensor([1]))
-        with pytest.raises(RuntimeError, match="holds the state after 0 tokens and 3 pending ones, but the server "
-                                               "continues it after 4 tokens"):
-            run_on_slots(mixer, layout, tensors, x[3:], torch.tensor([0, 2]), torch.tensor([4]), torch.tensor([1]))
-    with pytest.raises(ValueError, match="pending must be 0"):
-        SlotLayout(type(mixer), model.config, torch.float32, pending=1)
+        run_on_slots(mixer, layout, tensors, x[:3], torch.tensor([0, 3]), torch.tensor([0]), row)  # after 1, 2, 3
+        before = [t.clone() for t in tensors]
+        for accepted, computed, held in ((2, 3, 2), (1, 4, 1)):
+            with pytest.raises(RuntimeError, match=f"sequence 0 continues after {computed} tokens, but the slot it reads "
+                                                   f"holds the state after {held}"):
+                run_on_slots(mixer, layout, tensors, x[3:], torch.tensor([0, 2]), torch.tensor([computed]), row,
+                             torch.tensor([accepted]))
+        assert all(torch.equal(a, b) for a, b in zip(tensors, before))  # nothing written
+        run_on_slots(mixer, layout, tensors, x[3:], torch.tensor([0, 2]), torch.tensor([3]), row, torch.tensor([3]))
 
 
 def test_slot_layout_follows_the_mixers_declaration():
@@ -182,7 +165,8 @@ def test_slot_layout_follows_the_mixers_declaration():
             continue
         layout = SlotLayout(mixer_class, config, torch.bfloat16)
         unread = mixer_class.unread_state(config)
-        assert [f.name for f in layout.fields] == [name for name in mixer_class.cache_layout(config) if name not in unread]
+        assert [f.name for f in layout.fields] == [*(name for name in mixer_class.cache_layout(config)
+                                                     if name not in unread), "tokens"]
         assert all(offset % SlotLayout.ALIGN == 0 for offset in layout.offsets)
         pages = torch.zeros(3, layout.nbytes + 40, dtype=torch.uint8)  # a server's padded pages
         views = layout.views(pages)
@@ -218,7 +202,13 @@ def test_slot_layout_follows_the_mixers_declaration():
     ([0, 3, 5, 6], [0, 0, 0], [1, 1, 3], "sequences 0 and 1 are both given slot 1"),
     ([0, 3, 5, 6], [0, 0, 0], [0, 4, 1], r"slots must lie in \[0, 4\) \(the slots the tensors hold\), got \[0, 4, 1\]"),
     ([0, 3, 5, 6], [0, 0, 0], [0, -1, 1], r"slots must lie in \[0, 4\)"),
-    ([0, 3, 5, 6], [0, 0, 0], [0, 1], r"starts must be \[R \+ 1\], computed and slots \[R\]; got \[4\], \[3\], \[2\]"),
+    ([0, 3, 5, 6], [0, 0, 0], [0, 1], r"starts must be \[R \+ 1\], computed and accepted \[R\], slots \[R\] or \[R, "
+                                      r"W\]; got \[4\], \[3\], \[3\], \[2\]"),
+    # Rows of slots (speculative decoding): a row writes the slots of its tokens' columns.
+    ([0, 3, 5, 6], [0, 0, 0], [[0, 1, 2], [3, 2, 0], [1, 0, 3]], "sequences 0 and 1 are both given slot 2"),
+    ([0, 3, 4, 6], [0, 0, 0], [[0, 1, 2], [2, 0, 1], [3, 0, 1]], "sequences 0 and 1 are both given slot 2"),
+    ([0, 3, 5, 6], [0, 0, 0], [[0, 1, 2], [3, 4, 0], [5, 0, 0]], r"slots must lie in \[0, 4\)"),
+    ([0, 3, 5, 6], [0, 0, 0], [[0, 1, 2], [3, 1, 0], [1, 0, 3]], "accepted in \\[1, 3\\]"),  # accepted 4 for row 2
 ])
 def test_run_on_slots_refuses_a_batch_it_would_misread(starts, computed, slots, match):
     model = tiny_model(schedule="trellis", dtype=torch.float64)
@@ -229,17 +219,18 @@ def test_run_on_slots_refuses_a_batch_it_would_misread(starts, computed, slots, 
     x = torch.randn(6, model.config.hidden_size, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     if match == "starts must rise":
         match = r"starts must rise strictly from >= 0 to <= 6 tokens .* computed must be >= 0"
+    accepted = torch.tensor([1, 1, 4]) if match.startswith("accepted") else None
     with pytest.raises(ValueError, match=match):
-        run_on_slots(mixer, layout, tensors, x, torch.tensor(starts), torch.tensor(computed), torch.tensor(slots))
+        run_on_slots(mixer, layout, tensors, x, torch.tensor(starts), torch.tensor(computed), torch.tensor(slots),
+                     accepted)
     assert all(torch.equal(a, b) for a, b in zip(tensors, before))
 
 
-@pytest.mark.parametrize("pending", [0, 3])
-def test_an_entry_bigger_than_its_slot_is_refused_in_words(pending):
+def test_an_entry_bigger_than_its_slot_is_refused_in_words():
     """Issue 72: torch's broadcast error. A slot holds its kind's entry at the bound of every
     dim; a larger one (or one of another rank) is named by field."""
     config = tiny_model(schedule="kvm").config
-    layout = SlotLayout(MIXERS["kvm"], config, torch.float32, pending=pending)
+    layout = SlotLayout(MIXERS["kvm"], config, torch.float32)
     tensors = layout.allocate(3)
     heads, rows, dim = config.num_heads, config.kvm_state_size, config.head_dim
     layout.write(tensors, torch.tensor([1]), {"keys": torch.ones(1, heads, rows - 1, dim)})  # a buffer not yet grown

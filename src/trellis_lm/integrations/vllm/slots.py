@@ -12,14 +12,15 @@ an earlier sequence left there).
 each sequence from its slot and writing the state after its tokens back. It is the same
 function (``MemoryMixer.mix``) that ``model.generate`` runs, so the two give the same numbers.
 
-Speculative decoding: a server verifies a sequence's draft tokens in one step and keeps, in
-the next, only those it accepted (``computed`` then counts them). A slot laid out for rows of
-up to ``pending`` tokens (a draft and the token before it) holds ``pending + 1`` entries: the
-entry from *before* such a row, and the entry after each of its tokens, which the layer runs
-one at a time (the op's decode step, the function ``generate`` decodes with). The next step
-continues from the entry after the last token the server kept, so a rejected draft never
-enters the state and nothing is computed twice (vLLM's own recurrent layers keep a state per
-draft position likewise).
+Speculative decoding, as vLLM lays it out for its own recurrent layers: a sequence verifying
+drafts has a row of slots (``slots [R, W]``, W = 1 + the drafts), its state is read from the
+slot after the tokens the server accepted last time (``accepted [R]``: column ``accepted - 1``),
+and the state after each token of its row goes to the slot of that token's column, which the
+layer runs one at a time (the op's decode step, the function ``generate`` decodes with). The
+next step continues from the slot of the last token the server kept, so a rejected draft never
+enters a state and nothing is computed twice; and a prefix cache finds the state at a block
+boundary in the slot of the token that ends there. A slot also counts the tokens its state
+has taken in, which a continuing sequence's ``computed`` must equal.
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ class SlotField:
 class SlotLayout:
     """What one slot of a memory layer holds: every tensor of its kind's cache entry, at the
     largest size the configuration allows (buffers that grow with the tokens, KVM's window
-    and state rows, are held at their bound), so a slot never grows.
+    and state rows, are held at their bound), so a slot never grows; then ``tokens``, the
+    tokens that entry has taken in.
 
     State fields the configuration's op never reads (``unread_state`` of the kind: a Trellis
     layer's anchors under ``"exact"`` writes) are not kept; a read hands in the field the kind
@@ -64,39 +66,26 @@ class SlotLayout:
     int64. A slot is one run of bytes (a server allocates pages of bytes), each tensor at an
     offset aligned to ``ALIGN`` bytes: :meth:`views` reads a page as the typed tensors.
 
-    With ``pending > 0`` (speculative decoding) every entry tensor is held ``pending + 1`` times
-    (``[pending + 1, *shape]``: the entry at each position of a held row, see the module doc), and
-    a slot also counts the ``tokens`` its position 0 has taken in and the ``pending_count`` tokens
-    of the row after them.
-
     Args:
         mixer_class: a :class:`~trellis_lm.mixers.MemoryMixer` subclass.
         config: the model's :class:`~trellis_lm.TrellisConfig`.
         dtype: the model's dtype.
-        pending: the most tokens a row may hold back (1 + the server's draft tokens; 0: no
-            speculative decoding).
     """
 
     ALIGN = 16
 
-    def __init__(self, mixer_class: type[MemoryMixer], config: Any, dtype: torch.dtype, pending: int = 0) -> None:
+    def __init__(self, mixer_class: type[MemoryMixer], config: Any, dtype: torch.dtype) -> None:
         if not issubclass(mixer_class, MemoryMixer):
             raise TypeError(f"a slot layout is for memory mixers, got {mixer_class.__name__}")
-        if pending < 0 or pending == 1:
-            raise ValueError(f"pending must be 0 (no drafts) or at least 2 (a token and a draft), got {pending}")
         state_dtype = torch.float64 if dtype == torch.float64 else torch.float32
         state_names = set(mixer_class.state_layout(config))
         self.stand_ins = mixer_class.unread_state(config)
-        positions = (pending + 1,) if pending else ()
         entry = tuple(
-            SlotField(name, positions + self._shape(name, spec),
-                      self._dtype(spec, state_dtype if name in state_names else dtype))
+            SlotField(name, self._shape(name, spec), self._dtype(spec, state_dtype if name in state_names else dtype))
             for name, spec in mixer_class.cache_layout(config).items() if name not in self.stand_ins
         )
         self.entry_names = tuple(f.name for f in entry)
-        held = (SlotField("tokens", (), torch.int64), SlotField("pending_count", (), torch.int64)) if pending else ()
-        self.fields = (*entry, *held)
-        self.pending = pending
+        self.fields = (*entry, SlotField("tokens", (), torch.int64))
         self.offsets, end = [], 0
         for f in self.fields:
             self.offsets.append(end)
@@ -137,45 +126,22 @@ class SlotLayout:
         return self.views(torch.zeros(slots, self.nbytes, dtype=torch.uint8, device=device))
 
     def read(self, tensors: Sequence[torch.Tensor], slots: Union[torch.Tensor, int], names: Sequence[str],
-             rows: int = 0, position: Union[torch.Tensor, int] = 0) -> dict[str, torch.Tensor]:
+             rows: int = 0) -> dict[str, torch.Tensor]:
         """The fields ``names`` of ``slots [R]`` from the field tensors, by name: copies; or, for
-        ``slots`` an int (a run of ``rows`` slots from there, see :func:`slot_run`), views of them.
-        With ``pending`` room, entry fields are read at ``position``: one for every slot (an int),
-        or one per slot (``[R]``, with ``slots`` a tensor)."""
-        if isinstance(slots, int) and not isinstance(position, int):
-            raise TypeError("a run of slots is read at one position (an int)")
-        picked = {}
-        for f, t in zip(self.fields, tensors):
-            if f.name not in names:
-                continue
-            held = self.pending and f.name in self.entry_names
-            if isinstance(slots, int):
-                t = t[slots: slots + rows]
-                picked[f.name] = t[:, position] if held else t
-            else:
-                picked[f.name] = t[slots, position] if held else t.index_select(0, slots)
-        return picked
+        ``slots`` an int (a run of ``rows`` slots from there, see :func:`slot_run`), views of them."""
+        return {f.name: t[slots: slots + rows] if isinstance(slots, int) else t.index_select(0, slots)
+                for f, t in zip(self.fields, tensors) if f.name in names}
 
-    def write(self, tensors: Sequence[torch.Tensor], slots: Union[torch.Tensor, int], values: dict[str, torch.Tensor],
-              position: Union[int, slice] = 0) -> None:
+    def write(self, tensors: Sequence[torch.Tensor], slots: Union[torch.Tensor, int],
+              values: dict[str, torch.Tensor]) -> None:
         """Store ``values`` (by name, ``[R, ...]`` no larger than a slot's fields, the rest zero)
-        in ``slots [R]`` (or the run of slots from an int), entry fields at ``position`` where the
-        layout has ``pending`` room (a slice of ``P`` positions: values ``[R, P, ...]``); fields
-        not in ``values``, and values that are the slots' own tensors there (views :meth:`read`
-        gave), are left as they are."""
+        in ``slots [R]`` (or the run of slots from an int); fields not in ``values`` are left as
+        they are."""
         for f, t in zip(self.fields, tensors):
             if f.name in values:
-                held = self.pending and f.name in self.entry_names
-                value = values[f.name]
-                span = value.shape[1:2] if held and isinstance(position, slice) else ()
-                value = self.fit((*span, *f.shape[1:]) if held else f.shape, f.dtype, value, f.name)
+                value = self.fit(f.shape, f.dtype, values[f.name], f.name)
                 if isinstance(slots, int):
-                    target = t[slots: slots + value.shape[0]]
-                    target = target[:, position] if held else target
-                    if value.data_ptr() != target.data_ptr() or value.stride() != target.stride():
-                        target.copy_(value)
-                elif held:
-                    t[slots, position] = value
+                    t[slots: slots + value.shape[0]].copy_(value)
                 else:
                     t.index_copy_(0, slots, value)
 
@@ -207,59 +173,77 @@ def run_on_slots(
     starts: torch.Tensor,
     computed: torch.Tensor,
     slots: torch.Tensor,
+    accepted: Optional[torch.Tensor] = None,
     compiled: bool = False,
+    out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """The mixer on a server's flat batch, continuing each sequence from its slot.
 
     Sequences with one token (decodes) run as one batch of single tokens (the op's decode
     step); the others (prefills, whole prompts or chunks of them) as right-padded batches of
     similar lengths, whose real tokens the op takes in one varlen call. A sequence with
-    ``computed == 0`` starts from the learned initial state whatever its slot holds. With room
-    for pending tokens (``layout.pending``) a sequence continues from the entry after the tokens
-    of its last row the server kept, and rows of 2 to ``layout.pending`` tokens run a token at a
-    time, keeping the entry after each (see the module doc).
+    ``computed == 0`` starts from the learned initial state whatever its slot holds. Under
+    speculative decoding (``slots [R, W]``, see the module doc) rows of 2 to W tokens run a token
+    at a time, the entry after each stored in its column's slot.
 
     Args:
         mixer: the layer's memory mixer.
         layout: its slot layout; ``tensors`` the slot tensors ``[slots, *shape]`` (updated).
-        x: ``[N, D]`` the mixer's input, sequences one after another (tokens past
-            ``starts[-1]``, a server's padding, get zeros).
+        x: ``[N, D]`` the mixer's input, sequences one after another (tokens outside
+            ``starts``' sequences, a server's padding or another call's, are not read).
         starts: ``[R + 1]`` where each sequence's tokens start in ``x``.
-        computed: ``[R]`` tokens each sequence had taken in before these.
-        slots: ``[R]`` each sequence's slot.
-        compiled: run the rows of single tokens and the held rows through ``torch.compile``
+        computed: ``[R]`` tokens each sequence had taken in before these; a continuing
+            sequence's slot must hold the state after as many (a ``RuntimeError`` otherwise).
+        slots: ``[R]`` each sequence's slot, read and written; or ``[R, W]``: a row of W slots,
+            read at column ``accepted - 1``, the entry after the row's t-th token written at
+            column t (a row longer than W writes the entry after its last token at column 0).
+        accepted: ``[R]`` in ``[1, W]``, with ``slots [R, W]``: the tokens each sequence's last
+            row kept (``None``: 1 each).
+        compiled: run the rows of single tokens and the rows of drafts through ``torch.compile``
             (:func:`~trellis_lm.compiled_decode.advanced_compiled`: the mixer's own functions,
-            where :func:`compiles_rows`); held rows are then padded to ``layout.pending``
-            tokens, one shape to compile.
+            where :func:`compiles_rows`); rows of drafts are then padded to W tokens, one shape
+            to compile.
+        out: ``[N, D]`` to write the outputs into (``None``: a new tensor, zero outside the sequences).
 
     Returns:
-        ``[N, D]`` the mixer's output.
+        ``out``, the mixer's output at every sequence's tokens.
     """
-    out = torch.zeros_like(x)
-    starts, computed, slots = (t.to(torch.long) for t in (starts, computed, slots))
-    if starts.dim() != 1 or computed.shape != slots.shape or computed.shape != (len(starts) - 1,):
-        raise ValueError(f"starts must be [R + 1], computed and slots [R]; got {list(starts.shape)}, "
-                         f"{list(computed.shape)}, {list(slots.shape)}")
+    out = torch.zeros_like(x) if out is None else out
+    starts, computed, write = (t.to(torch.long) for t in (starts, computed, slots))
+    write = write if write.dim() == 2 else write[:, None]
+    accepted = torch.ones_like(computed) if accepted is None else accepted.to(torch.long)
+    rows, width = write.shape
+    if starts.dim() != 1 or computed.shape != (rows,) or accepted.shape != (rows,) or len(starts) != rows + 1:
+        raise ValueError(f"starts must be [R + 1], computed and accepted [R], slots [R] or [R, W]; got "
+                         f"{list(starts.shape)}, {list(computed.shape)}, {list(accepted.shape)}, {list(slots.shape)}")
     lengths = starts[1:] - starts[:-1]
     count = tensors[0].shape[0]
-    ordered = slots.sort().values
+    read = write.gather(1, (accepted - 1).clamp(0, width - 1)[:, None])[:, 0]
+    # The slots each row writes: its tokens' columns, or column 0 for a row longer than W.
+    writes = torch.arange(width, device=write.device) < torch.where(lengths <= width, lengths, 1)[:, None]
+    written = write[writes].sort().values
     # One read-back for every check: a sequence of no or negative length would be skipped (its
     # tokens read by another), a negative count would start it from another state, two
-    # sequences on one slot would overwrite each other's state, a slot out of range index another.
-    misread = (lengths < 1).any() | (computed < 0).any() | (starts[0] < 0) | (starts[-1] > x.shape[0])
-    shared, outside = (ordered[1:] == ordered[:-1]).any(), ((ordered < 0) | (ordered >= count)).any()
-    if bool(misread | shared | outside):
-        _refuse_batch(bool(misread), bool(shared), x.shape[0], count, starts, computed, slots)
+    # sequences on one slot would overwrite each other's state, a slot out of range index
+    # another, and a state after another number of tokens would continue as if it were this one's.
+    misread = ((lengths < 1).any() | (computed < 0).any() | (starts[0] < 0) | (starts[-1] > x.shape[0])
+               | (accepted < 1).any() | (accepted > width).any())
+    shared = (written[1:] == written[:-1]).any()
+    outside = ((write < 0) | (write >= count)).any()
+    stale = ((computed > 0) & (layout.read(tensors, read.clamp(0, count - 1), ("tokens",))["tokens"] != computed)).any()
+    if bool(misread | shared | outside | stale):
+        _refuse_batch(bool(misread), bool(shared), bool(outside), x.shape[0], count, width, starts, computed, accepted,
+                      write, layout.read(tensors, read, ("tokens",))["tokens"] if not bool(outside) else None)
     single = lengths == 1
-    held = ~single & (lengths <= layout.pending)
+    drafts = ~single & (lengths <= width)
     compiled = compiled and compiles_rows(mixer, x.device)
-    batches = [(single.nonzero()[:, 0], 0), (held.nonzero()[:, 0], layout.pending if compiled else 0),
-               *((rows, 0) for rows in _similar_lengths((~single & ~held).nonzero()[:, 0], lengths))]
+    batches = [(single.nonzero()[:, 0], 0), (drafts.nonzero()[:, 0], width if compiled else 0),
+               *((rows, 0) for rows in _similar_lengths((~single & ~drafts).nonzero()[:, 0], lengths))]
     for rows, padded_to in batches:
         if rows.numel():
-            rows = rows[slots[rows].argsort()]  # a batch's rows in any order: by slot, so its slots may form a run
-            _run_rows(mixer, layout, tensors, x, out, starts[rows], lengths[rows], computed[rows], slots[rows],
-                      compiled, padded_to)
+            rows = rows[read[rows].argsort()]  # a batch's rows in any order: by slot, so its slots may form a run
+            _run_rows(mixer, layout, tensors, x, out, starts[rows], lengths[rows], computed[rows], read[rows],
+                      write[rows], compiled, padded_to)
     return out
 
 
@@ -270,35 +254,48 @@ def compiles_rows(mixer: MemoryMixer, device: torch.device) -> bool:
     return mixer.compilable and device.type == "cpu"
 
 
-def _refuse_batch(misread: bool, shared: bool, tokens: int, count: int, starts: torch.Tensor, computed: torch.Tensor,
-                  slots: torch.Tensor) -> None:
-    """The ``ValueError`` of a batch :func:`run_on_slots` would misread (see there)."""
+def _refuse_batch(misread: bool, shared: bool, outside: bool, tokens: int, count: int, width: int,
+                  starts: torch.Tensor, computed: torch.Tensor, accepted: torch.Tensor, slots: torch.Tensor,
+                  held: Optional[torch.Tensor]) -> None:
+    """The error of a batch :func:`run_on_slots` would misread (see there): a ``ValueError`` for
+    a malformed batch, a ``RuntimeError`` for a slot that holds another state than the sequence's."""
     if misread:
         raise ValueError(
-            f"starts must rise strictly from >= 0 to <= {tokens} tokens (each sequence at least one token) and "
-            f"computed must be >= 0; got starts {starts.tolist()}, computed {computed.tolist()}"
+            f"starts must rise strictly from >= 0 to <= {tokens} tokens (each sequence at least one token), computed "
+            f"must be >= 0 and accepted in [1, {width}]; got starts {starts.tolist()}, computed {computed.tolist()}, "
+            f"accepted {accepted.tolist()}"
         )
+    listed = slots.tolist() if width > 1 else slots[:, 0].tolist()
     if shared:
-        listed = slots.tolist()
-        first = next(i for i, slot in enumerate(listed) if listed.count(slot) > 1)
-        second = listed.index(listed[first], first + 1)
-        raise ValueError(f"sequences {first} and {second} are both given slot {listed[first]}: each sequence needs a "
-                         f"slot of its own (their states would overwrite each other); got slots {listed}")
-    raise ValueError(f"slots must lie in [0, {count}) (the slots the tensors hold), got {slots.tolist()}")
+        lengths = (starts[1:] - starts[:-1]).tolist()
+        owners = {}
+        for i, (row, length) in enumerate(zip(slots.tolist(), lengths)):
+            for slot in row[: length if length <= width else 1]:
+                if slot in owners:
+                    raise ValueError(f"sequences {owners[slot]} and {i} are both given slot {slot}: each sequence needs "
+                                     f"a slot of its own (their states would overwrite each other); got slots {listed}")
+                owners[slot] = i
+    if outside:
+        raise ValueError(f"slots must lie in [0, {count}) (the slots the tensors hold), got {listed}")
+    row = int(((computed > 0) & (held != computed)).nonzero()[0, 0])
+    raise RuntimeError(
+        f"sequence {row} continues after {int(computed[row])} tokens, but the slot it reads holds the state after "
+        f"{int(held[row])}: the slot was not written by this sequence's last step (or a prefix cache's copy)"
+    )
 
 
-def compile_rows(mixer: MemoryMixer, layout: SlotLayout, like: torch.Tensor) -> None:
+def compile_rows(mixer: MemoryMixer, layout: SlotLayout, like: torch.Tensor, width: int = 1) -> None:
     """Compile what :func:`run_on_slots` runs compiled for ``mixer`` (``compiled=True``): rows of
-    a single token and, with ``layout.pending``, held rows, in a batch of one row and of several
-    (torch.compile's two shapes of a batch); inputs of ``like``'s dtype and device. What a server
-    calls as it loads the model, so that no step of a request compiles (nothing where
-    :func:`compiles_rows` says no)."""
+    a single token and, for ``width > 1`` (speculative decoding's rows of slots), rows of drafts
+    padded to ``width`` tokens, in a batch of one row and of several (torch.compile's two shapes
+    of a batch); inputs of ``like``'s dtype and device. What a server calls as it loads the
+    model, so that no step of a request compiles (nothing where :func:`compiles_rows` says no)."""
     if not compiles_rows(mixer, like.device):
         return
     with torch.no_grad():
         for rows in (1, 2):
             entry = fresh_entry(mixer, layout, rows, like.device)
-            for length in (1, layout.pending) if layout.pending else (1,):
+            for length in (1, width) if width > 1 else (1,):
                 advanced_compiled(mixer, like.new_zeros(rows, length, like.shape[-1]), entry, each=length > 1)
 
 
@@ -343,24 +340,21 @@ def slot_run(slots: torch.Tensor) -> Optional[int]:
 
 def _run_rows(mixer: MemoryMixer, layout: SlotLayout, tensors: Sequence[torch.Tensor], x: torch.Tensor,
               out: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, computed: torch.Tensor,
-              slots: torch.Tensor, compiled: bool, padded_to: int = 0) -> None:
-    """Run ``R`` sequences (``starts``, ``lengths``, ``computed``, ``slots``: ``[R]``) as one
-    right-padded batch ``[R, max(max length, padded_to), D]``; write outputs into ``out`` and
-    states back. ``compiled``: see :func:`run_on_slots`."""
+              read: torch.Tensor, write: torch.Tensor, compiled: bool, padded_to: int = 0) -> None:
+    """Run ``R`` sequences (``starts``, ``lengths``, ``computed``, ``read``: ``[R]``; ``write``:
+    ``[R, W]``, see :func:`run_on_slots`) as one right-padded batch ``[R, max(max length,
+    padded_to), D]``; write outputs into ``out`` and states to their slots. ``compiled``: see
+    :func:`run_on_slots`."""
     rows, valid, index, real = _padded(x, starts, lengths, padded_to)
     # A run of slots is read as views, not copies (the ops only read the state they are given).
-    run = slot_run(slots)
-    where = slots if run is None else run
-    if layout.pending:
-        held = _kept_entry(layout, tensors, where, computed)
-    else:
-        held = layout.read(tensors, where, layout.entry_names, len(slots))
+    run = slot_run(read)
+    held = layout.read(tensors, read if run is None else run, layout.entry_names, len(read))
     entry = _held_entry(layout, held)
     fresh = computed == 0
     if bool(fresh.any()):
         entry = _held_entry(layout, _entry(mixer.fresh_rows(entry, fresh)))  # the stand-ins stand in again
-    if layout.pending and 1 < rows.shape[1] <= layout.pending:
-        _run_positions(mixer, layout, tensors, rows, out, index, lengths, computed, where, entry, compiled)
+    if 1 < rows.shape[1] <= write.shape[1]:
+        _run_each(mixer, layout, tensors, rows, out, index, real, computed, write, entry, compiled)
         return
     if compiled and valid is None and rows.shape[1] == 1:
         y, after_entry = advanced_compiled(mixer, rows, entry, each=False)
@@ -371,32 +365,29 @@ def _run_rows(mixer: MemoryMixer, layout: SlotLayout, tensors: Sequence[torch.Te
     else:  # every row full (decodes, equal chunks): no mask to gather by
         out[index] = y
     after = _entry(after_entry)
-    if layout.pending:
-        after.update(tokens=computed + lengths, pending_count=torch.zeros_like(lengths))
-    elif run is None:
+    target = write[:, 0]
+    if bool((read == target).all()):
         # A tensor the mixer returned as it was given is what the slots hold already (a decode
-        # step's anchors between chunk starts, KVM's state rows between folds): not written
-        # (views of a run of slots are not written onto themselves, see SlotLayout.write).
+        # step's anchors between chunk starts, KVM's state rows between folds): not written.
         after = {name: t for name, t in after.items() if t is not held.get(name)}
-    layout.write(tensors, where, after)
+    run = slot_run(target)
+    layout.write(tensors, target if run is None else run, {**after, "tokens": computed + lengths})
 
 
-def _run_positions(mixer: MemoryMixer, layout: SlotLayout, tensors: Sequence[torch.Tensor], rows: torch.Tensor,
-                   out: torch.Tensor, index: torch.Tensor, lengths: torch.Tensor, computed: torch.Tensor,
-                   slots: Union[torch.Tensor, int], entry: MemoryEntry, compiled: bool) -> None:
-    """Rows that may hold drafts (``rows [R, L, D]``, ``L <= layout.pending``): the entry before
-    them stored at position 0 of each slot (``slots``: ``[R]``, or the first of a run), the entry
-    after each token at its position. A row shorter than ``L`` runs on through padding (tokens
-    of other rows): the entries past its end are never read (the server keeps at most its
-    ``lengths`` tokens), its outputs not written."""
-    layout.write(tensors, slots, {**_entry(entry), "tokens": computed, "pending_count": lengths})
+def _run_each(mixer: MemoryMixer, layout: SlotLayout, tensors: Sequence[torch.Tensor], rows: torch.Tensor,
+              out: torch.Tensor, index: torch.Tensor, real: torch.Tensor, computed: torch.Tensor, write: torch.Tensor,
+              entry: MemoryEntry, compiled: bool) -> None:
+    """Rows that may hold drafts (``rows [R, L, D]``, ``L <= W``): the entry after each real
+    token (``real [R, L]``) stored in its column's slot of ``write [R, W]``. A row shorter than
+    ``L`` runs on through padding (tokens of other rows): its entries there are not stored, its
+    outputs not written."""
     y, entries = advanced_compiled(mixer, rows, entry, each=True) if compiled else mixer.advance_each(rows, entry)
-    real = torch.arange(rows.shape[1], device=rows.device) < lengths[:, None]
     out[index[real]] = y[real]
-    # One write per field for all positions: on a CPU a step's cost is mostly per-operation.
+    # One write per field for every token's entry: on a CPU a step's cost is mostly per-operation.
     named = [_entry(after) for after in entries]
-    layout.write(tensors, slots, {name: torch.stack([e[name] for e in named], dim=1) for name in named[0]},
-                 slice(1, len(entries) + 1))
+    stacked = {name: torch.stack([e[name] for e in named], dim=1) for name in named[0]}  # [R, L, ...]
+    stacked["tokens"] = computed[:, None] + torch.arange(1, rows.shape[1] + 1, device=computed.device)
+    layout.write(tensors, write[:, : rows.shape[1]][real], {name: t[real] for name, t in stacked.items()})
 
 
 def _padded(x: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, padded_to: int = 0
@@ -425,29 +416,3 @@ def _entry(entry: MemoryEntry) -> dict[str, torch.Tensor]:
     if entry.q_tail is not None:
         named.update(q_tail=entry.q_tail, k_tail=entry.k_tail)
     return named
-
-
-def _kept_entry(layout: SlotLayout, tensors: Sequence[torch.Tensor], slots: Union[torch.Tensor, int],
-                computed: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The entry tensors (by field name) of ``slots`` (``[R]``, or the first of a run of ``R``)
-    after ``computed [R]`` tokens: at the position of the last token of each slot's held row the
-    server kept (``computed - tokens`` of them; 0: the row's start).
-    Views where the slots form a run and every one is read at the same position (one sequence, or
-    sequences that kept as many drafts), else copies."""
-    rows = computed.shape[0]
-    counts = layout.read(tensors, slots, ("tokens", "pending_count"), rows)
-    continuing = computed > 0
-    kept = torch.where(continuing, computed - counts["tokens"], 0)
-    wrong = continuing & ((kept < 0) | (kept > counts["pending_count"]))
-    if bool(wrong.any()):
-        row = int(wrong.nonzero()[0, 0])
-        raise RuntimeError(
-            f"a sequence's state slot holds the state after {int(counts['tokens'][row])} tokens and "
-            f"{int(counts['pending_count'][row])} pending ones, but the server continues it after {int(computed[row])} "
-            "tokens: the slot was not written by this sequence's last step"
-        )
-    if isinstance(slots, int) and bool((kept == kept[0]).all()):
-        return layout.read(tensors, slots, layout.entry_names, rows, int(kept[0]))
-    if isinstance(slots, int):
-        slots = torch.arange(slots, slots + rows, device=computed.device)
-    return layout.read(tensors, slots, layout.entry_names, position=kept)
