@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from trellis_lm import compiled_decode
+from trellis_lm.integrations.vllm import compiled_rows
 from trellis_lm.integrations.vllm.slots import SlotLayout, run_on_slots
 
 
@@ -79,12 +79,12 @@ def serve(model, prompts, slot_of, step_tokens, slots=8, width=1, compiled=False
 
 
 class CompiledRuns:
-    """Every call of the compiled functions that ``advanced_compiled`` runs (``compiled_decode.
+    """Every call of the compiled functions that ``advanced_compiled`` runs (``compiled_rows.
     _compiled_mixer``), as ``(kind, each, several rows)``: a row that ran compiled, not eagerly."""
 
     def __init__(self, monkeypatch) -> None:
         self.runs: list[tuple[str, bool, bool]] = []
-        compiled_function = compiled_decode._compiled_mixer
+        compiled_function = compiled_rows._compiled_mixer
 
         def counted(each: bool):
             function = compiled_function(each)
@@ -94,4 +94,4 @@ class CompiledRuns:
                 return function(mixer, x, entry)
             return run
 
-        monkeypatch.setattr(compiled_decode, "_compiled_mixer", counted)
+        monkeypatch.setattr(compiled_rows, "_compiled_mixer", counted)

@@ -18,7 +18,7 @@ import torch
 from tests.slot_server import CompiledRuns, serve
 from tests.tiny_models import random_tokens, tiny_model
 from trellis_lm.cache_entries import MemoryEntry
-from trellis_lm.compiled_decode import advanced_compiled
+from trellis_lm.integrations.vllm.compiled_rows import advanced_compiled
 from trellis_lm.integrations.vllm import slots as slots_module
 from trellis_lm.integrations.vllm.slots import SlotLayout, compile_rows, compiles_rows, fresh_entry, run_on_slots
 from trellis_lm.mixers import MIXERS, MemoryMixer

@@ -1,7 +1,7 @@
 """``config.compile_decode``: a decode step's runs of memory blocks (:mod:`.decode_step`: with the
 embedding before the first and the head after the last when they start and end the model) each
 one compiled function (CPU) or one CUDA graph (GPU), within the span that ``generate()`` sets up
-(:func:`inference_span`); and the compiled mixer calls of the vLLM plugin (:func:`advanced_compiled`).
+(:func:`inference_span`).
 
 On a CPU a one-token step costs mostly per-operation overhead, not arithmetic (BENCHMARKS.md,
 issues 40 and 73). ``torch.compile`` turns a run's hundreds of small operations into a few fused
@@ -82,18 +82,18 @@ class CompiledSegments:
         run = id(segment.blocks[0])
         last = self.last.get(run, ())
         if not (len(last) == len(carried) and all(entry.state is state for entry, state in zip(carried, last))):
-            carried = [entry.map(_plain) for entry in carried]
+            carried = [entry.map(plain_tensor) for entry in carried]
         try:
-            out, after, inputs = compiled_segment()(segment, _plain(first), carried)
+            out, after, inputs = compiled_segment()(segment, plain_tensor(first), carried)
         except torch._dynamo.exc.FailOnRecompileLimitHit:
-            _warn_recompile_limit()
+            warn_recompile_limit()
             return run_segment(segment, first, carried)
         self.last[run] = [entry.state for entry in after]
         return out, after, inputs
 
 
 @cache
-def _warn_recompile_limit() -> None:
+def warn_recompile_limit() -> None:
     warnings.warn(
         "compile_decode: torch.compile reached its recompile limit for the decode step (one compilation per "
         "shape, dtype and setting met in this process); further new ones decode eagerly (same numbers, slower). "
@@ -101,53 +101,7 @@ def _warn_recompile_limit() -> None:
     )
 
 
-def _advance(mixer: nn.Module, x: torch.Tensor, entry: MemoryEntry) -> tuple[torch.Tensor, MemoryEntry]:
-    return mixer.advance(x, None, entry)
-
-
-def _advance_each(mixer: nn.Module, x: torch.Tensor, entry: MemoryEntry) -> tuple[torch.Tensor, list[MemoryEntry]]:
-    return mixer.advance_each(x, entry)
-
-
-@cache
-def _compiled_mixer(each: bool) -> Callable:
-    return torch.compile(_advance_each if each else _advance, fullgraph=True)
-
-
-def advanced_compiled(mixer: nn.Module, x: torch.Tensor, entry: MemoryEntry,
-                      each: bool) -> tuple[torch.Tensor, Any]:
-    """A memory ``mixer``'s :meth:`~trellis_lm.mixers.MemoryMixer.advance` on ``x [B, T, D]``
-    (every token real; ``each``: :meth:`~trellis_lm.mixers.MemoryMixer.advance_each`) from
-    ``entry``, through ``torch.compile``: the unit a server compiles (the vLLM plugin under
-    ``compile_decode``: its single-token rows and rows of draft tokens, whose steps are mostly
-    per-operation overhead on a CPU). As :class:`CompiledSegments`: one compiled function per
-    process, eager past the recompile limit, with a warning.
-
-    The compiled function guards on its inputs' layout and kind: a server hands in views of its
-    state slots (at offsets, strided), copies, and tensors made in inference mode (which carry
-    other dispatch keys), so each input that is not a plain dense tensor of its own is copied
-    into one first (outside inference mode), a tensor the entry holds under two names (a
-    state's stand-ins, see :class:`~trellis_lm.integrations.vllm.slots.SlotLayout`) once: one
-    compilation per batch shape, not one per mix."""
-    with torch.inference_mode(False), torch.no_grad():
-        copies: dict[int, torch.Tensor] = {}  # one copy of a tensor the entry holds twice: still one
-
-        def plain(t: torch.Tensor) -> torch.Tensor:
-            return copies.setdefault(id(t), _plain(t))
-
-        x = _plain(x)
-        entry = entry.map(plain)
-        if x.shape[0] > 1:  # any batch of several rows: one compilation (a batch of one is its own)
-            for t in (x, *entry.tensors().values()):
-                torch._dynamo.maybe_mark_dynamic(t, 0)
-        try:
-            return _compiled_mixer(each)(mixer, x, entry)
-        except torch._dynamo.exc.FailOnRecompileLimitHit:
-            _warn_recompile_limit()
-            return (_advance_each if each else _advance)(mixer, x, entry)
-
-
-def _plain(t: torch.Tensor) -> torch.Tensor:
+def plain_tensor(t: torch.Tensor) -> torch.Tensor:
     """``t``, or a dense copy where it is a view at an offset or with other strides than a dense
     tensor's (those of its dims of size 1 too: a compiled function guards on them), or an
     inference tensor."""

@@ -39,7 +39,9 @@ from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 from vllm.v1.kv_cache_interface import KVCacheSpec
 
-from ...mixers import MIXERS, MemoryMixer, Mixer
+from ...configuration_trellis import TrellisConfig
+from ...layer_kinds import MIXERS
+from ...mixers import MemoryMixer, Mixer
 from ...mixers.norms_convs import TrellisRMSNorm
 from ...modeling_trellis import TrellisDecoderLayer
 from ...projection_stacks import LinearStack
@@ -49,13 +51,13 @@ from .slots import SlotLayout, compile_rows, run_on_slots
 from .state_backend import register_backend, step_groups
 
 
-def slot_layouts(config: Any, dtype: torch.dtype) -> dict[str, SlotLayout]:
+def slot_layouts(config: TrellisConfig, dtype: torch.dtype) -> dict[str, SlotLayout]:
     """The slot layout of every memory kind among ``config``'s layers, by kind."""
     return {kind: SlotLayout(MIXERS[kind], config, dtype) for kind in dict.fromkeys(config.layer_kinds)
             if issubclass(MIXERS[kind], MemoryMixer)}
 
 
-def served_config(vllm_config: VllmConfig) -> Any:
+def served_config(vllm_config: VllmConfig) -> TrellisConfig:
     """The config of the model one rank serves (:func:`~.parallel.rank_config`)."""
     return rank_config(vllm_config.model_config.hf_config, vllm_config.parallel_config.tensor_parallel_size)
 
@@ -161,7 +163,7 @@ class TrellisStack(nn.Module):
     """Embeddings, blocks (each with its serving child ``serving``) and the final norm; the
     blocks of ``config``, a rank's share of the model (:mod:`.parallel`)."""
 
-    def __init__(self, config: Any, vllm_config: VllmConfig, prefix: str) -> None:
+    def __init__(self, config: TrellisConfig, vllm_config: VllmConfig, prefix: str) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(TrellisDecoderLayer(config, i) for i in range(config.num_hidden_layers))

@@ -16,16 +16,16 @@ ranks as its heads are.
 
 from __future__ import annotations
 
-from typing import Any
 
 import torch
 from torch import nn
 from vllm.distributed import tensor_model_parallel_all_reduce
 
+from ...configuration_trellis import TrellisConfig
 from .slots import memory_only
 
 
-def rank_config(config: Any, ranks: int) -> Any:
+def rank_config(config: TrellisConfig, ranks: int) -> TrellisConfig:
     """The config of one rank's share of ``config``'s model (itself for one rank)."""
     if ranks == 1:
         return config
@@ -38,7 +38,7 @@ def rank_config(config: Any, ranks: int) -> Any:
     return type(config).from_dict({**config.to_dict(), **fields})
 
 
-def share_refused(config: Any, ranks: int) -> str:
+def share_refused(config: TrellisConfig, ranks: int) -> str:
     """Why ``config``'s model cannot be split across ``ranks`` ranks ('' when it can)."""
     counts = {"num_heads": config.num_heads, "intermediate_size": config.intermediate_size}
     if not memory_only(config.layer_kinds):  # attention layers split their key/value heads too

@@ -26,16 +26,17 @@ has taken in, which a continuing sequence's ``computed`` must equal.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence, Union
+from typing import Optional, Sequence, Union
 
 import torch
 
 from ...cache_entries import MemoryEntry
 from ...cache_layout import COLUMNS, ROWS, Dim, TensorSpec
-from ...compiled_decode import advanced_compiled
-from ...mixers import MIXERS
+from ...configuration_trellis import TrellisConfig
+from ...layer_kinds import MIXERS
 from ...mixers.base import MemoryMixer
 from ...mixers.valid_tokens import ValidTokens
+from .compiled_rows import advanced_compiled
 
 
 def memory_only(layer_kinds: Sequence[str]) -> bool:
@@ -74,7 +75,7 @@ class SlotLayout:
 
     ALIGN = 16
 
-    def __init__(self, mixer_class: type[MemoryMixer], config: Any, dtype: torch.dtype) -> None:
+    def __init__(self, mixer_class: type[MemoryMixer], config: TrellisConfig, dtype: torch.dtype) -> None:
         if not issubclass(mixer_class, MemoryMixer):
             raise TypeError(f"a slot layout is for memory mixers, got {mixer_class.__name__}")
         state_dtype = torch.float64 if dtype == torch.float64 else torch.float32
@@ -200,7 +201,7 @@ def run_on_slots(
         accepted: ``[R]`` in ``[1, W]``, with ``slots [R, W]``: the tokens each sequence's last
             row kept (``None``: 1 each).
         compiled: run the rows of single tokens and the rows of drafts through ``torch.compile``
-            (:func:`~trellis_lm.compiled_decode.advanced_compiled`: the mixer's own functions,
+            (:func:`~.compiled_rows.advanced_compiled`: the mixer's own functions,
             where :func:`compiles_rows`); rows of drafts are then padded to W tokens, one shape
             to compile.
         out: ``[N, D]`` to write the outputs into (``None``: a new tensor, zero outside the sequences).
@@ -304,7 +305,7 @@ def fresh_entry(mixer: MemoryMixer, layout: SlotLayout, rows: int, device: Optio
     (the layout's stand-ins in place of the state fields it does not keep)."""
     held = layout.read(layout.allocate(rows, device), 0, layout.entry_names, rows)
     fresh = mixer.fresh_rows(_held_entry(layout, held), torch.ones(rows, dtype=torch.bool, device=device))
-    return _held_entry(layout, _entry(fresh))
+    return _held_entry(layout, fresh.tensors())
 
 
 # A prompt chunk much shorter than a step's longest (its first or last chunk beside whole
@@ -352,7 +353,7 @@ def _run_rows(mixer: MemoryMixer, layout: SlotLayout, tensors: Sequence[torch.Te
     entry = _held_entry(layout, held)
     fresh = computed == 0
     if bool(fresh.any()):
-        entry = _held_entry(layout, _entry(mixer.fresh_rows(entry, fresh)))  # the stand-ins stand in again
+        entry = _held_entry(layout, mixer.fresh_rows(entry, fresh).tensors())  # the stand-ins stand in again
     if 1 < rows.shape[1] <= write.shape[1]:
         _run_each(mixer, layout, tensors, rows, out, index, real, computed, write, entry, compiled)
         return
@@ -364,7 +365,7 @@ def _run_rows(mixer: MemoryMixer, layout: SlotLayout, tensors: Sequence[torch.Te
         out[index[real]] = y[real]
     else:  # every row full (decodes, equal chunks): no mask to gather by
         out[index] = y
-    after = _entry(after_entry)
+    after = after_entry.tensors()
     target = write[:, 0]
     if bool((read == target).all()):
         # A tensor the mixer returned as it was given is what the slots hold already (a decode
@@ -384,7 +385,7 @@ def _run_each(mixer: MemoryMixer, layout: SlotLayout, tensors: Sequence[torch.Te
     y, entries = advanced_compiled(mixer, rows, entry, each=True) if compiled else mixer.advance_each(rows, entry)
     out[index[real]] = y[real]
     # One write per field for every token's entry: on a CPU a step's cost is mostly per-operation.
-    named = [_entry(after) for after in entries]
+    named = [after.tensors() for after in entries]
     stacked = {name: torch.stack([e[name] for e in named], dim=1) for name in named[0]}  # [R, L, ...]
     stacked["tokens"] = computed[:, None] + torch.arange(1, rows.shape[1] + 1, device=computed.device)
     layout.write(tensors, write[:, : rows.shape[1]][real], {name: t[real] for name, t in stacked.items()})
@@ -403,16 +404,7 @@ def _padded(x: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, padded
 
 
 def _held_entry(layout: SlotLayout, held: dict[str, torch.Tensor]) -> MemoryEntry:
-    """The memory entry of slots read as ``held`` (its tensors by field name; no tails for a kind
-    without short convs)."""
-    stand_ins = layout.stand_ins
-    state = layout.mixer_class.state_class(**{name: held[stand_ins.get(name, name)] for name in layout.state_names})
-    return MemoryEntry(held.get("q_tail"), held.get("k_tail"), state)
-
-
-def _entry(entry: MemoryEntry) -> dict[str, torch.Tensor]:
-    """A memory entry's tensors by field name (no tails for a kind without short convs)."""
-    named = dict(entry.state.tensors())
-    if entry.q_tail is not None:
-        named.update(q_tail=entry.q_tail, k_tail=entry.k_tail)
-    return named
+    """The memory entry of slots read as ``held`` (its flat form, :meth:`MemoryEntry.tensors`,
+    without the state's stand-ins, which read the fields they stand for)."""
+    named = {**held, **{name: held[stand_in] for name, stand_in in layout.stand_ins.items()}}
+    return MemoryEntry.from_tensors(named, layout.mixer_class.state_class, layout.mixer_class.__name__)
