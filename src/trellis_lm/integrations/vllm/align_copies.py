@@ -87,8 +87,10 @@ class StateBlocks:
 
 
 def _request_rows(idx_mapping: Optional[torch.Tensor], num_reqs: int) -> list[int]:
-    """Each batch row's request-state row (``-1``: skip), as the kernels resolve ``idx_mapping``."""
-    return list(range(num_reqs)) if idx_mapping is None else idx_mapping[:num_reqs].tolist()
+    """The request-state rows of the batch's rows, as the kernels resolve ``idx_mapping``, those
+    it marks ``-1`` (nothing to copy) left out."""
+    rows = list(range(num_reqs)) if idx_mapping is None else idx_mapping[:num_reqs].tolist()
+    return [row for row in rows if row >= 0]
 
 
 def precopy(mamba_state_idx_ptr: torch.Tensor, src_col_ptr: torch.Tensor, token_bias_ptr: torch.Tensor,
@@ -105,8 +107,6 @@ def precopy(mamba_state_idx_ptr: torch.Tensor, src_col_ptr: torch.Tensor, token_
                          state_elem_sizes_ptr, state_inner_sizes_ptr, state_conv_widths_ptr, state_group_indices_ptr,
                          state_dim_row_count_ptr, state_dim_row_stride_ptr, CONV_STATE_DIM_FIRST)
     for row in _request_rows(idx_mapping_ptr, num_reqs):
-        if row < 0:
-            continue
         src, dst = int(src_col_ptr[row]), int(mamba_state_idx_ptr[row])
         if src >= 0 and src != dst:
             blocks.copy(row, src, dst, int(token_bias_ptr[row]))
@@ -131,8 +131,6 @@ def postprocess(num_accepted_tokens_ptr: torch.Tensor, mamba_state_idx_ptr: torc
                          state_elem_sizes_ptr, state_inner_sizes_ptr, state_conv_widths_ptr, state_group_indices_ptr,
                          state_dim_row_count_ptr, state_dim_row_stride_ptr, CONV_STATE_DIM_FIRST)
     for row in _request_rows(idx_mapping_ptr, num_reqs):
-        if row < 0:
-            continue
         accepted, src = int(num_accepted_tokens_ptr[row]), int(mamba_state_idx_ptr[row])
         if PRECOMPUTED_NEW_COMPUTED:
             computed = int(num_computed_tokens_ptr[row])
