@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -117,6 +118,7 @@ def test_a_checkpoint_carries_the_code_of_its_own_layer_kinds_only(tmp_path, sch
         assert (f"from .trellis_mixers_{kind} import" in registry) == (kind in kinds)
     all_trellis = len(flat_sources(["trellis"]))
     assert all_trellis < len(flat_sources()) - 10  # not the 46 files every checkpoint carried before
+    assert f"{all_trellis} files for an all-Trellis model" in (Path(__file__).parents[1] / "README.md").read_text()
 
 
 def test_only_package_inits_may_import_every_kind():
