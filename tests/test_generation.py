@@ -125,7 +125,7 @@ def compiled_runs(monkeypatch):
         return compiled(segment, first, carried)
 
     monkeypatch.setattr(compiled_decode, "compiled_segment", lambda: counted)
-    monkeypatch.setattr(compiled_decode, "_warn_recompile_limit", lambda: pytest.fail("fell back to eager"))
+    monkeypatch.setattr(compiled_decode, "warn_recompile_limit", lambda: pytest.fail("fell back to eager"))
     return runs
 
 
@@ -340,7 +340,7 @@ def test_compiled_decode_past_the_recompile_limit_decodes_eagerly(monkeypatch):
     import torch._dynamo
 
     warned = []
-    monkeypatch.setattr(compiled_decode, "_warn_recompile_limit", lambda: warned.append(True))
+    monkeypatch.setattr(compiled_decode, "warn_recompile_limit", lambda: warned.append(True))
     ids = random_tokens(2, 6, seed=3)
     # torch's own patch: a monkeypatch of a config module would delete (hide) the entry when undone.
     with torch._dynamo.config.patch(recompile_limit=1):
