@@ -92,19 +92,27 @@ def test_what_the_rollback_keeps_is_bounded_by_the_window():
 class Verifications:
     """What happens to the cache of ``model``'s own calls in a ``generate`` call with drafts:
     :meth:`of` that cache gives how many calls continued it and how many tokens crops took back
-    from it (rejected drafts). Counts every cache while installed (``monkeypatch``)."""
+    from it (rejected drafts). Counts every cache while installed (``monkeypatch``).
+
+    Counts are keyed by ``id``, and every cache counted is kept alive here: a cache freed after
+    one ``generate`` call could otherwise lend its id to the next call's cache, which would then
+    start from the old call's counts (seen on CI: a crop of an earlier run's drafts counted as a
+    rejection of the model's own)."""
 
     def __init__(self, model, monkeypatch) -> None:
         self.calls: dict[int, int] = {}
         self.taken_back: dict[int, int] = {}
+        self.caches: dict[int, TrellisCache] = {}
 
         def count_call(module, args, kwargs):
             cache = kwargs.get("cache") or kwargs.get("past_key_values")
+            self.caches[id(cache)] = cache
             self.calls[id(cache)] = self.calls.get(id(cache), 0) + 1
 
         def crop(cache, max_length):
             before = cache.get_seq_length()
             real_crop(cache, max_length)
+            self.caches[id(cache)] = cache
             self.taken_back[id(cache)] = self.taken_back.get(id(cache), 0) + before - cache.get_seq_length()
 
         real_crop = TrellisCache.crop
