@@ -68,13 +68,19 @@ def _device(text: Optional[str]) -> str:
 # ----------------------------------------------------------------------------- generate
 
 
+def _on_a_checkpoint(parser: argparse.ArgumentParser, description: str) -> None:
+    """A command that reads one checkpoint: its description and its first argument, ``model``."""
+    parser.description = description
+    parser.add_argument("model", type=checkpoint, help="checkpoint folder or Hub id")
+
+
 def _add_generate(parser: argparse.ArgumentParser) -> None:
-    parser.description = (
+    _on_a_checkpoint(
+        parser,
         "Load a checkpoint (folder or Hub id) with its tokenizer and print a continuation of each prompt, with a line "
         "of dashes between them; prompts are read from standard input, one per line, when none is given. The prompts "
-        "run as one left-padded batch through generate() and the fixed-size cache."
+        "run as one left-padded batch through generate() and the fixed-size cache.",
     )
-    parser.add_argument("model", type=checkpoint, help="checkpoint folder or Hub id")
     parser.add_argument("prompts", nargs="*", help="prompts (default: one per line of standard input)")
     parser.add_argument("--max-new-tokens", type=int_at_least(1), default=50,
                         help="tokens to generate, at least 1 (default: %(default)s)")
@@ -239,12 +245,12 @@ def _check_model(name: str, argument: str, **config_kwargs: Any) -> None:
 
 
 def _add_eval(parser: argparse.ArgumentParser) -> None:
-    parser.description = (
+    _on_a_checkpoint(
+        parser,
         "Run lm-evaluation-harness tasks on a checkpoint and print lm-eval's table. The bundled offline tasks "
         "trellis_demo_choice (loglikelihood), trellis_demo_gen (generate_until) and their group trellis_demo are "
-        "always available; any lm-eval task name works too."
+        "always available; any lm-eval task name works too.",
     )
-    parser.add_argument("model", type=checkpoint, help="checkpoint folder or Hub id")
     parser.add_argument("--tasks", nargs="+", default=["trellis_demo"],
                         help="task or group names, or task YAML files (default: %(default)s)")
     parser.add_argument("--model-type", choices=("trellis", "hf"), default="trellis",

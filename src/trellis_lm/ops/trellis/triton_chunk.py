@@ -283,12 +283,13 @@ def _load_mat(ptr, index, M, D, BM: tl.constexpr, BD: tl.constexpr):
 
 
 @triton.jit
-def _load_mat_if(ptr, index, M, D, BM: tl.constexpr, BD: tl.constexpr, pred):
-    """_load_mat where the scalar `pred` holds, zeros elsewhere (no memory traffic)."""
-    ptrs, mask = _mat_ptrs(ptr, index, M, D, BM, BD)
+def _anchor(a0_ptr, S, index, M, D, BM: tl.constexpr, BD: tl.constexpr, resumed):
+    """A chunk's anchor: in a resumed first chunk (the scalar ``resumed``) the given one, row
+    ``index`` of ``a0``, else the chunk-start memory ``S``; ``a0`` is read only where it counts."""
+    ptrs, mask = _mat_ptrs(a0_ptr, index, M, D, BM, BD)
     # (Written as a product: the interpreter turns `block & scalar` into int32, not a mask.)
-    mask = (mask.to(tl.int32) * pred.to(tl.int32)) != 0
-    return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    mask = (mask.to(tl.int32) * resumed.to(tl.int32)) != 0
+    return tl.where(resumed, tl.load(ptrs, mask=mask, other=0.0).to(tl.float32), S)
 
 
 @triton.jit
@@ -363,6 +364,17 @@ def _decay_matrix(lb, nrows, BT: tl.constexpr):
 
 
 @triton.jit
+def _chunked_sequence(seq_start_ptr, seq_len_ptr, off_ptr, base_ptr, n, C):
+    """Sequence ``n``'s first token, length, offset in its first chunk, first saved-memory slot
+    and its number of chunks (none when it is empty)."""
+    start = tl.load(seq_start_ptr + n)
+    L = tl.load(seq_len_ptr + n)
+    off = tl.load(off_ptr + n)
+    base = tl.load(base_ptr + n)
+    return start, L, off, base, tl.where(L > 0, (off + L - 1) // C + 1, 0)
+
+
+@triton.jit
 def _state_fwd_kernel(
     x_ptr, al_ptr, lb_ptr, g_ptr, m0_ptr, a0_ptr,
     seq_start_ptr, seq_len_ptr, off_ptr, base_ptr,
@@ -372,16 +384,12 @@ def _state_fwd_kernel(
 ):
     n = tl.program_id(0)
     h = tl.program_id(1)
-    start = tl.load(seq_start_ptr + n)
-    L = tl.load(seq_len_ptr + n)
-    off = tl.load(off_ptr + n)
-    base = tl.load(base_ptr + n)
+    start, L, off, base, n_chunks = _chunked_sequence(seq_start_ptr, seq_len_ptr, off_ptr, base_ptr, n, C)
     cm = (tl.arange(0, BM) < M)[None, :]
     S = _load_mat(m0_ptr, n * H + h, M, D, BM, BD)
     A = _load_mat(a0_ptr, n * H + h, M, D, BM, BD)
     # The given anchor counts when resuming mid-chunk, and passes through an empty sequence.
     A = tl.where((off > 0) | (L == 0), A, S)
-    n_chunks = tl.where(L > 0, (off + L - 1) // C + 1, 0)
     for i in range(0, n_chunks):
         A = tl.where(i == 0, A, S)
         _store_mat(hs_ptr, S, (base + i) * H + h, M, D, BM, BD)
@@ -418,7 +426,7 @@ def _key_operands(
     cm = (tl.arange(0, BM) < M)[None, :]
     resumed = (i == 0) & (off > 0)
     SK = _load_mat(hk_ptr, j * H + h, M, DK, BM, BDK)
-    AK = tl.where(resumed, _load_mat_if(ak0_ptr, n * H + h, M, DK, BM, BDK, resumed), SK)
+    AK = _anchor(ak0_ptr, SK, n * H + h, M, DK, BM, BDK, resumed)
     Q = _load_tok(q_ptr, tok0, nrows, h, H, DK, BT, BDK)
     K = _load_tok(k_ptr, tok0, nrows, h, H, DK, BT, BDK)
     Al = _load_tok(al_ptr, tok0, nrows, h, H, M, BT, BM)
@@ -434,7 +442,7 @@ def _value_operands(v_ptr, av0_ptr, hv_ptr, tok0, nrows, resumed, n, j, h, H, M,
                     BT: tl.constexpr, BM: tl.constexpr, BDV: tl.constexpr):
     """The value pass's ``(SV, AV, V)`` of the chunk :func:`_key_operands` read."""
     SV = _load_mat(hv_ptr, j * H + h, M, DV, BM, BDV)
-    AV = tl.where(resumed, _load_mat_if(av0_ptr, n * H + h, M, DV, BM, BDV, resumed), SV)
+    AV = _anchor(av0_ptr, SV, n * H + h, M, DV, BM, BDV, resumed)
     return SV, AV, _load_tok(v_ptr, tok0, nrows, h, H, DV, BT, BDV)
 
 
@@ -460,6 +468,27 @@ def _key_read(Q, K, SK, UK, mu, Dm, cm, M, MF: tl.constexpr, PREC: tl.constexpr)
 
 
 @triton.jit
+def _chunk_reads(
+    q_ptr, k_ptr, v_ptr, al_ptr, lb_ptr, g_ptr, ak0_ptr, av0_ptr, hk_ptr, hv_ptr, uk_ptr, uv_ptr,
+    seq_start_ptr, seq_len_ptr, off_ptr, cidx_ptr, n, j, h,
+    H, M, DK, DV, C,
+    BT: tl.constexpr, BM: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr,
+    CF: tl.constexpr, MF: tl.constexpr, PREC: tl.constexpr, EXACT: tl.constexpr,
+):
+    """The forward of chunk slot ``j``, head ``h`` up to its value read, which the forward kernel
+    completes and the value backward differentiates: the operands, both writes ``UK``/``UV`` and
+    the key read. Returns ``(tok0, nrows, cm, E, mu, Dm, SV, V, Y, Hh, UV)``."""
+    tok0, nrows, cm, resumed, SK, AK, Q, K, Al, E, mu, Dm = _key_operands(
+        q_ptr, k_ptr, al_ptr, lb_ptr, g_ptr, ak0_ptr, hk_ptr,
+        seq_start_ptr, seq_len_ptr, off_ptr, cidx_ptr, n, j, h, H, M, DK, C, BT, BM, BDK)
+    SV, AV, V = _value_operands(v_ptr, av0_ptr, hv_ptr, tok0, nrows, resumed, n, j, h, H, M, DV, BT, BM, BDV)
+    UK = _writes(uk_ptr, K, AK, Al, tok0, nrows, h, H, M, cm, BT, BM, CF, PREC, EXACT)
+    Y, Hh = _key_read(Q, K, SK, UK, mu, Dm, cm, M, MF, PREC)
+    UV = _writes(uv_ptr, V, AV, Al, tok0, nrows, h, H, M, cm, BT, BM, CF, PREC, EXACT)
+    return tok0, nrows, cm, E, mu, Dm, SV, V, Y, Hh, UV
+
+
+@triton.jit
 def _output_fwd_kernel(
     q_ptr, k_ptr, v_ptr, al_ptr, lb_ptr, g_ptr, ak0_ptr, av0_ptr, hk_ptr, hv_ptr, uk_ptr, uv_ptr,
     seq_start_ptr, seq_len_ptr, off_ptr, cseq_ptr, cidx_ptr,
@@ -474,13 +503,10 @@ def _output_fwd_kernel(
     h = tl.program_id(1)
     n = tl.load(cseq_ptr + j)
     if n >= 0:
-        tok0, nrows, cm, resumed, SK, AK, Q, K, Al, E, mu, Dm = _key_operands(
-            q_ptr, k_ptr, al_ptr, lb_ptr, g_ptr, ak0_ptr, hk_ptr,
-            seq_start_ptr, seq_len_ptr, off_ptr, cidx_ptr, n, j, h, H, M, DK, C, BT, BM, BDK)
-        SV, AV, V = _value_operands(v_ptr, av0_ptr, hv_ptr, tok0, nrows, resumed, n, j, h, H, M, DV, BT, BM, BDV)
-        UK = _writes(uk_ptr, K, AK, Al, tok0, nrows, h, H, M, cm, BT, BM, CF, PREC, EXACT)
-        _, Hh = _key_read(Q, K, SK, UK, mu, Dm, cm, M, MF, PREC)
-        UV = _writes(uv_ptr, V, AV, Al, tok0, nrows, h, H, M, cm, BT, BM, CF, PREC, EXACT)
+        tok0, nrows, _, _, mu, Dm, SV, V, _, Hh, UV = _chunk_reads(
+            q_ptr, k_ptr, v_ptr, al_ptr, lb_ptr, g_ptr, ak0_ptr, av0_ptr, hk_ptr, hv_ptr, uk_ptr, uv_ptr,
+            seq_start_ptr, seq_len_ptr, off_ptr, cidx_ptr, n, j, h,
+            H, M, DK, DV, C, BT, BM, BDK, BDV, CF, MF, PREC, EXACT)
         HU = _dot(Hh, tl.trans(UV), PREC)
         O = mu[:, None] * _dot(Hh, SV, PREC) - _dot(Dm * HU, V, PREC)
         _store_tok(o_ptr, O, tok0, nrows, h, H, DV, BT, BDV)
@@ -580,14 +606,11 @@ def _value_bwd_kernel(
     h = tl.program_id(1)
     n = tl.load(cseq_ptr + j)
     if n >= 0:
-        tok0, nrows, cm, resumed, SK, AK, Q, K, Al, E, mu, Dm = _key_operands(
-            q_ptr, k_ptr, al_ptr, lb_ptr, g_ptr, ak0_ptr, hk_ptr,
-            seq_start_ptr, seq_len_ptr, off_ptr, cidx_ptr, n, j, h, H, M, DK, C, BT, BM, BDK)
-        SV, AV, V = _value_operands(v_ptr, av0_ptr, hv_ptr, tok0, nrows, resumed, n, j, h, H, M, DV, BT, BM, BDV)
+        tok0, nrows, cm, E, mu, Dm, SV, V, Y, Hh, UV = _chunk_reads(  # the forward, recomputed
+            q_ptr, k_ptr, v_ptr, al_ptr, lb_ptr, g_ptr, ak0_ptr, av0_ptr, hk_ptr, hv_ptr, uk_ptr, uv_ptr,
+            seq_start_ptr, seq_len_ptr, off_ptr, cidx_ptr, n, j, h,
+            H, M, DK, DV, C, BT, BM, BDK, BDV, CF, MF, PREC, EXACT)
         dO = _load_tok(do_ptr, tok0, nrows, h, H, DV, BT, BDV)
-        UK = _writes(uk_ptr, K, AK, Al, tok0, nrows, h, H, M, cm, BT, BM, CF, PREC, EXACT)
-        Y, Hh = _key_read(Q, K, SK, UK, mu, Dm, cm, M, MF, PREC)  # the forward, recomputed
-        UV = _writes(uv_ptr, V, AV, Al, tok0, nrows, h, H, M, cm, BT, BM, CF, PREC, EXACT)
         # Value read: O = mu * H SV - (D * H UV^T) V; dY first, so that Y dies early.
         dOV = _dot(dO, tl.trans(V), PREC)
         dHU = -Dm * dOV
@@ -657,23 +680,19 @@ def _chain_bwd_kernel(
     """
     n = tl.program_id(0)
     h = tl.program_id(1)
-    start = tl.load(seq_start_ptr + n)
-    L = tl.load(seq_len_ptr + n)
-    off = tl.load(off_ptr + n)
-    base = tl.load(base_ptr + n)
+    start, L, off, base, n_chunks = _chunked_sequence(seq_start_ptr, seq_len_ptr, off_ptr, base_ptr, n, C)
     r = tl.arange(0, BT)
     cm = (tl.arange(0, BM) < M)[None, :]
     dS = _load_mat(dm_fin_ptr, n * H + h, M, D, BM, BD)
     dA_fin = _load_mat(da_fin_ptr, n * H + h, M, D, BM, BD)
     dA0 = tl.zeros([BM, BD], dtype=tl.float32)
-    n_chunks = tl.where(L > 0, (off + L - 1) // C + 1, 0)
     for ii in range(0, n_chunks):
         i = n_chunks - 1 - ii
         lo, nrows = _chunk_rows(i, off, L, C)
         tok0 = start + lo
         S = _load_mat(hs_ptr, (base + i) * H + h, M, D, BM, BD)
         resumed = (i == 0) & (off > 0)
-        A = tl.where(resumed, _load_mat_if(a0_ptr, n * H + h, M, D, BM, BD, resumed), S)
+        A = _anchor(a0_ptr, S, n * H + h, M, D, BM, BD, resumed)
         X = _load_tok(x_ptr, tok0, nrows, h, H, D, BT, BD)
         Al = _load_tok(al_ptr, tok0, nrows, h, H, M, BT, BM)
         dU = _load_tok(du_ptr, tok0, nrows, h, H, M, BT, BM)
