@@ -108,7 +108,10 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=4096, help="tokens per step (vLLM's max_num_batched_tokens)")
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--parts", action="store_true", help="the phase under cProfile, split by part")
+    parser.add_argument("--threads", type=int, default=1, help="torch's threads (one: what a shared machine times "
+                        "steadily, as bench_vllm.py's --cpu-time engines on one core)")
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     keep_freed_memory()  # as the plugin does on a CPU
     lm = model()
     phase(lm, 2, 64, args.budget)  # warm-up: first calls of every kernel
