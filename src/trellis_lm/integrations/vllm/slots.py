@@ -26,6 +26,7 @@ has taken in, which a continuing sequence's ``computed`` must equal.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Optional, Sequence, Union
 
 import torch
@@ -239,13 +240,13 @@ def run_on_slots(
     single = lengths == 1
     drafts = ~single & (lengths <= width)
     compiled = compiled and compiles_rows(mixer, x.device)
-    batches = [(single.nonzero()[:, 0], 0, _run_rows), (drafts.nonzero()[:, 0], width if compiled else 0, _run_rows),
-               ((~single & ~drafts).nonzero()[:, 0], 0, _run_packed)]
-    for rows, padded_to, run in batches:
+    batches = [(single.nonzero()[:, 0], partial(_run_rows, compiled=compiled)),
+               (drafts.nonzero()[:, 0], partial(_run_rows, compiled=compiled, padded_to=width if compiled else 0)),
+               ((~single & ~drafts).nonzero()[:, 0], _run_packed)]
+    for rows, run in batches:
         if rows.numel():
             rows = rows[read[rows].argsort()]  # a batch's rows in any order: by slot, so its slots may form a run
-            run(mixer, layout, tensors, x, out, starts[rows], lengths[rows], computed[rows], read[rows],
-                write[rows], compiled, padded_to)
+            run(mixer, layout, tensors, x, out, starts[rows], lengths[rows], computed[rows], read[rows], write[rows])
     return out
 
 
@@ -335,11 +336,10 @@ def _run_rows(mixer: MemoryMixer, layout: SlotLayout, tensors: Sequence[torch.Te
 
 def _run_packed(mixer: MemoryMixer, layout: SlotLayout, tensors: Sequence[torch.Tensor], x: torch.Tensor,
                 out: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, computed: torch.Tensor,
-                read: torch.Tensor, write: torch.Tensor, compiled: bool, padded_to: int = 0) -> None:
+                read: torch.Tensor, write: torch.Tensor) -> None:
     """Run ``R`` prompt chunks (as :func:`_run_rows` takes them; each writes column 0 of
-    ``write``) packed along one row (:meth:`~trellis_lm.mixers.base.MemoryMixer.advance_packed`):
-    no padding, one call of every projection and of the op. ``compiled`` and ``padded_to`` are
-    not read: prompt chunks run eagerly, unpadded."""
+    ``write``) packed along one row (:meth:`~trellis_lm.mixers.base.MemoryMixer.advance_packed`),
+    eagerly: no padding, one call of every projection and of the op."""
     packed = PackedSequences.from_lengths(lengths)
     index = starts[packed.seq_id] + packed.pos
     held, entry = _read_entries(mixer, layout, tensors, read, computed)
