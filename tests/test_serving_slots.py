@@ -22,6 +22,7 @@ from trellis_lm.integrations.vllm.compiled_rows import advanced_compiled
 from trellis_lm.integrations.vllm import slots as slots_module
 from trellis_lm.integrations.vllm.slots import SlotLayout, compile_rows, compiles_rows, fresh_entry, run_on_slots
 from trellis_lm.mixers import MIXERS, MemoryMixer
+from trellis_lm.mixers.valid_tokens import PackedSequences
 
 
 @pytest.mark.parametrize("schedule, overrides", [
@@ -246,19 +247,21 @@ def test_an_entry_bigger_than_its_slot_is_refused_in_words():
                                                              + 1, dim)})
 
 
-@pytest.mark.parametrize("schedule", ["trellis", "lattice", "kvm"])
-def test_runs_of_slots_and_prompt_chunks_of_unlike_lengths(schedule, monkeypatch):
+@pytest.mark.parametrize("schedule, overrides", [
+    ("trellis", {}), ("trellis", {"conv_size": 0, "use_forget_gate": False}), ("lattice", {}), ("kvm", {}),
+])
+def test_runs_of_slots_and_prompt_chunks_of_unlike_lengths_packed(schedule, overrides, monkeypatch):
     """The fast paths of a step: sequences in consecutive slots, in any order (as a server hands
     them out to sequences started together), are read in place, not copied, and state tensors the mixer
-    returns unchanged are not written back; prompt chunks of very different lengths run in
-    batches of their own (less padding). Every token's logits equal the model's on the
-    sequence alone."""
-    model = tiny_model(schedule=schedule, dtype=torch.float64)
-    prompts = [random_tokens(1, n, seed=n)[0] for n in (150, 3, 90, 2, 40, 1)]
-    runs, batches = [], []
-    real_run, real_rows = slots_module.slot_run, slots_module._run_rows
+    returns unchanged are not written back; a step's prompt chunks, of unlike lengths (1, 2, 3,
+    lengths not a multiple of the op's chunk, some continuing mid-chunk), run packed along one
+    row: one mixer call, no padding. Every token's logits equal the model's on the sequence alone."""
+    model = tiny_model(schedule=schedule, dtype=torch.float64, **overrides)
+    prompts = [random_tokens(1, n, seed=n)[0] for n in (150, 3, 90, 2, 41, 1)]
+    runs, packed = [], []
+    real_run, real_packed = slots_module.slot_run, slots_module._run_packed
     monkeypatch.setattr(slots_module, "slot_run", lambda slots: runs.append(real_run(slots)) or runs[-1])
-    monkeypatch.setattr(slots_module, "_run_rows", lambda *a: batches.append(a[6].tolist()) or real_rows(*a))
+    monkeypatch.setattr(slots_module, "_run_packed", lambda *a: packed.append(a[6].tolist()) or real_packed(*a))
     # 100 tokens for every sequence at first (a prompt chunk beside whole short prompts), then
     # one token (decode steps) twice in three steps, 7 in the third.
     got = serve(model, prompts, slot_of=[4, 2, 1, 6, 3, 5],
@@ -266,9 +269,9 @@ def test_runs_of_slots_and_prompt_chunks_of_unlike_lengths(schedule, monkeypatch
     for prompt, logits in zip(prompts, got):
         torch.testing.assert_close(logits, model(prompt[None]).logits[0], rtol=1e-12, atol=1e-12)
     assert runs.count(None) < len(runs) and any(start is not None and start > 1 for start in runs)
-    # The first step, in each layer: the one-token prompt, the chunks of 100 to 40 tokens, the
-    # short prompts (padded to 100 they would be 97 % padding).
-    assert batches[:3] == [[1], [90, 40, 100], [3, 2]]  # each in the order of its slots
+    # The first step, in each layer: the one-token prompt alone (a decode's batch), every other
+    # sequence's chunk in one packed call, in the order of its slots.
+    assert packed[0] == [90, 3, 41, 100, 2]
 
 
 @pytest.mark.parametrize("schedule, overrides", [
@@ -292,6 +295,35 @@ def test_advance_each_gives_the_entry_after_every_token(schedule, overrides, tok
             expected = mixer.advance(x[:, 6: 6 + t], None, before)[1]
             for got, want in zip(_tensors(entry), _tensors(expected)):
                 torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("schedule, overrides", [
+    ("trellis", {}), ("trellis", {"conv_size": 0, "use_forget_gate": False}), ("lattice", {}), ("kvm", {}),
+    ("trellis", {"write_gradient": "anchored"}),
+])
+def test_advance_packed_gives_each_sequences_advance(schedule, overrides):
+    """What the slots run prompt chunks with: sequences of 2, 1, 5 and 3 tokens (shorter than the
+    short conv's tail, and across a chunk of 4) packed along one row, each after its own entry,
+    give the outputs and entry after of ``advance`` on each sequence alone."""
+    model = tiny_model(schedule=schedule, dtype=torch.float64, **overrides)
+    mixer = model.model.layers[0].self_attn
+    lengths = torch.tensor([2, 1, 5, 3])
+    x = torch.randn(4, 6 + 5, model.config.hidden_size, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    with torch.no_grad():
+        _, before = mixer.advance(x[:, :6], None, MemoryEntry(None, None, None))
+        packed = PackedSequences.from_lengths(lengths)
+        y, after = mixer.advance_packed(torch.cat([x[n, 6: 6 + int(t)] for n, t in enumerate(lengths)])[None],
+                                        packed, before)
+        for n, length in enumerate(lengths.tolist()):
+            row = MemoryEntry(*(None if t is None else t[n: n + 1] for t in (before.q_tail, before.k_tail)),
+                              before.state.map(lambda t: t[n: n + 1]))
+            want_y, want = mixer.advance(x[n: n + 1, 6: 6 + length], None, row)
+            start = int(packed.cu_seqlens[n])
+            torch.testing.assert_close(y[:, start: start + length], want_y, rtol=1e-12, atol=1e-12)
+            got = MemoryEntry(*(None if t is None else t[n: n + 1] for t in (after.q_tail, after.k_tail)),
+                              after.state.map(lambda t: t[n: n + 1]))
+            for g, w in zip(_tensors(got), _tensors(want)):
+                torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
 
 
 def _tensors(entry):

@@ -30,7 +30,7 @@ from ..ops.registry import BackendRegistry
 from ..projection_stacks import LinearStack, stacked
 from .fields import MODEL_FIELDS, ConfigField
 from .norms_convs import TrellisRMSNorm, TrellisShortConv, at_least_float32, causal_conv, l2_normalize
-from .valid_tokens import ValidTokens
+from .valid_tokens import PackedSequences, ValidTokens
 
 # Outside a span with stacks made once (generate's), fewer tokens than this per call run the
 # projections one by one: stacking their weights then costs more than the matmuls (BENCHMARKS.md,
@@ -466,6 +466,21 @@ class MemoryMixer(Mixer):
         return y, MemoryEntry(q_tail, k_tail, state)
 
     @torch.no_grad()
+    def advance_packed(self, x: torch.Tensor, packed: PackedSequences, entry: MemoryEntry
+                       ) -> tuple[torch.Tensor, MemoryEntry]:
+        """The layer on the R sequences ``packed`` along ``x [1, T, D]``, each continuing its row
+        of ``entry`` (R rows, state given): ``y [1, T, D]`` and the entry after each sequence (R
+        rows). What a server runs a step's prompt chunks with (the vLLM slots): the projections,
+        short convs and read-out on the T tokens, no padding, and the op once (``cu_seqlens``)."""
+        proj = Projections(self, x, self._fused_projections(x))
+        q, k, q_tail, k_tail = self._queries_keys(proj, packed, entry.q_tail, entry.k_tail)
+        inputs = self.op_inputs(proj, q, k, packed, entry.state)
+        o, state = self.run_op(inputs, entry.state, True, packed.cu_seqlens)
+        if self.q_conv is None:
+            q_tail, k_tail = entry.q_tail, entry.k_tail
+        return self.read_out(proj, o), MemoryEntry(q_tail, k_tail, state)
+
+    @torch.no_grad()
     def advance_each(self, x: torch.Tensor, entry: MemoryEntry) -> tuple[torch.Tensor, list[MemoryEntry]]:
         """The layer on ``x [B, T, D]`` (``T`` real tokens in every row) continuing ``entry`` (a
         whole one, state given): ``y [B, T, D]`` and the entry after *each* token, ``T`` of them:
@@ -537,7 +552,7 @@ class MemoryMixer(Mixer):
         return (self.read_out(proj, o) if with_output else None), MemoryEntry(q_tail, k_tail, state)
 
     def _queries_keys(
-        self, proj: "Projections", valid: Optional[ValidTokens], q_tail: Optional[torch.Tensor],
+        self, proj: "Projections", valid: Union[ValidTokens, PackedSequences, None], q_tail: Optional[torch.Tensor],
         k_tail: Optional[torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
         """``(q, k, q_tail, k_tail)``: the projections through the short convs (and, with
@@ -554,6 +569,8 @@ class MemoryMixer(Mixer):
             tail = None if q_tail is None else torch.cat([q_tail, k_tail], dim=-1)
             if valid is None:
                 qk, tail = causal_conv(qk, tail, taps)
+            elif isinstance(valid, PackedSequences):
+                qk, tail = valid.conv(qk, tail, taps)
             else:  # over each row's real tokens only, so padding never enters it
                 qk, tail = causal_conv(valid.compact(qk), tail, taps, valid.lengths, valid.reach)
                 qk = valid.restore(qk)

@@ -8,7 +8,7 @@ from typing import Any, Optional, Union
 import torch
 import torch.nn.functional as F
 
-from .norms_convs import UNBOUNDED_REACH
+from .norms_convs import UNBOUNDED_REACH, causal_conv
 
 
 @dataclass
@@ -124,6 +124,54 @@ class ValidTokens:
 
     def _index_like(self, x: torch.Tensor) -> torch.Tensor:
         return self.order.view(self.order.shape + (1,) * (x.dim() - 2)).expand_as(x)
+
+
+@dataclass(frozen=True)
+class PackedSequences:
+    """R sequences one after another along a single row of T tokens, each continuing an entry of
+    its own (a server's prompt chunks, each after its slot's state): unlike :class:`ValidTokens`'
+    packed documents, every sequence, not only the first, continues what it carried.
+
+    Attributes:
+        cu_seqlens: ``[R + 1]`` where each sequence starts along the row (the op's packed layout).
+        seq_id: ``[T]`` each token's sequence.
+        pos: ``[T]`` each token's index in its sequence.
+    """
+
+    cu_seqlens: torch.Tensor
+    seq_id: torch.Tensor
+    pos: torch.Tensor
+
+    @classmethod
+    def from_lengths(cls, lengths: torch.Tensor) -> "PackedSequences":
+        """Sequences of ``lengths [R]`` (each at least 1) tokens, in that order."""
+        cu_seqlens = F.pad(lengths.cumsum(0), (1, 0))
+        seq_id = torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), lengths)
+        pos = torch.arange(seq_id.numel(), device=lengths.device) - cu_seqlens[seq_id]
+        return cls(cu_seqlens, seq_id, pos)
+
+    def positions(self, past: torch.Tensor) -> torch.Tensor:
+        """``[1, T]`` each token's position in its sequence's stream, after ``past [R]`` tokens."""
+        return (past[self.seq_id] + self.pos)[None]
+
+    def conv(self, x: torch.Tensor, tails: Optional[torch.Tensor], weight: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:func:`~.norms_convs.causal_conv` of every sequence of ``x [1, T, C]`` after its own
+        ``tails [R, width - 1, C]`` (zeros when ``None``): ``(y [1, T, C], tails after [R, width - 1, C])``.
+
+        One convolution of a row that holds each sequence after its tail (``tail 0, sequence 0,
+        tail 1, ...``): a token's window then reaches no other sequence's inputs."""
+        rows, channels, carried = self.cu_seqlens.numel() - 1, x.shape[-1], weight.shape[-1] - 1
+        if tails is None:
+            tails = x.new_zeros(rows, carried, channels)
+        before = carried * torch.arange(1, rows + 1, device=x.device)  # tail cells before each sequence's tokens
+        token_at = torch.arange(x.shape[1], device=x.device) + before[self.seq_id]
+        tail_at = (self.cu_seqlens[:-1] + before - carried)[:, None] + torch.arange(carried, device=x.device)
+        row = x.new_empty(1, x.shape[1] + rows * carried, channels)
+        row[0, token_at] = x[0]
+        row[0, tail_at.flatten()] = tails.reshape(-1, channels).to(x.dtype)
+        y, _ = causal_conv(row, None, weight)
+        return y[:, token_at], row[0, tail_at + self.cu_seqlens[1:, None] - self.cu_seqlens[:-1, None]]
 
 
 def real_tokens(attention_mask: Any, batch: int, length: int, past: int = 0) -> Optional[torch.Tensor]:
@@ -251,15 +299,17 @@ def document_starts(
     return starts
 
 
-def token_positions(valid: Optional[ValidTokens], past: torch.Tensor, length: int) -> torch.Tensor:
+def token_positions(valid: Union[ValidTokens, PackedSequences, None], past: torch.Tensor, length: int) -> torch.Tensor:
     """``[B, T]`` the position of every current token among its document's real tokens.
 
     A row's first document continues after the ``past [B]`` real tokens it has already seen;
     later documents count from 0. Padding tokens get the position of the next real token
-    (they are never read).
+    (they are never read). :class:`PackedSequences` (``B = 1``) each continue their own ``past``.
     """
     if valid is None:
         return past[:, None] + torch.arange(length, device=past.device)
+    if isinstance(valid, PackedSequences):
+        return valid.positions(past)
     rank = valid.mask.long().cumsum(dim=1) - valid.mask.long()  # real tokens before each token
     if valid.doc_starts is None:
         return past[:, None] + rank

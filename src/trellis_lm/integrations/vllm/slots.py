@@ -26,6 +26,7 @@ has taken in, which a continuing sequence's ``computed`` must equal.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Optional, Sequence, Union
 
 import torch
@@ -35,7 +36,7 @@ from ...cache_layout import COLUMNS, ROWS, Dim, TensorSpec
 from ...configuration_trellis import TrellisConfig
 from ...layer_kinds import MIXERS
 from ...mixers.base import MemoryMixer
-from ...mixers.valid_tokens import ValidTokens
+from ...mixers.valid_tokens import PackedSequences
 from .compiled_rows import advanced_compiled
 
 
@@ -181,8 +182,9 @@ def run_on_slots(
     """The mixer on a server's flat batch, continuing each sequence from its slot.
 
     Sequences with one token (decodes) run as one batch of single tokens (the op's decode
-    step); the others (prefills, whole prompts or chunks of them) as right-padded batches of
-    similar lengths, whose real tokens the op takes in one varlen call. A sequence with
+    step); the others (prefills, whole prompts or chunks of them) packed along one row, each
+    after its own slot's state, without padding: one call of each projection and of the op
+    (``cu_seqlens``) for all of them. A sequence with
     ``computed == 0`` starts from the learned initial state whatever its slot holds. Under
     speculative decoding (``slots [R, W]``, see the module doc) rows of 2 to W tokens run a token
     at a time, the entry after each stored in its column's slot.
@@ -238,13 +240,13 @@ def run_on_slots(
     single = lengths == 1
     drafts = ~single & (lengths <= width)
     compiled = compiled and compiles_rows(mixer, x.device)
-    batches = [(single.nonzero()[:, 0], 0), (drafts.nonzero()[:, 0], width if compiled else 0),
-               *((rows, 0) for rows in _similar_lengths((~single & ~drafts).nonzero()[:, 0], lengths))]
-    for rows, padded_to in batches:
+    batches = [(single.nonzero()[:, 0], partial(_run_rows, compiled=compiled)),
+               (drafts.nonzero()[:, 0], partial(_run_rows, compiled=compiled, padded_to=width if compiled else 0)),
+               ((~single & ~drafts).nonzero()[:, 0], _run_packed)]
+    for rows, run in batches:
         if rows.numel():
             rows = rows[read[rows].argsort()]  # a batch's rows in any order: by slot, so its slots may form a run
-            _run_rows(mixer, layout, tensors, x, out, starts[rows], lengths[rows], computed[rows], read[rows],
-                      write[rows], compiled, padded_to)
+            run(mixer, layout, tensors, x, out, starts[rows], lengths[rows], computed[rows], read[rows], write[rows])
     return out
 
 
@@ -308,30 +310,6 @@ def fresh_entry(mixer: MemoryMixer, layout: SlotLayout, rows: int, device: Optio
     return _held_entry(layout, fresh.tensors())
 
 
-# A prompt chunk much shorter than a step's longest (its first or last chunk beside whole
-# ones) runs in a batch of its own when the padding it would get is at least this many tokens:
-# the projections, short convs and read-out run on the padded batch (the op on the real tokens
-# only), and a batch of its own costs one more mixer call.
-PADDING_WORTH_A_CALL = 64
-
-
-def _similar_lengths(rows: torch.Tensor, lengths: torch.Tensor) -> list[torch.Tensor]:
-    """``rows [R]`` split into batches whose rows are padded to no more than twice their length
-    (or by fewer than ``PADDING_WORTH_A_CALL`` tokens), longest first."""
-    if rows.numel() < 2:
-        return [rows]
-    ordered = rows[lengths[rows].argsort(descending=True, stable=True)]
-    batches, start, longest = [], 0, None
-    for i, length in enumerate(lengths[ordered].tolist()):
-        if longest is None:
-            longest = length
-        elif 2 * length < longest and longest - length >= PADDING_WORTH_A_CALL:
-            batches.append(ordered[start:i])
-            start, longest = i, length
-    batches.append(ordered[start:])
-    return batches
-
-
 def slot_run(slots: torch.Tensor) -> Optional[int]:
     """The first of ``slots [R]`` when they are consecutive and ascending (a server that hands
     out slots in order gives sequences started together such a run, in some order), else ``None``."""
@@ -342,11 +320,38 @@ def slot_run(slots: torch.Tensor) -> Optional[int]:
 def _run_rows(mixer: MemoryMixer, layout: SlotLayout, tensors: Sequence[torch.Tensor], x: torch.Tensor,
               out: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, computed: torch.Tensor,
               read: torch.Tensor, write: torch.Tensor, compiled: bool, padded_to: int = 0) -> None:
-    """Run ``R`` sequences (``starts``, ``lengths``, ``computed``, ``read``: ``[R]``; ``write``:
-    ``[R, W]``, see :func:`run_on_slots`) as one right-padded batch ``[R, max(max length,
-    padded_to), D]``; write outputs into ``out`` and states to their slots. ``compiled``: see
-    :func:`run_on_slots`."""
-    rows, valid, index, real = _padded(x, starts, lengths, padded_to)
+    """Run ``R`` single tokens or rows of drafts, at most W tokens each (``starts``, ``lengths``,
+    ``computed``, ``read``: ``[R]``; ``write``: ``[R, W]``, see :func:`run_on_slots`) as one
+    right-padded batch ``[R, max(max length, padded_to), D]``; write outputs into ``out`` and
+    states to their slots. ``compiled``: see :func:`run_on_slots`."""
+    rows, index, real = _padded(x, starts, lengths, padded_to)
+    held, entry = _read_entries(mixer, layout, tensors, read, computed)
+    if rows.shape[1] > 1:
+        _run_each(mixer, layout, tensors, rows, out, index, real, computed, write, entry, compiled)
+        return
+    y, after = advanced_compiled(mixer, rows, entry, each=False) if compiled else mixer.advance(rows, None, entry)
+    out[index] = y
+    _write_entries(layout, tensors, held, after, read, write[:, 0], computed + lengths)
+
+
+def _run_packed(mixer: MemoryMixer, layout: SlotLayout, tensors: Sequence[torch.Tensor], x: torch.Tensor,
+                out: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, computed: torch.Tensor,
+                read: torch.Tensor, write: torch.Tensor) -> None:
+    """Run ``R`` prompt chunks (as :func:`_run_rows` takes them; each writes column 0 of
+    ``write``) packed along one row (:meth:`~trellis_lm.mixers.base.MemoryMixer.advance_packed`),
+    eagerly: no padding, one call of every projection and of the op."""
+    packed = PackedSequences.from_lengths(lengths)
+    index = starts[packed.seq_id] + packed.pos
+    held, entry = _read_entries(mixer, layout, tensors, read, computed)
+    y, after = mixer.advance_packed(x[index][None], packed, entry)
+    out[index] = y[0]
+    _write_entries(layout, tensors, held, after, read, write[:, 0], computed + lengths)
+
+
+def _read_entries(mixer: MemoryMixer, layout: SlotLayout, tensors: Sequence[torch.Tensor], read: torch.Tensor,
+                  computed: torch.Tensor) -> tuple[dict[str, torch.Tensor], MemoryEntry]:
+    """The slots ``read [R]`` as held (by field) and as the entries the sequences continue: those
+    with ``computed == 0`` from their start."""
     # A run of slots is read as views, not copies (the ops only read the state they are given).
     run = slot_run(read)
     held = layout.read(tensors, read if run is None else run, layout.entry_names, len(read))
@@ -354,25 +359,20 @@ def _run_rows(mixer: MemoryMixer, layout: SlotLayout, tensors: Sequence[torch.Te
     fresh = computed == 0
     if bool(fresh.any()):
         entry = _held_entry(layout, mixer.fresh_rows(entry, fresh).tensors())  # the stand-ins stand in again
-    if 1 < rows.shape[1] <= write.shape[1]:
-        _run_each(mixer, layout, tensors, rows, out, index, real, computed, write, entry, compiled)
-        return
-    if compiled and valid is None and rows.shape[1] == 1:
-        y, after_entry = advanced_compiled(mixer, rows, entry, each=False)
-    else:
-        y, after_entry = mixer.advance(rows, valid, entry)
-    if valid is not None:
-        out[index[real]] = y[real]
-    else:  # every row full (decodes, equal chunks): no mask to gather by
-        out[index] = y
-    after = after_entry.tensors()
-    target = write[:, 0]
+    return held, entry
+
+
+def _write_entries(layout: SlotLayout, tensors: Sequence[torch.Tensor], held: dict[str, torch.Tensor],
+                   after: MemoryEntry, read: torch.Tensor, target: torch.Tensor, tokens: torch.Tensor) -> None:
+    """Write the entries ``after`` (R rows) to the slots ``target [R]``, with ``tokens [R]``,
+    the tokens each has taken in; ``held`` and ``read``: what :func:`_read_entries` read."""
+    after = after.tensors()
     if bool((read == target).all()):
         # A tensor the mixer returned as it was given is what the slots hold already (a decode
         # step's anchors between chunk starts, KVM's state rows between folds): not written.
         after = {name: t for name, t in after.items() if t is not held.get(name)}
     run = slot_run(target)
-    layout.write(tensors, target if run is None else run, {**after, "tokens": computed + lengths})
+    layout.write(tensors, target if run is None else run, {**after, "tokens": tokens})
 
 
 def _run_each(mixer: MemoryMixer, layout: SlotLayout, tensors: Sequence[torch.Tensor], rows: torch.Tensor,
@@ -392,15 +392,14 @@ def _run_each(mixer: MemoryMixer, layout: SlotLayout, tensors: Sequence[torch.Te
 
 
 def _padded(x: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, padded_to: int = 0
-            ) -> tuple[torch.Tensor, Optional[ValidTokens], torch.Tensor, torch.Tensor]:
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The rows ``[R, L, D]`` of ``x`` from ``starts`` (``L``: the longest of ``lengths``, at least
-    ``padded_to``), their ``ValidTokens`` (``None`` when every row is full), and the ``index [R, L]``
-    into ``x`` and ``real [R, L]`` mask of their tokens."""
+    ``padded_to``), and the ``index [R, L]`` into ``x`` and ``real [R, L]`` mask of their tokens
+    (the padding positions hold other tokens, which :func:`_run_each` does not keep)."""
     offsets = torch.arange(max(int(lengths.max()), padded_to), device=x.device)
     real = offsets < lengths[:, None]
     index = (starts[:, None] + offsets).clamp(max=x.shape[0] - 1)
-    rows = x[index]  # the padding positions hold other tokens, which `valid` skips
-    return rows, (None if bool(real.all()) else ValidTokens.from_mask(real)), index, real
+    return x[index], index, real
 
 
 def _held_entry(layout: SlotLayout, held: dict[str, torch.Tensor]) -> MemoryEntry:
