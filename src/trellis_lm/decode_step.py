@@ -105,7 +105,8 @@ def advance_token(mixer: MemoryMixer, x: torch.Tensor, entry: MemoryEntry,
     the entry after)``.
 
     The products' inputs stay two-dimensional: compiled, a ``[1, 1, D]`` product input is
-    handed to the matrix product as a row of stride 0, which it copies first."""
+    handed to the matrix product as a row of stride 0, which it copies first (and the gate
+    comes as ``[B, H d]``, which compiled keeps ``o_proj``'s input dense: no copy either)."""
     out, parts = step.projections(x, token_axis=True)  # [B, 1, *], as the mixer reads them
     qk = out[..., : step.qk_width]
     q_tail, k_tail = entry.q_tail, entry.k_tail
@@ -114,8 +115,8 @@ def advance_token(mixer: MemoryMixer, x: torch.Tensor, entry: MemoryEntry,
         q_tail, k_tail = tail.split(step.qk_split, dim=-1)
     q, k = mixer.activated_qk(qk, step.qk_split)
     o, state = step.op(*mixer.op_inputs(Projections(mixer, x, parts), q, k, None, entry.state), entry.state)
-    gated = gated_output(parts["g_proj"], rms_norm(o, *step.norms[2]), x.dtype)
-    return F.linear(gated.view(x.shape[0], -1), step.out), MemoryEntry(q_tail, k_tail, state)
+    gated = gated_output(parts["g_proj"].view(x.shape[0], -1), rms_norm(o, *step.norms[2]), x.dtype)
+    return F.linear(gated, step.out), MemoryEntry(q_tail, k_tail, state)
 
 
 class Segment(NamedTuple):
