@@ -29,6 +29,7 @@ from trellis_lm.cache_trellis import CACHE_ARG
 from trellis_lm.compiled_decode import inference_span
 from trellis_lm.decode_step import TokenStep
 from trellis_lm.mixers import MemoryMixer
+from trellis_lm.mixers.norms_convs import rms_norm
 from trellis_lm.projection_stacks import LinearStack, stacked_projections
 from trellis_lm.ops import (
     COMPRESS_FNS, LATTICE_VARIANTS, MIX_FNS, WRITE_GRADIENTS, kvm_attention, kvm_step, lattice_attention,
@@ -98,6 +99,20 @@ def test_kvm_step_is_the_op_s_next_token_across_folds(budget):
         assert_states_equal(state, want_state)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_rms_norm_written_out_is_torch_s_to_the_bit(dtype):
+    # Decoding on a CPU, rms_norm runs torch's composite as its own operations (fewer dispatches):
+    # the same numbers, bit for bit, so that which of the two a call takes never shows.
+    generator = torch.Generator().manual_seed(11)
+    for shape in [(1, 193), (3, 1, 5, 7), (2, 64)]:
+        x = torch.randn(shape, generator=generator, dtype=dtype) * 3
+        weight = torch.randn(shape[-1], generator=generator, dtype=dtype)
+        with torch.no_grad():
+            mine = rms_norm(x, weight, 1e-5)
+        assert torch.equal(mine, F.rms_norm(x, shape[-1:], weight, eps=1e-5))
+        assert torch.equal(mine, rms_norm(x.requires_grad_(), weight, 1e-5))  # recorded: torch's own
+
+
 def test_the_single_token_choice_follows_the_registry():
     calls = []
     registry = BackendRegistry("op", Backend("slow", lambda *a: calls.append("slow"), priority=0))
@@ -127,7 +142,7 @@ def test_generate_with_stacked_projections_gives_the_modules_numbers(schedule, m
     ids = random_tokens(2, 7)
     stacked_calls = []
     call = LinearStack.__call__
-    monkeypatch.setattr(LinearStack, "__call__", lambda self, x: stacked_calls.append(x.shape) or call(self, x))
+    monkeypatch.setattr(LinearStack, "__call__", lambda self, x, **kwargs: stacked_calls.append(x.shape) or call(self, x, **kwargs))
     want_ids, want_scores = decode_by_hand(model, ids, 6)
     assert not stacked_calls  # outside a stacking span: the modules, one by one
     with stacked_projections(model):  # generate's span: the same steps through the stacks

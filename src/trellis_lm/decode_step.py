@@ -49,7 +49,8 @@ class TokenStep(NamedTuple):
             the mixer's per-head norm of its op's output.
         projections: the mixer's stacked projections of its input (its ``projection_stack``).
         qk_split: the widths of q and k, which lead the stack side by side (one slice of the
-            stacked product: a memory mixer's q and k projections have no bias).
+            stacked product: a memory mixer's q and k projections have no bias); ``qk_width``
+            their sum.
         taps: ``[width, q channels + k channels]``, the taps of the mixer's short convs on q and
             k side by side in the activation dtype, as
             :func:`~trellis_lm.mixers.norms_convs.conv_step` takes them (``None``: no convs).
@@ -62,6 +63,7 @@ class TokenStep(NamedTuple):
     norms: tuple[tuple[torch.Tensor, float], ...]
     projections: LinearStack
     qk_split: list[int]
+    qk_width: int
     taps: Optional[torch.Tensor]
     op: Callable[..., tuple[torch.Tensor, Any]]
     out: torch.Tensor
@@ -90,7 +92,7 @@ class TokenStep(NamedTuple):
                                   **mixer.op_settings())
         norms = tuple((norm.weight, norm.eps) for norm in (block.input_layernorm, block.post_attention_layernorm,
                                                            mixer.o_norm))
-        return cls(norms, stack, stack.widths[:2], taps, op, mixer.o_proj.weight, mlp.projection_stack,
+        return cls(norms, stack, stack.widths[:2], sum(stack.widths[:2]), taps, op, mixer.o_proj.weight, mlp.projection_stack,
                    mlp.down_proj.weight)
 
 
@@ -103,18 +105,18 @@ def advance_token(mixer: MemoryMixer, x: torch.Tensor, entry: MemoryEntry,
     the entry after)``.
 
     The products' inputs stay two-dimensional: compiled, a ``[1, 1, D]`` product input is
-    handed to the matrix product as a row of stride 0, which it copies first."""
-    out, fused = step.projections(x)
-    parts = {name: part.unsqueeze(1) for name, part in fused.items()}  # [B, 1, *], as the mixer reads them
-    qk = out[:, : sum(step.qk_split)].unsqueeze(1)
+    handed to the matrix product as a row of stride 0, which it copies first (and the gate
+    comes as ``[B, H d]``, which compiled keeps ``o_proj``'s input dense: no copy either)."""
+    out, parts = step.projections(x, token_axis=True)  # [B, 1, *], as the mixer reads them
+    qk = out[..., : step.qk_width]
     q_tail, k_tail = entry.q_tail, entry.k_tail
     if step.taps is not None:
         qk, tail = conv_step(qk, torch.cat([q_tail, k_tail], dim=-1).to(qk.dtype), step.taps)
         q_tail, k_tail = tail.split(step.qk_split, dim=-1)
     q, k = mixer.activated_qk(qk, step.qk_split)
     o, state = step.op(*mixer.op_inputs(Projections(mixer, x, parts), q, k, None, entry.state), entry.state)
-    y = F.linear(gated_output(fused["g_proj"], rms_norm(o, *step.norms[2]), x.dtype), step.out)
-    return y, MemoryEntry(q_tail, k_tail, state)
+    gated = gated_output(parts["g_proj"].view(x.shape[0], -1), rms_norm(o, *step.norms[2]), x.dtype)
+    return F.linear(gated, step.out), MemoryEntry(q_tail, k_tail, state)
 
 
 class Segment(NamedTuple):

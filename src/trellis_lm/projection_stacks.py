@@ -68,15 +68,20 @@ class LinearStack:
             return None
         return cls([name for name, _ in present], [m for _, m in present])
 
-    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def __call__(self, x: torch.Tensor, token_axis: bool = False) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """``x [..., D]`` -> the stacked product ``[..., sum of outputs]`` (its slices of projections
-        without a bias are theirs exactly) and each projection (with its bias) by name."""
+        without a bias are theirs exactly) and each projection (with its bias) by name. With
+        ``token_axis``, both as ``[..., 1, *]``: a decode step's rows ``x [B, D]`` give what a
+        mixer reads for one token, ``[B, 1, *]``, by one view of the product, not one per part
+        (the product's input stays two-dimensional, see :func:`~trellis_lm.decode_step.advance_token`)."""
         # Compiled, one form for any number of rows (inductor fuses the bias add either way): a
         # branch on the row count would compile a server's batches on either side of it apart.
         if self.bias is not None and (torch.compiler.is_compiling() or x.shape[:-1].numel() < FEW_ROWS):
             out = F.linear(x, self.weight, self.bias)
+            out = out.unsqueeze(-2) if token_axis else out
             return out, dict(zip(self.names, out.split(self.widths, dim=-1)))
         out = F.linear(x, self.weight)
+        out = out.unsqueeze(-2) if token_axis else out
         parts = out.split(self.widths, dim=-1)
         return out, {name: part if bias is None else part + bias
                      for name, part, bias in zip(self.names, parts, self.biases)}

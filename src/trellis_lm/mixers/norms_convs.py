@@ -28,9 +28,16 @@ def l2_normalize(x: torch.Tensor) -> torch.Tensor:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm of ``x`` over its last axis with ``weight``, computed in at least float32 (what
     :class:`TrellisRMSNorm` computes)."""
-    # torch's fused kernel, with the weight folded in when the dtypes allow: one operation
-    # instead of five or six matters in token-by-token decoding.
     if x.dtype == weight.dtype and x.dtype in (torch.float32, torch.float64):
+        if (x.device.type == "cpu" and x.is_contiguous() and not torch.is_grad_enabled()
+                and not torch.compiler.is_compiling()):
+            # On a CPU torch's rms_norm is these five operations, run as a composite of fourteen
+            # dispatches (casts, scalars wrapped as tensors): written out, the same numbers
+            # (tests/test_decode_step.py) at less cost per token. Recorded, compiled, or on a
+            # strided input (whose output torch's makes dense), torch's.
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+        # Elsewhere one fused kernel with the weight folded in: one operation instead of five
+        # or six matters in token-by-token decoding.
         return F.rms_norm(x, x.shape[-1:], weight, eps=eps)
     normed = F.rms_norm(at_least_float32(x), x.shape[-1:], eps=eps)
     return weight * normed.to(x.dtype)

@@ -40,11 +40,12 @@ def step_forward(q, k, v, alpha, log_beta, gamma, state, chunk_size, compress_fn
     # Every memory read is a row vector times the memory's transpose ([N, H, 1, D] @ [.., D, M]):
     # torch's CPU batched matmul takes a matrix times a column vector several times slower
     # (BENCHMARKS.md, "Figures behind code comments").
-    reads = torch.stack([k.view(rows, heads, 1, dk) @ r_k.mT, v.view(rows, heads, 1, dv) @ r_v.mT])  # [2, N, H, 1, M]
+    k, v = k.view(rows, heads, 1, dk), v.view(rows, heads, 1, dv)  # read, then written, with each
+    reads = torch.stack([k @ r_k.mT, v @ r_v.mT])  # [2, N, H, 1, M]
     u = compress_residual_vjp(compress_fn, reads.view(2, rows, heads, slots), alpha.view(rows, heads, slots))
-    u = (u * gamma.view(rows, heads, 1)).view(2, rows, heads, slots, 1)
-    m_k = torch.addcmul(beta * m_k, u[0], k.view(rows, heads, 1, dk), value=-1)
-    m_v = torch.addcmul(beta * m_v, u[1], v.view(rows, heads, 1, dv), value=-1)
+    u_k, u_v = (u * gamma.view(rows, heads, 1)).view(2, rows, heads, slots, 1).unbind()
+    m_k = torch.addcmul(beta * m_k, u_k, k, value=-1)
+    m_v = torch.addcmul(beta * m_v, u_v, v, value=-1)
     h = mix(mix_fn, q.view(rows, heads, 1, dk) @ m_k.mT)  # [N, H, 1, M]
     o = (h @ m_v).view(rows, 1, heads, dv)  # [N, H, 1, Dv] and [N, 1, H, Dv] share their layout
     if exact:  # nothing reads the anchors: they follow the memories (section 3)
