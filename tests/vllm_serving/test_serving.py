@@ -317,8 +317,9 @@ def test_what_the_plugin_does_not_serve_is_refused_when_the_engine_is_configured
     """Clear errors at LLM(...), not wrong tokens later (docs/serving.md): speculative decoding
     with a draft model (vLLM 0.32 keeps no recurrent states for a draft model's layers), a model
     without attention layers given two block sizes under prefix caching (its states would be kept
-    where no prompt chunk ends), pipeline parallelism, and tensor parallelism over a number of
-    ranks that does not divide the heads."""
+    where no prompt chunk ends), pipeline parallelism, tensor parallelism over a number of
+    ranks that does not divide the heads, and vLLM's LoRA adapters (the memory layers' rows are
+    not the flat batch vLLM's LoRA layers index)."""
     save_checkpoint(tmp_path, "trellis")
     with pytest.raises(Exception, match="block_size = 32 and mamba_block_size = 64: a model without attention layers"):
         engine(tmp_path, block_size=32, mamba_block_size=64)
@@ -330,3 +331,5 @@ def test_what_the_plugin_does_not_serve_is_refused_when_the_engine_is_configured
         engine(tmp_path, pipeline_parallel_size=2, distributed_executor_backend="mp")
     with pytest.raises(Exception, match="tensor_parallel_size = 3 must divide .* num_heads = 2"):
         engine(tmp_path, tensor_parallel_size=3, distributed_executor_backend="mp")
+    with pytest.raises(Exception, match="enable_lora = True: vLLM's LoRA adapters are not supported for Trellis"):
+        engine(tmp_path, enable_lora=True)
