@@ -279,16 +279,37 @@ def test_drafts_keep_the_states_prefix_caching_reads(tmp_path, monkeypatch, sche
     assert any(hit > prompt for hit, (prompt, _) in zip(with_drafts, texts))
 
 
+def refused_load(name: str, shape: tuple[int, ...]):
+    """What the served model's ``load_weights`` says of a tensor ``name`` of ``shape`` (run on
+    the model by ``LLM.apply_model``)."""
+    def load(model) -> str:
+        try:
+            model.load_weights([(name, torch.zeros(shape))])
+        except ValueError as error:
+            return str(error)
+        return "loaded"
+
+    return load
+
+
 def test_a_cpu_engine_keeps_freed_memory_from_the_model_s_load(tmp_path, monkeypatch):
     """The plugin raises glibc's malloc thresholds (``allocator.keep_freed_memory``; its effect:
-    tests/test_serving_slots.py) when a CPU engine builds the model: once in this process."""
+    tests/test_serving_slots.py) when a CPU engine builds the model: once in this process. The
+    served model's ``load_weights`` names a tensor it lacks, or one of a shape other than the
+    whole model's, before loading it."""
     from trellis_lm.integrations.vllm import model as plugin_model
 
     calls = []
     monkeypatch.setattr(plugin_model, "keep_freed_memory", lambda: calls.append(True) or True)
     save_checkpoint(tmp_path, "trellis")
-    engine(tmp_path, max_model_len=64, max_num_batched_tokens=64)
+    llm = engine(tmp_path, max_model_len=64, max_num_batched_tokens=64)
     assert calls == [True]
+    assert llm.apply_model(refused_load("model.layers.0.self_attn.q_proj.weight", (64, 63))) == [
+        "the checkpoint's 'model.layers.0.self_attn.q_proj.weight' has shape (64, 63); a TrellisForCausalLM with this "
+        "config takes (64, 64)"]
+    assert llm.apply_model(refused_load("model.layers.0.self_attn.qkv_proj.weight", (64, 64))) == [
+        "the checkpoint holds 'model.layers.0.self_attn.qkv_proj.weight', which a TrellisForCausalLM with this config "
+        "lacks"]
 
 
 def heads_served(model) -> list[int]:

@@ -72,9 +72,10 @@ class InStack(nn.Module):
         self.bias = bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        raise RuntimeError(f"{self.name} is computed by its module's stacked layer (projection_stack) in vLLM, "
-                           "which projection_stacks.stacked skips only while training, recording gradients or "
-                           "under a global forward hook: the served model runs none of these")
+        # projection_stacks.stacked hands the module its stack unless training, recording
+        # gradients or under a global forward hook, none of which a served model does.
+        raise RuntimeError(f"{self.name} is a slice of its module's stacked vLLM layer (its projection_stack), "
+                           "which the module skipped: a served model is not trained or hooked")
 
 
 class ParallelStack:
@@ -106,12 +107,12 @@ def head_share_loader(dim: int) -> Callable[[nn.Parameter, torch.Tensor], None]:
     return load
 
 
-def _stack(owner: nn.Module, path: str) -> dict[str, Destination]:
-    """Replace ``owner``'s ``fusable_projections`` (those it has) by one stacked vLLM layer;
-    the destinations of their checkpoint tensors (``path``: ``owner``'s name in the model)."""
+def _stack(owner: nn.Module, path: str, ranks: int) -> dict[str, tuple[str, int]]:
+    """Replace ``owner``'s ``fusable_projections`` (those it has) by one stacked vLLM layer
+    split over ``ranks``; where their checkpoint tensors go (``path``: ``owner``'s name in the
+    model): the stacked parameter and the shard."""
     names = [name for name in type(owner).fusable_projections if getattr(owner, name) is not None]
     linears = [getattr(owner, name) for name in names]
-    ranks = get_tensor_model_parallel_world_size()
     layer_name = stack_name(type(owner).fusable_projections)
     layer = MergedColumnParallelLinear(linears[0].in_features, [m.out_features * ranks for m in linears],
                                        bias=any(m.bias is not None for m in linears), return_bias=False,
@@ -121,14 +122,14 @@ def _stack(owner: nn.Module, path: str) -> dict[str, Destination]:
     setattr(owner, layer_name, layer)
     widths = [m.out_features for m in linears]
     offsets = [sum(widths[:i]) for i in range(len(widths))]
-    destinations = {}
+    routes = {}
     for shard, (name, linear, offset) in enumerate(zip(names, linears, offsets)):
         bias = None if linear.bias is None else layer.bias[offset: offset + widths[shard]]
         setattr(owner, name, InStack(name, bias))
         for kind in ("weight", "bias") if linear.bias is not None else ("weight",):
-            destinations[f"{path}.{name}.{kind}"] = Destination(f"{path}.{layer_name}.{kind}", shard, torch.Size())
+            routes[f"{path}.{name}.{kind}"] = (f"{path}.{layer_name}.{kind}", shard)
     owner.projection_stack = ParallelStack(layer, names, widths)
-    return destinations
+    return routes
 
 
 def parallel_block(layer: TrellisDecoderLayer, config: TrellisConfig, prefix: str) -> dict[str, Destination]:
@@ -138,15 +139,16 @@ def parallel_block(layer: TrellisDecoderLayer, config: TrellisConfig, prefix: st
     model's block (``config``'s)."""
     with torch.device("meta"):
         whole = dict(TrellisDecoderLayer(config, layer.self_attn.layer_idx).named_parameters())
-    destinations: dict[str, Destination] = {}
+    ranks = get_tensor_model_parallel_world_size()
+    routes: dict[str, tuple[str, int]] = {}
     for owner_name, output in OUTPUT_PROJECTIONS.items():
         owner = getattr(layer, owner_name)
         path = f"{prefix}.{owner_name}"
         if getattr(type(owner), "fusable_projections", ()):
-            destinations.update(_stack(owner, path))
+            routes.update(_stack(owner, path, ranks))
         linear = getattr(owner, output)
         setattr(owner, output, RowParallelLinear(
-            linear.in_features * get_tensor_model_parallel_world_size(), linear.out_features, bias=linear.bias is not None, input_is_parallel=True,
+            linear.in_features * ranks, linear.out_features, bias=linear.bias is not None, input_is_parallel=True,
             reduce_results=True, return_bias=False, params_dtype=linear.weight.dtype, prefix=f"{path}.{output}",
         ))
     for name, param in layer.named_parameters():
@@ -155,8 +157,5 @@ def parallel_block(layer: TrellisDecoderLayer, config: TrellisConfig, prefix: st
         split = [dim for dim, (a, b) in enumerate(zip(param.shape, whole[name].shape)) if a != b]
         if split:  # a per-head parameter (learned memories, short-conv taps, ...): its rank's heads
             set_weight_attrs(param, {"weight_loader": head_share_loader(split[0])})
-    for name, param in whole.items():
-        where = destinations.get(f"{prefix}.{name}")
-        destinations[f"{prefix}.{name}"] = Destination(f"{prefix}.{name}", None, param.shape) if where is None \
-            else where._replace(shape=param.shape)
-    return destinations
+    return {f"{prefix}.{name}": Destination(*routes.get(f"{prefix}.{name}", (f"{prefix}.{name}", None)), param.shape)
+            for name, param in whole.items()}
