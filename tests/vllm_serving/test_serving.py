@@ -279,16 +279,37 @@ def test_drafts_keep_the_states_prefix_caching_reads(tmp_path, monkeypatch, sche
     assert any(hit > prompt for hit, (prompt, _) in zip(with_drafts, texts))
 
 
+def refused_load(name: str, shape: tuple[int, ...]):
+    """What the served model's ``load_weights`` says of a tensor ``name`` of ``shape`` (run on
+    the model by ``LLM.apply_model``)."""
+    def load(model) -> str:
+        try:
+            model.load_weights([(name, torch.zeros(shape))])
+        except ValueError as error:
+            return str(error)
+        return "loaded"
+
+    return load
+
+
 def test_a_cpu_engine_keeps_freed_memory_from_the_model_s_load(tmp_path, monkeypatch):
     """The plugin raises glibc's malloc thresholds (``allocator.keep_freed_memory``; its effect:
-    tests/test_serving_slots.py) when a CPU engine builds the model: once in this process."""
+    tests/test_serving_slots.py) when a CPU engine builds the model: once in this process. The
+    served model's ``load_weights`` names a tensor it lacks, or one of a shape other than the
+    whole model's, before loading it."""
     from trellis_lm.integrations.vllm import model as plugin_model
 
     calls = []
     monkeypatch.setattr(plugin_model, "keep_freed_memory", lambda: calls.append(True) or True)
     save_checkpoint(tmp_path, "trellis")
-    engine(tmp_path, max_model_len=64, max_num_batched_tokens=64)
+    llm = engine(tmp_path, max_model_len=64, max_num_batched_tokens=64)
     assert calls == [True]
+    assert llm.apply_model(refused_load("model.layers.0.self_attn.q_proj.weight", (64, 63))) == [
+        "the checkpoint's 'model.layers.0.self_attn.q_proj.weight' has shape (64, 63); a TrellisForCausalLM with this "
+        "config takes (64, 64)"]
+    assert llm.apply_model(refused_load("model.layers.0.self_attn.qkv_proj.weight", (64, 64))) == [
+        "the checkpoint holds 'model.layers.0.self_attn.qkv_proj.weight', which a TrellisForCausalLM with this config "
+        "lacks"]
 
 
 def heads_served(model) -> list[int]:
@@ -317,8 +338,9 @@ def test_what_the_plugin_does_not_serve_is_refused_when_the_engine_is_configured
     """Clear errors at LLM(...), not wrong tokens later (docs/serving.md): speculative decoding
     with a draft model (vLLM 0.32 keeps no recurrent states for a draft model's layers), a model
     without attention layers given two block sizes under prefix caching (its states would be kept
-    where no prompt chunk ends), pipeline parallelism, and tensor parallelism over a number of
-    ranks that does not divide the heads."""
+    where no prompt chunk ends), pipeline parallelism, tensor parallelism over a number of
+    ranks that does not divide the heads, and vLLM's LoRA adapters (the memory layers' rows are
+    not the flat batch vLLM's LoRA layers index)."""
     save_checkpoint(tmp_path, "trellis")
     with pytest.raises(Exception, match="block_size = 32 and mamba_block_size = 64: a model without attention layers"):
         engine(tmp_path, block_size=32, mamba_block_size=64)
@@ -330,3 +352,5 @@ def test_what_the_plugin_does_not_serve_is_refused_when_the_engine_is_configured
         engine(tmp_path, pipeline_parallel_size=2, distributed_executor_backend="mp")
     with pytest.raises(Exception, match="tensor_parallel_size = 3 must divide .* num_heads = 2"):
         engine(tmp_path, tensor_parallel_size=3, distributed_executor_backend="mp")
+    with pytest.raises(Exception, match="enable_lora = True: vLLM's LoRA adapters are not supported for Trellis"):
+        engine(tmp_path, enable_lora=True)

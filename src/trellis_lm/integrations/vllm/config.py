@@ -35,6 +35,14 @@ class TrellisServingChecks(VerifyAndUpdateConfig):
                 "draft models have no state layers), and a Trellis draft model is made of them (docs/serving.md); use "
                 "n-gram drafts (speculative_config={'method': 'ngram', ...})"
             )
+        if vllm_config.lora_config is not None:
+            raise ValueError(
+                "enable_lora = True: vLLM's LoRA adapters are not supported for Trellis checkpoints. vLLM's LoRA layers "
+                "pick each token's adapter by the token's place in the step's flat batch, and the memory layers (Trellis, "
+                "Lattice, KVM) run their projections on the step's sequences gathered into rows of their own, where those "
+                "places do not hold. Serve an adapter merged into the weights instead (PEFT's merge_and_unload(), then "
+                "save_pretrained; docs/serving.md)"
+            )
         keep_states_where_the_scheduler_aligns(vllm_config)
         parallel = vllm_config.parallel_config
         if parallel.pipeline_parallel_size > 1:

@@ -16,8 +16,9 @@ The model runs eagerly (no ``torch.compile`` by vLLM, no CUDA graphs): the memor
 work per step is the ops' own (Triton kernels on a GPU), and a step's Python stays outside
 any graph. A checkpoint saved with ``compile_decode`` has its Trellis and Lattice mixers' rows
 of one token and of draft tokens compiled on a CPU (:func:`~.slots.compile_rows`, as the
-weights load), the slot logic around them eager. Tensor parallelism splits the heads across
-ranks (:mod:`.parallel`); pipeline parallelism is refused (see ``docs/serving.md``).
+weights load), the slot logic around them eager. The blocks' projections, the embedding and
+the head are vLLM's parallel layers (:mod:`.parallel_layers`), which split the heads across
+tensor-parallel ranks (:mod:`.parallel`); pipeline parallelism is refused (see ``docs/serving.md``).
 """
 
 from __future__ import annotations
@@ -27,14 +28,15 @@ from collections.abc import Iterable
 from typing import Any, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from vllm.config import VllmConfig
-from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.attention import Attention
+from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.mamba.abstract import MambaBase
 from vllm.model_executor.layers.mamba.mamba_utils import get_temporal_copy_spec
+from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 from vllm.v1.kv_cache_interface import KVCacheSpec
@@ -43,10 +45,10 @@ from ...configuration_trellis import TrellisConfig
 from ...layer_kinds import MIXERS
 from ...mixers import MemoryMixer, Mixer
 from ...mixers.norms_convs import TrellisRMSNorm
-from ...modeling_trellis import TrellisDecoderLayer
-from ...projection_stacks import LinearStack
+from ...modeling_trellis import TrellisDecoderLayer, TrellisMLP
 from .allocator import keep_freed_memory
-from .parallel import rank_config, rank_share, reduce_outputs
+from .parallel import rank_config
+from .parallel_layers import Destination, packed_modules, parallel_block
 from .slots import SlotLayout, compile_rows, run_on_slots
 from .state_backend import register_backend, step_groups
 
@@ -161,19 +163,22 @@ class PagedAttentionLayer(nn.Module):
 
 class TrellisStack(nn.Module):
     """Embeddings, blocks (each with its serving child ``serving``) and the final norm; the
-    blocks of ``config``, a rank's share of the model (:mod:`.parallel`)."""
+    blocks of ``config``, a rank's share of the model (:mod:`.parallel`), on vLLM's parallel
+    layers (:mod:`.parallel_layers`). ``destinations``: where each of the checkpoint's tensors
+    under ``prefix`` loads."""
 
     def __init__(self, config: TrellisConfig, vllm_config: VllmConfig, prefix: str) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        whole = vllm_config.model_config.hf_config
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, prefix=f"{prefix}.embed_tokens")
         self.layers = nn.ModuleList(TrellisDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = TrellisRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.destinations = {f"{prefix}.{name}": Destination(f"{prefix}.{name}", None, torch.Size(shape)) for name, shape in
+                             (("embed_tokens.weight", (whole.vocab_size, whole.hidden_size)), ("norm.weight", (whole.hidden_size,)))}
         layouts = engine_layouts(vllm_config)
         page_bytes = max((layout.nbytes for layout in layouts.values()), default=0)
-        split = vllm_config.parallel_config.tensor_parallel_size > 1
         for i, layer in enumerate(self.layers):
-            if split:
-                reduce_outputs(layer)
+            self.destinations.update(parallel_block(layer, whole, f"{prefix}.layers.{i}"))
             name = f"{prefix}.layers.{i}.serving"
             mixer = layer.self_attn
             layer.serving = (MemoryStateLayer(mixer, vllm_config, name, layouts[mixer.kind], page_bytes)
@@ -187,25 +192,15 @@ class TrellisStack(nn.Module):
         return self.norm(hidden)
 
 
-def stack_projections(model: nn.Module) -> None:
-    """Give every module of ``model`` that reads several projections of one input
-    (``fusable_projections``: a mixer's q, k, v and gates, the MLP's gate and up) their weights
-    stacked once (:class:`~trellis_lm.projection_stacks.LinearStack`): one product per module
-    and step instead of one per projection. vLLM does not change the weights it loaded (a
-    reload loads them again, and stacks again), so, unlike ``generate``, which stacks for one
-    call, the stacks are made once; without them a decode step makes none (see
-    :func:`~trellis_lm.projection_stacks.stacked`)."""
-    for module in model.modules():
-        if getattr(type(module), "fusable_projections", ()):
-            module.projection_stack = LinearStack.of(module, module.fusable_projections)
-
-
 class TrellisForCausalLM(nn.Module, HasInnerState, IsHybrid):
     """A Trellis checkpoint in vLLM (any ``mixer_types``; see the module doc).
 
     vLLM treats it as a hybrid model: the memory layers' states in its state slots, the
     attention layers (where there are any) in its paged KV cache.
     """
+
+    # The projections each stacked layer holds (vLLM's declaration of them, :mod:`.parallel_layers`).
+    packed_modules_mapping = packed_modules((*dict.fromkeys(MIXERS.values()), TrellisMLP))
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()
@@ -215,7 +210,13 @@ class TrellisForCausalLM(nn.Module, HasInnerState, IsHybrid):
         config = vllm_config.model_config.hf_config
         self.config = config
         self.model = TrellisStack(served_config(vllm_config), vllm_config, prefix="model")
-        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, prefix="lm_head")
+        if config.tie_word_embeddings:
+            self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
+        else:
+            self.model.destinations["lm_head.weight"] = Destination("lm_head.weight", None, self.model.destinations[
+                "model.embed_tokens.weight"].shape)
+        self.logits_processor = LogitsProcessor(config.vocab_size)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
@@ -225,31 +226,43 @@ class TrellisForCausalLM(nn.Module, HasInnerState, IsHybrid):
         return self.model(input_ids, positions, inputs_embeds)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
-        return F.linear(hidden_states, head.weight)
+        return self.logits_processor(self.lm_head, hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy the checkpoint's tensors, by the names ``save_pretrained`` gave them (this rank's
-        share of each, :func:`~.parallel.rank_share`); a name the model lacks is an error (a
-        tied head's copy aside)."""
+        """Load the checkpoint's tensors, by the names ``save_pretrained`` gave them, through
+        the ``weight_loader`` of the parameter each goes to (its shard of a stacked layer, this
+        rank's share: :mod:`.parallel_layers`). A name the model lacks, or a shape other than
+        the whole model's, is an error (a tied head's copy is skipped)."""
         params = dict(self.named_parameters())
-        rank, ranks = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
         loaded = set()
         for name, tensor in weights:
-            if name == "lm_head.weight" and self.lm_head is None:
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue  # tied: the embedding is the head
-            if name not in params:
+            where = self.model.destinations.get(name)
+            if where is None:
                 raise ValueError(f"the checkpoint holds {name!r}, which a {type(self).__name__} with this config lacks")
-            params[name].data.copy_(rank_share(tensor, params[name].shape, rank, ranks, name))
-            loaded.add(name)
-        stack_projections(self)
-        if self.config.compile_decode:  # compiled now, not in a request's step (see docs/serving.md)
+            if tensor.shape != where.shape:
+                raise ValueError(f"the checkpoint's {name!r} has shape {tuple(tensor.shape)}; a {type(self).__name__} "
+                                 f"with this config takes {tuple(where.shape)}")
+            param = params[where.param]
+            load = getattr(param, "weight_loader", default_weight_loader)
+            if where.shard is None:
+                load(param, tensor)
+            else:
+                load(param, tensor, where.shard)
+            loaded.add(where.param)
+        return loaded
+
+    def process_weights_after_loading(self) -> None:
+        """What vLLM runs once every layer has processed its loaded weights (on a CPU: packed
+        them for oneDNN): under ``compile_decode``, the memory layers' rows compiled now, through
+        the packed products, not in a request's step (see docs/serving.md)."""
+        if self.config.compile_decode:
             self.eval()  # as vLLM runs it after loading (the compiled functions guard on the mode)
             like = self.model.embed_tokens.weight
             for layer in self.model.layers:
                 if isinstance(layer.serving, MemoryStateLayer):
                     compile_rows(layer.serving.mixer, layer.serving.layout, like, self.draft_width)
-        return loaded
 
     # What vLLM asks of a hybrid model class before building it: the state of one sequence in
     # one layer (the largest kind's slot, in bytes: every memory layer's page is that size) ...
