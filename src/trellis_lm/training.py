@@ -73,66 +73,57 @@ CHAT_TEMPLATE = (
 # ----------------------------------------------------------------------------- arguments
 
 
+def _option(default: Any, help: str) -> Any:
+    """A recipe argument as HfArgumentParser reads it: its ``default`` (a list is copied for
+    every instance) and its ``--help`` text."""
+    if isinstance(default, (list, tuple)):
+        return field(default_factory=lambda: list(default), metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass
 class ModelArguments:
     """Which model to train: an existing checkpoint, or a new one of :data:`SMALL_MODEL` size."""
 
-    model: Optional[str] = field(
-        default=None,
-        metadata={"help": "checkpoint folder or Hub id to start from; default: a new model and a new "
-                          "tokenizer trained on the data"},
-    )
-    config_overrides: Optional[str] = field(
-        default=None,
-        metadata={"help": "for a new model, TrellisConfig fields over the small default, e.g. "
-                          "'hidden_size=256,num_hidden_layers=4,chunk_size=64' (values read as JSON where they "
-                          "parse: true, 1e-5, [\"trellis\", \"attention\"]; else as strings)"},
-    )
-    vocab_size: int = field(default=1024, metadata={"help": "vocabulary of a new tokenizer"})
-    max_length: int = field(default=256, metadata={"help": "tokens per training example (longer ones are cut)"})
-    state_passing: float = field(
-        default=DEFAULT_PROBABILITY,
-        metadata={"help": "probability that a training row starts from the final memory states of a row of the "
-                          "previous batch (trellis_lm.state_passing: reads far past the training length); 0 "
-                          "disables"},
-    )
-    state_passing_from: Optional[float] = field(
-        default=None,
-        metadata={"help": "with --state_passing, begin at this fraction of max_steps (default 0.7: over the last "
-                          "three tenths of the steps, which kept perplexity flat to 64x the training length for 2.5 "
-                          "percent more at the training length in docs/results_lm_extrapolation.md)"},
-    )
+    model: Optional[str] = _option(None, "checkpoint folder or Hub id to start from; default: a new model and a new "
+                                         "tokenizer trained on the data")
+    config_overrides: Optional[str] = _option(
+        None, "for a new model, TrellisConfig fields over the small default, e.g. "
+              "'hidden_size=256,num_hidden_layers=4,chunk_size=64' (values read as JSON where they parse: true, "
+              "1e-5, [\"trellis\", \"attention\"]; else as strings)")
+    vocab_size: int = _option(1024, "vocabulary of a new tokenizer")
+    max_length: int = _option(256, "tokens per training example (longer ones are cut)")
+    state_passing: float = _option(
+        DEFAULT_PROBABILITY, "probability that a training row starts from the final memory states of a row of the "
+                             "previous batch (trellis_lm.state_passing: reads far past the training length); 0 "
+                             "disables")
+    state_passing_from: Optional[float] = _option(
+        None, "with --state_passing, begin at this fraction of max_steps (default 0.7: over the last three tenths "
+              "of the steps, which kept perplexity flat to 64x the training length for 2.5 percent more at the "
+              "training length in docs/results_lm_extrapolation.md)")
 
 
 @dataclass
 class PretrainArguments(ModelArguments):
     """Data of the pretraining recipe (:func:`pretrain`)."""
 
-    data_files: list[str] = field(
-        default_factory=list,
-        metadata={"help": "text files, one document per paragraph (blank-line separated); default: a "
-                          "sample of standard-library docstrings written to OUTPUT_DIR/sample_corpus.txt"},
-    )
-    shuffle_buffer: int = field(default=1000, metadata={"help": "documents in the streaming shuffle buffer"})
-    tokenizer_documents: int = field(default=5000, metadata={"help": "documents a new tokenizer is trained on"})
+    data_files: list[str] = _option([], "text files, one document per paragraph (blank-line separated); default: a "
+                                        "sample of standard-library docstrings written to OUTPUT_DIR/sample_corpus.txt")
+    shuffle_buffer: int = _option(1000, "documents in the streaming shuffle buffer")
+    tokenizer_documents: int = _option(5000, "documents a new tokenizer is trained on")
 
 
 @dataclass
 class FinetuneArguments(ModelArguments):
     """Data and adapters of the chat fine-tuning recipe (:func:`finetune`)."""
 
-    data_files: list[str] = field(
-        default_factory=list,
-        metadata={"help": 'JSONL files of {"messages": [{"role": ..., "content": ...}, ...]}; default: '
-                          "synthetic arithmetic chats written to OUTPUT_DIR/sample_chats.jsonl"},
-    )
-    lora: bool = field(default=False, metadata={"help": "train LoRA adapters instead of all weights"})
-    lora_rank: int = field(default=8, metadata={"help": "LoRA rank r"})
-    lora_alpha: int = field(default=16, metadata={"help": "LoRA scaling alpha"})
-    lora_target_modules: list[str] = field(
-        default_factory=lambda: list(LORA_TARGET_MODULES), metadata={"help": "module names LoRA adapts"}
-    )
-    merge_lora: bool = field(default=True, metadata={"help": "also save the merged model to OUTPUT_DIR/merged"})
+    data_files: list[str] = _option([], 'JSONL files of {"messages": [{"role": ..., "content": ...}, ...]}; default: '
+                                        "synthetic arithmetic chats written to OUTPUT_DIR/sample_chats.jsonl")
+    lora: bool = _option(False, "train LoRA adapters instead of all weights")
+    lora_rank: int = _option(8, "LoRA rank r")
+    lora_alpha: int = _option(16, "LoRA scaling alpha")
+    lora_target_modules: list[str] = _option(LORA_TARGET_MODULES, "module names LoRA adapts")
+    merge_lora: bool = _option(True, "also save the merged model to OUTPUT_DIR/merged")
 
 
 # What the recipes change in TrainingArguments' defaults: a short CPU-sized run with progress,
