@@ -301,7 +301,7 @@ def test_advance_each_gives_the_entry_after_every_token(schedule, overrides, tok
     ("trellis", {}), ("trellis", {"conv_size": 0, "use_forget_gate": False}), ("lattice", {}), ("kvm", {}),
     ("trellis", {"write_gradient": "anchored"}),
 ])
-def test_advance_packed_gives_each_sequences_advance(schedule, overrides):
+def test_advance_on_packed_sequences_gives_each_sequences_advance(schedule, overrides):
     """What the slots run prompt chunks with: sequences of 2, 1, 5 and 3 tokens (shorter than the
     short conv's tail, and across a chunk of 4) packed along one row, each after its own entry,
     give the outputs and entry after of ``advance`` on each sequence alone."""
@@ -312,8 +312,8 @@ def test_advance_packed_gives_each_sequences_advance(schedule, overrides):
     with torch.no_grad():
         _, before = mixer.advance(x[:, :6], None, MemoryEntry(None, None, None))
         packed = PackedSequences.from_lengths(lengths)
-        y, after = mixer.advance_packed(torch.cat([x[n, 6: 6 + int(t)] for n, t in enumerate(lengths)])[None],
-                                        packed, before)
+        y, after = mixer.advance(torch.cat([x[n, 6: 6 + int(t)] for n, t in enumerate(lengths)])[None],
+                                 packed, before)
         for n, length in enumerate(lengths.tolist()):
             row = MemoryEntry(*(None if t is None else t[n: n + 1] for t in (before.q_tail, before.k_tail)),
                               before.state.map(lambda t: t[n: n + 1]))

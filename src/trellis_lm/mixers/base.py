@@ -448,12 +448,15 @@ class MemoryMixer(Mixer):
         """Make ``entry`` (what :meth:`advance` returned) this layer's live entry of ``call``."""
         call.entry(self.layer_idx).hold(entry)
 
-    def advance(self, x: torch.Tensor, valid: Optional[ValidTokens], entry: MemoryEntry,
+    def advance(self, x: torch.Tensor, valid: Union[ValidTokens, PackedSequences, None], entry: MemoryEntry,
                 with_output: bool = True) -> tuple[Optional[torch.Tensor], MemoryEntry]:
         """The layer on ``x [B, T, D]`` continuing ``entry``: ``(y [B, T, D], the entry after
         x)``, ``y`` ``None`` when not ``with_output`` (a replay wants the entry only: the
         read-out's projections are skipped). What every caller that carries an entry runs: the
-        cache's forward, a crop's replay, the compiled decode step, the vLLM slots.
+        cache's forward, a crop's replay, the compiled decode step, the vLLM slots. With
+        :class:`PackedSequences` (``x [1, T, D]``, ``entry`` of R rows, state given: a server's
+        prompt chunks, each after its own slot's state) the entry after has one row per
+        sequence, and the projections, convs and op run once on the T tokens, no padding.
 
         The entry after holds the new tails (when the layer has a conv) and the new state; where
         no row had a real token, the old state stands, or the initial one, copied, so that every
@@ -464,21 +467,6 @@ class MemoryMixer(Mixer):
         if state is None:
             state = entry.state if entry.state is not None else self.fresh_state(x.shape[0]).map(torch.clone)
         return y, MemoryEntry(q_tail, k_tail, state)
-
-    @torch.no_grad()
-    def advance_packed(self, x: torch.Tensor, packed: PackedSequences, entry: MemoryEntry
-                       ) -> tuple[torch.Tensor, MemoryEntry]:
-        """The layer on the R sequences ``packed`` along ``x [1, T, D]``, each continuing its row
-        of ``entry`` (R rows, state given): ``y [1, T, D]`` and the entry after each sequence (R
-        rows). What a server runs a step's prompt chunks with (the vLLM slots): the projections,
-        short convs and read-out on the T tokens, no padding, and the op once (``cu_seqlens``)."""
-        proj = Projections(self, x, self._fused_projections(x))
-        q, k, q_tail, k_tail = self._queries_keys(proj, packed, entry.q_tail, entry.k_tail)
-        inputs = self.op_inputs(proj, q, k, packed, entry.state)
-        o, state = self.run_op(inputs, entry.state, True, packed.cu_seqlens)
-        if self.q_conv is None:
-            q_tail, k_tail = entry.q_tail, entry.k_tail
-        return self.read_out(proj, o), MemoryEntry(q_tail, k_tail, state)
 
     @torch.no_grad()
     def advance_each(self, x: torch.Tensor, entry: MemoryEntry) -> tuple[torch.Tensor, list[MemoryEntry]]:
@@ -534,7 +522,7 @@ class MemoryMixer(Mixer):
     def mix(
         self,
         x: torch.Tensor,
-        valid: Optional[ValidTokens],
+        valid: Union[ValidTokens, PackedSequences, None],
         entry: MemoryEntry,
         keep_state: bool,
         with_output: bool = True,
@@ -608,13 +596,15 @@ class MemoryMixer(Mixer):
             fused["q_proj+k_proj"] = out[..., : fused["q_proj"].shape[-1] + fused["k_proj"].shape[-1]]
         return fused
 
-    def _initial_state(self, carried: Optional[OpState], valid: Optional[ValidTokens], batch: int) -> OpState:
+    def _initial_state(self, carried: Optional[OpState], valid: Union[ValidTokens, PackedSequences, None],
+                       batch: int) -> OpState:
         """The op's initial state: one per row, or one per packed document.
 
         A row continues ``carried`` (its cache entry) or starts from the learned memories;
-        documents after a row's first always start from the learned memories.
+        documents after a row's first always start from the learned memories; each of
+        :class:`PackedSequences` continues its own row of ``carried``.
         """
-        if valid is None or not valid.has_documents:
+        if valid is None or isinstance(valid, PackedSequences) or not valid.has_documents:
             return carried if carried is not None else self.fresh_state(batch)
         if carried is None:
             return self.fresh_state(valid.seq_rows.numel())
@@ -636,16 +626,17 @@ class MemoryMixer(Mixer):
         })
 
     def _attend(
-        self, inputs: tuple[torch.Tensor, ...], initial_state: OpState, valid: Optional[ValidTokens], keep_state: bool
+        self, inputs: tuple[torch.Tensor, ...], initial_state: OpState, valid: Union[ValidTokens, PackedSequences, None],
+        keep_state: bool,
     ) -> tuple[torch.Tensor, Optional[OpState]]:
         """Run the op; with padding, once on the real tokens packed as one sequence per row.
 
         Returns ``o [B, T, H, d]`` (zeros at padding) and the final state, one per row (a row's
-        last document's), ``None`` when not kept or when no row had a token (the state is then
-        unchanged).
+        last document's; one per sequence of :class:`PackedSequences`, which run as they lie),
+        ``None`` when not kept or when no row had a token (the state is then unchanged).
         """
-        if valid is None:
-            return self.run_op(inputs, initial_state, keep_state, None)
+        if valid is None or isinstance(valid, PackedSequences):
+            return self.run_op(inputs, initial_state, keep_state, None if valid is None else valid.cu_seqlens)
         value = inputs[2]
         # The op answers in the queries' dtype, which under CUDA autocast can differ from the
         # values' (norms run in float32 there, projections in bf16).

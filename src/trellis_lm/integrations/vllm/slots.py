@@ -338,12 +338,13 @@ def _run_packed(mixer: MemoryMixer, layout: SlotLayout, tensors: Sequence[torch.
                 out: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, computed: torch.Tensor,
                 read: torch.Tensor, write: torch.Tensor) -> None:
     """Run ``R`` prompt chunks (as :func:`_run_rows` takes them; each writes column 0 of
-    ``write``) packed along one row (:meth:`~trellis_lm.mixers.base.MemoryMixer.advance_packed`),
+    ``write``) packed along one row (:class:`~trellis_lm.mixers.valid_tokens.PackedSequences` through
+    :meth:`~trellis_lm.mixers.base.MemoryMixer.advance`),
     eagerly: no padding, one call of every projection and of the op."""
     packed = PackedSequences.from_lengths(lengths)
     index = starts[packed.seq_id] + packed.pos
     held, entry = _read_entries(mixer, layout, tensors, read, computed)
-    y, after = mixer.advance_packed(x[index][None], packed, entry)
+    y, after = mixer.advance(x[index][None], packed, entry)
     out[index] = y[0]
     _write_entries(layout, tensors, held, after, read, write[:, 0], computed + lengths)
 
