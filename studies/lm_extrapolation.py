@@ -102,6 +102,7 @@ class Variant:
     learning_rate: Optional[float] = None
     state_passing: float = 0.0
     state_passing_from: float = 0.0
+    state_decay: Optional[float] = None  # (StatePassing's decay)
     # The memory profile and the capped-horizon readings (the first study's diagnostics).
     diagnostics: bool = True
 

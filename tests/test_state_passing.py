@@ -89,6 +89,40 @@ def test_evaluation_and_an_explicit_cache_are_left_alone():
         StatePassing(probability=0)
 
 
+def test_a_decayed_state_starts_between_the_carried_memories_and_the_learned_ones():
+    model = tiny_model(dtype=torch.float64).train()
+    first, second = random_tokens(2, 7, seed=1), random_tokens(2, 5, seed=2)
+    with StatePassing(probability=1.0, decay=0.3).attached(model):
+        model(first)
+        passed = model(second, labels=second)
+    passed.loss.backward()
+    model.eval()
+    expected = carried_cache(model, first)
+    for layer, block in zip(expected.layers, model.model.layers):
+        mk0, mv0 = block.self_attn.mk0, block.self_attn.mv0
+        state = layer.state
+        # The memories and anchors moved 70% of the way back to the learned ones; the tails kept.
+        blended = {name: (start + 0.3 * (getattr(state, name) - start)).detach()
+                   for name, start in (("m_k", mk0), ("anchor_k", mk0), ("m_v", mv0), ("anchor_v", mv0))}
+        layer.hold(layer.entry._replace(state=type(state)(**blended, offset=state.offset)))
+    torch.testing.assert_close(passed.logits, model(second, cache=expected).logits, **EXACT)
+    assert not torch.allclose(passed.logits, model(second, cache=carried_cache(model, first)).logits)
+    # The blend keeps a graph to the learned memories (a carried state as it is has none).
+    assert all(block.self_attn.mk0.grad.abs().sum() > 0 for block in model.model.layers)
+
+
+def test_a_decay_is_refused_where_it_has_no_meaning():
+    for bad in (1.0, -0.1, True, "0.5"):
+        with pytest.raises(ValueError, match=r"decay must be None or a number in \[0, 1\)"):
+            StatePassing(decay=bad)
+    model = tiny_model(schedule="hybrid").train()
+    ids = random_tokens(2, 6)
+    with StatePassing(probability=1.0, decay=0.5).attached(model):
+        model(ids)
+        with pytest.raises(ValueError, match="decay blends Trellis memories only; layer 3 is a lattice layer"):
+            model(ids)
+
+
 @pytest.mark.parametrize("schedule", ["hybrid", "kvm"])
 def test_activation_checkpointing_gives_the_same_gradients(schedule):
     def gradients(checkpointing: bool) -> dict[str, torch.Tensor]:

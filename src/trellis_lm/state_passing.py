@@ -58,6 +58,7 @@ from .cache_files import (
 from .cache_trellis import CACHE_NAMES, TrellisCache
 from .layer_kinds import layer_signature
 from .modeling_trellis import TrellisModel
+from .ops.trellis.state import TrellisState
 
 CHECKPOINT_NAME = "state_passing-rank{rank}.safetensors"
 # The recipes' default (issue 35, docs/results_lm_extrapolation.md): p = 0.9 over the last 30% of
@@ -83,12 +84,22 @@ class StatePassing:
         probability: the chance that a row starts from a carried state (else from the learned
             initial memories); in ``(0, 1]``.
         seed: seeds the per-row draws (a resumed run continues their sequence).
+        decay: ``None`` (the default): a row starts from the carried state as it is. A number
+            ``d`` in ``[0, 1)``: from the carried memories moved toward the learned initial ones,
+            ``M0 + d (M - M0)`` for each memory (anchors too; the short-conv tails, the last
+            tokens' inputs, are kept), so rows meet states between a fresh read's and a long
+            read's. Trellis layers only: Lattice's slots are unit vectors and KVM's state is
+            tokens and means, which no such blend keeps (a model with them is refused when the
+            first carried state is given).
     """
 
-    def __init__(self, probability: float = 0.9, seed: int = 0) -> None:
+    def __init__(self, probability: float = 0.9, seed: int = 0, decay: Optional[float] = None) -> None:
         if isinstance(probability, bool) or not isinstance(probability, (int, float)) or not 0 < probability <= 1:
             raise ValueError(f"state passing's probability must be a number in (0, 1], got {probability!r}")
+        if decay is not None and (isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0 <= decay < 1):
+            raise ValueError(f"state passing's decay must be None or a number in [0, 1), got {decay!r}")
         self.probability = float(probability)
+        self.decay = None if decay is None else float(decay)
         self.generator = torch.Generator().manual_seed(seed)
         # Per layer index, the memory entries of the last training batch's rows, and the fields
         # that define the function of the model that made them.
@@ -130,8 +141,22 @@ class StatePassing:
                 continue
             rows_of = torch.arange(rows).clamp(max=held - 1)
             picked = carried.map(lambda t: t.index_select(0, rows_of.to(t.device)))
-            cache.layers[index].hold(model.layers[index].self_attn.fresh_rows(picked, ~keep))
+            mixer = model.layers[index].self_attn
+            if self.decay is not None:
+                picked = self._toward_initial(mixer, picked, index, model.config.layer_kinds[index])
+            cache.layers[index].hold(mixer.fresh_rows(picked, ~keep))
         return cache
+
+    def _toward_initial(self, mixer: nn.Module, entry: MemoryEntry, index: int, kind: str) -> MemoryEntry:
+        """``entry``'s memories moved toward ``mixer``'s learned initial ones by ``decay`` (see
+        the class doc); a graph to the initial memories, as a fresh row's."""
+        if not isinstance(entry.state, TrellisState):
+            raise ValueError(f"state passing's decay blends Trellis memories only; layer {index} is a {kind} layer "
+                             "(use decay=None with this model)")
+        fresh = mixer.fresh_state(entry.state.rows).tensors()
+        blended = {name: t if not t.is_floating_point() else fresh[name] + self.decay * (t - fresh[name])
+                   for name, t in entry.state.tensors().items()}
+        return entry._replace(state=TrellisState(**blended))
 
     def keep_final(self, cache: TrellisCache) -> None:
         """Keep the memory layers' entries of ``cache`` (detached) for the next batch."""
