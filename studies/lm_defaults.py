@@ -46,8 +46,8 @@ from studies.lm import (
     STUDY_SIZE, Recipe, StudyModel, build_study_model, encode_corpus, num_parameters, stdlib_corpus, torch_headers,
     train_lm,
 )
-from studies.lm_extrapolation import Variant, build, passing
-from studies.records import append_record, best_rate, load_records, spread, study_arguments, sweep, sweep_runs
+from studies.lm_extrapolation import Variant, build
+from studies.records import append_record, best_rate, load_records, spread, study_arguments, sweep
 from trellis_lm.eval.perplexity import perplexity, perplexity_by_position
 from trellis_lm.state_passing import DEFAULT_PROBABILITY, DEFAULT_START_FRACTION
 
@@ -196,27 +196,34 @@ def full_runs(records: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
     return found
 
 
-def against(runs: list[dict[str, Any]], baseline: list[dict[str, Any]], field: str = "val_ppl") -> tuple[float, float]:
-    """(mean, worst seed) of ``runs``' ``field`` over ``baseline``'s, minus 1: each seed against the
-    baseline's run of the same seed (the same training windows), or its mean where it has none."""
-    mean = statistics.fmean(r[field] for r in baseline)
-    by_seed = {r["seed"]: r[field] for r in baseline}
-    ratios = [r[field] / by_seed.get(r["seed"], mean) - 1 for r in runs]
-    return statistics.fmean(r[field] for r in runs) / mean - 1, max(ratios)
+def seed_ratios(runs: list[dict[str, Any]], baseline: list[dict[str, Any]]) -> list[Optional[float]]:
+    """Each run's validation perplexity over ``baseline``'s run of the same seed (the same
+    training windows; the recipe's candidates also share the default's weights until their state
+    passing differs), minus 1; ``None`` where the baseline has no run of that seed."""
+    by_seed = {r["seed"]: r["val_ppl"] for r in baseline}
+    return [r["val_ppl"] / by_seed[r["seed"]] - 1 if r["seed"] in by_seed else None for r in runs]
+
+
+def against(runs: list[dict[str, Any]], baseline: list[dict[str, Any]]) -> tuple[float, float]:
+    """(mean, worst seed) of ``runs``' validation perplexity over ``baseline``'s, minus 1: the
+    means', and the largest of :func:`seed_ratios` (against the baseline's mean for a seed it has
+    no run of)."""
+    mean = statistics.fmean(r["val_ppl"] for r in baseline)
+    worst = max(mean_ratio if ratio is None else ratio
+                for ratio, mean_ratio in zip(seed_ratios(runs, baseline), (r["val_ppl"] / mean - 1 for r in runs)))
+    return statistics.fmean(r["val_ppl"] for r in runs) / mean - 1, worst
 
 
 def seed_by_seed(runs: list[dict[str, Any]], baseline: Optional[list[dict[str, Any]]]) -> str:
-    """Each seed's validation perplexity over ``baseline``'s run of the same seed, minus 1 (the
-    recipe's candidates share the default's weights until their state passing differs, so this
-    isolates the change from how a seed trained); ``-`` where there is no such run."""
-    by_seed = {r["seed"]: r["val_ppl"] for r in baseline or []}
-    cells = [f"{r['val_ppl'] / by_seed[r['seed']] - 1:+.1%}" for r in runs if r["seed"] in by_seed]
+    """:func:`seed_ratios` as a table cell, seeds in order; ``-`` where there is none."""
+    cells = [f"{ratio:+.1%}" for ratio in seed_ratios(runs, baseline or []) if ratio is not None]
     return " / ".join(cells) or "-"
 
 
-def far_near(run: dict[str, Any], field: str = "ppl_by_position") -> tuple[float, float]:
-    """(last bucket / first bucket, the largest bucket / first bucket) of one run's reading."""
-    values = list(run[field].values())
+def far_near(run: dict[str, Any]) -> tuple[float, float]:
+    """(last bucket / first bucket, the largest bucket / first bucket) of one run's reading of the
+    study's text."""
+    values = list(run["ppl_by_position"].values())
     return values[-1] / values[0], max(values[1:]) / values[0]
 
 

@@ -72,7 +72,7 @@ def test_a_candidate_is_compared_seed_by_seed_and_far_with_near():
     assert other_ratios(other, base) == pytest.approx((2.0, 1.5))
 
 
-def test_the_other_domain_is_hand_written_headers_picked_by_path_alone():
+def test_the_other_domain_is_hand_written_headers_picked_by_path_alone(tmp_path):
     def tokenizer(text, add_special_tokens):
         return {"input_ids": list(text.encode())}
 
@@ -84,3 +84,17 @@ def test_the_other_domain_is_hand_written_headers_picked_by_path_alone():
         assert not any(mark in bytes(ids[:2000].tolist()).decode(errors="replace") for mark in GENERATED)
     with pytest.raises(ValueError, match="headers of 20000 tokens or more; 1000000 were asked for"):
         torch_headers(tokenizer, 20_000, 1_000_000)
+    # Generated files are passed over wherever their paths sort, and files of too few tokens (by
+    # the tokenizer, not bytes) are not taken.
+    def words(text, add_special_tokens):
+        return {"input_ids": [len(word) for word in text.split()]}
+
+    for index, mark in enumerate(GENERATED * 3):
+        (tmp_path / f"generated{index}.h").write_text(f"// {mark}\n" + "int x;\n" * 100)
+    (tmp_path / "one_word.h").write_text("y" * 1000)
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "written.h").write_text("// by hand\n" + "int z;\n" * 100)
+    files, source = torch_headers(words, 150, 1, root=tmp_path)
+    assert source["files"] == ["sub/written.h"] and files[0][:3].tolist() == [2, 2, 4]
+    with pytest.raises(ValueError, match="holds 1 headers of 150 tokens or more; 2 were asked for"):
+        torch_headers(words, 150, 2, root=tmp_path)
