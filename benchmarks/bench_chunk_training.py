@@ -1,15 +1,20 @@
-"""Training speed of Trellis against its chunk size C and its write rule (CPU), for the chunk
-tables of ``docs/results_lm.md`` and ``docs/results_lm_extrapolation.md``.
+"""Training speed of Trellis against its chunk size C, its write rule and its mixing function
+(CPU), for the chunk tables of ``docs/results_lm.md`` and ``docs/results_lm_extrapolation.md`` and
+the mixing functions of ``docs/results_lm_defaults.md``.
 
     PYTHONPATH=src:. .venv/bin/python benchmarks/bench_chunk_training.py            # ~5 min on 2 cores
+    PYTHONPATH=src:. .venv/bin/python benchmarks/bench_chunk_training.py --chunks 16 --forms exact --mix-fns ln_silu,softmax \
+        --num-slots 64
     PYTHONPATH=src:. .venv/bin/python benchmarks/bench_chunk_training.py --quick
 
 The language-modelling study's model (``STUDY_SIZE``: 4 layers of width 128, 4 heads of 32, 32
-slots, vocabulary 4096) at each C and ``write_gradient`` (``"anchored"`` and ``"exact"``), one
-training step each (forward, backward, AdamW) on a batch of 16 rows of 128 random tokens with
-state passing on (p = 0.9, the recipes' default once it begins), **in turns**: ``--rounds``
+slots or ``--num-slots``, vocabulary 4096; the MLP fitted to the Llama's count) at each C,
+``write_gradient`` (``"anchored"`` and ``"exact"``) and ``mix_fn`` (the studies' ``ln_silu`` unless
+``--mix-fns`` names others), one training step each (forward, backward, AdamW) on a batch of 16
+rows of 128 random tokens with state passing on (p = 0.9, the recipes' default once it begins), **in turns**: ``--rounds``
 rounds of ``--steps`` steps per model, the first of each turn not counted. Figures are medians;
-compare the ratios (to the anchored C = 32, the study's first C), measured in the same run.
+compare the ratios (to the first form and mixing function at C = 32, the study's first C, or
+else to the first model), measured in the same run.
 """
 
 from __future__ import annotations
@@ -32,27 +37,31 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="two chunk sizes, few steps: checks the script runs")
     parser.add_argument("--chunks", default="1,16,32,64")
     parser.add_argument("--forms", default="anchored,exact", help="write_gradient values to time at each C")
+    parser.add_argument("--mix-fns", default="ln_silu", help="mix_fn values to time at each C and form")
+    parser.add_argument("--num-slots", type=int, default=STUDY_SIZE.num_slots, help="M of every model")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     chunks = [8, 32] if args.quick else [int(c) for c in args.chunks.split(",")]
-    forms = args.forms.split(",")
+    forms, mixes = args.forms.split(","), args.mix_fns.split(",")
     # C = 1 is the same function either way: timed once, anchored (the per-token chunk loop).
-    models = [(c, f) for c in chunks for f in forms if c > 1 or f == forms[0]]
+    models = [(c, f, m) for c in chunks for f in forms for m in mixes if c > 1 or f == forms[0]]
     rounds, steps = (1, 2) if args.quick else (args.rounds, args.steps)
     batch, length, vocab = 16, 128, 4096
-    size = dataclasses.replace(STUDY_SIZE, num_hidden_layers=2) if args.quick else STUDY_SIZE
+    size = dataclasses.replace(STUDY_SIZE, num_slots=args.num_slots)
+    size = dataclasses.replace(size, num_hidden_layers=2) if args.quick else size
     runs = {}
-    for chunk, form in models:
+    for chunk, form, mix in models:
         torch.manual_seed(0)
-        spec = StudyModel(f"trellis-C{chunk}-{form}", overrides={"chunk_size": chunk, "write_gradient": form})
+        spec = StudyModel(f"trellis-C{chunk}-{form}-{mix}",
+                          overrides={"chunk_size": chunk, "write_gradient": form, "mix_fn": mix})
         model = build_study_model(spec, size, vocab, length)
         model.train()
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         passing = StatePassing(0.9, seed=0)
-        runs[chunk, form] = (model, optimizer, passing)
+        runs[chunk, form, mix] = (model, optimizer, passing)
     ids = torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(0))
 
     def step(key: tuple) -> float:
@@ -72,14 +81,15 @@ def main() -> None:
         for key in models:
             times[key] += [step(key) for _ in range(steps)][1:]
     print(f"# {date.today()} | {platform.processor() or platform.machine()} | {torch.get_num_threads()} threads | "
-          f"torch {torch.__version__} | {dataclasses.asdict(size)} with chunk_size each C, batch {batch} x {length} "
+          f"torch {torch.__version__} | {dataclasses.asdict(size)} with each row's chunk_size and mix_fn, batch {batch} x {length} "
           "tokens, state passing on")
-    base = (32, forms[0]) if (32, forms[0]) in times else models[0]
+    base = (32, forms[0], mixes[0]) if (32, forms[0], mixes[0]) in times else models[0]
     reference = statistics.median(times[base])
-    print(f"\n| C | write_gradient | ms per step | training tokens/s | speed / C = {base[0]} {base[1]}'s |\n|---|---|---|---|---|")
-    for chunk, form in models:
-        ms = statistics.median(times[chunk, form]) * 1e3
-        print(f"| {chunk} | {form} | {ms:.0f} | {batch * length / ms * 1e3:.0f} | {reference * 1e3 / ms:.2f} |")
+    print(f"\n| C | write_gradient | mix_fn | ms per step | training tokens/s | speed / {' '.join(map(str, base))}'s |\n"
+          "|---|---|---|---|---|---|")
+    for key in models:
+        ms = statistics.median(times[key]) * 1e3
+        print(f"| {' | '.join(map(str, key))} | {ms:.0f} | {batch * length / ms * 1e3:.0f} | {reference * 1e3 / ms:.2f} |")
 
 
 if __name__ == "__main__":

@@ -74,6 +74,7 @@ from trellis_lm.conversion.pipeline import read_texts
 from trellis_lm.eval.decode_cost import decode_cost
 from trellis_lm.eval.harness import task_manager
 from trellis_lm.eval.perplexity import perplexity_by_position
+from trellis_lm.ops import MIX_FNS
 from trellis_lm.conversion.source import locate_source
 from trellis_lm.training import stdlib_docstrings
 
@@ -98,6 +99,9 @@ class Preset:
     attention_every: int
     num_slots: int = 64
     chunk_size: int = 64
+    # The mixing function of the recorded runs (docs/conversion_data): the package default until the
+    # defaults study made it softmax (docs/results_lm_defaults.md); `--set 'mix_fn="softmax"'` for the new one.
+    mix_fn: str = "ln_silu"
     threads: Optional[int] = None  # torch CPU threads (None: torch's default)
     position_length: int = 4096  # tokens of held-out text read in one pass (perplexity by position)
     position_train_length: int = 1024  # the first position bucket (then doubling)
@@ -139,6 +143,7 @@ FIELD_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "tuple[int, ...]": (lambda v: isinstance(v, tuple) and len(v) > 0 and all(map(_integer, v)),
                         "a non-empty list of integers >= 1"),
     "samples": (lambda v: _integer(v, 0), "an integer >= 0"),
+    "mix_fn": (lambda v: v in MIX_FNS, f"one of {', '.join(MIX_FNS)}"),
     "heldout_fraction": (lambda v: _positive(v) and v < 1, "a number in (0, 1)"),
 }
 
@@ -249,7 +254,7 @@ def shared_stage1(src: Path, out: Path, preset: Preset, teacher, train: TokenBlo
 
 
 def conversion_options(preset: Preset) -> dict[str, Any]:
-    return dict(num_slots=preset.num_slots, chunk_size=preset.chunk_size)
+    return dict(num_slots=preset.num_slots, chunk_size=preset.chunk_size, mix_fn=preset.mix_fn)
 
 
 def run_variant(name: str, src: Path, out: Path, preset: Preset, teacher, train: TokenBlocks, eval_blocks: torch.Tensor,

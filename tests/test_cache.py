@@ -102,7 +102,7 @@ def test_load_checks_the_header_before_allocating(tmp_path, changes, tensors, ma
 
 @pytest.mark.parametrize(
     "field, value",
-    [("compress_fn", "l2norm"), ("mix_fn", "softmax"), ("chunk_size", 2), ("hidden_size", 32), ("num_heads", 4),
+    [("compress_fn", "l2norm"), ("mix_fn", "ln_silu"), ("chunk_size", 2), ("hidden_size", 32), ("num_heads", 4),
      ("head_dim", 6), ("conv_size", 2), ("use_forget_gate", False)],
 )
 def test_a_cache_remembers_the_model_that_made_it(tmp_path, field, value):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, PreTrainedConfig
 
 from tiny_models import tiny_config
 from trellis_lm import TrellisConfig, TrellisForCausalLM, TrellisModel
@@ -15,7 +15,7 @@ from trellis_lm.ops import TRELLIS_BACKENDS as BACKENDS, COMPRESS_FNS, MIX_FNS
 
 DEFAULTS = dict(
     vocab_size=32000, hidden_size=768, num_hidden_layers=12, num_heads=12, head_dim=64, num_slots=64,
-    chunk_size=16, compress_fn="layernorm", mix_fn="ln_silu", conv_size=4, use_forget_gate=True,
+    chunk_size=16, compress_fn="layernorm", mix_fn="softmax", conv_size=4, use_forget_gate=True,
     gate_logit_normalizer=16.0, intermediate_size=2048, rms_norm_eps=1e-6, initializer_range=0.02,
     tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2, use_cache=True,
     op_backend="auto", compile_decode=False, mixer_types=None, lattice_variant="dec", num_key_value_heads=None,
@@ -104,6 +104,19 @@ def test_save_and_load_round_trip(tmp_path):
     for loaded in (TrellisConfig.from_pretrained(tmp_path), AutoConfig.from_pretrained(tmp_path)):
         assert type(loaded) is TrellisConfig
         assert trellis_fields(loaded) == trellis_fields(config)
+
+
+def test_a_saved_config_names_every_trellis_field_so_a_changed_default_keeps_saved_models(tmp_path):
+    """transformers writes only the fields that differ from a default; ours are no fields of its base
+    config, so each is written even at its default. A default changed later (mix_fn became softmax
+    on 2026-12-01) then leaves every saved model computing what it was trained to."""
+    TrellisConfig().save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    own = [name for name in DEFAULTS if name not in PreTrainedConfig().to_dict()]
+    assert "mix_fn" in own and [name for name in own if name not in saved] == []
+    saved["mix_fn"] = "ln_silu"  # as every config saved before the change holds it
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    assert TrellisConfig.from_pretrained(tmp_path).mix_fn == "ln_silu"
 
 
 def test_loading_an_invalid_config_fails(tmp_path):

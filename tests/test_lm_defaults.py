@@ -11,7 +11,11 @@ from pathlib import Path
 import pytest
 
 from studies.lm import GENERATED, torch_headers
-from studies.lm_defaults import CANDIDATES, against, far_near, other_ratios, seed_by_seed
+from studies.lm_defaults import (CANDIDATES, DEFAULT_MODEL, PACKAGE_DEFAULT, PRESETS, against, far_near, other_ratios,
+                                 seed_by_seed)
+from studies.lm_extrapolation import build
+from trellis_lm import TrellisConfig
+from trellis_lm.state_passing import DEFAULT_PROBABILITY, DEFAULT_START_FRACTION
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -36,26 +40,49 @@ def test_the_quick_preset_runs_resumes_and_renders(tmp_path):
     subprocess.run(command, check=True, capture_output=True, cwd=ROOT)  # resumed: nothing runs again
     assert len(json.loads((tmp_path / "lm_defaults.json").read_text())) == 12
     page = (tmp_path / "page.md").read_text()
-    assert "## The issue's goals, for the default" in page and "| no-conv | no short convolution" in page
+    assert "## The issue's goals, for the default when the study began" in page and "| no-conv | no short convolution" in page
     assert "Not run yet (or not every seed finished): state-passing-last-10" in page
     assert (tmp_path / "figures" / "lm_defaults.png").is_file()
     refused = subprocess.run(command[:-1] + ["llama,defualt"], capture_output=True, text=True, cwd=ROOT)
     assert refused.returncode != 0 and "--models: no candidate named defualt; the candidates: llama, default," in refused.stderr
 
 
-def test_every_candidate_changes_one_thing_from_the_default():
+def test_every_candidate_changes_one_thing_from_its_base():
     def settings(variant):
         overrides = {f"config {k}": v for k, v in variant.spec.overrides.items()}
         return {**overrides, "state passing": (variant.state_passing, variant.state_passing_from, variant.state_decay),
                 "gate span": variant.gate_span, "length": variant.length_factor, "rate": variant.learning_rate}
 
-    default = settings(next(c.variant for c in CANDIDATES if c.name == "default"))
+    by_name = {c.name: c for c in CANDIDATES}
+    order = list(by_name)
     for candidate in CANDIDATES:
         if candidate.name not in ("llama", "default"):
-            mine = settings(candidate.variant)
-            changed = [k for k in default.keys() | mine.keys() if default.get(k) != mine.get(k)]
+            base = by_name[candidate.base]
+            assert order.index(base.name) < order.index(candidate.name)  # a stopped study has the base first
+            mine, theirs = settings(candidate.variant), settings(base.variant)
+            changed = [k for k in theirs.keys() | mine.keys() if theirs.get(k) != mine.get(k)]
             assert len(changed) == 1, (candidate.name, changed)
-    assert len({c.name for c in CANDIDATES}) == len(CANDIDATES)
+    assert len(by_name) == len(CANDIDATES)
+
+
+def test_the_package_default_candidate_has_the_package_defaults():
+    """The row the page reads the goals for as the package's default is built with the package's
+    defaults for every model field the study's size leaves to them (the slot count among them), and
+    state passing as the recipes' default; "default", where the study began, is not."""
+    def config(name):
+        variant = next(c.variant for c in CANDIDATES if c.name == name)
+        return variant, build(variant, PRESETS["cpu"], 64, 2_000_000).config
+
+    package = TrellisConfig()
+    fields = ("num_slots", "compress_fn", "mix_fn", "write_gradient", "chunk_size", "conv_size", "use_forget_gate",
+              "gate_logit_normalizer")
+    variant, built = config(PACKAGE_DEFAULT)
+    assert {f: getattr(built, f) for f in fields} == {f: getattr(package, f) for f in fields}
+    assert (variant.state_passing, variant.state_passing_from, variant.state_decay, variant.gate_span) == (
+        DEFAULT_PROBABILITY, DEFAULT_START_FRACTION, None, None)
+    _, began = config("default")
+    assert (began.mix_fn, began.num_slots) == ("ln_silu", 32)
+    assert set(DEFAULT_MODEL) <= set(fields)
 
 
 def test_a_candidate_is_compared_seed_by_seed_and_far_with_near():

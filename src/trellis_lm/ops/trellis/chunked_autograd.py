@@ -16,9 +16,9 @@ read-outs, many large temporaries; this Function instead
   reverse substitution (:func:`_substitute`, :func:`_unsubstitute`);
 * and finally forms the input gradients batched over chunks.
 
-The mixing function's VJP is closed-form for ``ln_silu`` (torch's fused layer-norm and SiLU
-backward kernels); ``l2_silu`` and ``softmax`` take a local autograd VJP of the batched
-read-out, which is exact and costs one re-evaluation of ``f``. Double backward is not
+The mixing function's VJP is closed-form for ``ln_silu`` and ``softmax`` (torch's fused
+layer-norm, SiLU and softmax backward kernels); ``l2_silu`` takes a local autograd VJP of the
+batched read-out, which is exact and costs one re-evaluation of ``f``. Double backward is not
 supported: a backward with ``create_graph=True`` raises a ``RuntimeError`` (rather than
 silently returning first derivatives that do not depend on the inputs).
 
@@ -252,6 +252,9 @@ def _mix_forward(name: str, y: torch.Tensor):
         s = torch.nn.functional.silu(y)
         h, mean, rstd = layer_norm_stats(s)
         return h, (y, mean, rstd)  # SiLU(y) is redone in the backward rather than kept
+    if name == "softmax":
+        h = torch.softmax(y, dim=-1)
+        return h, (h,)  # its backward reads the output alone
     return mix(name, y), (y,)
 
 
@@ -261,6 +264,9 @@ def _mix_vjp(name: str, saved, grad_h: torch.Tensor) -> torch.Tensor:
         y, mean, rstd = saved
         grad_s = layer_norm_vjp(grad_h, torch.nn.functional.silu(y), mean, rstd)
         return torch.ops.aten.silu_backward.grad_input(grad_s, y, grad_input=grad_h)
+    if name == "softmax":  # h * (grad_h - sum(h * grad_h)), one fused kernel
+        (h,) = saved
+        return torch.ops.aten._softmax_backward_data(grad_h, h, -1, h.dtype)
     # Not hand-derived: autograd of the batched f alone (one re-evaluation, no per-chunk nodes).
     with torch.enable_grad():
         y = saved[0].detach().requires_grad_(True)
