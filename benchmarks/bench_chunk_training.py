@@ -4,11 +4,11 @@ the mixing functions of ``docs/results_lm_defaults.md``.
 
     PYTHONPATH=src:. .venv/bin/python benchmarks/bench_chunk_training.py            # ~5 min on 2 cores
     PYTHONPATH=src:. .venv/bin/python benchmarks/bench_chunk_training.py --chunks 16 --forms exact --mix-fns ln_silu,softmax \
-        --num-slots 64
+        --num-slots 32,64
     PYTHONPATH=src:. .venv/bin/python benchmarks/bench_chunk_training.py --quick
 
 The language-modelling study's model (``STUDY_SIZE``: 4 layers of width 128, 4 heads of 32, 32
-slots or ``--num-slots``, vocabulary 4096; the MLP fitted to the Llama's count) at each C,
+slots or each of ``--num-slots``, vocabulary 4096; the MLP fitted to the Llama's count) at each C,
 ``write_gradient`` (``"anchored"`` and ``"exact"``) and ``mix_fn`` (the studies' ``ln_silu`` unless
 ``--mix-fns`` names others), one training step each (forward, backward, AdamW) on a batch of 16
 rows of 128 random tokens with state passing on (p = 0.9, the recipes' default once it begins), **in turns**: ``--rounds``
@@ -38,30 +38,29 @@ def main() -> None:
     parser.add_argument("--chunks", default="1,16,32,64")
     parser.add_argument("--forms", default="anchored,exact", help="write_gradient values to time at each C")
     parser.add_argument("--mix-fns", default="ln_silu", help="mix_fn values to time at each C and form")
-    parser.add_argument("--num-slots", type=int, default=STUDY_SIZE.num_slots, help="M of every model")
+    parser.add_argument("--num-slots", default=str(STUDY_SIZE.num_slots), help="M values to time (comma-separated)")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     chunks = [8, 32] if args.quick else [int(c) for c in args.chunks.split(",")]
-    forms, mixes = args.forms.split(","), args.mix_fns.split(",")
+    forms, mixes, slots = args.forms.split(","), args.mix_fns.split(","), [int(m) for m in args.num_slots.split(",")]
     # C = 1 is the same function either way: timed once, anchored (the per-token chunk loop).
-    models = [(c, f, m) for c in chunks for f in forms for m in mixes if c > 1 or f == forms[0]]
+    models = [(c, f, mix, m) for c in chunks for f in forms for mix in mixes for m in slots if c > 1 or f == forms[0]]
     rounds, steps = (1, 2) if args.quick else (args.rounds, args.steps)
     batch, length, vocab = 16, 128, 4096
-    size = dataclasses.replace(STUDY_SIZE, num_slots=args.num_slots)
-    size = dataclasses.replace(size, num_hidden_layers=2) if args.quick else size
+    size = dataclasses.replace(STUDY_SIZE, num_hidden_layers=2) if args.quick else STUDY_SIZE
     runs = {}
-    for chunk, form, mix in models:
+    for chunk, form, mix, num_slots in models:
         torch.manual_seed(0)
-        spec = StudyModel(f"trellis-C{chunk}-{form}-{mix}",
-                          overrides={"chunk_size": chunk, "write_gradient": form, "mix_fn": mix})
+        spec = StudyModel(f"trellis-C{chunk}-{form}-{mix}-M{num_slots}",
+                          overrides={"chunk_size": chunk, "write_gradient": form, "mix_fn": mix, "num_slots": num_slots})
         model = build_study_model(spec, size, vocab, length)
         model.train()
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         passing = StatePassing(0.9, seed=0)
-        runs[chunk, form, mix] = (model, optimizer, passing)
+        runs[chunk, form, mix, num_slots] = (model, optimizer, passing)
     ids = torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(0))
 
     def step(key: tuple) -> float:
@@ -81,12 +80,12 @@ def main() -> None:
         for key in models:
             times[key] += [step(key) for _ in range(steps)][1:]
     print(f"# {date.today()} | {platform.processor() or platform.machine()} | {torch.get_num_threads()} threads | "
-          f"torch {torch.__version__} | {dataclasses.asdict(size)} with each row's chunk_size and mix_fn, batch {batch} x {length} "
+          f"torch {torch.__version__} | {dataclasses.asdict(size)} with each row's chunk_size, mix_fn and num_slots, batch {batch} x {length} "
           "tokens, state passing on")
-    base = (32, forms[0], mixes[0]) if (32, forms[0], mixes[0]) in times else models[0]
+    base = (32, forms[0], mixes[0], slots[0]) if (32, forms[0], mixes[0], slots[0]) in times else models[0]
     reference = statistics.median(times[base])
-    print(f"\n| C | write_gradient | mix_fn | ms per step | training tokens/s | speed / {' '.join(map(str, base))}'s |\n"
-          "|---|---|---|---|---|---|")
+    print(f"\n| C | write_gradient | mix_fn | M | ms per step | training tokens/s | speed / {' '.join(map(str, base))}'s |\n"
+          "|---|---|---|---|---|---|---|")
     for key in models:
         ms = statistics.median(times[key]) * 1e3
         print(f"| {' | '.join(map(str, key))} | {ms:.0f} | {batch * length / ms * 1e3:.0f} | {reference * 1e3 / ms:.2f} |")

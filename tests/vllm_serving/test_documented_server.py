@@ -115,4 +115,6 @@ def test_the_documented_server_command_answers_with_generates_text(tmp_path):
         out = model.generate(ids, max_new_tokens=sent["max_tokens"], do_sample=False)
     expected = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
     assert len(out[0]) - ids.shape[1] > 10  # a text long enough to tell float32 from bfloat16
-    assert answer["choices"][0]["text"] == expected
+    # vLLM's detokenizer holds back a stream's last bytes while they form no whole character yet (a
+    # byte-level tokenizer's U+FFFD when decoded alone), and the stream ends there: the rest is equal.
+    assert answer["choices"][0]["text"] == expected.rstrip("\ufffd")
