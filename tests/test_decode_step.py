@@ -29,13 +29,15 @@ from trellis_lm.cache_trellis import CACHE_ARG
 from trellis_lm.compiled_decode import inference_span
 from trellis_lm.decode_step import TokenStep
 from trellis_lm.mixers import MemoryMixer
-from trellis_lm.mixers.norms_convs import rms_norm
+from trellis_lm.mixers.base import NDTR_GELU_MAX, gelu
+from trellis_lm.mixers.norms_convs import ScaledRMSNorm, rms_norm
 from trellis_lm.projection_stacks import LinearStack, stacked_projections
 from trellis_lm.ops import (
     COMPRESS_FNS, LATTICE_VARIANTS, MIX_FNS, WRITE_GRADIENTS, kvm_attention, kvm_step, lattice_attention,
     lattice_step, trellis_attention, trellis_step,
 )
 from trellis_lm.ops.registry import Backend, BackendRegistry
+from trellis_lm.ops.trellis import step as trellis_step_module
 
 
 def assert_states_equal(got, want):
@@ -43,12 +45,16 @@ def assert_states_equal(got, want):
         torch.testing.assert_close(got.tensors()[name], tensor, rtol=1e-12, atol=1e-12, msg=name)
 
 
+@pytest.mark.parametrize("products", ["broadcast", "matmul"])
 @pytest.mark.parametrize("write_gradient", WRITE_GRADIENTS)
 @pytest.mark.parametrize("compress_fn", COMPRESS_FNS)
 @pytest.mark.parametrize("mix_fn", MIX_FNS)
-def test_trellis_step_is_the_op_s_next_token(compress_fn, mix_fn, write_gradient):
+def test_trellis_step_is_the_op_s_next_token(compress_fn, mix_fn, write_gradient, products, monkeypatch):
     # 4 rows at offsets 0 (a chunk start: the anchors move), 1, C - 1 and 2; H, D, M not powers of
-    # two; anchors that differ from the memories (which exact writes do not read).
+    # two; anchors that differ from the memories (which exact writes do not read). Both forms of
+    # the memory products: these small memories take the broadcast one unless it is set to none.
+    if products == "matmul":
+        monkeypatch.setattr(trellis_step_module, "BROADCAST_PRODUCTS_MAX", 0)
     rows, heads, dk, dv, slots, chunk = 4, 3, 5, 7, 6, 4
     state = make_state(rows, heads, dk, dv, slots, chunk_size=chunk, seed=2)
     state.offset = torch.tensor([0, 1, chunk - 1, 2])
@@ -99,18 +105,39 @@ def test_kvm_step_is_the_op_s_next_token_across_folds(budget):
         assert_states_equal(state, want_state)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_rms_norm_written_out_is_torch_s_to_the_bit(dtype):
-    # Decoding on a CPU, rms_norm runs torch's composite as its own operations (fewer dispatches):
-    # the same numbers, bit for bit, so that which of the two a call takes never shows.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_rms_norm_is_torch_s_in_at_least_float32(dtype):
+    # Every path (decode steps, the general forward, training) computes one RMSNorm: torch's, over
+    # float32 for half-precision inputs, to the bit.
     generator = torch.Generator().manual_seed(11)
     for shape in [(1, 193), (3, 1, 5, 7), (2, 64)]:
-        x = torch.randn(shape, generator=generator, dtype=dtype) * 3
-        weight = torch.randn(shape[-1], generator=generator, dtype=dtype)
+        x = (torch.randn(shape, generator=generator) * 3).to(dtype)
+        weight = torch.randn(shape[-1], generator=generator).to(dtype)
+        if dtype == torch.bfloat16:
+            want = weight * F.rms_norm(x.float(), shape[-1:], eps=1e-5).to(dtype)
+        else:
+            want = F.rms_norm(x, shape[-1:], weight, eps=1e-5)
         with torch.no_grad():
-            mine = rms_norm(x, weight, 1e-5)
-        assert torch.equal(mine, F.rms_norm(x, shape[-1:], weight, eps=1e-5))
-        assert torch.equal(mine, rms_norm(x.requires_grad_(), weight, 1e-5))  # recorded: torch's own
+            assert torch.equal(rms_norm(x, weight, 1e-5), want)
+        assert torch.equal(rms_norm(x.requires_grad_(), weight, 1e-5), want)
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float64, 1e-15), (torch.float32, 1e-6)])
+def test_a_decode_step_s_norm_and_gelu_are_torch_s_up_to_rounding(dtype, tolerance):
+    # The scaled RMSNorm (eagerly; compiled, torch's own) and GELU by ndtr (a few elements, no
+    # graph; torch's kernel above NDTR_GELU_MAX) against torch's functions, a zero row included.
+    generator = torch.Generator().manual_seed(13)
+    x = (torch.randn(4, 1, 3, 37, generator=generator) * 3).to(dtype)
+    x[2, 0, 1] = 0.0
+    weight = torch.randn(37, generator=generator).to(dtype)
+    norm = ScaledRMSNorm.of(weight, 1e-5)
+    want = F.rms_norm(x, (37,), weight, eps=1e-5)
+    torch.testing.assert_close(norm(x), want, rtol=tolerance, atol=tolerance)
+    assert torch.equal(torch.compile(norm, backend="aot_eager", fullgraph=True)(x), want)
+    for shape in [(1, 192), (1, NDTR_GELU_MAX + 1)]:
+        g = (torch.randn(shape, generator=generator) * 4).to(dtype)
+        with torch.no_grad():
+            torch.testing.assert_close(gelu(g), F.gelu(g), rtol=tolerance, atol=tolerance)
 
 
 def test_the_single_token_choice_follows_the_registry():
@@ -231,6 +258,8 @@ PLAN_RUNS = [
     ("trellis", {"compress_fn": "l2norm", "mix_fn": "softmax", "use_forget_gate": False, "conv_size": 0}, [2]),
     ("trellis", {"compress_fn": "identity", "mix_fn": "l2_silu", "conv_size": 2}, [2]),
     ("lattice", {"lattice_variant": "enc"}, [2]),
+    # As many slots as head dims: q, k (per head, over the slots) and v share one L2 norm.
+    ("lattice", {"head_dim": 7}, [2]),
     # trellis, trellis | attention | lattice; kvm | lattice | attention | trellis (attention, KVM: modules)
     ("hybrid", {"head_dim": 6}, [2, 1]),
     ("kvm-hybrid", {"head_dim": 6}, [1, 1]),

@@ -22,6 +22,7 @@ and a first call without a carried state run through their modules, between runs
 
 from __future__ import annotations
 
+import functools
 import itertools
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, NamedTuple, Optional, Sequence
@@ -34,7 +35,7 @@ from .cache_entries import LayerCache, MemoryEntry, MemoryLayerCache
 from .cache_trellis import CacheCall, TrellisCache
 from .layer_kinds import layer_signature
 from .mixers.base import MemoryMixer, Projections, gated_output
-from .mixers.norms_convs import conv_step, rms_norm
+from .mixers.norms_convs import ScaledRMSNorm, conv_step, rms_norm
 from .ops.checks import compute_dtype
 from .projection_stacks import LinearStack, plain_forward_hooks
 
@@ -45,8 +46,8 @@ class TokenStep(NamedTuple):
     attribute lookups cost a CPU about what an operation does) and reads no config field.
 
     Attributes:
-        norms: ``(weight, eps)`` of the block's RMSNorms: before the mixer, before the MLP, and
-            the mixer's per-head norm of its op's output.
+        norms: the block's RMSNorms as functions of their input (:func:`token_norm`): before the
+            mixer, before the MLP, and the mixer's per-head norm of its op's output.
         projections: the mixer's stacked projections of its input (its ``projection_stack``).
         qk_split: the widths of q and k, which lead the stack side by side (one slice of the
             stacked product: a memory mixer's q and k projections have no bias); ``qk_width``
@@ -60,7 +61,7 @@ class TokenStep(NamedTuple):
         mlp: the MLP's stacked gate and up projections; ``down``: its down projection's weight.
     """
 
-    norms: tuple[tuple[torch.Tensor, float], ...]
+    norms: tuple[Callable[[torch.Tensor], torch.Tensor], ...]
     projections: LinearStack
     qk_split: list[int]
     qk_width: int
@@ -90,10 +91,21 @@ class TokenStep(NamedTuple):
                 taps = torch.cat([mixer.q_conv.weight, mixer.k_conv.weight])[:, 0].t().to(weight.dtype).contiguous()
         op = type(mixer).step_for(weight.device, compute_dtype(weight), backend=mixer.config.op_backend,
                                   **mixer.op_settings())
-        norms = tuple((norm.weight, norm.eps) for norm in (block.input_layernorm, block.post_attention_layernorm,
+        norms = tuple(token_norm(norm) for norm in (block.input_layernorm, block.post_attention_layernorm,
                                                            mixer.o_norm))
         return cls(norms, stack, stack.widths[:2], sum(stack.widths[:2]), taps, op, mixer.o_proj.weight, mlp.projection_stack,
                    mlp.down_proj.weight)
+
+
+def token_norm(norm: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``norm`` (a :class:`~trellis_lm.mixers.norms_convs.TrellisRMSNorm`) as a decode step runs it:
+    on a CPU in float32 or float64 by :class:`~trellis_lm.mixers.norms_convs.ScaledRMSNorm`, its
+    constants made now; elsewhere (a GPU's fused kernel, half precision's float32 upcast) by
+    :func:`~trellis_lm.mixers.norms_convs.rms_norm`."""
+    weight = norm.weight
+    if weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.float64):
+        return ScaledRMSNorm.of(weight, norm.eps)
+    return functools.partial(rms_norm, weight=weight, eps=norm.eps)
 
 
 def advance_token(mixer: MemoryMixer, x: torch.Tensor, entry: MemoryEntry,
@@ -111,11 +123,13 @@ def advance_token(mixer: MemoryMixer, x: torch.Tensor, entry: MemoryEntry,
     qk = out[..., : step.qk_width]
     q_tail, k_tail = entry.q_tail, entry.k_tail
     if step.taps is not None:
-        qk, tail = conv_step(qk, torch.cat([q_tail, k_tail], dim=-1).to(qk.dtype), step.taps)
-        q_tail, k_tail = tail.split(step.qk_split, dim=-1)
-    q, k = mixer.activated_qk(qk, step.qk_split)
-    o, state = step.op(*mixer.op_inputs(Projections(mixer, x, parts), q, k, None, entry.state), entry.state)
-    gated = gated_output(parts["g_proj"].view(x.shape[0], -1), rms_norm(o, *step.norms[2]), x.dtype)
+        tail = torch.cat([q_tail, k_tail], dim=-1)
+        qk, tail = conv_step(qk, tail if tail.dtype == qk.dtype else tail.to(qk.dtype), step.taps)
+        q_tail, k_tail = tail.split_with_sizes(step.qk_split, dim=-1)
+    q, k, v = mixer.activated_qk(qk, step.qk_split, parts.get("v_proj"))
+    proj = Projections(mixer, x, parts, values=v)
+    o, state = step.op(*mixer.op_inputs(proj, q, k, None, entry.state), entry.state)
+    gated = gated_output(parts["g_proj"].view(x.shape[0], -1), step.norms[2](o), x.dtype)
     return F.linear(gated, step.out), MemoryEntry(q_tail, k_tail, state)
 
 
@@ -126,7 +140,7 @@ class Segment(NamedTuple):
         blocks: the decoder blocks, in order (all memory mixers that :func:`advance_token` runs).
         steps: each block's :class:`TokenStep`.
         embedding: the token embedding when the run starts the model (it then takes token ids).
-        norm: the final norm when the run ends the model.
+        norm: the final norm when the run ends the model (:func:`token_norm`'s form of it).
         head: the language-model head after the norm, when the step wants logits.
         keep_inputs: also give each mixer's input (what a cache that records its calls keeps).
     """
@@ -134,7 +148,7 @@ class Segment(NamedTuple):
     blocks: tuple[nn.Module, ...]
     steps: tuple[TokenStep, ...]
     embedding: Optional[nn.Module]
-    norm: Optional[nn.Module]
+    norm: Optional[Callable[[torch.Tensor], torch.Tensor]]
     head: Optional[nn.Module]
     keep_inputs: bool
 
@@ -153,10 +167,10 @@ def run_segment(segment: Segment, first: torch.Tensor, carried: Sequence[MemoryE
     after, inputs = [], []
     for block, step, entry in zip(segment.blocks, segment.steps, carried):
         # The block's forward (TrellisDecoderLayer.around; its MLP's as TrellisMLP runs it stacked).
-        x = rms_norm(hidden, *step.norms[0])
+        x = step.norms[0](hidden)
         y, kept = advance_token(block.self_attn, x, entry, step)
         hidden = hidden + y
-        gate, up = step.mlp(rms_norm(hidden, *step.norms[1]))[1].values()
+        gate, up = step.mlp(step.norms[1](hidden))[1].values()
         hidden = hidden + F.linear(F.silu(gate, inplace=True).mul_(up), step.down)
         # Compiled, the tails as dense tensors, not views of the conv's window: the next step's
         # inputs then have the strides this one's had (a compiled function guards on them).
@@ -202,6 +216,7 @@ class DecodePlan:
         # The ops carry their states in float32, or float64 in a float64 model.
         self.state_dtype = compute_dtype(model.embed_tokens.weight)
         self.steps = [TokenStep.of(layer) for layer in self.layers]
+        self.final_norm = token_norm(model.norm)
         self.block_hooks = [_hook_dicts(layer) for layer in self.layers]
         self.outer_hooks = _hook_dicts(model.embed_tokens) + _hook_dicts(model.norm) + (
             _hook_dicts(head) if head is not None else []) + [model._forward_hooks, model._forward_pre_hooks]
@@ -288,7 +303,7 @@ class DecodePlan:
         model, last = self.model, run[-1] == len(self.layers) - 1
         recording = cache.records_calls
         segment = Segment(tuple(self.layers[i] for i in run), tuple(self.steps[i] for i in run),
-                          model.embed_tokens if run[0] == 0 else None, model.norm if last else None,
+                          model.embed_tokens if run[0] == 0 else None, self.final_norm if last else None,
                           self.head if last and with_head else None, recording)
         carried = [before[i].entry for i in run]
         holders = [cache.layers[i] for i in run]

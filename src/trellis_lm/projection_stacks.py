@@ -79,10 +79,11 @@ class LinearStack:
         if self.bias is not None and (torch.compiler.is_compiling() or x.shape[:-1].numel() < FEW_ROWS):
             out = F.linear(x, self.weight, self.bias)
             out = out.unsqueeze(-2) if token_axis else out
-            return out, dict(zip(self.names, out.split(self.widths, dim=-1)))
+            return out, dict(zip(self.names, out.split_with_sizes(self.widths, dim=-1)))
         out = F.linear(x, self.weight)
         out = out.unsqueeze(-2) if token_axis else out
-        parts = out.split(self.widths, dim=-1)
+        # split_with_sizes is the operation itself; Tensor.split, a Python wrapper around it.
+        parts = out.split_with_sizes(self.widths, dim=-1)
         return out, {name: part if bias is None else part + bias
                      for name, part, bias in zip(self.names, parts, self.biases)}
 

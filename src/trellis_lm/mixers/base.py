@@ -42,18 +42,29 @@ class Projections:
     """A mixer's input ``x [B, T, D]`` with its linear projections, looked up by module name.
 
     ``fused`` holds the projections that one stacked matmul computed (see
-    :meth:`MemoryMixer._fused_projections`); any other name calls the module on ``x``. Passed
-    from step to step of a call as a value, so a mixer keeps no per-call state on itself.
+    :meth:`MemoryMixer._fused_projections`); any other name calls the module on ``x``.
+    ``values``: the normalised values (:meth:`values`) where the caller has them already (a
+    decode step normalises them with q and k). Passed from step to step of a call as a value, so
+    a mixer keeps no per-call state on itself.
     """
 
-    def __init__(self, mixer: nn.Module, x: torch.Tensor, fused: Optional[dict[str, torch.Tensor]] = None) -> None:
-        self.mixer, self.x, self.fused = mixer, x, fused or {}
+    def __init__(self, mixer: nn.Module, x: torch.Tensor, fused: Optional[dict[str, torch.Tensor]] = None,
+                 values: Optional[torch.Tensor] = None) -> None:
+        self.mixer, self.x, self.fused, self._values = mixer, x, fused or {}, values
 
     def __getitem__(self, name: str) -> torch.Tensor:
         """``getattr(mixer, name)(x)``, or its slice of the fused matmul."""
         if name in self.fused:
             return self.fused[name]
         return getattr(self.mixer, name)(self.x)
+
+    def values(self) -> torch.Tensor:
+        """``v_proj``'s output per head, L2-normalised in at least float32: ``[B, T, H, head_dim]``,
+        the values of the slot memories (Trellis, Lattice)."""
+        if self._values is not None:
+            return self._values
+        v = self["v_proj"]
+        return l2_normalize(at_least_float32(v).view(*v.shape[:-1], self.mixer.num_heads, -1))
 
     def side_by_side(self, first: str, second: str) -> tuple[torch.Tensor, list[int]]:
         """The two projections concatenated on the last dim (one slice of the fused matmul when
@@ -238,14 +249,32 @@ def init_module(module: nn.Module, std: float, init: Any) -> None:
         module.init_weights(init)
 
 
+# Up to this many elements, eagerly on a CPU without autograd, GELU is x * Phi(x) by torch's ndtr:
+# a decode step took 1.9-4.3% less than with torch's gelu kernel at 192 to 768 elements, 1-4.4% more
+# from 1,536 up (BENCHMARKS.md, issue 73; benchmarks/bench_step_choices.py); on prefill-sized
+# inputs ndtr, which is not vectorised, is several times slower.
+NDTR_GELU_MAX = 1024
+
+
+def gelu(x: torch.Tensor) -> torch.Tensor:
+    """The exact GELU ``x * Phi(x)``: torch's kernel, or ``x * ndtr(x)`` for a decode step's few
+    elements on a CPU (``NDTR_GELU_MAX``); the same function up to rounding."""
+    # Compiling is asked first: the element count, read, would be a guard (a compilation per size).
+    if (not torch.compiler.is_compiling() and x.device.type == "cpu" and not torch.is_grad_enabled()
+            and x.numel() <= NDTR_GELU_MAX):
+        return torch.special.ndtr(x).mul_(x)
+    return F.gelu(x)
+
+
 def gated_output(g: torch.Tensor, normed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A memory mixer's read-out before ``o_proj``: GELU of ``g_proj``'s output ``g [..., H d]``
     times the per-head normed op output ``normed [..., H, d]`` (as many tokens), shaped as ``g``
     and in ``dtype`` (the mixer input's)."""
-    gate, normed = F.gelu(g), normed.view(g.shape)
+    gate, normed = gelu(g), normed.view(g.shape)
     # Without autograd, into `gate` (this function's own tensor): one [..., H d] allocation less.
     gated = gate.mul_(normed) if not torch.is_grad_enabled() else normed * gate
-    return gated.to(dtype)
+    # A cast to its own dtype is still a call, which a decode step pays per layer and token.
+    return gated if gated.dtype == dtype else gated.to(dtype)
 
 
 class MemoryMixer(Mixer):
@@ -563,22 +592,31 @@ class MemoryMixer(Mixer):
                 qk, tail = causal_conv(valid.compact(qk), tail, taps, valid.lengths, valid.reach)
                 qk = valid.restore(qk)
             q_tail, k_tail = tail.split(split, dim=-1)
-        q, k = self.activated_qk(qk, split)
+        q, k, _ = self.activated_qk(qk, split)
         return q, k, q_tail, k_tail
 
-    def activated_qk(self, qk: torch.Tensor, split: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """q and k from ``qk [B, T, q width + k width]`` (after the short convs; ``split`` their
-        widths): with ``silu_l2_qk``, through SiLU and the per-head L2 norm as ``[B, T, H, *]``,
-        in place without autograd (``qk`` is the caller's own: the conv's output, the fused
-        projections' or a cat); else split as they are."""
+    def activated_qk(self, qk: torch.Tensor, split: list[int], values: Optional[torch.Tensor] = None,
+                     ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """``(q, k, v)``: q and k from ``qk [B, T, q width + k width]`` (after the short convs;
+        ``split`` their widths): with ``silu_l2_qk``, through SiLU and the per-head L2 norm as
+        ``[B, T, H, *]``, in place without autograd (``qk`` is the caller's own: the conv's output,
+        the fused projections' or a cat); else split as they are. ``v`` is ``None`` unless
+        ``values`` (``v_proj``'s output ``[B, T, H head_dim]``, a decode step's) is given with the
+        width of q and k per head: it then joins them in one L2 norm and comes back normalised as
+        :meth:`Projections.values` would give it (``[B, T, H, head_dim]``), five operations fewer a token."""
         if not self.silu_l2_qk:
             q, k = qk.split(split, dim=-1)
-            return q, k
+            return q, k, None
         batch, length, _ = qk.shape
         heads = self.num_heads
         qk = F.silu(at_least_float32(qk), inplace=not torch.is_grad_enabled())
+        if values is not None and values.shape[-1] == split[0]:
+            qkv = torch.cat([qk, at_least_float32(values)], dim=-1)
+            q, k, v = l2_normalize(qkv.view(batch, length, 3 * heads, -1)).split(heads, dim=2)
+            return q, k, v
+        # split, not a view's unbind: compiled, unbind bounded the row count (a compilation more).
         q, k = l2_normalize(qk.view(batch, length, 2 * heads, -1)).split(heads, dim=2)
-        return q, k
+        return q, k, None
 
     def _fused_projections(self, x: torch.Tensor) -> Optional[dict[str, torch.Tensor]]:
         """Every projection of ``fusable_projections`` by one matmul, or ``None`` (see

@@ -14,7 +14,7 @@ from ..configuration_trellis import TrellisConfig
 from ..ops.lattice import BACKENDS, LATTICE_VARIANTS, LatticeState, lattice_attention, lattice_step, lattice_step_for
 from .base import MemoryMixer, Projections, chunked_memory_layout
 from .fields import CHUNK_SIZE, CONV_SIZE, NUM_SLOTS, choice
-from .norms_convs import at_least_float32, l2_normalize
+from .norms_convs import at_least_float32
 
 
 class LatticeLayerCache(MemoryLayerCache):
@@ -69,8 +69,7 @@ class LatticeMixer(MemoryMixer):
                   state: Any = None) -> tuple[torch.Tensor, ...]:
         """``(q, k, v, gamma)`` as :func:`~trellis_lm.ops.lattice_attention` takes them;
         ``q``, ``k`` arrive through SiLU and the per-head L2 norm (``silu_l2_qk``), ``[B, T, H, M]``."""
-        batch, length, heads, _ = q.shape
-        v = l2_normalize(at_least_float32(proj["v_proj"]).view(batch, length, heads, -1))
+        v = proj.values()
         gamma = torch.sigmoid(at_least_float32(proj["gamma_proj"]))
         return q, k, v, gamma
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Optional
+import math
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -29,18 +30,37 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm of ``x`` over its last axis with ``weight``, computed in at least float32 (what
     :class:`TrellisRMSNorm` computes)."""
     if x.dtype == weight.dtype and x.dtype in (torch.float32, torch.float64):
-        if (x.device.type == "cpu" and x.is_contiguous() and not torch.is_grad_enabled()
-                and not torch.compiler.is_compiling()):
-            # On a CPU torch's rms_norm is these five operations, run as a composite of fourteen
-            # dispatches (casts, scalars wrapped as tensors): written out, the same numbers
-            # (tests/test_decode_step.py) at less cost per token. Recorded, compiled, or on a
-            # strided input (whose output torch's makes dense), torch's.
-            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
-        # Elsewhere one fused kernel with the weight folded in: one operation instead of five
-        # or six matters in token-by-token decoding.
+        # One call with the weight folded in. On a CPU torch runs it as a composite of small
+        # operations, but within one C++ call: a decode step that wrote them out in Python took
+        # 3% longer (BENCHMARKS.md, issue 73).
         return F.rms_norm(x, x.shape[-1:], weight, eps=eps)
     normed = F.rms_norm(at_least_float32(x), x.shape[-1:], eps=eps)
     return weight * normed.to(x.dtype)
+
+
+class ScaledRMSNorm(NamedTuple):
+    """:func:`rms_norm` by a weight ``w [D]`` as ``x / hypot(|x|, sqrt(D eps)) * (w sqrt(D))``, its
+    constants made once (:meth:`of`; a decode span's, whose weights do not change): four
+    operations where torch's CPU composite dispatches about fourteen, 6% of an eager decode step
+    (BENCHMARKS.md, issue 73). The same function up to rounding, for ``x`` in the weight's dtype,
+    float32 or float64; compiled, torch's (one fused loop, where hypot has no vectorised form)."""
+
+    weight: torch.Tensor
+    eps: float
+    scaled_weight: torch.Tensor
+    root: torch.Tensor
+
+    @classmethod
+    def of(cls, weight: torch.Tensor, eps: float) -> "ScaledRMSNorm":
+        width = weight.shape[-1]
+        with torch.no_grad():
+            scaled = weight * math.sqrt(width)
+        return cls(weight, eps, scaled, torch.tensor(math.sqrt(width * eps), dtype=weight.dtype))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return rms_norm(x, self.weight, self.eps)
+        return x / torch.hypot(torch.linalg.vector_norm(x, dim=-1, keepdim=True), self.root) * self.scaled_weight
 
 
 class TrellisRMSNorm(nn.Module):

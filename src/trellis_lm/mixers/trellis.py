@@ -18,7 +18,7 @@ from ..ops.trellis import (BACKENDS, COMPRESS_FNS, MIX_FNS, WRITE_GRADIENTS, Tre
 from ..ops.trellis.compress_mix import reads_current_memory
 from .base import MemoryMixer, Projections, chunked_memory_layout
 from .fields import CHUNK_SIZE, CONV_SIZE, NUM_SLOTS, ConfigField, choice, flag, positive
-from .norms_convs import at_least_float32, l2_normalize
+from .norms_convs import at_least_float32
 
 
 def forget_gate_bias(num_heads: int, normalizer: float, span: tuple[float, float] = (1e-3, 1e-1)) -> torch.Tensor:
@@ -115,8 +115,8 @@ class TrellisMixer(MemoryMixer):
                   state: Any = None) -> tuple[torch.Tensor, ...]:
         """``(q, k, v, alpha, log_beta, gamma)`` as :func:`~trellis_lm.ops.trellis_attention` takes them;
         ``q``, ``k`` arrive through SiLU and the L2 norm (``silu_l2_qk``), ``[B, T, H, d]``."""
-        batch, length, heads, dim = k.shape  # Trellis's keys and values have one width
-        v = l2_normalize(at_least_float32(proj["v_proj"]).view(batch, length, heads, dim))
+        v = proj.values()
+        batch, length, heads = v.shape[:3]
         alpha = at_least_float32(proj["alpha_proj"]).view(batch, length, heads, -1)
         if self.beta_proj is not None:
             log_beta = self.log_forget(at_least_float32(proj["beta_proj"]))

@@ -15,6 +15,12 @@ import torch
 from .compress_mix import compress_residual_vjp, mix, reads_current_memory
 from .state import TrellisState
 
+# Up to this many entries in a memory (N H M D), eagerly on a CPU, the step's four memory
+# products run as broadcast multiply-and-sum: a decode step took 0.3-6% less than with batched
+# matmul up to 2^17 entries, 2.5-10% more from 393,216 up (BENCHMARKS.md, issue 73;
+# benchmarks/bench_step_choices.py). Compiled, on GPUs and above it: matmul.
+BROADCAST_PRODUCTS_MAX = 2**17
+
 
 def step_forward(q, k, v, alpha, log_beta, gamma, state, chunk_size, compress_fn, mix_fn, write_gradient, cu_seqlens):
     """One token per row (``T == 1``, no ``cu_seqlens``); arguments as validated by
@@ -37,17 +43,26 @@ def step_forward(q, k, v, alpha, log_beta, gamma, state, chunk_size, compress_fn
     # Exact writes and identity take their residual at the current memory, before this token's
     # write (section 1).
     r_k, r_v = (m_k, m_v) if reads_current_memory(compress_fn, write_gradient) else (a_k, a_v)
-    # Every memory read is a row vector times the memory's transpose ([N, H, 1, D] @ [.., D, M]):
-    # torch's CPU batched matmul takes a matrix times a column vector several times slower
-    # (BENCHMARKS.md, "Figures behind code comments").
+    broadcast = q.device.type == "cpu" and not torch.compiler.is_compiling() and m_k.numel() <= BROADCAST_PRODUCTS_MAX
     k, v = k.view(rows, heads, 1, dk), v.view(rows, heads, 1, dv)  # read, then written, with each
-    reads = torch.stack([k @ r_k.mT, v @ r_v.mT])  # [2, N, H, 1, M]
+    if broadcast:
+        reads = torch.stack([(k * r_k).sum(-1), (v * r_v).sum(-1)])  # [2, N, H, M]
+    else:
+        # Every memory read is a row vector times the memory's transpose ([N, H, 1, D] @ [.., D, M]):
+        # torch's CPU batched matmul takes a matrix times a column vector several times slower
+        # (BENCHMARKS.md, "Figures behind code comments").
+        reads = torch.stack([k @ r_k.mT, v @ r_v.mT])  # [2, N, H, 1, M]
     u = compress_residual_vjp(compress_fn, reads.view(2, rows, heads, slots), alpha.view(rows, heads, slots))
     u_k, u_v = (u * gamma.view(rows, heads, 1)).view(2, rows, heads, slots, 1).unbind()
     m_k = torch.addcmul(beta * m_k, u_k, k, value=-1)
     m_v = torch.addcmul(beta * m_v, u_v, v, value=-1)
-    h = mix(mix_fn, q.view(rows, heads, 1, dk) @ m_k.mT)  # [N, H, 1, M]
-    o = (h @ m_v).view(rows, 1, heads, dv)  # [N, H, 1, Dv] and [N, 1, H, Dv] share their layout
+    q = q.view(rows, heads, 1, dk)
+    if broadcast:
+        h = mix(mix_fn, (q * m_k).sum(-1))  # [N, H, M]
+        o = (h.view(rows, heads, slots, 1) * m_v).sum(-2)  # [N, H, Dv]
+    else:
+        o = mix(mix_fn, q @ m_k.mT) @ m_v  # [N, H, 1, M] @ [N, H, M, Dv]
+    o = o.view(rows, 1, heads, dv)  # [N, H, (1,) Dv] and [N, 1, H, Dv] share their layout
     if exact:  # nothing reads the anchors: they follow the memories (section 3)
         # Compiled, as copies: aliased outputs would be the next compiled step's aliased inputs,
         # which dynamo guards on and compiles apart from the prefill's separate ones.
