@@ -30,9 +30,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm of ``x`` over its last axis with ``weight``, computed in at least float32 (what
     :class:`TrellisRMSNorm` computes)."""
     if x.dtype == weight.dtype and x.dtype in (torch.float32, torch.float64):
-        # One call with the weight folded in. On a CPU torch runs it as a composite of small
-        # operations, but within one C++ call: a decode step that wrote them out in Python took
-        # 3% longer (BENCHMARKS.md, issue 73).
+        # One call with the weight folded in, on every path: written out in Python, the same
+        # operations measured level in a decode step (BENCHMARKS.md, issue 73), which runs
+        # ScaledRMSNorm instead.
         return F.rms_norm(x, x.shape[-1:], weight, eps=eps)
     normed = F.rms_norm(at_least_float32(x), x.shape[-1:], eps=eps)
     return weight * normed.to(x.dtype)
@@ -43,7 +43,8 @@ class ScaledRMSNorm(NamedTuple):
     constants made once (:meth:`of`; a decode span's, whose weights do not change): four
     operations where torch's CPU composite dispatches about fourteen, 6% of an eager decode step
     (BENCHMARKS.md, issue 73). The same function up to rounding, for ``x`` in the weight's dtype,
-    float32 or float64; compiled, torch's (one fused loop, where hypot has no vectorised form)."""
+    float32 or float64; compiled, torch's (inductor fuses it into one loop either way, and the
+    compiled step stays the one measured level with a compiled Llama)."""
 
     weight: torch.Tensor
     eps: float
