@@ -134,10 +134,11 @@ def test_a_decode_step_s_norm_and_gelu_are_torch_s_up_to_rounding(dtype, toleran
     want = F.rms_norm(x, (37,), weight, eps=1e-5)
     torch.testing.assert_close(norm(x), want, rtol=tolerance, atol=tolerance)
     assert torch.equal(torch.compile(norm, backend="aot_eager", fullgraph=True)(x), want)
-    for shape in [(1, 192), (1, NDTR_GELU_MAX + 1)]:
-        g = (torch.randn(shape, generator=generator) * 4).to(dtype)
-        with torch.no_grad():
-            torch.testing.assert_close(gelu(g), F.gelu(g), rtol=tolerance, atol=tolerance)
+    g = (torch.randn(1, 192, generator=generator) * 4).to(dtype)
+    big = (torch.randn(1, NDTR_GELU_MAX + 1, generator=generator) * 4).to(dtype)
+    with torch.no_grad():
+        torch.testing.assert_close(gelu(g), F.gelu(g), rtol=tolerance, atol=tolerance)
+        assert torch.equal(gelu(big), F.gelu(big))  # above the limit: torch's kernel itself
 
 
 def test_the_single_token_choice_follows_the_registry():
