@@ -218,7 +218,8 @@ def _make(spec: StudyModel, size: ModelSize, vocab_size: int, intermediate: int,
         raise ValueError(f"unknown model kind {spec.kind!r}; expected 'trellis' or 'llama'")
     fields = dict(vocab_size=vocab_size, hidden_size=size.hidden_size, num_hidden_layers=size.num_hidden_layers,
                   num_heads=size.num_heads, head_dim=size.head_dim, intermediate_size=intermediate,
-                  num_slots=size.num_slots, chunk_size=size.chunk_size, mix_fn=size.mix_fn, **special)
+                  num_slots=size.num_slots, chunk_size=size.chunk_size, mix_fn=size.mix_fn,
+                  conv_size=size.conv_size, **special)
     fields.update(spec.overrides)
     pattern = fields.pop("mixer_types", None) or ("trellis",)
     fields["mixer_types"] = [pattern[i % len(pattern)] for i in range(size.num_hidden_layers)]

@@ -69,6 +69,9 @@ class ModelSize:
     # study (docs/results_lm_defaults.md) made it softmax. Pinned here so that each study's command
     # still computes its page's models; a study of the new default sets it.
     mix_fn: str = "ln_silu"
+    # Likewise the short convolution's width: 4 taps in every recorded study, 2 the package default
+    # since the defaults study.
+    conv_size: int = 4
 
 
 @dataclass(frozen=True)
@@ -211,7 +214,7 @@ def build_model(spec: ModelSpec, size: ModelSize, vocab_size: int, max_len: int)
     fields = dict(
         vocab_size=vocab_size, hidden_size=size.hidden_size, num_hidden_layers=size.num_hidden_layers,
         num_heads=size.num_heads, head_dim=size.head_dim, intermediate_size=size.intermediate_size,
-        num_slots=size.num_slots, chunk_size=size.chunk_size, mix_fn=size.mix_fn,
+        num_slots=size.num_slots, chunk_size=size.chunk_size, mix_fn=size.mix_fn, conv_size=size.conv_size,
         # MQAR's filler is token 0; the model must see it as an ordinary token, never as padding.
         pad_token_id=None, bos_token_id=None, eos_token_id=None,
     )

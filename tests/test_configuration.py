@@ -15,7 +15,7 @@ from trellis_lm.ops import TRELLIS_BACKENDS as BACKENDS, COMPRESS_FNS, MIX_FNS
 
 DEFAULTS = dict(
     vocab_size=32000, hidden_size=768, num_hidden_layers=12, num_heads=12, head_dim=64, num_slots=64,
-    chunk_size=16, compress_fn="layernorm", mix_fn="softmax", conv_size=4, use_forget_gate=True,
+    chunk_size=16, compress_fn="layernorm", mix_fn="softmax", conv_size=2, use_forget_gate=True,
     gate_logit_normalizer=16.0, intermediate_size=2048, rms_norm_eps=1e-6, initializer_range=0.02,
     tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2, use_cache=True,
     op_backend="auto", compile_decode=False, mixer_types=None, lattice_variant="dec", num_key_value_heads=None,
@@ -95,7 +95,7 @@ def test_accepted_edge_values():
 
 
 def test_save_and_load_round_trip(tmp_path):
-    config = tiny_config(compress_fn="l2norm", mix_fn="softmax", conv_size=2, use_forget_gate=False, op_backend="reference")
+    config = tiny_config(compress_fn="l2norm", mix_fn="softmax", conv_size=4, use_forget_gate=False, op_backend="reference")
     config.save_pretrained(tmp_path)
     saved = json.loads((tmp_path / "config.json").read_text())
     assert saved["model_type"] == "trellis"

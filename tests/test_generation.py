@@ -48,7 +48,7 @@ def test_prefill_then_decode_equals_full_forward(chunk_size, length):
 @pytest.mark.parametrize("sizes", [[3, 1, 5, 4], [1, 7, 2, 3], [6, 7]])
 @pytest.mark.parametrize(
     "overrides",
-    [{}, {"chunk_size": 5}, {"conv_size": 0}, {"conv_size": 1}, {"use_forget_gate": False},
+    [{}, {"chunk_size": 5}, {"conv_size": 0}, {"conv_size": 1}, {"conv_size": 2}, {"use_forget_gate": False},
      {"compress_fn": "l2norm", "mix_fn": "softmax"}, {"compress_fn": "identity", "mix_fn": "l2_silu"}],
 )
 def test_prefill_in_uneven_pieces_equals_full_forward(sizes, overrides):
@@ -139,6 +139,7 @@ def graphs_compiled() -> int:
 WHOLE_STEP = [(2, True, True, False)]
 DECODE_RUNS = [
     ("trellis", {}, WHOLE_STEP),
+    ("trellis", {"conv_size": 2}, WHOLE_STEP),  # the package's default: tails of one token
     ("trellis", {"compress_fn": "l2norm", "mix_fn": "softmax", "use_forget_gate": False, "conv_size": 0}, WHOLE_STEP),
     ("lattice", {}, WHOLE_STEP),
     # trellis, trellis | attention (eager) | lattice; kvm (eager) | lattice | attention | trellis

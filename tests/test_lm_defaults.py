@@ -25,7 +25,8 @@ def test_the_quick_preset_runs_resumes_and_renders(tmp_path):
                "--page", str(tmp_path / "page.md"), "--models", "llama,default,no-state-passing,no-conv"]
     subprocess.run(command, check=True, capture_output=True, cwd=ROOT)
     records = json.loads((tmp_path / "lm_defaults.json").read_text())
-    assert len(records) == 12  # 2 rates + 1 seed each
+    assert len(records) == 13  # 2 rates + 1 seed each, and the close call's second seed of the Llama
+    assert sorted(r["seed"] for r in records if r["model"] == "llama" and r["phase"] == "full") == [0, 1]
     full = {r["model"]: r for r in records if r["phase"] == "full"}
     assert set(full) == {"llama", "default", "no-state-passing", "no-conv"}
     for record in full.values():
@@ -38,7 +39,7 @@ def test_the_quick_preset_runs_resumes_and_renders(tmp_path):
     assert full["default"]["curve"][0] == full["no-state-passing"]["curve"][0]
     assert full["default"]["val_ppl"] != full["no-state-passing"]["val_ppl"]
     subprocess.run(command, check=True, capture_output=True, cwd=ROOT)  # resumed: nothing runs again
-    assert len(json.loads((tmp_path / "lm_defaults.json").read_text())) == 12
+    assert len(json.loads((tmp_path / "lm_defaults.json").read_text())) == 13
     page = (tmp_path / "page.md").read_text()
     assert "## The issue's goals, for the default when the study began" in page and "| no-conv | no short convolution" in page
     assert "Not run yet (or not every seed finished): state-passing-last-10" in page
@@ -94,9 +95,13 @@ def test_a_candidate_is_compared_seed_by_seed_and_far_with_near():
     assert seed_by_seed(runs, llama) == "+2.0% / +0.0%" and seed_by_seed(runs, None) == "-"
     run = {"ppl_by_position": {"0-128": 10.0, "128-256": 13.0, "256-512": 11.0}}
     assert far_near(run) == pytest.approx((1.1, 1.3))
-    other = [{"other_ppl_by_position": {"0-128": 20.0, "128-256": 1.0, "256-512": 30.0}}]
-    base = [{"other_ppl_by_position": {"0-128": 10.0, "128-256": 1.0, "256-512": 20.0}}]
+    other = [{"seed": 0, "other_ppl_by_position": {"0-128": 20.0, "128-256": 1.0, "256-512": 30.0}}]
+    base = [{"seed": 0, "other_ppl_by_position": {"0-128": 10.0, "128-256": 1.0, "256-512": 20.0}}]
     assert other_ratios(other, base) == pytest.approx((2.0, 1.5))
+    # Read against the Llama's runs of the candidate's own seeds: a seed it lacks does not count.
+    more = base + [{"seed": 3, "other_ppl_by_position": {"0-128": 30.0, "128-256": 1.0, "256-512": 60.0}}]
+    assert other_ratios(other, more) == pytest.approx((2.0, 1.5))
+    assert against(runs[:2], llama + [{"seed": 3, "val_ppl": 99.0}])[0] == pytest.approx(55.5 / 55 - 1)
 
 
 def test_the_other_domain_is_hand_written_headers_picked_by_path_alone(tmp_path):

@@ -28,6 +28,7 @@ from trellis_lm.mixers.valid_tokens import PackedSequences
 @pytest.mark.parametrize("schedule, overrides", [
     ("trellis", {}), ("trellis", {"conv_size": 0, "use_forget_gate": False}), ("lattice", {}), ("kvm", {}),
     ("trellis", {"write_gradient": "anchored"}),  # the anchors kept in the slots and read mid-chunk
+    ("trellis", {"conv_size": 2}),  # the package's default: tails of one token
 ])
 def test_slots_give_each_sequence_its_own_logits(schedule, overrides):
     model = tiny_model(schedule=schedule, dtype=torch.float64, **overrides)

@@ -20,7 +20,7 @@ from typing import Any, Callable, ClassVar, Optional
 
 from transformers import PreTrainedConfig
 
-from .defaults import (CHUNK_SIZE, COMPRESS_FN, KVM_BUDGET, KVM_BUDGET_EXPONENT, KVM_BUDGET_SATURATION,
+from .defaults import (CHUNK_SIZE, COMPRESS_FN, CONV_SIZE, KVM_BUDGET, KVM_BUDGET_EXPONENT, KVM_BUDGET_SATURATION,
                        KVM_BUDGET_SCALE, KVM_CHUNK_SIZE, KVM_SINKS, KVM_STATE_SIZE, KVM_WINDOW_CHUNKS, LATTICE_VARIANT,
                        MIX_FN, NUM_SLOTS, WRITE_GRADIENT)
 from .remote_code import AUTO_MAP, code_is_packaged, export_code
@@ -100,9 +100,10 @@ class TrellisConfig(PreTrainedConfig):
             (every checkpoint saved before it existed) is read as ``"anchored"``.
         lattice_variant: Lattice's write rule, one of ``trellis_lm.ops.LATTICE_VARIANTS``
             (``"dec"``, ``"enc"``, ``"sim"``).
-        conv_size: width of the causal depthwise convolution on q and k of the memory mixers;
-            0 disables it. A model built from scratch starts with q's conv passing the current
-            token and k's the previous one (see ``MemoryMixer.init_weights``).
+        conv_size: width of the causal depthwise convolution on q and k of the memory mixers
+            (default 2: the token and the one before, chosen by Trellis's defaults study; 4 before
+            it, and in the Lattice studies); 0 disables it. A model built from scratch starts with
+            q's conv passing the current token and k's the previous one (see ``MemoryMixer.init_weights``).
         use_forget_gate: learn Trellis's forget gate beta; when False, beta = 1.
         gate_logit_normalizer: log_beta = logsigmoid(beta_proj(x)) / gate_logit_normalizer.
         num_key_value_heads: key/value heads of attention layers (grouped-query attention);
@@ -181,7 +182,7 @@ class TrellisConfig(PreTrainedConfig):
     mix_fn: str = MIX_FN
     write_gradient: str = WRITE_GRADIENT
     lattice_variant: str = LATTICE_VARIANT
-    conv_size: int = 4
+    conv_size: int = CONV_SIZE
     use_forget_gate: bool = True
     gate_logit_normalizer: float = 16.0
     num_key_value_heads: int | None = None
