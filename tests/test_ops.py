@@ -191,8 +191,8 @@ def test_resume_at_every_split(backend, C, wg):
 @pytest.mark.parametrize("backend", ["reference"] + FAST_BACKENDS)
 @pytest.mark.parametrize("wg", WRITE_GRADIENTS)
 @pytest.mark.parametrize("C", [1, 3, 8])
-def test_varlen_equals_each_sequence_alone(backend, C, wg):
-    lengths = [5, 0, 9, 1, 3]
+@pytest.mark.parametrize("lengths", [[5, 0, 9, 1, 3], [8, 8, 8], [64, 64]])  # the last two: whole chunks
+def test_varlen_equals_each_sequence_alone(backend, C, wg, lengths):
     N = len(lengths)
     x = make_inputs(1, sum(lengths), 2, 4, 3, 5, seed=0)
     state = make_state(N, 2, 4, 3, 5, chunk_size=C, seed=1)

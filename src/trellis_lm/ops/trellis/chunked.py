@@ -137,8 +137,10 @@ def chunked_forward(q, k, v, alpha, log_beta, gamma, state, chunk_size, compress
     # tokens from the call's first token (C only counts the offset handed back).
     chunk, offset = (EXACT_LAYOUT_CHUNK, torch.zeros_like(state.offset)) if substituted else (chunk_size, state.offset)
     flat_index, lengths, chunks, width = grid_positions(offset, batch, length, cu_seqlens, chunk)
-    if cu_seqlens is None and chunks * width == length and not bool(offset.any()):
-        flat_index = None  # rows of whole chunks from a chunk start: the grid is the input's own order
+    if rows * chunks * width == batch * length and not bool(offset.any()):
+        # Every sequence (a row, or a packed document) fills its chunks from a chunk start: the grid
+        # is the input's own order, and the scatter into it and the gather back are skipped.
+        flat_index = None
     Q, K, V, A, LB, G = (
         _chunk_major(x.reshape((batch * length,) + tuple(x.shape[2:])), flat_index, rows, chunks, width)
         for x in (q, k, v, alpha, log_beta, gamma)
