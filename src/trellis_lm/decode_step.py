@@ -36,7 +36,7 @@ from .cache_trellis import CacheCall, TrellisCache
 from .layer_kinds import layer_signature
 from .mixers.base import MemoryMixer, Projections, gated_output
 from .mixers.norms_convs import ScaledRMSNorm, conv_step, rms_norm
-from .ops.checks import compute_dtype
+from .ops.checks import as_dtype, compute_dtype
 from .projection_stacks import LinearStack, plain_forward_hooks
 
 
@@ -124,7 +124,7 @@ def advance_token(mixer: MemoryMixer, x: torch.Tensor, entry: MemoryEntry,
     q_tail, k_tail = entry.q_tail, entry.k_tail
     if step.taps is not None:
         tail = torch.cat([q_tail, k_tail], dim=-1)
-        qk, tail = conv_step(qk, tail if tail.dtype == qk.dtype else tail.to(qk.dtype), step.taps)
+        qk, tail = conv_step(qk, as_dtype(tail, qk.dtype, qk.device), step.taps)
         q_tail, k_tail = tail.split_with_sizes(step.qk_split, dim=-1)
     q, k, v = mixer.activated_qk(qk, step.qk_split, parts.get("v_proj"))
     proj = Projections(mixer, x, parts, values=v)

@@ -25,6 +25,7 @@ from ..cache_layout import ROWS, TensorSpec
 from ..cache_trellis import CacheCall, TrellisCache
 from ..configuration_trellis import TrellisConfig
 from ..layer_kinds import MIXERS
+from ..ops.checks import as_dtype
 from ..ops.state import OpState
 from ..ops.registry import BackendRegistry
 from ..projection_stacks import LinearStack, stacked
@@ -273,8 +274,7 @@ def gated_output(g: torch.Tensor, normed: torch.Tensor, dtype: torch.dtype) -> t
     gate, normed = gelu(g), normed.view(g.shape)
     # Without autograd, into `gate` (this function's own tensor): one [..., H d] allocation less.
     gated = gate.mul_(normed) if not torch.is_grad_enabled() else normed * gate
-    # A cast to its own dtype is still a call, which a decode step pays per layer and token.
-    return gated if gated.dtype == dtype else gated.to(dtype)
+    return as_dtype(gated, dtype, gated.device)
 
 
 class MemoryMixer(Mixer):
