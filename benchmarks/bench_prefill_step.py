@@ -2,6 +2,7 @@
 
     .venv-vllm/bin/python benchmarks/bench_prefill_step.py                # 16 x 1,024 tokens, the phase timed
     .venv-vllm/bin/python benchmarks/bench_prefill_step.py --parts        # the same, the time split by part
+    .venv-vllm/bin/python benchmarks/bench_prefill_step.py --op-backends torch compiled --rounds 3  # paired
     PYTHONPATH=/path/to/old/src .venv-vllm/bin/python benchmarks/bench_prefill_step.py   # another checkout's plugin
 
 The all-Trellis model of ``bench_vllm.py`` (4 layers of width 256, random weights, float32, its
@@ -13,6 +14,8 @@ that has its first token, then on prompt chunks in order. Runs the steps until e
 its first token (the phase ``bench_vllm.py`` reports as the time to the last first token, without
 vLLM's own work) and prints its seconds. ``--parts``: the phase under cProfile, the time of the
 functions named in ``PARTS`` (cumulative, so nested parts overlap; the plugin at this checkout).
+``--op-backends``: the same weights with each ``op_backend`` in turn, every round in both orders
+(ABBA), and the ratio of each to the first.
 """
 
 from __future__ import annotations
@@ -44,11 +47,11 @@ PARTS = [
 ]
 
 
-def model() -> TrellisForCausalLM:
+def model(op_backend: str = "auto") -> TrellisForCausalLM:
     torch.manual_seed(0)
     config = TrellisConfig(num_heads=4, head_dim=64, num_slots=64, chunk_size=64, mixer_types=["trellis"] * 4,
                            tie_word_embeddings=True, vocab_size=4096, hidden_size=256, num_hidden_layers=4,
-                           intermediate_size=682)
+                           intermediate_size=682, op_backend=op_backend)
     built = TrellisForCausalLM(config).eval()
     for module in built.modules():  # as the plugin does once the weights load
         if getattr(type(module), "fusable_projections", ()):
@@ -108,11 +111,16 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=4096, help="tokens per step (vLLM's max_num_batched_tokens)")
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--parts", action="store_true", help="the phase under cProfile, split by part")
+    parser.add_argument("--op-backends", nargs="+", default=None,
+                        help="op_backend values compared on the same weights (the first is the base)")
     parser.add_argument("--threads", type=int, default=1, help="torch's threads (one: what a shared machine times "
                         "steadily, as bench_vllm.py's --cpu-time engines on one core)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     keep_freed_memory()  # as the plugin does on a CPU
+    if args.op_backends:
+        compare(args.op_backends, args)
+        return
     lm = model()
     phase(lm, 2, 64, args.budget)  # warm-up: first calls of every kernel
     if args.parts:
@@ -127,6 +135,21 @@ def main() -> None:
         return
     for _ in range(args.rounds):
         print(f"TTFT phase: {phase(lm, args.requests, args.context, args.budget):.3f} s")
+
+
+def compare(backends: list[str], args: argparse.Namespace) -> None:
+    """The phase with each ``op_backend`` on the same weights, rounds in alternating order."""
+    models = {name: model(name) for name in backends}
+    for lm in models.values():
+        phase(lm, 2, 64, args.budget)  # warm-up: a compiled backend compiles here
+    seconds = {name: [] for name in backends}
+    for round_ in range(args.rounds):
+        for name in backends if round_ % 2 == 0 else backends[::-1]:
+            seconds[name].append(phase(models[name], args.requests, args.context, args.budget))
+    base = sum(seconds[backends[0]])
+    for name in backends:
+        times = ", ".join(f"{t:.3f}" for t in seconds[name])
+        print(f"op_backend {name:10s} TTFT phase s: {times}   {backends[0]} / {name}: {base / sum(seconds[name]):.2f}x")
 
 
 if __name__ == "__main__":

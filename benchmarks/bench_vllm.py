@@ -6,6 +6,7 @@
     .venv-vllm/bin/python benchmarks/bench_vllm.py shared-prefix --speculative-tokens 3 --new-tokens 128 --embedding-scale 30
     .venv-vllm/bin/python benchmarks/bench_vllm.py copy --json benchmarks/results/vllm_speculative.json
     .venv-vllm/bin/python benchmarks/bench_vllm.py contexts --contexts 1024 --baseline-src /path/to/old/src
+    .venv-vllm/bin/python benchmarks/bench_vllm.py contexts --contexts 1024 --models llama trellis --op-backend compiled
 
 Runs in the vLLM venv (``make test-vllm`` makes it). Models (float32 unless ``--dtype``, random weights, one
 seed): 4 layers of width 256 (4 heads of 64; Trellis 64 slots, chunks of 64; SwiGLU of 682;
@@ -64,7 +65,8 @@ MODELS = ("llama", "trellis", "hybrid")
 FIRST_TOKEN = 3  # ids below are special
 
 
-def save(kind: str, folder: Path, compile_decode: bool = False, embedding_scale: float = 1.0) -> None:
+def save(kind: str, folder: Path, embedding_scale: float = 1.0, **settings: Any) -> None:
+    """A random model of ``kind`` saved in ``folder``; ``settings``: TrellisConfig fields (Trellis models)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -78,7 +80,7 @@ def save(kind: str, folder: Path, compile_decode: bool = False, embedding_scale:
         kinds = ["trellis"] * 4 if kind == "trellis" else ["trellis", "trellis", "trellis", "attention"]
         model = TrellisForCausalLM(TrellisConfig(num_heads=4, head_dim=64, num_slots=64, chunk_size=64,
                                                  mixer_types=kinds, tie_word_embeddings=True,
-                                                 compile_decode=compile_decode, **SIZES))
+                                                 **settings, **SIZES))
     with torch.no_grad():  # --embedding-scale (the head is tied: the logits scale with it)
         model.get_input_embeddings().weight.mul_(embedding_scale)
     model.save_pretrained(folder)
@@ -332,6 +334,8 @@ def main() -> None:
     parser.add_argument("--compile-decode", action="store_true",
                         help="also run the Trellis models saved with compile_decode=True (their single-token and draft "
                              "rows through torch.compile; the first steps compile)")
+    parser.add_argument("--op-backend", help="also run the Trellis models saved with this op_backend (e.g. compiled: "
+                        "their prefills' substitutions compiled, in the warm-up request)")
     parser.add_argument("--embedding-scale", type=float, default=1.0,
                         help="every model's embeddings times this (copy: 30 makes every random model's greedy text "
                              "repeat itself, as the tests' copying checkpoints do, so drafts come on most steps)")
@@ -364,11 +368,15 @@ def main() -> None:
         if args.baseline_src:  # the Trellis models again, on the baseline's trellis_lm
             baseline = {**env, "PYTHONPATH": os.pathsep.join([str(args.baseline_src.resolve()), env.get("PYTHONPATH", "")])}
             engines += [(f"{kind}@baseline", kind, folders[kind], baseline) for kind in args.models if kind != "llama"]
-        if args.compile_decode:  # the Trellis models again, their checkpoints saved with compile_decode=True
+        # The Trellis models again, saved with other settings: --compile-decode, --op-backend.
+        saved_with = {"compiled": {"compile_decode": True}} if args.compile_decode else {}
+        if args.op_backend:
+            saved_with[args.op_backend] = {"op_backend": args.op_backend}
+        for suffix, settings in saved_with.items():
             for kind in args.models:
                 if kind != "llama":
-                    save(kind, Path(work) / f"{kind}+compiled", compile_decode=True, embedding_scale=args.embedding_scale)
-                    engines.append((f"{kind}+compiled", kind, Path(work) / f"{kind}+compiled", env))
+                    save(kind, Path(work) / f"{kind}+{suffix}", embedding_scale=args.embedding_scale, **settings)
+                    engines.append((f"{kind}+{suffix}", kind, Path(work) / f"{kind}+{suffix}", env))
         for round_ in range(args.rounds):
             for i, case in enumerate(cases):
                 for name, kind, folder, engine_env in engines:

@@ -106,8 +106,9 @@ GROUP_ELEMENTS = 1 << 22
 
 
 def chunked_forward(q, k, v, alpha, log_beta, gamma, state, chunk_size, compress_fn, mix_fn, write_gradient,
-                    cu_seqlens):
-    """Backend ``"torch"``; arguments as validated by :func:`trellis_lm.ops.trellis_attention`.
+                    cu_seqlens, *, compiled: bool = False):
+    """Backend ``"torch"`` (and ``"compiled"``: ``compiled=True``); arguments as validated by
+    :func:`trellis_lm.ops.trellis_attention`.
 
     Two phases. The sequential loop over chunks runs only the state chain: each chunk's ``U``
     (from its anchor) and the next chunk-start state. The read-outs ``Yh``, ``H = f(Yh)`` and
@@ -124,7 +125,9 @@ def chunked_forward(q, k, v, alpha, log_beta, gamma, state, chunk_size, compress
     tokens on M-vectors (design page, section 2b), not one batched residual at the anchor. Their
     function does not depend on C, so they run in chunks of :data:`EXACT_LAYOUT_CHUNK` tokens from
     each sequence's first token here, whatever ``chunk_size`` (which still counts the offset of
-    the state handed back).
+    the state handed back). ``compiled``: their chunks of that full width run each substitution
+    as one compiled kernel (:mod:`.compiled_substitution`); shorter ones, and every other
+    setting, run as with ``"torch"``.
     """
     batch, length, heads, _ = q.shape
     dk, dv = q.shape[-1], v.shape[-1]
@@ -178,6 +181,7 @@ def chunked_forward(q, k, v, alpha, log_beta, gamma, state, chunk_size, compress
         compress_fn=compress_fn, mix_fn=mix_fn, substituted=substituted, passes=tuple(X.shape[1] for X, _, _ in chains),
         last_chunk=tuple(((offset + lengths - 1).clamp(min=0) // chunk).tolist()), heads=heads,
         keep=keep, group=max(1, GROUP_ELEMENTS // max(1, state_elements)),
+        compiled=compiled and substituted and width == EXACT_LAYOUT_CHUNK,
     )
     o, *finals = ChunkFunction.apply(spec, *inputs)  # o [chunks, NH, L, Dv]
     if len(chains) == 1:

@@ -29,10 +29,12 @@ batch axis, so its states are ``[P * NH, M, D]``.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
+from .compiled_substitution import compiled_substitute
 from .compress_mix import (
     EPS, compress_residual_vjp, layer_norm_stats, layer_norm_vjp, mix, residual_without_graph,
 )
@@ -53,6 +55,8 @@ class ChunkSpec:
         keep: whether a backward will follow (then every chunk-start state is kept; otherwise
             the read-outs run in groups of ``group`` chunks and the states are dropped).
         group: chunks per read-out group when not ``keep``.
+        compiled: ``substituted`` chunks run their substitution as one compiled kernel
+            (:mod:`.compiled_substitution`; backend ``"compiled"``), else the eager loop.
     """
 
     compress_fn: str
@@ -63,6 +67,7 @@ class ChunkSpec:
     heads: int
     keep: bool
     group: int
+    compiled: bool = False
 
 
 def in_chunk_log_gaps(log_beta: torch.Tensor) -> torch.Tensor:
@@ -324,6 +329,7 @@ class ChunkFunction(torch.autograd.Function):
         qk = Q @ _t(K)
         dqk = decay * qk if spec.keep else qk.mul_(decay)
         group = n if spec.keep else spec.group
+        substitute = functools.partial(compiled_substitute, block=SUBSTITUTION_BLOCK) if spec.compiled else _substitute
         outs, states = [], [None] * len(chains)
         for ch in chains:
             ch["anchor"] = ch["a0"].clone()
@@ -350,8 +356,8 @@ class ChunkFunction(torch.autograd.Function):
                         torch.baddbmm(ch["Z"][c], ch["W"][c], _t(s), beta=-1, out=u)
                     elif spec.substituted:
                         z = torch.matmul(ch["X"][c], _t(s)).view(ch["P"], nh, width, slots).mul_(ch["eb"][c])
-                        _substitute(spec.compress_fn, z, ch["lower"][c].view(ch["P"], nh, width, width), A[c],
-                                    u.view(z.shape))
+                        substitute(spec.compress_fn, z, ch["lower"][c].view(ch["P"], nh, width, width), A[c],
+                                   u.view(z.shape))
                         if keep_parts:  # the residuals' parts, for all tokens at once (u is kept)
                             parts = tuple(ch[k][c].view(z.shape[:-1] + ch[k].shape[-1:]) for k in ("zh", "r", "e"))
                             _residual(spec.compress_fn, z, A[c], parts)

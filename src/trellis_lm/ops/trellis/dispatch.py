@@ -51,6 +51,12 @@ def _triton_step(*args):
     return triton_step(*args)
 
 
+def _compiled_unavailable(call: OpCall) -> Optional[str]:
+    if call.device.type != "cpu":
+        return f"it compiles the chunk form's substitution for CPUs, got {call.device} (on CUDA: 'triton')"
+    return None
+
+
 def _triton_unavailable(call: OpCall) -> Optional[str]:
     if not triton_available():
         return "it needs the triton package (pip install triton)"
@@ -76,6 +82,9 @@ BACKENDS = BackendRegistry(
     "trellis_attention",
     Backend("reference", reference_forward, priority=0),
     Backend("torch", chunked_forward, priority=1, step=step_forward),
+    # Named only (it compiles on first use, for tens of seconds): a server's or a long job's choice.
+    Backend("compiled", functools.partial(chunked_forward, compiled=True), priority=0, step=step_forward,
+            unavailable=_compiled_unavailable, auto_devices=()),
     Backend("triton", _triton_forward, priority=2, step=_triton_step, unavailable=_triton_unavailable,
             unsupported=_triton_unsupported, auto_devices=("cuda",)),
 )
@@ -168,7 +177,10 @@ def trellis_attention(
             ``"torch"`` (chunk-parallel; with T == 1 and no ``cu_seqlens``, the single-token step
             of :mod:`.step`), ``"triton"`` (GPU kernels: CUDA tensors, or CPU ones under
             ``TRITON_INTERPRET=1``; not float64, not ``compress_fn="identity"``; with T == 1 and
-            no ``cu_seqlens``, the single-token step of :mod:`.triton_step`). ``"auto"``
+            no ``cu_seqlens``, the single-token step of :mod:`.triton_step`), ``"compiled"``
+            (CPU tensors; ``"torch"`` with each forward substitution of ``"exact"`` writes with
+            ``layernorm``/``l2norm`` compiled, :mod:`.compiled_substitution`: tens of seconds on
+            first use, never picked by ``"auto"``). ``"auto"``
             takes the best backend that can run the call (``"triton"`` for CUDA tensors where it
             imports and supports the call, else ``"torch"``); a named backend that cannot run it
             raises a ``ValueError`` saying why (see :mod:`trellis_lm.ops.registry`).
