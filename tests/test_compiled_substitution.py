@@ -112,3 +112,10 @@ def test_the_compiled_backend_is_named_only_and_runs_on_cpus():
     assert BACKENDS["compiled"].refusal(call) is None
     reason = BACKENDS["compiled"].refusal(OpCall(torch.device("cuda"), torch.float32, 64, False, {}))
     assert "CPUs" in reason and "triton" in reason
+
+
+def test_the_compiled_backend_refuses_in_words_where_no_cxx_compiler_is(monkeypatch):
+    monkeypatch.delenv("CXX", raising=False)
+    monkeypatch.setenv("PATH", "/nonexistent")
+    with pytest.raises(ValueError, match="backend 'compiled' cannot run.*needs a C[+][+] compiler"):
+        trellis_attention(*make_inputs(1, 40, 2, 4, 4, 3, seed=5), backend="compiled")

@@ -32,6 +32,7 @@ from vllm.exceptions import VLLMValidationError  # noqa: E402
 
 from tests.slot_server import CompiledRuns  # noqa: E402
 from tests.tiny_models import random_tokens, tiny_model  # noqa: E402
+from trellis_lm.ops.trellis import chunked_autograd  # noqa: E402
 
 # Prompt lengths submitted together: 1 to 2,000 tokens, crossing the ops' chunks (5, and
 # KVM's 3), vLLM's prefill chunks and its blocks.
@@ -150,20 +151,22 @@ def test_preemption_gives_the_same_tokens(tmp_path):
     assert got == [reference(model, p, 160) for p in batch]
 
 
-def copying_checkpoint(folder: Path, schedule: str, compile_decode: bool = False) -> torch.nn.Module:
+def copying_checkpoint(folder: Path, schedule: str, compile_decode: bool = False, op_backend: str = "auto"
+                       ) -> torch.nn.Module:
     """A checkpoint whose greedy continuation falls into cycles (embeddings scaled up, so each
     token's own embedding dominates the residual stream; the mixers still change the tokens),
     which n-gram drafts then predict: drafts get accepted, in full or in part, and rejected.
-    ``compile_decode``: saved with it (the model returned, the reference, decodes eagerly)."""
+    ``compile_decode``, ``op_backend``: saved with them (the model returned, the reference,
+    runs eagerly on the torch backend)."""
     model = tiny_model(seed=0, schedule=schedule, **MODEL)
     with torch.no_grad():
         model.model.embed_tokens.weight.mul_(30)
     # No end-of-sequence token: every sequence runs its full length (a cycle through EOS would
     # end some early, and the preemption case needs them all to grow).
     model.config.eos_token_id = model.generation_config.eos_token_id = None
-    model.config.compile_decode = compile_decode
+    model.config.compile_decode, model.config.op_backend = compile_decode, op_backend
     model.save_pretrained(folder)
-    model.config.compile_decode = False
+    model.config.compile_decode, model.config.op_backend = False, "auto"
     return model
 
 
@@ -181,7 +184,8 @@ PREEMPTED = {"num_gpu_blocks_override": 28, "max_model_len": 640}
     ("trellis", NO_CACHING, 48, False),
     # The four kinds in one model, with so few KV blocks that vLLM preempts and recomputes.
     ("kvm-hybrid", PREEMPTED, 160, False),
-    # compile_decode: the memory layers' single-token and draft rows compiled as the model loads.
+    # compile_decode: the memory layers' single-token and draft rows compiled as the model loads,
+    # here with op_backend="compiled" too (its prefills' substitution compiled as it loads).
     # Without prefix caching: with it, a run after other engines in the same process was seen to
     # compile four graphs more during requests (docs/serving.md, "compile_decode").
     ("trellis", NO_CACHING, 48, True),
@@ -199,8 +203,18 @@ def test_speculative_decoding_gives_the_tokens_of_generate(tmp_path, monkeypatch
     5, KVM's of 3) and not at all; the greedy tokens equal ``generate``'s without speculation.
     Under ``compile_decode`` the Trellis and Lattice layers' rows of one token and of drafts are
     compiled as the model loads (four graphs a kind: rows of one token and draft rows, a batch of
-    one row and of several), and run compiled (counted), never compiling in a request's step."""
-    model = copying_checkpoint(tmp_path, schedule, compile_decode)
+    one row and of several), and run compiled (counted), never compiling in a request's step;
+    all-Trellis is then saved with ``op_backend="compiled"`` too, whose prefill substitution
+    compiles as the model loads (one graph more) and serves the prompts (counted)."""
+    op_backend = "compiled" if compile_decode and schedule == "trellis" else "auto"
+    model = copying_checkpoint(tmp_path, schedule, compile_decode, op_backend)
+    substitutions, real = [], chunked_autograd.compiled_substitute
+
+    def counted(*args, **kwargs):
+        substitutions.append(args[1].shape)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(chunked_autograd, "compiled_substitute", counted)
     compiled_runs = CompiledRuns(monkeypatch).runs
     graphs = torch._dynamo.utils.counters["stats"]
     torch._dynamo.reset()  # compiled by this engine, whatever this process compiled before
@@ -208,11 +222,13 @@ def test_speculative_decoding_gives_the_tokens_of_generate(tmp_path, monkeypatch
     llm = engine(tmp_path, speculative_config=NGRAM, **options)
     loaded = graphs["unique_graphs"]
     compiled_kinds = {"trellis", "lattice"} & set(model.config.layer_kinds) if compile_decode else set()
-    assert loaded - before == 4 * len(compiled_kinds)
+    assert loaded - before == 4 * len(compiled_kinds) + (op_backend == "compiled")
     compiled_runs.clear()
+    substitutions.clear()
     batch = [p for p in prompts() if len(p) < 400]
     got = served(llm, batch, max_tokens=new_tokens)
     assert graphs["unique_graphs"] == loaded
+    assert bool(substitutions) == (op_backend == "compiled")
     assert {(kind, each) for kind, each, _ in compiled_runs} == {(kind, each) for kind in compiled_kinds
                                                                 for each in (False, True)}
     drafted, accepted = counter(llm, "vllm:spec_decode_num_draft_tokens"), counter(llm, "vllm:spec_decode_num_accepted_tokens")

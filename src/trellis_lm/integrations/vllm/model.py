@@ -49,7 +49,7 @@ from ...modeling_trellis import TrellisDecoderLayer, TrellisMLP
 from .allocator import keep_freed_memory
 from .parallel import rank_config
 from .parallel_layers import Destination, packed_modules, parallel_block
-from .slots import SlotLayout, compile_rows, run_on_slots
+from .slots import SlotLayout, compile_rows, prefill_once, run_on_slots
 from .state_backend import register_backend, step_groups
 
 
@@ -256,13 +256,18 @@ class TrellisForCausalLM(nn.Module, HasInnerState, IsHybrid):
     def process_weights_after_loading(self) -> None:
         """What vLLM runs once every layer has processed its loaded weights (on a CPU: packed
         them for oneDNN): under ``compile_decode``, the memory layers' rows compiled now, through
-        the packed products, not in a request's step (see docs/serving.md)."""
-        if self.config.compile_decode:
-            self.eval()  # as vLLM runs it after loading (the compiled functions guard on the mode)
-            like = self.model.embed_tokens.weight
-            for layer in self.model.layers:
-                if isinstance(layer.serving, MemoryStateLayer):
+        the packed products, not in a request's step (see docs/serving.md); under
+        ``op_backend="compiled"``, one prefill through them, which compiles the op's substitution."""
+        if not (self.config.compile_decode or self.config.op_backend == "compiled"):
+            return
+        self.eval()  # as vLLM runs it after loading (the compiled functions guard on the mode)
+        like = self.model.embed_tokens.weight
+        for layer in self.model.layers:
+            if isinstance(layer.serving, MemoryStateLayer):
+                if self.config.compile_decode:
                     compile_rows(layer.serving.mixer, layer.serving.layout, like, self.draft_width)
+                if self.config.op_backend == "compiled":
+                    prefill_once(layer.serving.mixer, layer.serving.layout, like)
 
     # What vLLM asks of a hybrid model class before building it: the state of one sequence in
     # one layer (the largest kind's slot, in bytes: every memory layer's page is that size) ...

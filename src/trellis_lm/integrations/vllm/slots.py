@@ -302,6 +302,24 @@ def compile_rows(mixer: MemoryMixer, layout: SlotLayout, like: torch.Tensor, wid
                 advanced_compiled(mixer, like.new_zeros(rows, length, like.shape[-1]), entry, each=length > 1)
 
 
+# Tokens of each of the two prompts a loading server prefills once (:func:`prefill_once`): two
+# whole chunks of the torch chunk form's layout (its exact writes' EXACT_LAYOUT_CHUNK = 32).
+WARM_PROMPT_TOKENS = 64
+
+
+def prefill_once(mixer: MemoryMixer, layout: SlotLayout, like: torch.Tensor) -> None:
+    """Prefill two prompts of :data:`WARM_PROMPT_TOKENS` tokens, packed as a server's step packs
+    them, and drop the result: what a server under ``op_backend="compiled"`` calls as it loads the
+    model, so that the op's compiled substitution compiles then (once: any number of prompts
+    shares it), not in a request's step."""
+    lengths = torch.full((2,), WARM_PROMPT_TOKENS, device=like.device)
+    # In inference mode, as vLLM runs its steps: the compiled function guards on whether its
+    # tensors are inference tensors (a warm-up under no_grad compiled once more in the first step).
+    with torch.inference_mode():
+        mixer.advance(like.new_zeros(1, 2 * WARM_PROMPT_TOKENS, like.shape[-1]), PackedSequences.from_lengths(lengths),
+                      fresh_entry(mixer, layout, 2, like.device))
+
+
 def fresh_entry(mixer: MemoryMixer, layout: SlotLayout, rows: int, device: Optional[torch.device] = None) -> MemoryEntry:
     """The entry ``rows`` sequences start from, as :func:`run_on_slots` hands it to the mixer
     (the layout's stand-ins in place of the state fields it does not keep)."""

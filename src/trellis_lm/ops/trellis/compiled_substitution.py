@@ -3,12 +3,12 @@
 
 A chunk's substitution (:func:`.chunked_autograd._substitute`) is a loop over its tokens on
 M-vectors: eagerly, each token costs a few small operations, and at serving sizes their
-dispatch, not their arithmetic, is most of the op's time (BENCHMARKS.md, issue 75). Traced
+dispatch, not their arithmetic, is about half of the op's time (BENCHMARKS.md, issue 75). Traced
 with its token loop unrolled, every (pass, row, head) chain is independent, so inductor fuses
 the whole chunk into one C++ loop over the chains. The function is the same (the sums of a
 token's earlier terms are taken in another order: equal up to rounding).
 
-Compiling costs about 40 s on a 2-core CPU for each compression function, dtype, pass count
+Compiling costs about 35 s on a 2-core CPU for each compression function, dtype, pass count
 and (M, D) (8 s when torch's compile cache already holds it); the number of (row, head)
 pairs is a dynamic size, so batches of any size share one compilation. Only chunks of the
 full layout width :data:`.chunked.EXACT_LAYOUT_CHUNK` run compiled (every chunk of a long
@@ -57,7 +57,10 @@ def compiled_substitute(name: str, z: torch.Tensor, lower: torch.Tensor, alpha: 
                         block: int) -> None:
     """:func:`.chunked_autograd._substitute` (same arguments: ``z [P, NH, L, M]`` in and out,
     ``lower [P, NH, L, L]``, ``alpha [NH, L, M]``, ``u [P, NH, L, M]`` out) as one compiled call,
-    in blocks of ``block`` tokens."""
+    in blocks of ``block`` tokens. Inside another compiled function, traced into it as it is."""
+    if torch.compiler.is_compiling():
+        _unrolled(name, block, z, lower, alpha, u)
+        return
     # Detached (views of the same memory, so z and u are still written): the compiled function
     # guards on requires_grad, and a training step's targets require it where inference's do not.
     args = [t.detach() for t in (z, lower, alpha, u)]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import shutil
 import sys
 from typing import Callable, Optional, Sequence, Union
 
@@ -51,9 +52,19 @@ def _triton_step(*args):
     return triton_step(*args)
 
 
+# What inductor compiles its CPU kernels with: $CXX, else the first of these on PATH.
+CXX_NAMES = ("g++", "clang++", "c++")
+
+
 def _compiled_unavailable(call: OpCall) -> Optional[str]:
     if call.device.type != "cpu":
         return f"it compiles the chunk form's substitution for CPUs, got {call.device} (on CUDA: 'triton')"
+    # Inside torch.compile (a compiled decode's draft rows) the compiler is in use already, and a
+    # look at the file system would end the graph.
+    if torch.compiler.is_compiling():
+        return None
+    if not any(shutil.which(name) for name in filter(None, (os.environ.get("CXX"), *CXX_NAMES))):
+        return f"torch.compile needs a C++ compiler on a CPU: set $CXX or install one of {', '.join(CXX_NAMES)}"
     return None
 
 
