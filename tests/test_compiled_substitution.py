@@ -18,7 +18,7 @@ from torch._dynamo.utils import counters
 from op_inputs import make_inputs, make_state
 from trellis_lm.ops import trellis_attention
 from trellis_lm.ops.registry import OpCall
-from trellis_lm.ops.trellis import BACKENDS, chunked, chunked_autograd
+from trellis_lm.ops.trellis import BACKENDS, chunked, chunked_autograd, dispatch
 
 TOL = dict(rtol=1e-9, atol=1e-9)
 GRAD_TOL = dict(rtol=1e-8, atol=1e-9)
@@ -114,7 +114,15 @@ def test_the_compiled_backend_is_named_only_and_runs_on_cpus():
     assert "CPUs" in reason and "triton" in reason
 
 
-def test_the_compiled_backend_refuses_in_words_where_no_cxx_compiler_is(monkeypatch):
+@pytest.fixture
+def compiler_asked_afresh():
+    """The compiler lookup is remembered per process: forgotten before the test and after it."""
+    dispatch.cxx_compiler_found.cache_clear()
+    yield
+    dispatch.cxx_compiler_found.cache_clear()
+
+
+def test_the_compiled_backend_refuses_in_words_where_no_cxx_compiler_is(monkeypatch, compiler_asked_afresh):
     monkeypatch.delenv("CXX", raising=False)
     monkeypatch.setenv("PATH", "/nonexistent")
     with pytest.raises(ValueError, match="backend 'compiled' cannot run.*needs a C[+][+] compiler"):

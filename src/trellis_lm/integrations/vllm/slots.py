@@ -37,6 +37,7 @@ from ...configuration_trellis import TrellisConfig
 from ...layer_kinds import MIXERS
 from ...mixers.base import MemoryMixer
 from ...mixers.valid_tokens import PackedSequences
+from ...ops.trellis.chunked import EXACT_LAYOUT_CHUNK
 from .compiled_rows import advanced_compiled
 
 
@@ -303,8 +304,8 @@ def compile_rows(mixer: MemoryMixer, layout: SlotLayout, like: torch.Tensor, wid
 
 
 # Tokens of each of the two prompts a loading server prefills once (:func:`prefill_once`): two
-# whole chunks of the torch chunk form's layout (its exact writes' EXACT_LAYOUT_CHUNK = 32).
-WARM_PROMPT_TOKENS = 64
+# whole chunks of the chunk form's layout of exact writes, the chunks the compiled backend compiles.
+WARM_PROMPT_TOKENS = 2 * EXACT_LAYOUT_CHUNK
 
 
 def prefill_once(mixer: MemoryMixer, layout: SlotLayout, like: torch.Tensor) -> None:

@@ -56,14 +56,19 @@ def _triton_step(*args):
 CXX_NAMES = ("g++", "clang++", "c++")
 
 
+@functools.cache
+def cxx_compiler_found() -> bool:
+    """Whether a C++ compiler is on PATH (or ``$CXX``). Looked up once: backend ``"compiled"``
+    asks on every op call, and the answer is the machine's."""
+    return any(shutil.which(name) for name in filter(None, (os.environ.get("CXX"), *CXX_NAMES)))
+
+
 def _compiled_unavailable(call: OpCall) -> Optional[str]:
     if call.device.type != "cpu":
         return f"it compiles the chunk form's substitution for CPUs, got {call.device} (on CUDA: 'triton')"
     # Inside torch.compile (a compiled decode's draft rows) the compiler is in use already, and a
     # look at the file system would end the graph.
-    if torch.compiler.is_compiling():
-        return None
-    if not any(shutil.which(name) for name in filter(None, (os.environ.get("CXX"), *CXX_NAMES))):
+    if not torch.compiler.is_compiling() and not cxx_compiler_found():
         return f"torch.compile needs a C++ compiler on a CPU: set $CXX or install one of {', '.join(CXX_NAMES)}"
     return None
 
