@@ -1,7 +1,7 @@
 """Two size limits of the eager decode step on a CPU, each measured as a choice between two forms in
 one process: the Trellis step's memory products (``BROADCAST_PRODUCTS_MAX`` in
 ``trellis_lm/ops/trellis/step.py``: broadcast multiply-and-sum against batched matmul) and the
-read-out's GELU (``NDTR_GELU_MAX`` in ``trellis_lm/mixers/base.py``: ``x * ndtr(x)`` against torch's
+read-out's GELU (``ERFC_GELU_MAX`` in ``trellis_lm/mixers/base.py``: ``x erfc(-x / sqrt 2) / 2`` against torch's
 ``gelu`` kernel).
 
     PYTHONPATH=src .venv/bin/python benchmarks/bench_step_choices.py            # ~5 min on 2 cores
@@ -40,7 +40,7 @@ QUICK_CASES = [("quick", dict(hidden=64, layers=2, heads=2, head_dim=32, slots=1
 CHOICES = {
     "products": (trellis_step, "BROADCAST_PRODUCTS_MAX", {"matmul": 0, "broadcast": 2**62},
                  lambda size, batch: batch * size["heads"] * size["slots"] * size["head_dim"]),
-    "gelu": (mixers_base, "NDTR_GELU_MAX", {"gelu kernel": -1, "ndtr": 2**62},
+    "gelu": (mixers_base, "ERFC_GELU_MAX", {"gelu kernel": -1, "erfc": 2**62},
              lambda size, batch: batch * size["heads"] * size["head_dim"]),
 }
 

@@ -29,7 +29,7 @@ from trellis_lm.cache_trellis import CACHE_ARG
 from trellis_lm.compiled_decode import inference_span
 from trellis_lm.decode_step import TokenStep
 from trellis_lm.mixers import MemoryMixer
-from trellis_lm.mixers.base import NDTR_GELU_MAX, gelu
+from trellis_lm.mixers.base import ERFC_GELU_MAX, gelu
 from trellis_lm.mixers.norms_convs import ScaledRMSNorm, rms_norm
 from trellis_lm.projection_stacks import LinearStack, stacked_projections
 from trellis_lm.ops import (
@@ -45,26 +45,35 @@ def assert_states_equal(got, want):
         torch.testing.assert_close(got.tensors()[name], tensor, rtol=1e-12, atol=1e-12, msg=name)
 
 
+@pytest.mark.parametrize("widths", [(5, 7), (6, 6)])
 @pytest.mark.parametrize("products", ["broadcast", "matmul"])
 @pytest.mark.parametrize("write_gradient", WRITE_GRADIENTS)
 @pytest.mark.parametrize("compress_fn", COMPRESS_FNS)
 @pytest.mark.parametrize("mix_fn", MIX_FNS)
-def test_trellis_step_is_the_op_s_next_token(compress_fn, mix_fn, write_gradient, products, monkeypatch):
+def test_trellis_step_is_the_op_s_next_token(compress_fn, mix_fn, write_gradient, products, widths, monkeypatch):
     # 4 rows at offsets 0 (a chunk start: the anchors move), 1, C - 1 and 2; H, D, M not powers of
     # two; anchors that differ from the memories (which exact writes do not read). Both forms of
-    # the memory products: these small memories take the broadcast one unless it is set to none.
+    # the memory products: these small memories take the broadcast one unless it is set to none;
+    # with keys and values of one width, broadcast runs both passes as one, and a second step
+    # continues the first's memories (halves of one tensor) from k and v that are parts of one.
     if products == "matmul":
         monkeypatch.setattr(trellis_step_module, "BROADCAST_PRODUCTS_MAX", 0)
-    rows, heads, dk, dv, slots, chunk = 4, 3, 5, 7, 6, 4
+    (rows, heads, slots, chunk), (dk, dv) = (4, 3, 6, 4), widths
     state = make_state(rows, heads, dk, dv, slots, chunk_size=chunk, seed=2)
     state.offset = torch.tensor([0, 1, chunk - 1, 2])
-    inputs = make_inputs(rows, 1, heads, dk, dv, slots, seed=1)
     settings = dict(chunk_size=chunk, compress_fn=compress_fn, mix_fn=mix_fn, write_gradient=write_gradient)
-    want_o, want_state = trellis_attention(*inputs, initial_state=state, output_final_state=True, backend="reference",
-                                           **settings)
-    o, final = trellis_step(*inputs, state=state, **settings)
-    torch.testing.assert_close(o, want_o, rtol=1e-12, atol=1e-12)
-    assert_states_equal(final, want_state)
+    for seed in (1, 3):
+        inputs = make_inputs(rows, 1, heads, dk, dv, slots, seed=seed)
+        if dk == dv and seed == 3:
+            q, k, v, *gates = inputs
+            inputs = (q, *torch.cat([k, v], dim=2).split(heads, dim=2), *gates)
+        want_o, want_state = trellis_attention(*inputs, initial_state=state, output_final_state=True,
+                                               backend="reference", **settings)
+        o, state = trellis_step(*inputs, state=state, **settings)
+        torch.testing.assert_close(o, want_o, rtol=1e-12, atol=1e-12)
+        assert_states_equal(state, want_state)
+        halves = state.m_k._base is not None and state.m_k._base is state.m_v._base
+        assert halves == (products == "broadcast" and dk == dv)
 
 
 @pytest.mark.parametrize("variant", LATTICE_VARIANTS)
@@ -124,8 +133,8 @@ def test_rms_norm_is_torch_s_in_at_least_float32(dtype):
 
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float64, 1e-15), (torch.float32, 1e-6)])
 def test_a_decode_step_s_norm_and_gelu_are_torch_s_up_to_rounding(dtype, tolerance):
-    # The scaled RMSNorm (eagerly; compiled, torch's own) and GELU by ndtr (a few elements, no
-    # graph; torch's kernel above NDTR_GELU_MAX) against torch's functions, a zero row included.
+    # The scaled RMSNorm (eagerly; compiled, torch's own) and GELU by erfc (a few elements, no
+    # graph; torch's kernel above ERFC_GELU_MAX) against torch's functions, a zero row included.
     generator = torch.Generator().manual_seed(13)
     x = (torch.randn(4, 1, 3, 37, generator=generator) * 3).to(dtype)
     x[2, 0, 1] = 0.0
@@ -135,7 +144,7 @@ def test_a_decode_step_s_norm_and_gelu_are_torch_s_up_to_rounding(dtype, toleran
     torch.testing.assert_close(norm(x), want, rtol=tolerance, atol=tolerance)
     assert torch.equal(torch.compile(norm, backend="aot_eager", fullgraph=True)(x), want)
     g = (torch.randn(1, 192, generator=generator) * 4).to(dtype)
-    big = (torch.randn(1, NDTR_GELU_MAX + 1, generator=generator) * 4).to(dtype)
+    big = (torch.randn(1, ERFC_GELU_MAX + 1, generator=generator) * 4).to(dtype)
     with torch.no_grad():
         torch.testing.assert_close(gelu(g), F.gelu(g), rtol=tolerance, atol=tolerance)
         assert torch.equal(gelu(big), F.gelu(big))  # above the limit: torch's kernel itself

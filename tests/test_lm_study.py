@@ -156,8 +156,15 @@ def test_the_trellis_mixer_states_its_forget_gate():
                                              head_dim=8, intermediate_size=48, num_slots=4,
                                              gate_logit_normalizer=7.0)).eval()
     mixer = model.model.layers[0].self_attn
-    logits = torch.randn(2, 5, 3, dtype=torch.float64)
+    logits = torch.randn(2, 5, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(mixer.log_forget(logits), F.logsigmoid(logits) / 7.0)
+    # Far out on both sides too (the gate's form switches to x itself below -20), with its gradient.
+    for dtype in (torch.float64, torch.float32):
+        wide = torch.linspace(-60.0, 60.0, 1201, dtype=dtype, requires_grad=True)
+        got, = torch.autograd.grad(mixer.log_forget(wide).sum(), wide)
+        want, = torch.autograd.grad((F.logsigmoid(wide) / 7.0).sum(), wide)
+        torch.testing.assert_close(mixer.log_forget(wide), F.logsigmoid(wide) / 7.0)
+        torch.testing.assert_close(got, want)
     for horizon in (1.5, 20.0, 4096.0):
         cap = torch.tensor([mixer.forget_logit_cap(horizon)], dtype=torch.float64)
         assert -1.0 / mixer.log_forget(cap).item() == pytest.approx(horizon, rel=1e-9)

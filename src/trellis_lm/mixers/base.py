@@ -13,6 +13,7 @@ state is before the first token.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, ClassVar, Mapping, Optional, Sequence, Union
 
 import torch
@@ -250,20 +251,21 @@ def init_module(module: nn.Module, std: float, init: Any) -> None:
         module.init_weights(init)
 
 
-# Up to this many elements, eagerly on a CPU without autograd, GELU is x * Phi(x) by torch's ndtr:
-# a decode step took 1.9-4.3% less than with torch's gelu kernel at 192 to 768 elements, 1-4.4% more
-# from 1,536 up (BENCHMARKS.md, issue 73; benchmarks/bench_step_choices.py); on prefill-sized
-# inputs ndtr, which is not vectorised, is several times slower.
-NDTR_GELU_MAX = 1024
+# Up to this many elements, eagerly on a CPU without autograd, GELU is x erfc(-x / sqrt 2) / 2 by
+# torch's vectorised erfc: four operations that cost a decode step 0.92-0.99 of torch's gelu kernel
+# at 192 to 24,576 elements, the largest measured (BENCHMARKS.md, issue 73;
+# benchmarks/bench_step_choices.py). Above it (a prefill's), the kernel's one pass over the data.
+ERFC_GELU_MAX = 24576
+_MINUS_SQRT_HALF = -math.sqrt(0.5)
 
 
 def gelu(x: torch.Tensor) -> torch.Tensor:
-    """The exact GELU ``x * Phi(x)``: torch's kernel, or ``x * ndtr(x)`` for a decode step's few
-    elements on a CPU (``NDTR_GELU_MAX``); the same function up to rounding."""
+    """The exact GELU ``x * Phi(x)``: torch's kernel, or ``x erfc(-x / sqrt 2) / 2`` for a decode
+    step's few elements on a CPU (``ERFC_GELU_MAX``); the same function up to rounding."""
     # Compiling is asked first: the element count, read, would be a guard (a compilation per size).
     if (not torch.compiler.is_compiling() and x.device.type == "cpu" and not torch.is_grad_enabled()
-            and x.numel() <= NDTR_GELU_MAX):
-        return torch.special.ndtr(x).mul_(x)
+            and x.numel() <= ERFC_GELU_MAX):
+        return torch.mul(x, _MINUS_SQRT_HALF).erfc_().mul_(x).mul_(0.5)
     return F.gelu(x)
 
 
@@ -612,7 +614,7 @@ class MemoryMixer(Mixer):
         qk = F.silu(at_least_float32(qk), inplace=not torch.is_grad_enabled())
         if values is not None and values.shape[-1] == split[0]:
             qkv = torch.cat([qk, at_least_float32(values)], dim=-1)
-            q, k, v = l2_normalize(qkv.view(batch, length, 3 * heads, -1)).split(heads, dim=2)
+            q, k, v = l2_normalize(qkv.view(batch, length, 3 * heads, -1)).split_with_sizes([heads] * 3, dim=2)
             return q, k, v
         # split, not a view's unbind: compiled, unbind bounded the row count (a compilation more).
         q, k = l2_normalize(qk.view(batch, length, 2 * heads, -1)).split(heads, dim=2)

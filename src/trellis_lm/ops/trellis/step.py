@@ -45,17 +45,27 @@ def step_forward(q, k, v, alpha, log_beta, gamma, state, chunk_size, compress_fn
     r_k, r_v = (m_k, m_v) if reads_current_memory(compress_fn, write_gradient) else (a_k, a_v)
     broadcast = q.device.type == "cpu" and not torch.compiler.is_compiling() and m_k.numel() <= BROADCAST_PRODUCTS_MAX
     k, v = k.view(rows, heads, 1, dk), v.view(rows, heads, 1, dv)  # read, then written, with each
-    if broadcast:
-        reads = torch.stack([(k * r_k).sum(-1), (v * r_v).sum(-1)])  # [2, N, H, M]
+    gamma = gamma.view(rows, heads, 1)
+    if broadcast and dk == dv:
+        # Both passes as one: the memories as halves of one [2, N, H, M, D] tensor (as this branch
+        # returns them), k and v as one [2, N, H, 1, D]; each product and write is then one
+        # operation, not two.
+        kv, memories = _paired(k, v), _paired(m_k, m_v)  # [2, N, H, 1, D], [2, N, H, M, D]
+        reads = (kv * (memories if r_k is m_k else _paired(r_k, r_v))).sum(-1)  # [2, N, H, M]
+        u = compress_residual_vjp(compress_fn, reads, alpha.view(rows, heads, slots)) * gamma
+        m_k, m_v = torch.addcmul(beta * memories, u.unsqueeze(-1), kv, value=-1).unbind()
     else:
-        # Every memory read is a row vector times the memory's transpose ([N, H, 1, D] @ [.., D, M]):
-        # torch's CPU batched matmul takes a matrix times a column vector several times slower
-        # (BENCHMARKS.md, "Figures behind code comments").
-        reads = torch.stack([k @ r_k.mT, v @ r_v.mT])  # [2, N, H, 1, M]
-    u = compress_residual_vjp(compress_fn, reads.view(2, rows, heads, slots), alpha.view(rows, heads, slots))
-    u_k, u_v = (u * gamma.view(rows, heads, 1)).view(2, rows, heads, slots, 1).unbind()
-    m_k = torch.addcmul(beta * m_k, u_k, k, value=-1)
-    m_v = torch.addcmul(beta * m_v, u_v, v, value=-1)
+        if broadcast:
+            reads = torch.stack([(k * r_k).sum(-1), (v * r_v).sum(-1)])  # [2, N, H, M]
+        else:
+            # Every memory read is a row vector times the memory's transpose ([N, H, 1, D] @ [.., D, M]):
+            # torch's CPU batched matmul takes a matrix times a column vector several times slower
+            # (BENCHMARKS.md, "Figures behind code comments").
+            reads = torch.stack([k @ r_k.mT, v @ r_v.mT])  # [2, N, H, 1, M]
+        u = compress_residual_vjp(compress_fn, reads.view(2, rows, heads, slots), alpha.view(rows, heads, slots))
+        u_k, u_v = (u * gamma).view(2, rows, heads, slots, 1).unbind()
+        m_k = torch.addcmul(beta * m_k, u_k, k, value=-1)
+        m_v = torch.addcmul(beta * m_v, u_v, v, value=-1)
     q = q.view(rows, heads, 1, dk)
     if broadcast:
         h = mix(mix_fn, (q * m_k).sum(-1))  # [N, H, M]
@@ -68,3 +78,16 @@ def step_forward(q, k, v, alpha, log_beta, gamma, state, chunk_size, compress_fn
         # which dynamo guards on and compiles apart from the prefill's separate ones.
         a_k, a_v = (m_k.clone(), m_v.clone()) if torch.compiler.is_compiling() else (m_k, m_v)
     return o, TrellisState(m_k, m_v, a_k, a_v, (offset + 1) % chunk_size)
+
+
+def _paired(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
+    """``[2, *first.shape]`` holding ``first`` then ``second``: a view of the tensor both are views
+    of when they have one layout and ``second`` lies after ``first`` in it (the memories this
+    step returns, halves of one tensor; k and v, heads of one normalised projection), else the
+    two stacked (a copy)."""
+    base = first._base
+    if base is not None and second._base is base and first.shape == second.shape and first.stride() == second.stride():
+        gap = second.storage_offset() - first.storage_offset()
+        if gap > 0:
+            return first.as_strided((2, *first.shape), (gap, *first.stride()))
+    return torch.stack([first, second])
