@@ -76,6 +76,34 @@ def test_trellis_step_is_the_op_s_next_token(compress_fn, mix_fn, write_gradient
         assert halves == (products == "broadcast" and dk == dv)
 
 
+@pytest.mark.parametrize("write_gradient", WRITE_GRADIENTS)
+def test_steps_in_a_row_give_the_reference_s_gradients(write_gradient):
+    # Three single-token calls, each continuing the last one's state (after the first, memories that
+    # are halves of one tensor), k and v normalised together as a layer does: gradients of every
+    # input and of the first state, float64, against the per-token reference's.
+    rows, heads, dim, slots, chunk = 2, 3, 6, 5, 4
+    state = make_state(rows, heads, dim, dim, slots, chunk_size=chunk, seed=4, requires_grad=True)
+    tokens = [make_inputs(rows, 1, heads, dim, dim, slots, seed=seed, requires_grad=True) for seed in (5, 6, 7)]
+    leaves = [*state.tensors().values(), *(t for token in tokens for t in token)]
+    leaves = [t for t in leaves if t.requires_grad]
+
+    def gradients(backend):
+        carried, loss = state, 0.0
+        for q, k, v, *gates in tokens:
+            k, v = torch.cat([k, v], dim=2).split(heads, dim=2)
+            o, carried = trellis_attention(q, k, v, *gates, initial_state=carried, output_final_state=True,
+                                           backend=backend, chunk_size=chunk, write_gradient=write_gradient)
+            loss = loss + (o * o).sum()
+        loss = loss + (carried.m_k ** 3).sum() + carried.m_v.sum()
+        # Exact writes read no anchor: theirs have no gradient on either path.
+        return torch.autograd.grad(loss, leaves, allow_unused=True)
+
+    for got, want in zip(gradients("torch"), gradients("reference")):
+        assert (got is None) == (want is None)
+        if want is not None:
+            torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
+
+
 @pytest.mark.parametrize("variant", LATTICE_VARIANTS)
 def test_lattice_step_is_the_op_s_next_token(variant):
     rows, heads, slots, dim, chunk = 3, 3, 5, 7, 4

@@ -84,9 +84,11 @@ def _paired(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
     """``[2, *first.shape]`` holding ``first`` then ``second``: a view of the tensor both are views
     of when they have one layout and ``second`` lies after ``first`` in it (the memories this
     step returns, halves of one tensor; k and v, heads of one normalised projection), else the
-    two stacked (a copy)."""
+    two stacked (a copy). Tensors that record gradients are stacked: autograd's ``as_strided``
+    takes the view's geometry as its base's and gives views of views wrong gradients."""
     base = first._base
-    if base is not None and second._base is base and first.shape == second.shape and first.stride() == second.stride():
+    if (base is not None and second._base is base and first.shape == second.shape and first.stride() == second.stride()
+            and not (first.requires_grad or second.requires_grad)):
         gap = second.storage_offset() - first.storage_offset()
         if gap > 0:
             return first.as_strided((2, *first.shape), (gap, *first.stride()))
