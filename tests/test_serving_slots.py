@@ -262,7 +262,7 @@ def test_runs_of_slots_and_prompt_chunks_of_unlike_lengths_packed(schedule, over
     runs, packed = [], []
     real_run, real_packed = slots_module.slot_run, slots_module._run_packed
     monkeypatch.setattr(slots_module, "slot_run", lambda slots: runs.append(real_run(slots)) or runs[-1])
-    monkeypatch.setattr(slots_module, "_run_packed", lambda *a: packed.append(a[6].tolist()) or real_packed(*a))
+    monkeypatch.setattr(slots_module, "_run_packed", lambda *a: packed.append(a[5].lengths.tolist()) or real_packed(*a))
     # 100 tokens for every sequence at first (a prompt chunk beside whole short prompts), then
     # one token (decode steps) twice in three steps, 7 in the third.
     got = serve(model, prompts, slot_of=[4, 2, 1, 6, 3, 5],
@@ -372,3 +372,28 @@ def test_a_cpu_server_keeps_freed_blocks_unless_the_user_chose_an_allocator(monk
         for name, value in env.items():
             monkeypatch.setenv(name, value)
         assert allocator.keep_freed_memory() is False
+
+
+def test_a_plan_made_once_serves_each_layer_as_its_own_would():
+    # A server step's layers share one plan_slots (made by the first): each layer then computes
+    # what it computes planning alone, over a step of two continuing decodes and a new prompt;
+    # a plan made for another slot count, token count or compiled setting is refused.
+    model = tiny_model(schedule="trellis", dtype=torch.float64)
+    generator = torch.Generator().manual_seed(3)
+    starts, computed, slots = torch.tensor([0, 1, 2, 7]), torch.tensor([4, 9, 0]), torch.tensor([5, 2, 0])
+    plan = slots_module.plan_slots(starts, computed, slots, None, count=6, tokens=7, compiled=False)
+    for layer in model.model.layers:
+        mixer = layer.self_attn
+        layout = SlotLayout(type(mixer), model.config, torch.float64)
+        alone = layout.allocate(6)
+        for t in alone:
+            t.copy_(torch.randn(t.shape, generator=generator, dtype=torch.float64) if t.is_floating_point() else 0)
+        alone[-1][[5, 2]] = torch.tensor([4, 9])  # the token counts (the last field) the decodes continue
+        shared = [t.clone() for t in alone]
+        x = torch.randn(7, model.config.hidden_size, generator=generator, dtype=torch.float64)
+        with torch.no_grad():
+            want = run_on_slots(mixer, layout, alone, x, starts, computed, slots)
+            got = run_on_slots(mixer, layout, shared, x, starts, computed, slots, plan=plan)
+        assert torch.equal(got, want) and all(torch.equal(a, b) for a, b in zip(shared, alone))
+        with pytest.raises(ValueError, match=r"plan was made for \(slots, tokens, compiled\) = \(6, 7, False\)"):
+            run_on_slots(mixer, layout, shared, x[:6], starts[:3], computed[:2], slots[:2], plan=plan)

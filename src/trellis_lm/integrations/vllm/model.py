@@ -49,8 +49,8 @@ from ...modeling_trellis import TrellisDecoderLayer, TrellisMLP
 from .allocator import keep_freed_memory
 from .parallel import rank_config
 from .parallel_layers import Destination, packed_modules, parallel_block
-from .slots import SlotLayout, compile_rows, prefill_once, run_on_slots
-from .state_backend import register_backend, step_groups
+from .slots import SlotLayout, SlotStep, compile_rows, compiles_rows, plan_slots, prefill_once, run_on_slots
+from .state_backend import StepGroup, register_backend, step_groups
 
 
 def slot_layouts(config: TrellisConfig, dtype: torch.dtype) -> dict[str, SlotLayout]:
@@ -73,6 +73,27 @@ def _layer_metadata(prefix: str) -> Any:
     """This step's metadata of the layer named ``prefix`` (``None`` in vLLM's profiling runs)."""
     metadata = get_forward_context().attn_metadata
     return metadata.get(prefix) if isinstance(metadata, dict) else None
+
+
+# The plans of the last step's metadata (vLLM makes one metadata object per step and group of
+# layers, which its layers share): the step's checks, row orders and indices, made by its first
+# memory layer and read by the others (a step's bookkeeping was a fifth of a 16-sequence decode
+# step, four layers each making it; BENCHMARKS.md, issue 75). The metadata is held, so its id is
+# not reused while its plans are.
+_last_plans: dict[str, Any] = {"metadata": None, "plans": {}}
+
+
+def step_plans(metadata: Any, count: int, tokens: int, compiled: bool) -> list[tuple[StepGroup, SlotStep]]:
+    """The step's groups (:func:`~.state_backend.step_groups`) with their :func:`~.slots.plan_slots`
+    for layers of ``count`` slots over ``tokens`` tokens, made once per step's ``metadata``."""
+    if _last_plans["metadata"] is not metadata:
+        _last_plans.update(metadata=metadata, plans={})
+    key = (count, tokens, compiled)
+    plans = _last_plans["plans"]
+    if key not in plans:
+        plans[key] = [(group, plan_slots(group.starts, group.computed, group.slots, group.accepted, count, tokens,
+                                         compiled)) for group in step_groups(metadata)]
+    return plans[key]
 
 
 class MemoryStateLayer(nn.Module, MambaBase):
@@ -135,9 +156,10 @@ class MemoryStateLayer(nn.Module, MambaBase):
         if metadata is None:  # a profiling run: no states, only the cost of the work
             return self.mixer(x[None])[0]
         out = torch.zeros_like(x)
-        for group in step_groups(metadata):  # decodes, then prefills
+        compiled = self.mixer.config.compile_decode and compiles_rows(self.mixer, x.device)
+        for group, plan in step_plans(metadata, self.slot_tensors[0].shape[0], x.shape[0], compiled):
             run_on_slots(self.mixer, self.layout, self.slot_tensors, x, group.starts, group.computed, group.slots,
-                         group.accepted, compiled=self.mixer.config.compile_decode, out=out)
+                         group.accepted, compiled=compiled, out=out, plan=plan)
         return out
 
 

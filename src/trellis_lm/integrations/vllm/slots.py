@@ -26,8 +26,7 @@ has taken in, which a continuing sequence's ``computed`` must equal.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
-from typing import Optional, Sequence, Union
+from typing import NamedTuple, Optional, Sequence, Union
 
 import torch
 
@@ -168,6 +167,103 @@ def _bytes(field: SlotField) -> int:
     return torch.Size(field.shape).numel() * torch.empty((), dtype=field.dtype).element_size()
 
 
+class SlotRows(NamedTuple):
+    """Sequences of a step that run as one batch (see :func:`run_on_slots`), and what every layer
+    reads and writes for them, worked out once (:func:`plan_slots`): ``starts``, ``lengths``,
+    ``computed``, ``read`` ``[R]`` and ``write [R, W]`` as there; ``read_run`` / ``write_run`` the
+    first slot where the rows read / write column 0 of a run of slots (:func:`slot_run`), else
+    ``None``; ``fresh [R]`` the rows that start from the learned state, ``None`` when none does;
+    ``rewrites``: each row writes the slot it read; ``tokens [R]`` the tokens each has taken in
+    after the step; ``index`` and ``real``: the rows' tokens in the step's (``[R, L]`` padded, as
+    :func:`_padded` gives them), or for ``packed`` rows ``index [tokens]`` with ``packed`` their
+    :class:`~trellis_lm.mixers.valid_tokens.PackedSequences`."""
+
+    kind: str  # "single" (one token each), "drafts" (rows of at most W), "packed" (prompt chunks)
+    starts: torch.Tensor
+    lengths: torch.Tensor
+    computed: torch.Tensor
+    read: torch.Tensor
+    write: torch.Tensor
+    read_run: Optional[int]
+    write_run: Optional[int]
+    fresh: Optional[torch.Tensor]
+    rewrites: bool
+    tokens: torch.Tensor
+    index: torch.Tensor
+    real: Optional[torch.Tensor]
+    packed: Optional[PackedSequences]
+
+
+class SlotStep(NamedTuple):
+    """What :func:`run_on_slots` works out from a step's sequences before it reads a layer's slots,
+    the same for every memory layer of the step (one server step runs several): made once by
+    :func:`plan_slots`, checked there (all but the slots' token counts, which each layer checks in
+    its own slots). ``key``: the arguments it was made for besides the sequences (slot count,
+    tokens, compiled), which a layer's call must share."""
+
+    key: tuple[int, int, bool]
+    starts: torch.Tensor
+    computed: torch.Tensor
+    accepted: torch.Tensor
+    write: torch.Tensor
+    read: torch.Tensor  # [R] the slot each sequence continues from, within [0, count)
+    continuing: torch.Tensor  # [R] computed > 0
+    batches: tuple[SlotRows, ...]
+
+
+def plan_slots(starts: torch.Tensor, computed: torch.Tensor, slots: torch.Tensor, accepted: Optional[torch.Tensor],
+               count: int, tokens: int, compiled: bool) -> SlotStep:
+    """The :class:`SlotStep` of a batch of ``tokens`` tokens over ``count`` slots (arguments as
+    :func:`run_on_slots` takes them; ``compiled``: whether the rows run compiled, which pads rows
+    of drafts to W tokens). Raises the ``ValueError`` of a malformed batch (see there)."""
+    starts, computed, write = (t.to(torch.long) for t in (starts, computed, slots))
+    write = write if write.dim() == 2 else write[:, None]
+    accepted = torch.ones_like(computed) if accepted is None else accepted.to(torch.long)
+    rows, width = write.shape
+    if starts.dim() != 1 or computed.shape != (rows,) or accepted.shape != (rows,) or len(starts) != rows + 1:
+        raise ValueError(f"starts must be [R + 1], computed and accepted [R], slots [R] or [R, W]; got "
+                         f"{list(starts.shape)}, {list(computed.shape)}, {list(accepted.shape)}, {list(slots.shape)}")
+    lengths = starts[1:] - starts[:-1]
+    read = write.gather(1, (accepted - 1).clamp(0, width - 1)[:, None])[:, 0]
+    # The slots each row writes: its tokens' columns, or column 0 for a row longer than W.
+    writes = torch.arange(width, device=write.device) < torch.where(lengths <= width, lengths, 1)[:, None]
+    written = write[writes].sort().values
+    # One read-back for every check: a sequence of no or negative length would be skipped (its
+    # tokens read by another), a negative count would start it from another state, two
+    # sequences on one slot would overwrite each other's state, a slot out of range index another.
+    misread = ((lengths < 1).any() | (computed < 0).any() | (starts[0] < 0) | (starts[-1] > tokens)
+               | (accepted < 1).any() | (accepted > width).any())
+    shared = (written[1:] == written[:-1]).any()
+    outside = ((write < 0) | (write >= count)).any()
+    if bool(misread | shared | outside):
+        _refuse_batch(bool(misread), bool(shared), bool(outside), tokens, count, width, starts, computed, accepted,
+                      write, None)
+    single = lengths == 1
+    drafts = ~single & (lengths <= width)
+    batches = []
+    for kind, chosen in (("single", single), ("drafts", drafts), ("packed", ~single & ~drafts)):
+        chosen = chosen.nonzero()[:, 0]
+        if chosen.numel():
+            chosen = chosen[read[chosen].argsort()]  # a batch's rows in any order: by slot, so its slots may form a run
+            batches.append(_slot_rows(kind, starts[chosen], lengths[chosen], computed[chosen], read[chosen],
+                                      write[chosen], tokens, padded_to=width if compiled and kind == "drafts" else 0))
+    return SlotStep((count, tokens, compiled), starts, computed, accepted, write, read, computed > 0, tuple(batches))
+
+
+def _slot_rows(kind: str, starts: torch.Tensor, lengths: torch.Tensor, computed: torch.Tensor, read: torch.Tensor,
+               write: torch.Tensor, tokens: int, padded_to: int) -> SlotRows:
+    fresh = computed == 0
+    packed, real = None, None
+    if kind == "packed":
+        packed = PackedSequences.from_lengths(lengths)
+        index = starts[packed.seq_id] + packed.pos
+    else:
+        index, real = _padded(starts, lengths, tokens, padded_to)
+    return SlotRows(kind, starts, lengths, computed, read, write, slot_run(read), slot_run(write[:, 0]),
+                    fresh if bool(fresh.any()) else None, bool((read == write[:, 0]).all()), computed + lengths,
+                    index, real, packed)
+
+
 def run_on_slots(
     mixer: MemoryMixer,
     layout: SlotLayout,
@@ -179,6 +275,7 @@ def run_on_slots(
     accepted: Optional[torch.Tensor] = None,
     compiled: bool = False,
     out: Optional[torch.Tensor] = None,
+    plan: Optional[SlotStep] = None,
 ) -> torch.Tensor:
     """The mixer on a server's flat batch, continuing each sequence from its slot.
 
@@ -208,46 +305,27 @@ def run_on_slots(
             where :func:`compiles_rows`); rows of drafts are then padded to W tokens, one shape
             to compile.
         out: ``[N, D]`` to write the outputs into (``None``: a new tensor, zero outside the sequences).
+        plan: :func:`plan_slots` of these arguments, made once for the step's layers (``None``:
+            made here); a plan made for another slot count, token count or ``compiled`` is refused.
 
     Returns:
         ``out``, the mixer's output at every sequence's tokens.
     """
     out = torch.zeros_like(x) if out is None else out
-    starts, computed, write = (t.to(torch.long) for t in (starts, computed, slots))
-    write = write if write.dim() == 2 else write[:, None]
-    accepted = torch.ones_like(computed) if accepted is None else accepted.to(torch.long)
-    rows, width = write.shape
-    if starts.dim() != 1 or computed.shape != (rows,) or accepted.shape != (rows,) or len(starts) != rows + 1:
-        raise ValueError(f"starts must be [R + 1], computed and accepted [R], slots [R] or [R, W]; got "
-                         f"{list(starts.shape)}, {list(computed.shape)}, {list(accepted.shape)}, {list(slots.shape)}")
-    lengths = starts[1:] - starts[:-1]
-    count = tensors[0].shape[0]
-    read = write.gather(1, (accepted - 1).clamp(0, width - 1)[:, None])[:, 0]
-    # The slots each row writes: its tokens' columns, or column 0 for a row longer than W.
-    writes = torch.arange(width, device=write.device) < torch.where(lengths <= width, lengths, 1)[:, None]
-    written = write[writes].sort().values
-    # One read-back for every check: a sequence of no or negative length would be skipped (its
-    # tokens read by another), a negative count would start it from another state, two
-    # sequences on one slot would overwrite each other's state, a slot out of range index
-    # another, and a state after another number of tokens would continue as if it were this one's.
-    misread = ((lengths < 1).any() | (computed < 0).any() | (starts[0] < 0) | (starts[-1] > x.shape[0])
-               | (accepted < 1).any() | (accepted > width).any())
-    shared = (written[1:] == written[:-1]).any()
-    outside = ((write < 0) | (write >= count)).any()
-    stale = ((computed > 0) & (layout.read(tensors, read.clamp(0, count - 1), ("tokens",))["tokens"] != computed)).any()
-    if bool(misread | shared | outside | stale):
-        _refuse_batch(bool(misread), bool(shared), bool(outside), x.shape[0], count, width, starts, computed, accepted,
-                      write, layout.read(tensors, read, ("tokens",))["tokens"] if not bool(outside) else None)
-    single = lengths == 1
-    drafts = ~single & (lengths <= width)
     compiled = compiled and compiles_rows(mixer, x.device)
-    batches = [(single.nonzero()[:, 0], partial(_run_rows, compiled=compiled)),
-               (drafts.nonzero()[:, 0], partial(_run_rows, compiled=compiled, padded_to=width if compiled else 0)),
-               ((~single & ~drafts).nonzero()[:, 0], _run_packed)]
-    for rows, run in batches:
-        if rows.numel():
-            rows = rows[read[rows].argsort()]  # a batch's rows in any order: by slot, so its slots may form a run
-            run(mixer, layout, tensors, x, out, starts[rows], lengths[rows], computed[rows], read[rows], write[rows])
+    count = tensors[0].shape[0]
+    if plan is None:
+        plan = plan_slots(starts, computed, slots, accepted, count, x.shape[0], compiled)
+    elif plan.key != (count, x.shape[0], compiled):
+        raise ValueError(f"plan was made for (slots, tokens, compiled) = {plan.key}, this call has "
+                         f"{(count, x.shape[0], compiled)}")
+    # A state after another number of tokens would continue as if it were this one's.
+    held = layout.read(tensors, plan.read, ("tokens",))["tokens"]
+    if bool((plan.continuing & (held != plan.computed)).any()):
+        _refuse_batch(False, False, False, x.shape[0], count, plan.write.shape[1], plan.starts, plan.computed,
+                      plan.accepted, plan.write, held)
+    for rows in plan.batches:
+        (_run_packed if rows.kind == "packed" else _run_rows)(mixer, layout, tensors, x, out, rows, compiled)
     return out
 
 
@@ -337,89 +415,82 @@ def slot_run(slots: torch.Tensor) -> Optional[int]:
 
 
 def _run_rows(mixer: MemoryMixer, layout: SlotLayout, tensors: Sequence[torch.Tensor], x: torch.Tensor,
-              out: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, computed: torch.Tensor,
-              read: torch.Tensor, write: torch.Tensor, compiled: bool, padded_to: int = 0) -> None:
-    """Run ``R`` single tokens or rows of drafts, at most W tokens each (``starts``, ``lengths``,
-    ``computed``, ``read``: ``[R]``; ``write``: ``[R, W]``, see :func:`run_on_slots`) as one
-    right-padded batch ``[R, max(max length, padded_to), D]``; write outputs into ``out`` and
-    states to their slots. ``compiled``: see :func:`run_on_slots`."""
-    rows, index, real = _padded(x, starts, lengths, padded_to)
-    held, entry = _read_entries(mixer, layout, tensors, read, computed)
-    if rows.shape[1] > 1:
-        _run_each(mixer, layout, tensors, rows, out, index, real, computed, write, entry, compiled)
+              out: torch.Tensor, rows: SlotRows, compiled: bool) -> None:
+    """Run single tokens or rows of drafts, at most W tokens each, as one right-padded batch
+    ``[R, L, D]`` (``rows.index``); write outputs into ``out`` and states to their slots.
+    ``compiled``: see :func:`run_on_slots`."""
+    batch = x[rows.index]
+    held, entry = _read_entries(mixer, layout, tensors, rows)
+    if batch.shape[1] > 1:
+        _run_each(mixer, layout, tensors, batch, out, rows, entry, compiled)
         return
-    y, after = advanced_compiled(mixer, rows, entry, each=False) if compiled else mixer.advance(rows, None, entry)
-    out[index] = y
-    _write_entries(layout, tensors, held, after, read, write[:, 0], computed + lengths)
+    y, after = advanced_compiled(mixer, batch, entry, each=False) if compiled else mixer.advance(batch, None, entry)
+    out[rows.index] = y
+    _write_entries(layout, tensors, held, after, rows)
 
 
 def _run_packed(mixer: MemoryMixer, layout: SlotLayout, tensors: Sequence[torch.Tensor], x: torch.Tensor,
-                out: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, computed: torch.Tensor,
-                read: torch.Tensor, write: torch.Tensor) -> None:
-    """Run ``R`` prompt chunks (as :func:`_run_rows` takes them; each writes column 0 of
-    ``write``) packed along one row (:class:`~trellis_lm.mixers.valid_tokens.PackedSequences` through
-    :meth:`~trellis_lm.mixers.base.MemoryMixer.advance`),
-    eagerly: no padding, one call of every projection and of the op."""
-    packed = PackedSequences.from_lengths(lengths)
-    index = starts[packed.seq_id] + packed.pos
-    held, entry = _read_entries(mixer, layout, tensors, read, computed)
-    y, after = mixer.advance(x[index][None], packed, entry)
-    out[index] = y[0]
-    _write_entries(layout, tensors, held, after, read, write[:, 0], computed + lengths)
+                out: torch.Tensor, rows: SlotRows, compiled: bool) -> None:
+    """Run prompt chunks (each writes column 0 of its row of ``rows.write``) packed along one row
+    (:class:`~trellis_lm.mixers.valid_tokens.PackedSequences` through
+    :meth:`~trellis_lm.mixers.base.MemoryMixer.advance`), eagerly whatever ``compiled``: no
+    padding, one call of every projection and of the op."""
+    held, entry = _read_entries(mixer, layout, tensors, rows)
+    y, after = mixer.advance(x[rows.index][None], rows.packed, entry)
+    out[rows.index] = y[0]
+    _write_entries(layout, tensors, held, after, rows)
 
 
-def _read_entries(mixer: MemoryMixer, layout: SlotLayout, tensors: Sequence[torch.Tensor], read: torch.Tensor,
-                  computed: torch.Tensor) -> tuple[dict[str, torch.Tensor], MemoryEntry]:
-    """The slots ``read [R]`` as held (by field) and as the entries the sequences continue: those
-    with ``computed == 0`` from their start."""
+def _read_entries(mixer: MemoryMixer, layout: SlotLayout, tensors: Sequence[torch.Tensor], rows: SlotRows,
+                  ) -> tuple[dict[str, torch.Tensor], MemoryEntry]:
+    """The slots ``rows.read`` as held (by field) and as the entries the sequences continue: those
+    of ``rows.fresh`` from their start."""
     # A run of slots is read as views, not copies (the ops only read the state they are given).
-    run = slot_run(read)
-    held = layout.read(tensors, read if run is None else run, layout.entry_names, len(read))
+    held = layout.read(tensors, rows.read if rows.read_run is None else rows.read_run, layout.entry_names,
+                       len(rows.read))
     entry = _held_entry(layout, held)
-    fresh = computed == 0
-    if bool(fresh.any()):
-        entry = _held_entry(layout, mixer.fresh_rows(entry, fresh).tensors())  # the stand-ins stand in again
+    if rows.fresh is not None:
+        entry = _held_entry(layout, mixer.fresh_rows(entry, rows.fresh).tensors())  # the stand-ins stand in again
     return held, entry
 
 
 def _write_entries(layout: SlotLayout, tensors: Sequence[torch.Tensor], held: dict[str, torch.Tensor],
-                   after: MemoryEntry, read: torch.Tensor, target: torch.Tensor, tokens: torch.Tensor) -> None:
-    """Write the entries ``after`` (R rows) to the slots ``target [R]``, with ``tokens [R]``,
-    the tokens each has taken in; ``held`` and ``read``: what :func:`_read_entries` read."""
+                   after: MemoryEntry, rows: SlotRows) -> None:
+    """Write the entries ``after`` to column 0 of ``rows.write`` with ``rows.tokens``; ``held``:
+    what :func:`_read_entries` read."""
     after = after.tensors()
-    if bool((read == target).all()):
+    if rows.rewrites:
         # A tensor the mixer returned as it was given is what the slots hold already (a decode
         # step's anchors between chunk starts, KVM's state rows between folds): not written.
         after = {name: t for name, t in after.items() if t is not held.get(name)}
-    run = slot_run(target)
-    layout.write(tensors, target if run is None else run, {**after, "tokens": tokens})
+    layout.write(tensors, rows.write[:, 0] if rows.write_run is None else rows.write_run, {**after, "tokens": rows.tokens})
 
 
-def _run_each(mixer: MemoryMixer, layout: SlotLayout, tensors: Sequence[torch.Tensor], rows: torch.Tensor,
-              out: torch.Tensor, index: torch.Tensor, real: torch.Tensor, computed: torch.Tensor, write: torch.Tensor,
-              entry: MemoryEntry, compiled: bool) -> None:
-    """Rows that may hold drafts (``rows [R, L, D]``, ``L <= W``): the entry after each real
-    token (``real [R, L]``) stored in its column's slot of ``write [R, W]``. A row shorter than
-    ``L`` runs on through padding (tokens of other rows): its entries there are not stored, its
-    outputs not written."""
-    y, entries = advanced_compiled(mixer, rows, entry, each=True) if compiled else mixer.advance_each(rows, entry)
-    out[index[real]] = y[real]
+def _run_each(mixer: MemoryMixer, layout: SlotLayout, tensors: Sequence[torch.Tensor], batch: torch.Tensor,
+              out: torch.Tensor, rows: SlotRows, entry: MemoryEntry, compiled: bool) -> None:
+    """Rows that may hold drafts (``batch [R, L, D]``, ``L <= W``): the entry after each real
+    token (``rows.real [R, L]``) stored in its column's slot of ``rows.write [R, W]``. A row shorter
+    than ``L`` runs on through padding (tokens of other rows): its entries there are not stored,
+    its outputs not written."""
+    y, entries = advanced_compiled(mixer, batch, entry, each=True) if compiled else mixer.advance_each(batch, entry)
+    real = rows.real
+    out[rows.index[real]] = y[real]
     # One write per field for every token's entry: on a CPU a step's cost is mostly per-operation.
     named = [after.tensors() for after in entries]
     stacked = {name: torch.stack([e[name] for e in named], dim=1) for name in named[0]}  # [R, L, ...]
-    stacked["tokens"] = computed[:, None] + torch.arange(1, rows.shape[1] + 1, device=computed.device)
-    layout.write(tensors, write[:, : rows.shape[1]][real], {name: t[real] for name, t in stacked.items()})
+    stacked["tokens"] = rows.computed[:, None] + torch.arange(1, batch.shape[1] + 1, device=rows.computed.device)
+    layout.write(tensors, rows.write[:, : batch.shape[1]][real], {name: t[real] for name, t in stacked.items()})
 
 
-def _padded(x: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, padded_to: int = 0
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The rows ``[R, L, D]`` of ``x`` from ``starts`` (``L``: the longest of ``lengths``, at least
-    ``padded_to``), and the ``index [R, L]`` into ``x`` and ``real [R, L]`` mask of their tokens
+def _padded(starts: torch.Tensor, lengths: torch.Tensor, tokens: int, padded_to: int = 0
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``index [R, L]`` into a step's ``tokens`` tokens of the rows from ``starts`` (``L``: the
+    longest of ``lengths``, at least ``padded_to``), and the ``real [R, L]`` mask of their tokens
     (the padding positions hold other tokens, which :func:`_run_each` does not keep)."""
-    offsets = torch.arange(max(int(lengths.max()), padded_to), device=x.device)
+    offsets = torch.arange(max(int(lengths.max()), padded_to), device=starts.device)
     real = offsets < lengths[:, None]
-    index = (starts[:, None] + offsets).clamp(max=x.shape[0] - 1)
-    return x[index], index, real
+    index = (starts[:, None] + offsets).clamp(max=tokens - 1)
+    return index, real
 
 
 def _held_entry(layout: SlotLayout, held: dict[str, torch.Tensor]) -> MemoryEntry:
