@@ -41,7 +41,7 @@ PARTS = [
     ("  fused projections q, k, v, gates", "base.py", "_fused_projections"),
     ("  short convs and q/k activations", "base.py", "_queries_keys"),
     ("  op inputs (v norm, gates)", "trellis.py", "op_inputs"),
-    ("  the op (exact chunk form)", "base.py", "run_op"),
+    ("  the op (the backend auto takes)", "base.py", "run_op"),
     ("  read-out (norm, gate, o_proj)", "base.py", "read_out"),
     ("MLPs", "modeling_trellis.py", "forward"),  # the only forward of that file a step calls
 ]

@@ -69,7 +69,7 @@ def test_trellis_step_is_the_op_s_next_token(compress_fn, mix_fn, write_gradient
             inputs = (q, *torch.cat([k, v], dim=2).split(heads, dim=2), *gates)
         want_o, want_state = trellis_attention(*inputs, initial_state=state, output_final_state=True,
                                                backend="reference", **settings)
-        o, state = trellis_step(*inputs, state=state, **settings)
+        o, state = trellis_step(*inputs, state=state, backend="torch", **settings)  # the torch step's forms
         torch.testing.assert_close(o, want_o, rtol=1e-12, atol=1e-12)
         assert_states_equal(state, want_state)
         halves = state.m_k._base is not None and state.m_k._base is state.m_v._base

@@ -20,6 +20,7 @@ from ..checks import (
 from ..registry import Backend, BackendRegistry, OpCall
 from .chunked import chunked_forward
 from .compress_mix import check_names
+from .native import native_forward, native_unavailable
 from .reference import reference_forward
 from .state import TrellisState
 from .step import step_forward
@@ -103,6 +104,11 @@ BACKENDS = BackendRegistry(
             unavailable=_compiled_unavailable, auto_devices=()),
     Backend("triton", _triton_forward, priority=2, step=_triton_step, unavailable=_triton_unavailable,
             unsupported=_triton_unsupported, auto_devices=("cuda",)),
+    # Built on first use (about a second); training and compiled graphs run "torch" through it. Its
+    # single-token calls take torch's step: served decode steps at 1k ran 0.61-0.84x as fast through the
+    # C loop, whose call costs more than the step's few operations (BENCHMARKS.md, "The C loop").
+    Backend("native", native_forward, priority=2, step=step_forward, unavailable=native_unavailable,
+            auto_devices=("cpu",)),
 )
 
 InitialState = Union[None, TrellisState, Sequence[torch.Tensor]]
@@ -193,12 +199,17 @@ def trellis_attention(
             ``"torch"`` (chunk-parallel; with T == 1 and no ``cu_seqlens``, the single-token step
             of :mod:`.step`), ``"triton"`` (GPU kernels: CUDA tensors, or CPU ones under
             ``TRITON_INTERPRET=1``; not float64, not ``compress_fn="identity"``; with T == 1 and
-            no ``cu_seqlens``, the single-token step of :mod:`.triton_step`), ``"compiled"``
+            no ``cu_seqlens``, the single-token step of :mod:`.triton_step`), ``"native"`` (CPU
+            tensors where a C compiler is found: the per-token recurrence as a C loop built on
+            first use, :mod:`.native`; calls that record gradients, and calls traced by
+            ``torch.compile``, run ``"torch"`` through it, and one-token calls its step),
+            ``"compiled"``
             (CPU tensors; ``"torch"`` with each forward substitution of ``"exact"`` writes with
             ``layernorm``/``l2norm`` compiled, :mod:`.compiled_substitution`: tens of seconds on
             first use, never picked by ``"auto"``). ``"auto"``
             takes the best backend that can run the call (``"triton"`` for CUDA tensors where it
-            imports and supports the call, else ``"torch"``); a named backend that cannot run it
+            imports and supports the call, ``"native"`` for CPU tensors where it builds, else
+            ``"torch"``); a named backend that cannot run it
             raises a ``ValueError`` saying why (see :mod:`trellis_lm.ops.registry`).
         check_values: read the gates and ``initial_state.offset`` back to check their ranges (the
             ``ValueError`` above). ``False`` skips that read (a host sync, and a third of a
