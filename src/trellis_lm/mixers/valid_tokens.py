@@ -8,7 +8,7 @@ from typing import Any, Optional, Union
 import torch
 import torch.nn.functional as F
 
-from .norms_convs import UNBOUNDED_REACH, causal_conv
+from .norms_convs import UNBOUNDED_REACH
 
 
 @dataclass
@@ -159,19 +159,34 @@ class PackedSequences:
         """:func:`~.norms_convs.causal_conv` of every sequence of ``x [1, T, C]`` after its own
         ``tails [R, width - 1, C]`` (zeros when ``None``): ``(y [1, T, C], tails after [R, width - 1, C])``.
 
-        One convolution of a row that holds each sequence after its tail (``tail 0, sequence 0,
-        tail 1, ...``): a token's window then reaches no other sequence's inputs."""
+        Each tap's inputs are the row shifted by its reach, where a sequence's first tokens read
+        their own tail instead: a copy of the row per tap, and a few rows taken from the tails
+        (the sequences' first tokens), not the whole row scattered into a longer one and back."""
         rows, channels, carried = self.cu_seqlens.numel() - 1, x.shape[-1], weight.shape[-1] - 1
-        if tails is None:
-            tails = x.new_zeros(rows, carried, channels)
-        before = carried * torch.arange(1, rows + 1, device=x.device)  # tail cells before each sequence's tokens
-        token_at = torch.arange(x.shape[1], device=x.device) + before[self.seq_id]
-        tail_at = (self.cu_seqlens[:-1] + before - carried)[:, None] + torch.arange(carried, device=x.device)
-        row = x.new_empty(1, x.shape[1] + rows * carried, channels)
-        row[0, token_at] = x[0]
-        row[0, tail_at.flatten()] = tails.reshape(-1, channels).to(x.dtype)
-        y, _ = causal_conv(row, None, weight)
-        return y[:, token_at], row[0, tail_at + self.cu_seqlens[1:, None] - self.cu_seqlens[:-1, None]]
+        tails = x.new_zeros(rows, carried, channels) if tails is None else tails.to(x.dtype)
+        taps = weight[:, 0].to(x.dtype)  # [C, width]; tap j weighs the input `carried - j` tokens back
+        tokens = x[0]
+
+        def inputs(back: int) -> torch.Tensor:  # each token's input `back` tokens before it
+            if back == 0:
+                return tokens
+            kept = max(tokens.shape[0] - back, 0)
+            shifted = torch.cat([tokens.new_zeros(tokens.shape[0] - kept, channels), tokens[:kept]])
+            first = (self.pos < back).nonzero()[:, 0]  # tokens whose input lies in their sequence's tail
+            shifted[first] = tails[self.seq_id[first], carried - back + self.pos[first]]
+            return shifted
+
+        # The taps in causal_conv's order (furthest input first): the same sums, rounded alike.
+        y = inputs(carried) * taps[:, 0]
+        for tap in range(1, carried + 1):
+            y.addcmul_(inputs(carried - tap), taps[:, tap])
+        # A sequence's new tail: the last `carried` inputs of its tail followed by its tokens.
+        back_from_end = torch.arange(carried, 0, -1, device=x.device)  # [carried]
+        lengths = self.cu_seqlens[1:] - self.cu_seqlens[:-1]
+        reach = lengths[:, None] - back_from_end  # [R, carried], index in the sequence (< 0: in the tail)
+        from_tokens = tokens[(self.cu_seqlens[:-1, None] + reach).clamp(min=0)]
+        from_tails = tails.gather(1, (reach + carried).clamp(0, carried - 1)[..., None].expand(-1, -1, channels))
+        return y[None], torch.where((reach >= 0)[..., None], from_tokens, from_tails)
 
 
 def real_tokens(attention_mask: Any, batch: int, length: int, past: int = 0) -> Optional[torch.Tensor]:
