@@ -104,8 +104,10 @@ def native_forward(q, k, v, alpha, log_beta, gamma, state, chunk_size, compress_
     inputs = [_rows_view(x) for x in inputs]
     o = q.new_empty(v.shape)
     keep_anchors = write_gradient == "anchored"
-    state_in = [x.contiguous() for x in (state.m_k, state.m_v, state.anchor_k, state.anchor_v)]
-    state_out = [torch.empty_like(x) for x in state_in[: 4 if keep_anchors else 2]]
+    # The anchors of exact writes are neither read nor returned by the loop: not copied either.
+    held = (state.m_k, state.m_v, state.anchor_k, state.anchor_v)[: 4 if keep_anchors else 2]
+    state_in = [x.contiguous() for x in held]
+    state_out = [torch.empty_like(x) for x in state_in]
     offsets = state.offset.contiguous()
     job = _Job()
     job.inputs[:] = [x.data_ptr() for x in inputs]
@@ -114,7 +116,7 @@ def native_forward(q, k, v, alpha, log_beta, gamma, state, chunk_size, compress_
     for i, x in enumerate((*inputs, o)):
         job.strides[i][:] = (x.stride(0) if cu_seqlens is None else 0, x.stride(1), x.stride(2))
     job.starts, job.lengths, job.offsets = starts.data_ptr(), lengths.data_ptr(), offsets.data_ptr()
-    job.state_in[:] = [x.data_ptr() for x in state_in]
+    job.state_in[:] = [x.data_ptr() for x in state_in] + [0] * (4 - len(state_in))
     job.state_out[:] = [x.data_ptr() for x in state_out] + [0] * (4 - len(state_out))
     job.rows, job.heads, job.slots, job.dk, job.dv, job.chunk = rows, heads, slots, dk, dv, chunk_size
     job.compress, job.mix = COMPRESS_FNS.index(compress_fn), MIX_FNS.index(mix_fn)
