@@ -17,9 +17,8 @@ import torch
 from op_inputs import make_inputs, make_state
 from trellis_lm.ops import native_build, trellis_attention
 from trellis_lm.ops.registry import OpCall
-from trellis_lm.ops.trellis import BACKENDS, native
+from trellis_lm.ops.trellis import BACKENDS, TrellisState, native, trellis_step
 from trellis_lm.ops.trellis.chunked import chunked_forward
-from trellis_lm.ops.trellis.step import step_forward
 
 TOL = dict(rtol=1e-10, atol=1e-10)
 STATE = ["m_k", "m_v", "anchor_k", "anchor_v", "offset"]
@@ -58,10 +57,74 @@ def test_packed_sequences_one_of_them_empty_and_single_tokens(write_gradient):
                                cu_seqlens=cu_seqlens, **settings)
     for name in STATE[:4]:  # the empty sequence's state passes through untouched, anchors included
         assert torch.equal(getattr(got, name)[1], getattr(state, name)[1])
-    # one token per sequence, packed (one token per row, a decode step, takes torch's step)
+    # one token per sequence, packed: the loop's one-token form
     _assert_same_call(make_inputs(1, 4, 2, 6, 6, 5, seed=6), {}, initial_state=state,
                       cu_seqlens=torch.tensor([0, 1, 2, 3, 4]), **settings)
-    assert BACKENDS.function("native", OpCall(torch.device("cpu"), torch.float64, 1, False, {})) is step_forward
+
+
+@pytest.mark.parametrize("compress_fn, mix_fn, write_gradient", list(itertools.product(
+    ["identity", "l2norm", "layernorm"], ["ln_silu", "l2_silu", "softmax"], ["exact", "anchored"])))
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_the_step_matches_the_reference_in_place_or_not(compress_fn, mix_fn, write_gradient, dtype):
+    """The one-token form (a decode step: trellis_step): rows at a chunk start and mid-chunk, Dk = 67
+    (vectors of 8 doubles or 16 floats, then a tail), Dv = 5 (a tail alone); given the state up
+    (``consume_state``), it writes the state after into the very tensors it was given."""
+    settings = dict(compress_fn=compress_fn, mix_fn=mix_fn, write_gradient=write_gradient, chunk_size=3)
+    state = make_state(4, 2, 67, 5, 7, chunk_size=3, dtype=dtype, seed=20)
+    state.offset = torch.tensor([0, 1, 2, 0])
+    inputs = make_inputs(4, 1, 2, 67, 5, 7, dtype=dtype, seed=21)
+    in_float64 = TrellisState(state.m_k.double(), state.m_v.double(), state.anchor_k.double(), state.anchor_v.double(),
+                              state.offset)
+    expected = trellis_attention(*[x.double() for x in inputs], initial_state=in_float64, backend="reference",
+                                 output_final_state=True, **settings)
+    tol = TOL if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-5)
+    kept = state.map(torch.clone)
+    given = state.map(torch.clone)
+    for consume, held in ((False, state), (True, given)):
+        o, after = trellis_step(*inputs, state=held, backend="native", consume_state=consume, **settings)
+        torch.testing.assert_close(o.double(), expected[0], **tol)
+        for name in STATE:
+            torch.testing.assert_close(getattr(after, name).double(), getattr(expected[1], name).double(), **tol)
+        written = ("m_k", "m_v", "anchor_k", "anchor_v") if write_gradient == "anchored" else ("m_k", "m_v")
+        assert all((getattr(after, name) is getattr(held, name)) == consume for name in written)
+    for name in STATE:  # the state not given up is as it was
+        assert torch.equal(getattr(state, name), getattr(kept, name))
+
+
+def test_the_step_writes_in_place_only_where_the_state_can_take_it():
+    """``consume_state`` is a permission: the step writes in place into the fields of a server's
+    slots (one row stride, fields interleaved), not into an expanded initial memory (one row for
+    all: the learned parameter) nor into a state whose anchors are its memories."""
+    rows, heads, dk, dv, slots = 3, 2, 4, 4, 5
+    pages = torch.zeros(6, 4 * 8 * heads * slots * dk + 24, dtype=torch.uint8)
+    size = 8 * heads * slots * dk
+    fields = [pages[1:1 + rows, i * size:(i + 1) * size].view(torch.float64).view(rows, heads, slots, dk)
+              for i in range(4)]
+    assert native._writable(fields) and not native._writable([fields[0], fields[0]])
+    overlapping = pages[1:1 + rows, size // 2:size // 2 + size].view(torch.float64).view(rows, heads, slots, dk)
+    assert not native._writable([fields[0], overlapping])
+    inputs = make_inputs(rows, 1, heads, dk, dv, slots, seed=22)
+    initial = make_state(1, heads, dk, dv, slots, chunk_size=4, seed=23)
+    learned = (initial.m_k[0].clone(), initial.m_v[0].clone())
+    for write_gradient in ("exact", "anchored"):
+        expanded = TrellisState.at_chunk_start(*(x.expand(rows, -1, -1, -1) for x in (initial.m_k, initial.m_v)))
+        assert not native._writable((expanded.m_k,))
+        expected = trellis_attention(*inputs, initial_state=expanded, backend="reference", output_final_state=True,
+                                     write_gradient=write_gradient, chunk_size=4)
+        o, after = trellis_step(*inputs, state=expanded, backend="native", consume_state=True,
+                                write_gradient=write_gradient, chunk_size=4)
+        torch.testing.assert_close(o, expected[0], **TOL)
+        for name in STATE:
+            torch.testing.assert_close(getattr(after, name), getattr(expected[1], name), **TOL)
+        assert torch.equal(initial.m_k[0], learned[0]) and torch.equal(initial.m_v[0], learned[1])
+        # the anchors are the memories (a state at a chunk start): not in place, right numbers
+        own = TrellisState.at_chunk_start(expanded.m_k.clone(), expanded.m_v.clone())
+        o, after = trellis_step(*inputs, state=own, backend="native", consume_state=True,
+                                write_gradient=write_gradient, chunk_size=4)
+        torch.testing.assert_close(o, expected[0], **TOL)
+        assert (after.m_k is own.m_k) == (write_gradient == "exact")  # exact writes leave the anchors unread
+        for name in STATE:
+            torch.testing.assert_close(getattr(after, name), getattr(expected[1], name), **TOL)
 
 
 @pytest.mark.parametrize("write_gradient", ["exact", "anchored"])

@@ -397,3 +397,40 @@ def test_a_plan_made_once_serves_each_layer_as_its_own_would():
         assert torch.equal(got, want) and all(torch.equal(a, b) for a, b in zip(shared, alone))
         with pytest.raises(ValueError, match=r"plan was made for \(slots, tokens, compiled\) = \(6, 7, False\)"):
             run_on_slots(mixer, layout, shared, x[:6], starts[:3], computed[:2], slots[:2], plan=plan)
+
+
+@pytest.mark.parametrize("write_gradient", ["exact", "anchored"])
+def test_decodes_in_a_run_of_slots_write_their_state_where_it_lies(write_gradient, monkeypatch):
+    """Decodes in consecutive slots give their state up to the op's step (``consume_state``):
+    backend ``native`` writes the state after into the slots themselves, and none of it is
+    written back; decodes in scattered slots are read by copies, their state written back. Both
+    give the numbers of the torch step, which makes new tensors."""
+    model = tiny_model(schedule="trellis", dtype=torch.float64, write_gradient=write_gradient)
+    mixer = model.model.layers[0].self_attn
+    layout = SlotLayout(type(mixer), model.config, torch.float64)
+    state_fields = {"m_k", "m_v", "anchor_k", "anchor_v"} & set(layout.entry_names)
+    generator = torch.Generator().manual_seed(6)
+    writes = []
+    real_write = layout.write
+    monkeypatch.setattr(layout, "write", lambda tensors, slots, values: writes.append(set(values)) or real_write(
+        tensors, slots, values))
+    for slots, in_place in ((torch.tensor([3, 1, 2]), True), (torch.tensor([0, 2, 5]), False)):
+        held = layout.allocate(6)
+        for name, t in zip(layout.entry_names, held):
+            t.copy_(torch.randn(t.shape, generator=generator, dtype=t.dtype) if t.is_floating_point()
+                    else torch.randint(0, model.config.chunk_size, t.shape, generator=generator))
+        held[-1][slots] = 9  # the tokens each slot's state has taken in
+        x = torch.randn(3, model.config.hidden_size, generator=generator, dtype=torch.float64)
+        ran = {}
+        for backend in ("torch", "native"):
+            monkeypatch.setattr(mixer.config, "op_backend", backend)
+            tensors = [t.clone() for t in held]
+            writes.clear()
+            with torch.no_grad():
+                out = run_on_slots(mixer, layout, tensors, x, torch.arange(4), torch.full((3,), 9), slots)
+            ran[backend] = (out, tensors, writes[0])
+        torch.testing.assert_close(ran["native"][0], ran["torch"][0], rtol=1e-12, atol=1e-12)
+        for got, want in zip(ran["native"][1], ran["torch"][1]):
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+        assert state_fields <= ran["torch"][2]
+        assert not (state_fields & ran["native"][2]) if in_place else state_fields <= ran["native"][2]

@@ -428,8 +428,11 @@ class MemoryMixer(Mixer):
         raise NotImplementedError
 
     def run_op(self, inputs: tuple[torch.Tensor, ...], initial_state: OpState, keep_state: bool,
-               cu_seqlens: Optional[torch.Tensor]) -> tuple[torch.Tensor, Optional[OpState]]:
-        """Call the op (``op``) on ``inputs`` with :meth:`op_settings` and ``config.op_backend``.
+               cu_seqlens: Optional[torch.Tensor], consume_state: bool = False,
+               ) -> tuple[torch.Tensor, Optional[OpState]]:
+        """Call the op (``op``) on ``inputs`` with :meth:`op_settings` and ``config.op_backend``;
+        ``consume_state``: the caller gives ``initial_state``'s tensors up, which a decode step may
+        then write in place (see :func:`~trellis_lm.ops.trellis_step`).
 
         Without the op's value checks (``check_values=False``): inside a model the gates come
         from sigmoids, log-sigmoids over a positive normalizer and exponentials, so only NaN
@@ -440,7 +443,8 @@ class MemoryMixer(Mixer):
         counters are the op's own, or were checked when a cache file was loaded.
         """
         if keep_state and cu_seqlens is None and self._decode_step(inputs, initial_state):
-            return type(self).step_op(*inputs, state=initial_state, backend=self.config.op_backend, **self.op_settings())
+            return type(self).step_op(*inputs, state=initial_state, backend=self.config.op_backend,
+                                      consume_state=consume_state, **self.op_settings())
         return type(self).op(
             *inputs, initial_state=initial_state, output_final_state=keep_state, cu_seqlens=cu_seqlens,
             backend=self.config.op_backend, check_values=False, **self.op_settings(),
@@ -480,7 +484,7 @@ class MemoryMixer(Mixer):
         call.entry(self.layer_idx).hold(entry)
 
     def advance(self, x: torch.Tensor, valid: Union[ValidTokens, PackedSequences, None], entry: MemoryEntry,
-                with_output: bool = True) -> tuple[Optional[torch.Tensor], MemoryEntry]:
+                with_output: bool = True, consume_state: bool = False) -> tuple[Optional[torch.Tensor], MemoryEntry]:
         """The layer on ``x [B, T, D]`` continuing ``entry``: ``(y [B, T, D], the entry after
         x)``, ``y`` ``None`` when not ``with_output`` (a replay wants the entry only: the
         read-out's projections are skipped). What every caller that carries an entry runs: the
@@ -491,8 +495,11 @@ class MemoryMixer(Mixer):
 
         The entry after holds the new tails (when the layer has a conv) and the new state; where
         no row had a real token, the old state stands, or the initial one, copied, so that every
-        layer that has seen a call holds a whole state."""
-        y, (q_tail, k_tail, state) = self.mix(x, valid, entry, keep_state=True, with_output=with_output)
+        layer that has seen a call holds a whole state. ``consume_state``: the caller reads
+        ``entry``'s state no more (a server's slots), which a decode step may then write in place
+        (:func:`~trellis_lm.ops.trellis_step`): the entry after may hold its tensors."""
+        y, (q_tail, k_tail, state) = self.mix(x, valid, entry, keep_state=True, with_output=with_output,
+                                              consume_state=consume_state)
         if self.q_conv is None:
             q_tail, k_tail = entry.q_tail, entry.k_tail
         if state is None:
@@ -557,17 +564,19 @@ class MemoryMixer(Mixer):
         entry: MemoryEntry,
         keep_state: bool,
         with_output: bool = True,
+        consume_state: bool = False,
     ) -> tuple[Optional[torch.Tensor], MemoryEntry]:
         """The mixer as a function of what a cache carries: ``x [B, T, D]`` after ``entry``'s
         short-conv tails (``None`` for zeros) and op state (``None``: the learned initial
         memories). Returns ``y [B, T, D]`` (``None`` when not ``with_output``) and what the op
         and convs leave: the new tails and final state, the state ``None`` when not
         ``keep_state`` or when no row had a real token (:meth:`advance` makes the entry after
-        from it)."""
+        from it). ``consume_state``: see :meth:`advance`."""
         proj = Projections(self, x, self._fused_projections(x))
         q, k, q_tail, k_tail = self._queries_keys(proj, valid, entry.q_tail, entry.k_tail)
         inputs = self.op_inputs(proj, q, k, valid, entry.state)
-        o, state = self._attend(inputs, self._initial_state(entry.state, valid, x.shape[0]), valid, keep_state)
+        o, state = self._attend(inputs, self._initial_state(entry.state, valid, x.shape[0]), valid, keep_state,
+                                consume_state)
         return (self.read_out(proj, o) if with_output else None), MemoryEntry(q_tail, k_tail, state)
 
     def _queries_keys(
@@ -667,7 +676,7 @@ class MemoryMixer(Mixer):
 
     def _attend(
         self, inputs: tuple[torch.Tensor, ...], initial_state: OpState, valid: Union[ValidTokens, PackedSequences, None],
-        keep_state: bool,
+        keep_state: bool, consume_state: bool = False,
     ) -> tuple[torch.Tensor, Optional[OpState]]:
         """Run the op; with padding, once on the real tokens packed as one sequence per row.
 
@@ -676,7 +685,8 @@ class MemoryMixer(Mixer):
         ``None`` when not kept or when no row had a token (the state is then unchanged).
         """
         if valid is None or isinstance(valid, PackedSequences):
-            return self.run_op(inputs, initial_state, keep_state, None if valid is None else valid.cu_seqlens)
+            cu_seqlens = None if valid is None else valid.cu_seqlens
+            return self.run_op(inputs, initial_state, keep_state, cu_seqlens, consume_state)
         value = inputs[2]
         # The op answers in the queries' dtype, which under CUDA autocast can differ from the
         # values' (norms run in float32 there, projections in bf16).

@@ -424,7 +424,13 @@ def _run_rows(mixer: MemoryMixer, layout: SlotLayout, tensors: Sequence[torch.Te
     if batch.shape[1] > 1:
         _run_each(mixer, layout, tensors, batch, out, rows, entry, compiled)
         return
-    y, after = advanced_compiled(mixer, batch, entry, each=False) if compiled else mixer.advance(batch, None, entry)
+    if compiled:
+        y, after = advanced_compiled(mixer, batch, entry, each=False)
+    else:
+        # Where every row writes the slot it read and the slots were read as views, the state
+        # those views hold is given up: a step that writes it in place leaves nothing to write back.
+        in_place = rows.rewrites and rows.read_run is not None
+        y, after = mixer.advance(batch, None, entry, consume_state=in_place)
     out[rows.index] = y
     _write_entries(layout, tensors, held, after, rows)
 
@@ -461,7 +467,8 @@ def _write_entries(layout: SlotLayout, tensors: Sequence[torch.Tensor], held: di
     after = after.tensors()
     if rows.rewrites:
         # A tensor the mixer returned as it was given is what the slots hold already (a decode
-        # step's anchors between chunk starts, KVM's state rows between folds): not written.
+        # step's anchors between chunk starts, KVM's state rows between folds, a state written in
+        # place into the views it was read as): not written.
         after = {name: t for name, t in after.items() if t is not held.get(name)}
     layout.write(tensors, rows.write[:, 0] if rows.write_run is None else rows.write_run, {**after, "tokens": rows.tokens})
 

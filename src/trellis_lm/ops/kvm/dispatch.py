@@ -264,13 +264,14 @@ def kvm_step(
     norm_weight: torch.Tensor, norm_bias: torch.Tensor, temperature: torch.Tensor, chunk_size: int = KVM_CHUNK_SIZE,
     window_chunks: int = 2, rope_dims: int = 64, sinks: int = 1, state_size: int = 256, budget: str = "fixed",
     budget_scale: float = 16.0, budget_exponent: float = 0.5, budget_saturation: float = 1024.0,
-    budget_round: int = 1, budget_min: Optional[int] = None, backend: str = "auto",
+    budget_round: int = 1, budget_min: Optional[int] = None, backend: str = "auto", consume_state: bool = False,
 ) -> tuple[torch.Tensor, KVMState]:
     """:func:`kvm_attention` for one token per row after an earlier call, unchecked (see
     :func:`~trellis_lm.ops.trellis.trellis_step`: the same contract): ``q, k [N, 1, H, Dk]``,
     ``v [N, 1, H, Dv]``, ``gate [N, 1, H]``, the parameters ``norm_weight, norm_bias [H, Dk]``
     and ``temperature [H, 2]``, all in the state's dtype. Returns ``o [N, 1, H, Dv]`` and the
-    state after the token."""
+    state after the token. ``consume_state``: a permission (see there) its step does not take: the
+    state after is new tensors."""
     config = kvm_config(chunk_size, window_chunks, rope_dims, sinks, state_size, budget, budget_scale, budget_exponent,
                         budget_saturation, budget_round, budget_min)
     step = BACKENDS.single_token(backend, q.device, q.dtype)

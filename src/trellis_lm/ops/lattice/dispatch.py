@@ -148,12 +148,13 @@ def lattice_attention(
 
 def lattice_step(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gamma: torch.Tensor, *, state: LatticeState,
-    chunk_size: int = CHUNK_SIZE, variant: str = LATTICE_VARIANT, backend: str = "auto",
+    chunk_size: int = CHUNK_SIZE, variant: str = LATTICE_VARIANT, backend: str = "auto", consume_state: bool = False,
 ) -> tuple[torch.Tensor, LatticeState]:
     """:func:`lattice_attention` for one token per row after an earlier call, unchecked (see
     :func:`~trellis_lm.ops.trellis.trellis_step`: the same contract): ``q, k [N, 1, H, M]``,
     ``v [N, 1, H, D]``, ``gamma [N, 1, H]`` in the state's dtype. Returns ``o [N, 1, H, D]`` and the
-    state after the token."""
+    state after the token. ``consume_state``: a permission (see there) its steps do not take: the
+    state after is new tensors."""
     return lattice_step_for(q.device, q.dtype, chunk_size=chunk_size, variant=variant, backend=backend)(
         q, k, v, gamma, state)
 

@@ -20,7 +20,7 @@ from ..checks import (
 from ..registry import Backend, BackendRegistry, OpCall
 from .chunked import chunked_forward
 from .compress_mix import check_names
-from .native import native_forward, native_unavailable
+from .native import native_forward, native_step, native_unavailable
 from .reference import reference_forward
 from .state import TrellisState
 from .step import step_forward
@@ -45,12 +45,12 @@ def _triton_forward(*args):
     return triton_forward(*args)
 
 
-def _triton_step(*args):
+def _triton_step(*args, **kwargs):
     """Backend ``"triton"``'s single-token step (:mod:`.triton_step`), imported on first use
     like :func:`_triton_forward`."""
     from .triton_step import triton_step
 
-    return triton_step(*args)
+    return triton_step(*args, **kwargs)
 
 
 # What inductor compiles its CPU kernels with: $CXX, else the first of these on PATH.
@@ -104,10 +104,8 @@ BACKENDS = BackendRegistry(
             unavailable=_compiled_unavailable, auto_devices=()),
     Backend("triton", _triton_forward, priority=2, step=_triton_step, unavailable=_triton_unavailable,
             unsupported=_triton_unsupported, auto_devices=("cuda",)),
-    # Built on first use (about a second); training and compiled graphs run "torch" through it. Its
-    # single-token calls take torch's step: served decode steps at 1k ran 0.61-0.84x as fast through the
-    # C loop, whose call costs more than the step's few operations (BENCHMARKS.md, "The C loop").
-    Backend("native", native_forward, priority=2, step=step_forward, unavailable=native_unavailable,
+    # Built on first use (about a second); training and compiled graphs run "torch" through it.
+    Backend("native", native_forward, priority=2, step=native_step, unavailable=native_unavailable,
             auto_devices=("cpu",)),
 )
 
@@ -202,7 +200,7 @@ def trellis_attention(
             no ``cu_seqlens``, the single-token step of :mod:`.triton_step`), ``"native"`` (CPU
             tensors where a C compiler is found: the per-token recurrence as a C loop built on
             first use, :mod:`.native`; calls that record gradients, and calls traced by
-            ``torch.compile``, run ``"torch"`` through it, and one-token calls its step),
+            ``torch.compile``, run ``"torch"`` through it),
             ``"compiled"``
             (CPU tensors; ``"torch"`` with each forward substitution of ``"exact"`` writes with
             ``layernorm``/``l2norm`` compiled, :mod:`.compiled_substitution`: tens of seconds on
@@ -261,7 +259,7 @@ def trellis_attention(
 def trellis_step(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, alpha: torch.Tensor, log_beta: torch.Tensor,
     gamma: torch.Tensor, *, state: TrellisState, chunk_size: int = CHUNK_SIZE, compress_fn: str = COMPRESS_FN,
-    mix_fn: str = MIX_FN, write_gradient: str = WRITE_GRADIENT, backend: str = "auto",
+    mix_fn: str = MIX_FN, write_gradient: str = WRITE_GRADIENT, backend: str = "auto", consume_state: bool = False,
 ) -> tuple[torch.Tensor, TrellisState]:
     """:func:`trellis_attention` for one token per row after an earlier call, unchecked: what a
     decode step needs and nothing more.
@@ -273,10 +271,15 @@ def trellis_step(
     Nothing of that is checked (the argument checks of :func:`trellis_attention` cost about as
     much as the step on a CPU). Returns ``o [N, 1, H, Dv]`` and the state after the token: the
     numbers of ``trellis_attention(..., initial_state=state, output_final_state=True)``.
+
+    ``consume_state``: the caller reads ``state``'s tensors no more (a server's slots, which the
+    state after replaces): the step may write the state after into them and return them. A
+    permission: backend ``"native"`` takes it where the tensors can hold the state in place (each
+    row dense, no two overlapping); the others return new tensors. Read the returned state either way.
     """
     step = trellis_step_for(q.device, q.dtype, chunk_size=chunk_size, compress_fn=compress_fn, mix_fn=mix_fn,
                             write_gradient=write_gradient, backend=backend)
-    return step(q, k, v, alpha, log_beta, gamma, state)
+    return step(q, k, v, alpha, log_beta, gamma, state, consume_state=consume_state)
 
 
 def trellis_step_for(
@@ -284,13 +287,15 @@ def trellis_step_for(
     mix_fn: str = MIX_FN, write_gradient: str = WRITE_GRADIENT, backend: str = "auto",
 ) -> Callable[..., tuple[torch.Tensor, TrellisState]]:
     """:func:`trellis_step` for inputs on ``device`` in ``dtype`` (the state's) with these settings,
-    its backend chosen now, not at each call: ``step(q, k, v, alpha, log_beta, gamma, state)``.
-    For a loop that steps many times with one model's settings (a decode span)."""
+    its backend chosen now, not at each call: ``step(q, k, v, alpha, log_beta, gamma, state,
+    consume_state=False)``. For a loop that steps many times with one model's settings (a decode span)."""
     step = BACKENDS.single_token(backend, device, dtype, compress_fn=compress_fn, chunk_size=chunk_size,
                                  write_gradient=write_gradient)
 
     def bound(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, alpha: torch.Tensor, log_beta: torch.Tensor,
-              gamma: torch.Tensor, state: TrellisState) -> tuple[torch.Tensor, TrellisState]:
-        return step(q, k, v, alpha, log_beta, gamma, state, chunk_size, compress_fn, mix_fn, write_gradient, None)
+              gamma: torch.Tensor, state: TrellisState, consume_state: bool = False,
+              ) -> tuple[torch.Tensor, TrellisState]:
+        return step(q, k, v, alpha, log_beta, gamma, state, chunk_size, compress_fn, mix_fn, write_gradient, None,
+                    consume_state)
 
     return bound

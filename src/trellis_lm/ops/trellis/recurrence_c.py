@@ -25,19 +25,21 @@ enum { COMPRESS_IDENTITY = 0, COMPRESS_L2NORM = 1, COMPRESS_LAYERNORM = 2 };
 enum { MIX_LN_SILU = 0, MIX_L2_SILU = 1, MIX_SOFTMAX = 2 };
 /* Tensors addressed by (row, token, head) strides: the six inputs, then the output. */
 enum { T_Q, T_K, T_V, T_ALPHA, T_LOG_BETA, T_GAMMA, T_OUT, TENSORS };
-/* The state's four tensors, [N, H, M, D] each, contiguous. */
+/* The state's four tensors, [N, H, M, D] each, every row's [H, M, D] contiguous. */
 enum { S_MK, S_MV, S_AK, S_AV, STATES };
 
 typedef struct {
     const void *inputs[T_OUT];
     void *out;
     int64_t strides[TENSORS][3];
-    const int64_t *starts;  /* per row: the token index of its first token along T */
-    const int64_t *lengths; /* per row: its number of tokens */
-    const int64_t *offsets; /* per row: its position in its first chunk (anchors only) */
+    const int64_t *starts;  /* per row: the token index of its first token along T (NULL: 0) */
+    const int64_t *lengths; /* per row: its number of tokens (NULL: tokens) */
+    const int64_t *offsets; /* per row: its position in its first chunk */
+    int64_t *offsets_out;   /* per row: its position after its tokens */
     const void *state_in[STATES];
-    void *state_out[STATES];
-    int64_t rows, heads, slots, dk, dv, chunk;
+    void *state_out[STATES]; /* may be state_in's own (the state written in place) */
+    int64_t state_in_rows[STATES], state_out_rows[STATES]; /* entries from one row to the next (0: one row for all) */
+    int64_t rows, tokens, heads, slots, dk, dv, chunk;
     int compress, mix;
     int read_anchors; /* each write reads its anchor, not the current memory */
     int keep_anchors; /* anchors are refreshed at chunk starts and returned */
@@ -74,6 +76,7 @@ static void *work(void *arg) {
     worker_arg *w = (worker_arg *)arg;
     const trellis_job *job = w->job;
     const int64_t pairs = job->rows * job->heads;
+    /* run_pair's scratch; run_token's, 3 M, fits in it */
     const int64_t entries = 3 * job->slots + (job->slots > job->dk ? job->slots : job->dk)
                             + (1 + job->keep_anchors) * job->slots * job->dk;
     void *scratch = malloc((w->f64 ? sizeof(double) : sizeof(float)) * (size_t)entries);
@@ -236,37 +239,132 @@ static void NAME(write_read)(const REAL *src, REAL *dst, REAL beta, const REAL *
     }
 }
 
+/* Copies n entries where the two places differ (a state written in place is its own copy). */
+static void NAME(copy)(REAL *dst, const REAL *src, int64_t n) {
+    if (dst != src) memcpy(dst, src, sizeof(REAL) * (size_t)n);
+}
+
+/* sum_d a[d] b[d], a and b [n]. */
+static inline REAL NAME(dot)(const REAL *a, const REAL *b, int64_t n) {
+    NAME(vec) acc = {0};
+    int64_t d = 0;
+    for (; d + LANES <= n; d += LANES) acc += NAME(load)(a + d) * NAME(load)(b + d);
+    REAL total = 0;
+    for (int64_t i = 0; i < LANES; i++) total += acc[i];
+    for (; d < n; d++) total += a[d] * b[d];
+    return total;
+}
+
+/* The write of one memory row, dst = beta src - a b (src, dst, b [n]; dst may be src), returning
+ * sum_d dst[d] w[d] (the key memory's read at q). */
+static inline REAL NAME(write_row_dot)(const REAL *src, REAL *dst, REAL beta, REAL a, const REAL *b, const REAL *w,
+                                       int64_t n) {
+    NAME(vec) acc = {0};
+    int64_t d = 0;
+    for (; d + LANES <= n; d += LANES) {
+        NAME(vec) value = beta * NAME(load)(src + d) - a * NAME(load)(b + d);
+        NAME(store)(dst + d, value);
+        acc += value * NAME(load)(w + d);
+    }
+    REAL total = 0;
+    for (int64_t i = 0; i < LANES; i++) total += acc[i];
+    for (; d < n; d++) {
+        dst[d] = beta * src[d] - a * b[d];
+        total += dst[d] * w[d];
+    }
+    return total;
+}
+
+/* The same write, adding c dst to into [n] (the output's sum over the value memory's rows). */
+static inline void NAME(write_row_add)(const REAL *src, REAL *dst, REAL beta, REAL a, const REAL *b, REAL c,
+                                       REAL *restrict into, int64_t n) {
+    int64_t d = 0;
+    for (; d + LANES <= n; d += LANES) {
+        NAME(vec) value = beta * NAME(load)(src + d) - a * NAME(load)(b + d);
+        NAME(store)(dst + d, value);
+        NAME(store)(into + d, NAME(load)(into + d) + c * value);
+    }
+    for (; d < n; d++) {
+        dst[d] = beta * src[d] - a * b[d];
+        into[d] += c * dst[d];
+    }
+}
+
+/* One token of a pair (what every decode step runs): the memories read and written in their own
+ * [M, D] layout, row by row (a token reads each row at most twice: run_pair's transposition pays
+ * off over several tokens only), in place where the state out is the state in. The anchors out
+ * hold the anchors in already; at a chunk start they become the memories in, before any write.
+ * at: the inputs at the token; scratch: 3 M entries. */
+static void NAME(run_token)(const trellis_job *job, const REAL *mk_in, const REAL *mv_in, REAL *mk, REAL *mv,
+                            REAL *ak, REAL *av, int starts_chunk, const REAL *const *at, REAL *o, REAL *scratch) {
+    const int64_t M = job->slots, DK = job->dk, DV = job->dv;
+    const REAL eps = (REAL)job->eps, beta = EXP(at[T_LOG_BETA][0]), gamma = at[T_GAMMA][0];
+    const REAL *q = at[T_Q], *k = at[T_K], *v = at[T_V], *alpha = at[T_ALPHA];
+    REAL *z = scratch, *u = z + M, *y = u + M;
+    if (job->keep_anchors && starts_chunk) {
+        NAME(copy)(ak, mk_in, M * DK);
+        NAME(copy)(av, mv_in, M * DV);
+    }
+    /* Key pass: z = A k, u = vjp_phi, then M_K <- beta M_K - gamma u k^T and y = M_K q. */
+    const REAL *read = job->read_anchors ? ak : mk_in;
+    for (int64_t m = 0; m < M; m++) z[m] = NAME(dot)(read + m * DK, k, DK);
+    NAME(residual)(job->compress, z, alpha, u, M, eps);
+    for (int64_t m = 0; m < M; m++)
+        y[m] = NAME(write_row_dot)(mk_in + m * DK, mk + m * DK, beta, gamma * u[m], k, q, DK);
+    NAME(mix)(job->mix, y, M, eps); /* h = f(y) */
+    /* Value pass: z = A v (the value memory before its write), u, then M_V <- beta M_V - gamma u v^T
+     * and o = M_V^T h. */
+    read = job->read_anchors ? av : mv_in;
+    for (int64_t m = 0; m < M; m++) z[m] = NAME(dot)(read + m * DV, v, DV);
+    NAME(residual)(job->compress, z, alpha, u, M, eps);
+    for (int64_t d = 0; d < DV; d++) o[d] = 0;
+    for (int64_t m = 0; m < M; m++)
+        NAME(write_row_add)(mv_in + m * DV, mv + m * DV, beta, gamma * u[m], v, y[m], o, DV);
+}
+
 /* One (row, head) pair over all its tokens. The key memory is kept transposed ([Dk, M]) in the
  * scratch, so that both of its products (the read at k, and q's read of the written memory) sum
  * rows of M entries rather than reduce across them; the value memory stays [M, Dv], where the
- * output is the sum of rows. scratch: 3 M + max(M, Dk) + (1 + keep_anchors) Dk M entries. */
+ * output is the sum of rows. A single token runs run_token instead. scratch: 3 M + max(M, Dk) +
+ * (1 + keep_anchors) Dk M entries. */
 static void NAME(run_pair)(const trellis_job *job, int64_t n, int64_t h, REAL *scratch) {
-    const int64_t M = job->slots, DK = job->dk, DV = job->dv, pair = n * job->heads + h;
-    const int64_t k_size = M * DK, v_size = M * DV, length = job->lengths[n], start = job->starts[n];
-    const REAL *mk_in = (const REAL *)job->state_in[S_MK] + pair * k_size;
-    const REAL *mv_in = (const REAL *)job->state_in[S_MV] + pair * v_size;
-    REAL *mk_out = (REAL *)job->state_out[S_MK] + pair * k_size, *mv = (REAL *)job->state_out[S_MV] + pair * v_size;
-    REAL *ak_out = job->keep_anchors ? (REAL *)job->state_out[S_AK] + pair * k_size : NULL;
-    REAL *av = job->keep_anchors ? (REAL *)job->state_out[S_AV] + pair * v_size : NULL;
+    const int64_t M = job->slots, DK = job->dk, DV = job->dv;
+    const int64_t k_size = M * DK, v_size = M * DV;
+    const int64_t length = job->lengths ? job->lengths[n] : job->tokens, start = job->starts ? job->starts[n] : 0;
+    if (h == 0) job->offsets_out[n] = (job->offsets[n] + length) % job->chunk;
+    const REAL *in[STATES];
+    REAL *state[STATES];
+    for (int i = 0; i < (job->keep_anchors ? STATES : S_AK); i++) {
+        const int64_t size = i == S_MK || i == S_AK ? k_size : v_size;
+        in[i] = (const REAL *)job->state_in[i] + n * job->state_in_rows[i] + h * size;
+        state[i] = (REAL *)job->state_out[i] + n * job->state_out_rows[i] + h * size;
+    }
+    const REAL *mk_in = in[S_MK], *mv_in = in[S_MV];
+    REAL *mk_out = state[S_MK], *mv = state[S_MV];
+    REAL *ak_out = job->keep_anchors ? state[S_AK] : NULL, *av = job->keep_anchors ? state[S_AV] : NULL;
     if (job->keep_anchors) {
-        memcpy(ak_out, (const REAL *)job->state_in[S_AK] + pair * k_size, sizeof(REAL) * k_size);
-        memcpy(av, (const REAL *)job->state_in[S_AV] + pair * v_size, sizeof(REAL) * v_size);
+        NAME(copy)(ak_out, in[S_AK], k_size);
+        NAME(copy)(av, in[S_AV], v_size);
     }
     if (length == 0) { /* the state passes through */
-        memcpy(mk_out, mk_in, sizeof(REAL) * k_size);
-        memcpy(mv, mv_in, sizeof(REAL) * v_size);
+        NAME(copy)(mk_out, mk_in, k_size);
+        NAME(copy)(mv, mv_in, v_size);
         return;
     }
-    REAL *z = scratch, *u = z + M, *y = u + M, *scaled = y + M, *kt = scaled + (M > DK ? M : DK);
-    REAL *akt = kt + k_size;
-    NAME(transpose)(mk_in, kt, M, DK);
-    if (job->keep_anchors) NAME(transpose)(ak_out, akt, M, DK);
     const REAL *at[T_OUT];
     for (int i = 0; i < T_OUT; i++)
         at[i] = (const REAL *)job->inputs[i] + n * job->strides[i][0] + start * job->strides[i][1]
                 + h * job->strides[i][2];
     REAL *out = (REAL *)job->out + n * job->strides[T_OUT][0] + start * job->strides[T_OUT][1]
                 + h * job->strides[T_OUT][2];
+    if (length == 1) {
+        NAME(run_token)(job, mk_in, mv_in, mk_out, mv, ak_out, av, job->offsets[n] % job->chunk == 0, at, out, scratch);
+        return;
+    }
+    REAL *z = scratch, *u = z + M, *y = u + M, *scaled = y + M, *kt = scaled + (M > DK ? M : DK);
+    REAL *akt = kt + k_size;
+    NAME(transpose)(mk_in, kt, M, DK);
+    if (job->keep_anchors) NAME(transpose)(ak_out, akt, M, DK);
     const REAL eps = (REAL)job->eps;
     const REAL *cv = mv_in; /* the value memory before this token: the input state's at first */
     for (int64_t t = 0; t < length; t++) {

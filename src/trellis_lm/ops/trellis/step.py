@@ -22,10 +22,13 @@ from .state import TrellisState
 BROADCAST_PRODUCTS_MAX = 2**17
 
 
-def step_forward(q, k, v, alpha, log_beta, gamma, state, chunk_size, compress_fn, mix_fn, write_gradient, cu_seqlens):
+def step_forward(q, k, v, alpha, log_beta, gamma, state, chunk_size, compress_fn, mix_fn, write_gradient, cu_seqlens,
+                 consume_state=False):
     """One token per row (``T == 1``, no ``cu_seqlens``); arguments as validated by
     :func:`trellis_lm.ops.trellis_attention`: q, k ``[N, 1, H, Dk]``, v ``[N, 1, H, Dv]``,
-    alpha ``[N, 1, H, M]``, log_beta and gamma ``[N, 1, H]``. Returns ``o [N, 1, H, Dv]`` and the state."""
+    alpha ``[N, 1, H, M]``, log_beta and gamma ``[N, 1, H]``. Returns ``o [N, 1, H, Dv]`` and the state.
+    ``consume_state`` (see :func:`~.dispatch.trellis_step`) is a permission this step does not
+    take: its state after is new tensors."""
     m_k, m_v, a_k, a_v, offset = state.m_k, state.m_v, state.anchor_k, state.anchor_v, state.offset
     exact = write_gradient == "exact"
     # Eagerly on CPUs, replacing the anchors only at chunk starts saves two memory-sized copies per

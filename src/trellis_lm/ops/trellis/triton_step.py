@@ -25,13 +25,14 @@ from .triton_chunk import _codes, check_device, recurrent_launch
 def triton_step(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, alpha: torch.Tensor, log_beta: torch.Tensor,
     gamma: torch.Tensor, state: TrellisState, chunk_size: int, compress_fn: str, mix_fn: str,
-    write_gradient: str, cu_seqlens: Optional[torch.Tensor],
+    write_gradient: str, cu_seqlens: Optional[torch.Tensor], consume_state: bool = False,
 ) -> tuple[torch.Tensor, TrellisState]:
     """The single-token step of backend ``"triton"``; arguments as validated by
     :func:`trellis_lm.ops.trellis_attention` (whose registry sends it only what the kernels
     compute): q, k ``[N, 1, H, Dk]``, v ``[N, 1, H, Dv]``, alpha ``[N, 1, H, M]``, log_beta and
-    gamma ``[N, 1, H]``. Returns ``o [N, 1, H, Dv]`` (float32) and a new state; ``state`` is only read.
-    ``"exact"`` writes run as ``chunk_size=1`` (each token its own anchor)."""
+    gamma ``[N, 1, H]``. Returns ``o [N, 1, H, Dv]`` (float32) and a new state; ``state`` is only read
+    (``consume_state``, a permission, is not taken). ``"exact"`` writes run as ``chunk_size=1``
+    (each token its own anchor)."""
     exact = write_gradient == "exact"
     anchors = (state.m_k, state.m_v) if exact else (state.anchor_k, state.anchor_v)
     memories = (state.m_k, state.m_v, *anchors)
