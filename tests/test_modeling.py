@@ -524,9 +524,9 @@ def test_padded_rows_keep_the_op_output_dtype_when_values_differ(schedule, monke
     mixer = model.model.layers[0].self_attn
     attend, seen = mixer._attend, {}
 
-    def capture(inputs, initial_state, valid, keep_state):
+    def capture(inputs, initial_state, valid, keep_state, consume_state=False):
         seen.update(inputs=inputs, initial_state=initial_state, valid=valid)
-        return attend(inputs, initial_state, valid, keep_state)
+        return attend(inputs, initial_state, valid, keep_state, consume_state)
 
     monkeypatch.setattr(mixer, "_attend", capture)
     ids, mask = right_pad([random_tokens(1, 9, seed=1)[0], random_tokens(1, 5, seed=2)[0]])
