@@ -165,9 +165,10 @@ def test_several_threads_give_one_thread_s_numbers(monkeypatch):
     torch.set_num_threads(4)
     try:
         shared = trellis_attention(*inputs, backend="native", output_final_state=True)
+        trellis_step(*make_inputs(3, 1, 5, 8, 8, 9, dtype=torch.float32, seed=24), state=shared[1])
     finally:
         torch.set_num_threads(threads)
-    assert threads_asked == [4]
+    assert threads_asked == [4, 1]  # a decode step stays on the calling thread
     # each (row, head) pair is one thread's, run by the same code: the same bits
     assert torch.equal(alone[0], shared[0])
     assert torch.equal(alone[1].m_k, shared[1].m_k) and torch.equal(alone[1].m_v, shared[1].m_v)

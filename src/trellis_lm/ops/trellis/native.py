@@ -17,7 +17,7 @@ Two cases run the ``"torch"`` backend instead, which computes the same function:
 * calls traced by ``torch.compile`` (a compiled decode step): a graph cannot call the library.
 
 The pairs are shared among ``torch.get_num_threads()`` threads of the library's own, where the
-call holds enough work (:data:`PAIR_WORK` multiply-adds a thread).
+call holds enough work (:data:`PAIR_WORK` multiply-adds a thread) and more than one token per row.
 """
 
 from __future__ import annotations
@@ -188,7 +188,10 @@ def _run(inputs, state, chunk_size, compress_fn, mix_fn, write_gradient, cu_seql
     job.read_anchors = not reads_current_memory(compress_fn, write_gradient)
     job.keep_anchors, job.eps = keep_anchors, EPS
     work = batch * length * heads * slots * (dk + dv) * 3
-    threads = max(1, min(torch.get_num_threads(), work // PAIR_WORK))
+    # A decode step (one token per row) stays on this thread: its call is short, and a thread of the
+    # library's would share a core with torch's own workers, which spin on after the step's products
+    # (served decode steps at 16 and 64 sequences: the C step 4x and 1.6x the time on two threads).
+    threads = 1 if length == 1 else max(1, min(torch.get_num_threads(), work // PAIR_WORK))
     if _recurrence().trellis_recurrence(ctypes.byref(job), q.dtype == torch.float64, threads):
         raise MemoryError("trellis_attention(backend='native'): the C loop could not allocate its scratch memory")
     m_k, m_v = state_out[:2]
